@@ -1,0 +1,73 @@
+"""The traj: section: defaults, validation messages that name field, value and fix."""
+
+import pytest
+
+from verl_traj.config import LOSS_AGG_MODES, TrajConfig, TrajConfigError, validate_against_verl
+
+
+def test_defaults_are_trajectory_aware():
+    cfg = TrajConfig()
+    assert cfg.enable and cfg.group_by == "group" and cfg.balance_dp
+    assert cfg.micro_batch_max_tokens is None and cfg.loss_agg_mode is None
+
+
+def test_from_mapping_roundtrip_and_unknown_key():
+    cfg = TrajConfig.from_mapping({"group_by": "trajectory", "micro_batch_max_tokens": 4096})
+    assert cfg.group_by == "trajectory" and cfg.micro_batch_max_tokens == 4096
+    with pytest.raises(TrajConfigError, match=r"unknown key\(s\) in traj: \['micro_batch_max_token'\]"):
+        TrajConfig.from_mapping({"micro_batch_max_token": 4096})
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"group_by": "prompt"}, "traj.group_by='prompt'"),
+        ({"workload": "flops"}, "traj.workload='flops'"),
+        ({"loss_agg_mode": "seq-mean"}, "traj.loss_agg_mode='seq-mean'"),
+        ({"critic_loss_agg_mode": "x"}, "traj.critic_loss_agg_mode='x'"),
+        ({"micro_batch_max_tokens": 0}, "traj.micro_batch_max_tokens=0"),
+        ({"micro_batch_max_tokens": True}, "traj.micro_batch_max_tokens=True"),
+        ({"micro_batch_max_tokens": 12.5}, "traj.micro_batch_max_tokens=12.5"),
+        ({"traj_id_key": ""}, "traj.traj_id_key=''"),
+        ({"step_wise": True, "enable": False}, "traj.step_wise=true needs traj.enable=true"),
+    ],
+)
+def test_invalid_values_name_field_and_value(kwargs, needle):
+    with pytest.raises(TrajConfigError) as err:
+        TrajConfig(**kwargs)
+    assert needle in str(err.value)
+
+
+def test_all_loss_modes_accepted():
+    for mode in LOSS_AGG_MODES:
+        assert TrajConfig(loss_agg_mode=mode).loss_agg_mode == mode
+
+
+def _verl(adv="grpo", use_v1=False, prompt=256, response=256):
+    return {
+        "algorithm": {"adv_estimator": adv},
+        "trainer": {"use_v1": use_v1},
+        "data": {"max_prompt_length": prompt, "max_response_length": response},
+    }
+
+
+@pytest.mark.parametrize("adv", ["gae", "reinforce_plus_plus"])
+def test_temporal_estimators_rejected_with_step_wise_rows(adv):
+    with pytest.raises(TrajConfigError, match=f"algorithm.adv_estimator='{adv}'.*traj.step_wise"):
+        validate_against_verl(TrajConfig(step_wise=True), _verl(adv=adv))
+    validate_against_verl(TrajConfig(step_wise=False), _verl(adv=adv))  # concatenated rows: fine
+
+
+def test_v1_trainer_rejected():
+    with pytest.raises(TrajConfigError, match="trainer.use_v1=false"):
+        validate_against_verl(TrajConfig(), _verl(use_v1=True))
+
+
+def test_token_cap_below_max_length_rejected():
+    with pytest.raises(TrajConfigError, match="Raise traj.micro_batch_max_tokens to at least 512"):
+        validate_against_verl(TrajConfig(micro_batch_max_tokens=300), _verl())
+    validate_against_verl(TrajConfig(micro_batch_max_tokens=512), _verl())
+
+
+def test_disabled_skips_cross_checks():
+    validate_against_verl(TrajConfig(enable=False, micro_batch_max_tokens=1), _verl(use_v1=True))
