@@ -1,0 +1,1 @@
+from .loss_weights import compute_loss_weights
