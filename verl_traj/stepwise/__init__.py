@@ -1,0 +1,26 @@
+"""Step-wise multi-turn helpers (pure: torch, numpy, stdlib; no verl / ray imports).
+
+- ``advantages``: outcome estimators run once per trajectory, broadcast to each step row on its own
+  ``response_mask`` (fixes the SkyRL 1492 class of bugs).
+- ``prefix_merge``: merge consecutive steps whose context is a token prefix of the next step's.
+- ``expand``: expand a rollout batch carrying per-step records into padded step rows (optionally
+  prefix-merged), for the trainer's ``_balance_batch`` hook.
+"""
+
+from verl_traj.stepwise.advantages import (  # noqa: F401
+    SCALAR_OUTCOME_ADV_ESTIMATORS,
+    UNSUPPORTED_STEPWISE_ADV_ESTIMATORS,
+    StepwiseAdvantageError,
+    TrajectoryIndex,
+    broadcast_step_advantages,
+    check_stepwise_estimator,
+    compute_trajectory_advantages,
+    index_trajectories,
+)
+from verl_traj.stepwise.prefix_merge import (  # noqa: F401
+    MergedRow,
+    MergeStats,
+    PrefixMergeError,
+    can_merge_boundaries,
+    merge_trajectory_steps,
+)

@@ -1,0 +1,207 @@
+"""Prefix merging of step-wise rows: O(T^2) -> O(T) training tokens for multi-turn trajectories.
+
+Step i of a trajectory is the pair (prompt_i, response_i). When ``prompt_i + response_i`` is a token
+prefix of ``prompt_{i+1}``, step i+1's row re-encodes everything step i's row already holds; the two
+become ONE row: ``prompt_i`` followed by ``response_i``, then the observation tokens
+``prompt_{i+1}[len(prompt_i + response_i):]`` (loss mask 0), then ``response_{i+1}``, and so on while
+the chain holds. When it breaks (context rewritten or truncated, or the previous response was
+re-tokenised differently inside the next prompt) a new row starts: a trajectory can become several
+rows (partial merge).
+
+Invariants (tested): every loss token of the input appears exactly once in the output with the
+same token id, the same per-token values (log-probs, ...) and in the same order; observation tokens
+get loss mask 0 and per-token values 0; prompts of merged rows are the first merged step's prompt.
+
+Pure module: torch only. Works on lists of 1-D token tensors (variable length, no padding). Each
+boundary is decided by one ``torch.equal`` on slices; rows are assembled with one ``torch.cat``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+__all__ = [
+    "MergedRow",
+    "MergeStats",
+    "PrefixMergeError",
+    "can_merge_boundaries",
+    "merge_trajectory_steps",
+]
+
+
+class PrefixMergeError(ValueError):
+    """Inputs to prefix merging are inconsistent; the message names the step and the field."""
+
+
+@dataclass
+class MergedRow:
+    """One training row after merging.
+
+    Attributes:
+        prompt_ids: LongTensor [P]: the first merged step's prompt (no loss).
+        response_ids: LongTensor [Q]: response_0, obs_1, response_1, ... (everything after the prompt).
+        response_mask: tensor [Q] (dtype of the input masks): 1 on LLM tokens, 0 on observations.
+        per_token: name -> tensor [Q] (e.g. ``"rollout_log_probs"``), 0 on observation tokens.
+        source_steps: original step positions (0-based, in the input order) merged into this row.
+        step_index: index of this row among the trajectory's merged rows (0..).
+        is_last_step: this row holds the trajectory's last step.
+    """
+
+    prompt_ids: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    per_token: dict[str, torch.Tensor] = field(default_factory=dict)
+    source_steps: list[int] = field(default_factory=list)
+    step_index: int = 0
+    is_last_step: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.prompt_ids.numel() + self.response_ids.numel())
+
+
+@dataclass
+class MergeStats:
+    """Row and token accounting before/after merging (sums over trajectories with ``+``)."""
+
+    rows_before: int = 0
+    rows_after: int = 0
+    tokens_before: int = 0
+    tokens_after: int = 0
+    loss_tokens_before: int = 0
+    loss_tokens_after: int = 0
+
+    def __add__(self, other: "MergeStats") -> "MergeStats":
+        return MergeStats(
+            *(getattr(self, f) + getattr(other, f) for f in self.__dataclass_fields__)  # type: ignore[arg-type]
+        )
+
+    @property
+    def token_ratio(self) -> float:
+        return self.tokens_before / self.tokens_after if self.tokens_after else 1.0
+
+    def metrics(self, prefix: str = "traj_merge") -> dict[str, float]:
+        return {
+            f"{prefix}/rows_before": float(self.rows_before),
+            f"{prefix}/rows_after": float(self.rows_after),
+            f"{prefix}/tokens_before": float(self.tokens_before),
+            f"{prefix}/tokens_after": float(self.tokens_after),
+            f"{prefix}/loss_tokens": float(self.loss_tokens_after),
+            f"{prefix}/token_ratio": float(self.token_ratio),
+        }
+
+
+def _is_prefix(prefix_a: torch.Tensor, prefix_b: torch.Tensor, seq: torch.Tensor) -> bool:
+    """``cat(prefix_a, prefix_b)`` is a prefix of ``seq`` (two slice comparisons, no concatenation)."""
+    na, nb = prefix_a.numel(), prefix_b.numel()
+    if na + nb > seq.numel():
+        return False
+    return torch.equal(seq[:na], prefix_a) and torch.equal(seq[na : na + nb], prefix_b)
+
+
+def can_merge_boundaries(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor]) -> list[bool]:
+    """``out[i]`` = step i can be merged into step i+1 (``prompt_i + response_i`` prefixes ``prompt_{i+1}``).
+
+    Because a merged row up to step i is exactly ``prompt_i + response_i`` when the chain holds,
+    this pairwise test decides every chain.
+    """
+    return [_is_prefix(prompts[i], responses[i], prompts[i + 1]) for i in range(len(prompts) - 1)]
+
+
+def merge_trajectory_steps(
+    prompts: Sequence[torch.Tensor],
+    responses: Sequence[torch.Tensor],
+    response_masks: Optional[Sequence[torch.Tensor]] = None,
+    per_token: Optional[Mapping[str, Sequence[torch.Tensor]]] = None,
+    *,
+    enable: bool = True,
+) -> tuple[list[MergedRow], MergeStats]:
+    """Merge the consecutive steps of ONE trajectory whose context is a token prefix of the next.
+
+    Args:
+        prompts: per step, 1-D LongTensor of prompt token ids (the context that LLM call saw).
+        responses: per step, 1-D LongTensor of response token ids.
+        response_masks: per step, 1-D mask over the response (default all ones). Loss tokens are
+            where it is non-zero.
+        per_token: name -> per step 1-D tensors aligned with the response (e.g. rollout log-probs).
+        enable: ``False`` returns one row per step (same output format, no merging).
+
+    Returns:
+        ``(rows, stats)``; rows in step order.
+    """
+    n = len(prompts)
+    if len(responses) != n:
+        raise PrefixMergeError(f"{n} prompts but {len(responses)} responses: one of each per step.")
+    if response_masks is None:
+        response_masks = [torch.ones(r.numel(), dtype=torch.long) for r in responses]
+    elif len(response_masks) != n:
+        raise PrefixMergeError(f"{len(response_masks)} response masks for {n} steps.")
+    per_token = dict(per_token or {})
+    for name, values in per_token.items():
+        if len(values) != n:
+            raise PrefixMergeError(f"per_token[{name!r}] has {len(values)} entries for {n} steps.")
+    for i in range(n):
+        if prompts[i].dim() != 1 or responses[i].dim() != 1:
+            raise PrefixMergeError(f"step {i}: prompt and response must be 1-D token tensors (no padding).")
+        if response_masks[i].numel() != responses[i].numel():
+            raise PrefixMergeError(
+                f"step {i}: response_mask has {response_masks[i].numel()} entries, response has {responses[i].numel()}."
+            )
+        for name, values in per_token.items():
+            if values[i].numel() != responses[i].numel():
+                raise PrefixMergeError(
+                    f"step {i}: per_token[{name!r}] has {values[i].numel()} entries, response has {responses[i].numel()}."
+                )
+
+    stats = MergeStats(rows_before=n)
+    stats.tokens_before = sum(int(p.numel() + r.numel()) for p, r in zip(prompts, responses))
+    stats.loss_tokens_before = sum(int(torch.count_nonzero(m)) for m in response_masks)
+    if n == 0:
+        return [], stats
+
+    merge_next = can_merge_boundaries(prompts, responses) if enable else [False] * (n - 1)
+
+    rows: list[MergedRow] = []
+    start = 0
+    for i in range(n):
+        if i < n - 1 and merge_next[i]:
+            continue
+        rows.append(_assemble(prompts, responses, response_masks, per_token, start, i, len(rows), i == n - 1))
+        start = i + 1
+
+    stats.rows_after = len(rows)
+    stats.tokens_after = sum(r.num_tokens for r in rows)
+    stats.loss_tokens_after = sum(int(torch.count_nonzero(r.response_mask)) for r in rows)
+    return rows, stats
+
+
+def _assemble(prompts, responses, masks, per_token, start: int, end: int, step_index: int, is_last: bool) -> MergedRow:
+    """Build the row for steps ``start..end`` (inclusive), whose chain is known to hold."""
+    ids: list[torch.Tensor] = [responses[start]]
+    msk: list[torch.Tensor] = [masks[start]]
+    vals: dict[str, list[torch.Tensor]] = {k: [v[start]] for k, v in per_token.items()}
+    covered = prompts[start].numel() + responses[start].numel()  # tokens of the row so far
+    for j in range(start + 1, end + 1):
+        obs = prompts[j][covered:]
+        if obs.numel():
+            ids.append(obs)
+            msk.append(torch.zeros(obs.numel(), dtype=masks[j].dtype, device=masks[j].device))
+            for k, v in per_token.items():
+                vals[k].append(torch.zeros(obs.numel(), dtype=v[j].dtype, device=v[j].device))
+        ids.append(responses[j])
+        msk.append(masks[j])
+        for k, v in per_token.items():
+            vals[k].append(v[j])
+        covered = prompts[j].numel() + responses[j].numel()
+    return MergedRow(
+        prompt_ids=prompts[start],
+        response_ids=torch.cat(ids) if len(ids) > 1 else ids[0],
+        response_mask=torch.cat(msk) if len(msk) > 1 else msk[0],
+        per_token={k: (torch.cat(v) if len(v) > 1 else v[0]) for k, v in vals.items()},
+        source_steps=list(range(start, end + 1)),
+        step_index=step_index,
+        is_last_step=is_last,
+    )
