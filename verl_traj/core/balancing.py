@@ -1,0 +1,170 @@
+"""DP balancing inside a mini-batch: equal row counts per rank, minimal slowest-rank workload.
+
+Workload models (per row of ``L`` attended tokens):
+  * ``"verl"``: ``24576 * L + L**2`` -- the formula of verl's ``calculate_workload``
+    (``verl/utils/seqlen_balancing.py``: dense-transformer FLOPs for hidden size 4096, up to a constant),
+    reimplemented here because the core must not import verl;
+  * ``"tokens"``: ``L``.
+
+Balancing is an equal-cardinality multiway partition per mini-batch. :func:`balance_equal_size` runs
+(1) a round-based LPT: items sorted by cost, descending, are dealt ``dp`` at a time, the largest item
+of a round going to the currently lightest rank -- every rank gets exactly one item per round, so row
+counts are equal by construction -- vectorised over all mini-batches at once (one numpy step per
+round), then (2) a pairwise-swap refinement per mini-batch: repeatedly swap one item of the heaviest
+rank with one item of another rank whose cost difference is closest to half of their load gap
+(searchsorted, vectorised over the heavy rank's items), while that lowers the heaviest rank.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+
+__all__ = ["WORKLOAD_MODELS", "calculate_workload", "balance_equal_size", "round_robin_equal_size"]
+
+WORKLOAD_MODELS = ("verl", "tokens")
+WorkloadModel = Literal["verl", "tokens"]
+
+
+def calculate_workload(num_tokens: np.ndarray | torch.Tensor, model: WorkloadModel = "verl") -> np.ndarray:
+    """Relative cost of each row. ``num_tokens`` ``[N]`` int -> ``[N]`` int64 (float64 never needed:
+    ``24576*L + L**2`` stays below 2**63 for any realistic L and sums of up to ~1e8 such rows)."""
+    lengths = num_tokens.detach().cpu().numpy() if isinstance(num_tokens, torch.Tensor) else np.asarray(num_tokens)
+    lengths = lengths.astype(np.int64, copy=False)
+    if model == "verl":
+        return 24576 * lengths + lengths * lengths
+    if model == "tokens":
+        return lengths.copy()
+    raise ValueError(f"workload={model!r} is not a workload model; choose one of {WORKLOAD_MODELS}.")
+
+
+def round_robin_equal_size(group: np.ndarray, num_groups: int, num_bins: int) -> np.ndarray:
+    """No balancing: the i-th item of group g (in input order) goes to bin ``i % num_bins``.
+
+    Args:
+        group: ``[N]`` int group (mini-batch) of each item; every group's size divisible by ``num_bins``.
+    Returns:
+        ``[N]`` int64 bin of each item.
+    """
+    order = np.argsort(group, kind="stable")
+    sizes = np.bincount(group, minlength=num_groups)
+    starts = np.cumsum(sizes) - sizes
+    pos = np.empty(group.shape[0], dtype=np.int64)
+    pos[order] = np.arange(group.shape[0], dtype=np.int64) - np.repeat(starts, sizes)
+    return pos % num_bins
+
+
+def balance_equal_size(
+    costs: np.ndarray,
+    group: np.ndarray,
+    num_groups: int,
+    num_bins: int,
+    *,
+    tiebreak: np.ndarray | None = None,
+    max_swaps: int | None = None,
+) -> np.ndarray:
+    """Split every group's items over ``num_bins`` bins with equal counts, minimising each group's max bin load.
+
+    Args:
+        costs: ``[N]`` int64 cost per item (>= 0).
+        group: ``[N]`` int group of each item (0..num_groups-1); each group size divisible by ``num_bins``.
+        tiebreak: ``[N]`` optional key ordering equal costs (seed-deterministic plans pass a permutation).
+        max_swaps: refinement swaps per group (default ``8 * num_bins + 64``).
+    Returns:
+        ``[N]`` int64 bin of each item. Invariant: for every group every bin holds ``size / num_bins`` items.
+    """
+    n = costs.shape[0]
+    costs = costs.astype(np.int64, copy=False)
+    sizes = np.bincount(group, minlength=num_groups)
+    if np.any(sizes % num_bins):
+        raise ValueError(f"group sizes {sizes.tolist()} are not all divisible by num_bins={num_bins}")
+    if num_bins == 1:
+        return np.zeros(n, dtype=np.int64)
+    if tiebreak is None:
+        tiebreak = np.arange(n)
+    # sort by (group, cost desc, tiebreak)
+    order = np.lexsort((tiebreak, -costs, group))
+    starts = np.cumsum(sizes) - sizes
+    pos_in_group = np.arange(n, dtype=np.int64) - np.repeat(starts, sizes)
+    rounds = sizes // num_bins
+    max_rounds = int(rounds.max()) if num_groups else 0
+    # C[g, j, i]: i-th largest item of round j of group g (0 beyond the group's rounds)
+    grid_cost = np.zeros((num_groups, max_rounds, num_bins), dtype=np.int64)
+    g_sorted = group[order]
+    j_sorted = pos_in_group // num_bins
+    i_sorted = pos_in_group % num_bins
+    grid_cost[g_sorted, j_sorted, i_sorted] = costs[order]
+    grid_bin = np.zeros((num_groups, max_rounds, num_bins), dtype=np.int64)
+    loads = np.zeros((num_groups, num_bins), dtype=np.int64)
+    rows = np.arange(num_groups)[:, None]
+    for j in range(max_rounds):
+        # lightest bin takes the largest item of the round; ties -> lower bin index (stable)
+        b = np.argsort(loads, axis=1, kind="stable")
+        grid_bin[:, j, :] = b
+        loads[rows, b] += grid_cost[:, j, :]
+    bins = np.empty(n, dtype=np.int64)
+    bins[order] = grid_bin[g_sorted, j_sorted, i_sorted]
+
+    # pairwise swap refinement per group
+    if max_swaps is None:
+        max_swaps = 8 * num_bins + 64
+    for g in range(num_groups):
+        if sizes[g] <= num_bins:
+            continue  # one item per bin: nothing to swap that keeps counts equal and helps
+        idx = order[starts[g] : starts[g] + sizes[g]]
+        _refine_group(idx, costs, bins, loads[g], num_bins, max_swaps)
+    return bins
+
+
+def _refine_group(idx: np.ndarray, costs: np.ndarray, bins: np.ndarray, loads: np.ndarray, num_bins: int, max_swaps: int) -> None:
+    """In-place swap refinement of one group (``idx``: its items; ``loads``: ``[num_bins]`` its bin loads)."""
+    item_cost = costs[idx]
+    item_bin = bins[idx].copy()
+    max_item = int(item_cost.max())
+    lower = max(-(-int(loads.sum()) // num_bins), max_item)
+    for _ in range(max_swaps):
+        h = int(np.argmax(loads))
+        if loads[h] <= lower:
+            break
+        in_h = np.flatnonzero(item_bin == h)
+        wa = item_cost[in_h]
+        best = None  # (new pair max, a, b, other bin)
+        for l in np.argsort(loads, kind="stable"):
+            l = int(l)
+            if l == h:
+                continue
+            gap = int(loads[h] - loads[l])
+            if gap <= 1 or (best is not None and loads[l] + (gap + 1) // 2 >= best[0]):
+                break  # bins are visited lightest first: no later bin can beat the best found
+            in_l = np.flatnonzero(item_bin == l)
+            wb_order = np.argsort(item_cost[in_l], kind="stable")
+            wb = item_cost[in_l][wb_order]
+            # want wa - wb = d with 0 < d < gap, d closest to gap/2  ->  wb ~ wa - gap/2
+            target = wa - gap / 2.0
+            k = np.searchsorted(wb, target)
+            cand_best_val = None
+            for kk in (k - 1, k):
+                ok = (kk >= 0) & (kk < wb.shape[0])
+                kc = np.clip(kk, 0, wb.shape[0] - 1)
+                d = wa - wb[kc]
+                valid = ok & (d > 0) & (d < gap)
+                if not valid.any():
+                    continue
+                newmax = np.where(valid, np.maximum(loads[h] - d, loads[l] + d), np.iinfo(np.int64).max)
+                a = int(np.argmin(newmax))
+                val = int(newmax[a])
+                if cand_best_val is None or val < cand_best_val[0]:
+                    cand_best_val = (val, a, int(kc[a]))
+            if cand_best_val is not None and (best is None or cand_best_val[0] < best[0]):
+                val, a, kb = cand_best_val
+                best = (val, int(in_h[a]), int(in_l[wb_order[kb]]), l)
+        if best is None or best[0] >= loads[h]:
+            break
+        _, a, b, l = best
+        d = int(item_cost[a] - item_cost[b])
+        loads[h] -= d
+        loads[l] += d
+        item_bin[a], item_bin[b] = l, h
+    bins[idx] = item_bin
