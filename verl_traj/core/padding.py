@@ -82,6 +82,11 @@ def apply_plan(
     n_pad = int(pad.sum())
     gather = order.clamp(min=0)
     pad_pos = torch.nonzero(pad, as_tuple=False).reshape(-1)
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{name!r}] is {type(t).__name__}, expected a torch.Tensor")
+        if t.shape[0] != B:
+            raise ValueError(f"tensors[{name!r}] has {t.shape[0]} rows but the plan was built for {B} rows")
     P = _prompt_length(tensors, prompt_length)
     if n_pad and P is None and "attention_mask" in tensors:
         raise ValueError(
@@ -89,10 +94,6 @@ def apply_plan(
         )
     out_t: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tensors[{name!r}] is {type(t).__name__}, expected a torch.Tensor")
-        if t.shape[0] != B:
-            raise ValueError(f"tensors[{name!r}] has {t.shape[0]} rows but the plan was built for {B} rows")
         if name in ("is_padding", "mini_batch_id"):
             continue
         g = t.index_select(0, gather.to(t.device))

@@ -1,0 +1,229 @@
+"""plan_mini_batches: invariants on random batches, statistics vs brute force, errors, determinism."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from core_batches import random_batch
+from verl_traj.core import (
+    PAD_ROW_TOKENS,
+    PackingError,
+    PlanError,
+    build_layout_from_counts,
+    calculate_workload,
+    mini_batch_order,
+    plan_mini_batches,
+)
+
+
+def _layout(b):
+    return build_layout_from_counts(b.num_tokens, b.loss_len, b.uid, b.traj_id, b.step_index, b.is_last_step, b.is_padding)
+
+
+def check_plan(b, lay, plan, M, dp, group_by, workload="verl", cap=None):
+    """Every invariant of a plan, recomputed by brute force."""
+    order = plan.order.numpy()
+    mbid = plan.mini_batch_id.numpy()
+    pad = plan.is_padding.numpy()
+    B_out = order.shape[0]
+    real_src = np.flatnonzero(~b.is_padding)
+    # every real row exactly once; no input padding row survives
+    assert sorted(order[~pad].tolist()) == real_src.tolist()
+    assert np.all(order[pad] == -1)
+    # rank-major, equal rows per rank per mini-batch
+    assert B_out % dp == 0
+    per_rank = B_out // dp
+    rows_per_rank = plan.rows_per_rank.numpy()
+    assert rows_per_rank.sum() == per_rank and np.all(rows_per_rank >= 1)
+    expected_mb = np.repeat(np.arange(M), rows_per_rank)
+    for r in range(dp):
+        assert mbid[r * per_rank : (r + 1) * per_rank].tolist() == expected_mb.tolist()
+    assert plan.rank.tolist() == np.repeat(np.arange(dp), per_rank).tolist()
+    # no unit split; exactly M non-empty mini-batches
+    traj = lay.traj_index.numpy()
+    grp = lay.group_index.numpy()
+    unit = grp if group_by == "group" else traj
+    src_mb = {}
+    for i in np.flatnonzero(~pad):
+        src_mb.setdefault(unit[order[i]], set()).add(mbid[i])
+        assert len(src_mb[unit[order[i]]]) == 1
+    assert plan.split_trajectories == 0
+    if group_by == "group":
+        assert plan.split_groups == 0
+    # padding: fewest rows, zero loss tokens
+    n_real = np.bincount(mbid[~pad], minlength=M)
+    n_pad = np.bincount(mbid[pad], minlength=M)
+    assert np.all(n_real >= 1)
+    assert n_pad.tolist() == ((-n_real) % dp).tolist()
+    s = plan.stats
+    assert s.padding_rows.tolist() == n_pad.tolist()
+    assert s.padding_tokens.tolist() == (n_pad * PAD_ROW_TOKENS).tolist()
+    # statistics = brute force
+    tokens = b.num_tokens
+    loss = b.loss_len
+    for m in range(M):
+        rows = order[(mbid == m) & ~pad]
+        assert s.real_rows[m] == rows.shape[0]
+        assert s.loss_tokens[m] == loss[rows].sum()
+        assert s.tokens[m] == tokens[rows].sum()
+        assert s.trajectories[m] == len(set(traj[rows].tolist()))
+        assert s.groups[m] == len(set(grp[rows].tolist()))
+        rank_w = []
+        for r in range(dp):
+            sel = (mbid == m) & (plan.rank.numpy() == r)
+            src = order[sel]
+            t = np.where(src >= 0, tokens[np.maximum(src, 0)], PAD_ROW_TOKENS)
+            w = calculate_workload(t, workload)
+            rank_w.append(int(w.sum()))
+            assert s.rank_workload[m, r] == rank_w[-1]
+            real_src_r = src[src >= 0]
+            assert s.rank_tokens[m, r] == tokens[real_src_r].sum()
+            assert s.rank_loss_tokens[m, r] == loss[real_src_r].sum()
+        assert s.max_rank_workload[m] == max(rank_w)
+        all_t = np.where(order[mbid == m] >= 0, tokens[np.maximum(order[mbid == m], 0)], PAD_ROW_TOKENS)
+        w_all = calculate_workload(all_t, workload)
+        assert s.workload_lower_bound[m] == max(math.ceil(int(w_all.sum()) / dp), int(w_all.max()))
+        assert s.max_rank_workload[m] >= s.workload_lower_bound[m]
+    assert s.loss_tokens.sum() == loss[real_src].sum()
+    if cap is not None:
+        mi = plan.micro_batch_index.numpy()
+        for m in range(M):
+            counts = []
+            for r in range(dp):
+                sel = (mbid == m) & (plan.rank.numpy() == r)
+                src = order[sel]
+                t = np.where(src >= 0, tokens[np.maximum(src, 0)], PAD_ROW_TOKENS)
+                mis = mi[sel]
+                for k in np.unique(mis):
+                    assert t[mis == k].sum() <= cap
+                n_micro = int(np.unique(mis).shape[0])
+                assert sorted(np.unique(mis).tolist()) == list(range(n_micro))
+                counts.append(n_micro)
+                assert n_micro >= math.ceil(t[src >= 0].sum() / cap) if (src >= 0).any() else True
+            # synced count (unless a rank has too few rows: reported)
+            short = sum(1 for r, c in enumerate(counts) if c < max(counts))
+            assert short == s.ranks_short_of_rows[m]
+            assert max(counts) == s.micro_batches[m]
+    metrics = plan.metrics("p")
+    assert all(isinstance(v, float) and math.isfinite(v) for v in metrics.values())
+    assert metrics["p/padding_rows"] == n_pad.sum()
+    assert metrics["p/split_trajectories"] == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    groups=st.integers(1, 10),
+    tpg=st.integers(1, 6),
+    steps=st.integers(1, 50),
+    dp=st.integers(1, 8),
+    M=st.integers(1, 6),
+    group_by=st.sampled_from(["group", "trajectory"]),
+    balance=st.booleans(),
+    workload=st.sampled_from(["verl", "tokens"]),
+    tail=st.floats(0.2, 2.0),
+    pad_rows=st.integers(0, 2),
+    use_cap=st.booleans(),
+)
+def test_plan_invariants(seed, groups, tpg, steps, dp, M, group_by, balance, workload, tail, pad_rows, use_cap):
+    b = random_batch(seed, groups, tpg, steps, heavy_tail=tail, pad_rows=pad_rows)
+    lay = _layout(b)
+    units = lay.num_groups if group_by == "group" else lay.num_trajectories
+    cap = None
+    if use_cap:
+        cap = int(b.num_tokens.max()) * (1 + seed % 3)
+    if units < M:
+        with pytest.raises(PlanError, match=f"train batch has {units} .* but {M} mini-batches were configured"):
+            plan_mini_batches(lay, M, dp, group_by=group_by)
+        return
+    plan = plan_mini_batches(
+        lay, M, dp, group_by=group_by, balance_dp=balance, workload=workload, micro_batch_max_tokens=cap, seed=seed
+    )
+    check_plan(b, lay, plan, M, dp, group_by, workload, cap)
+    # units larger than a fair share are counted
+    unit = (lay.group_index if group_by == "group" else lay.traj_index).numpy()
+    real = ~b.is_padding
+    unit_tokens = np.bincount(unit[real], weights=b.num_tokens[real])
+    assert plan.units_larger_than_mini_batch == int((unit_tokens > b.num_tokens[real].sum() / M).sum())
+
+
+def test_units_larger_than_a_mini_batch_are_kept_whole():
+    # one giant group + small ones
+    b = random_batch(1, 6, 3, 3)
+    b.prompt_len[b.uid == b.uid[0]] += 50_000
+    lay = _layout(b)
+    plan = plan_mini_batches(lay, 3, 4)
+    check_plan(b, lay, plan, 3, 4, "group")
+    assert plan.units_larger_than_mini_batch >= 1
+    assert plan.metrics()["traj_plan/units_larger_than_mini_batch"] >= 1
+
+
+def test_deterministic_for_a_seed():
+    b = random_batch(5, 8, 4, 20)
+    lay = _layout(b)
+    p1 = plan_mini_batches(lay, 4, 4, seed=3, micro_batch_max_tokens=20_000)
+    p2 = plan_mini_batches(lay, 4, 4, seed=3, micro_batch_max_tokens=20_000)
+    assert torch.equal(p1.order, p2.order) and torch.equal(p1.micro_batch_index, p2.micro_batch_index)
+
+
+def test_fewer_units_than_mini_batches_message():
+    b = random_batch(0, 3, 2, 2)
+    with pytest.raises(PlanError, match=r"train batch has 3 groups .* but 4 mini-batches were configured \(train_batch_size / ppo_mini_batch_size\)"):
+        plan_mini_batches(_layout(b), 4, 2)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(group_by="row"), "group_by"),
+        (dict(workload="flops"), "workload"),
+        (dict(micro_batch_max_tokens=0), "micro_batch_max_tokens"),
+    ],
+)
+def test_bad_config(kw, match):
+    b = random_batch(0, 3, 2, 2)
+    with pytest.raises(PlanError, match=match):
+        plan_mini_batches(_layout(b), 1, 2, **kw)
+
+
+def test_cap_below_longest_row():
+    b = random_batch(0, 3, 2, 2)
+    with pytest.raises(PackingError, match=f"below the longest row \\({int(b.num_tokens.max())} tokens\\)"):
+        plan_mini_batches(_layout(b), 1, 2, micro_batch_max_tokens=int(b.num_tokens.max()) - 1)
+
+
+def test_every_rank_reaches_the_synced_micro_batch_count():
+    # one mini-batch, dp=2: one long row forces more micro-batches on its rank; with equal row counts per
+    # rank (our layout) every other rank can always split as far, so no rank is ever short of rows
+    uid = np.array([f"u{i}" for i in range(8)], dtype=object)
+    tokens = np.array([100, 60, 60, 60, 5, 5, 5, 5])
+    lay = build_layout_from_counts(tokens, np.ones(8, dtype=np.int64), uid)
+    plan = plan_mini_batches(lay, 1, 2, micro_batch_max_tokens=100, workload="tokens")
+    s = plan.stats
+    assert s.micro_batches[0] >= 2
+    assert s.ranks_short_of_rows.sum() == 0
+    assert plan.metrics()["traj_plan/ranks_short_of_rows"] == 0.0
+    mi, rank = plan.micro_batch_index, plan.rank
+    assert len(set(mi[rank == 0].tolist())) == len(set(mi[rank == 1].tolist())) == s.micro_batches[0]
+
+
+def test_mini_batch_order_same_everywhere_and_a_permutation():
+    a = mini_batch_order(8, epoch=2, seed=7, shuffle=True)
+    assert torch.equal(a, mini_batch_order(8, 2, 7, True))
+    assert sorted(a.tolist()) == list(range(8))
+    assert not all(torch.equal(a, mini_batch_order(8, e, 7, True)) for e in range(3, 8))
+    assert mini_batch_order(5, 1, 0, False).tolist() == [0, 1, 2, 3, 4]
+    assert mini_batch_order(5, 1, 0, True).dtype == torch.long
+
+
+def test_balance_off_is_round_robin():
+    b = random_batch(2, 4, 2, 5)
+    lay = _layout(b)
+    plan = plan_mini_batches(lay, 2, 3, balance_dp=False)
+    check_plan(b, lay, plan, 2, 3, "group")
