@@ -17,6 +17,14 @@ from verl_traj.stepwise.advantages import (  # noqa: F401
     compute_trajectory_advantages,
     index_trajectories,
 )
+from verl_traj.stepwise.expand import (  # noqa: F401
+    DEFAULT_STEPS_KEY,
+    ExpandedBatch,
+    StepExpansionError,
+    expand_step_rows,
+    mask_non_last_step_rewards,
+    steps_from_row,
+)
 from verl_traj.stepwise.prefix_merge import (  # noqa: F401
     MergedRow,
     MergeStats,
