@@ -1,0 +1,261 @@
+"""Build, offline, the tiny default artifacts for CPU training.
+
+    python -m verl_traj.cpu.build_tiny [--home DIR] [--force]
+
+Writes under ``$VERL_TRAJ_HOME`` (default ``~/.cache/verl_traj/tiny``):
+
+* ``model/``: a random-weight Qwen2 (hidden 64, 2 layers, fp32) saved with ``save_pretrained``,
+  and a byte-level BPE tokenizer trained here with ``tokenizers`` (PreTrainedTokenizerFast with a
+  Qwen-style chat template: ``<|im_start|>``/``<|im_end|>``, tools via ``<tool_call>`` tags,
+  ``<tool_response>`` for tool results; eos ``<|im_end|>``, pad ``<|endoftext|>``).
+* ``data/train.parquet``, ``data/test.parquet``: verl's RL parquet format (``data_source``,
+  ``prompt`` chat list, ``ability``, ``reward_model: {style, ground_truth}``, ``extra_info``).
+  The task: "write digits"; reward ``verl_traj.cpu.reward.compute_score``.
+* ``data/tool_train.parquet``: the same prompts routed to verl's ``tool_agent`` loop
+  (``agent_name``), for multi-turn runs with ``tool_config.yaml`` (tool ``verl_traj.cpu.tools.DigitsTool``).
+
+Nothing is downloaded. Building takes a few seconds; it is deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from pathlib import Path
+
+DEFAULT_HOME = "~/.cache/verl_traj/tiny"
+BUILD_VERSION = "1"
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]
+
+# Qwen2.5-style template (system, user, assistant, tool calls, tool responses).
+CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\nYou may call functions. Function signatures are within <tools></tools>:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "Return a json object with function name and arguments within <tool_call></tool_call> tags:\n"
+    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% elif messages and messages[0].role == 'system' %}"
+    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'system' and loop.first %}"
+    "{% elif message.role in ['user', 'system'] or (message.role == 'assistant' and not message.tool_calls) %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% elif message.role == 'assistant' %}"
+    "<|im_start|>assistant\n{% if message.content %}{{ message.content }}{% endif %}"
+    "{% for tool_call in message.tool_calls %}"
+    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
+    "{{ '\\n' }}<tool_call>\n{\"name\": \"{{ tool_call.name }}\", \"arguments\": "
+    "{% if tool_call.arguments is string %}{{ tool_call.arguments }}{% else %}{{ tool_call.arguments | tojson }}{% endif %}"
+    "}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+WORDS = (
+    "the a one two three four five six seven eight nine zero number numbers digit digits write say "
+    "please some many few more list count give me now then and or of to in is it this that with "
+    "agent tool call answer result sum add value numbers quickly only just here"
+).split()
+
+PROMPT_TEMPLATES = [
+    "Write digits, mostly {d}.",
+    "Please give me some numbers with {d}.",
+    "List many digits. Use {d}.",
+    "Say a long number full of {d}.",
+    "Count with digits like {d}.",
+    "Only digits please, {d} is best.",
+]
+
+
+def home_dir(home: str | None = None) -> Path:
+    return Path(os.path.expanduser(home or os.environ.get("VERL_TRAJ_HOME") or DEFAULT_HOME)).resolve()
+
+
+def _corpus(rng: random.Random, n: int = 4000) -> list[str]:
+    lines = []
+    for _ in range(n):
+        kind = rng.random()
+        if kind < 0.35:
+            lines.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))))
+        elif kind < 0.6:
+            lines.append("".join(rng.choice("0123456789") for _ in range(rng.randint(1, 12))))
+        elif kind < 0.8:
+            lines.append(rng.choice(PROMPT_TEMPLATES).format(d=rng.randint(0, 9)))
+        else:
+            args = json.dumps({"n": rng.randint(0, 99)})
+            lines.append(f'<tool_call>\n{{"name": "digits", "arguments": {args}}}\n</tool_call>')
+    lines += ["system user assistant tool", "You are a helpful assistant.", "# Tools", "<tools></tools>"]
+    return lines
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int, seed: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(seed)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(rng), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        bos_token=None,
+        additional_special_tokens=SPECIAL_TOKENS[3:],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.model_max_length = 1024
+    fast.padding_side = "left"
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_model(out_dir: Path, tokenizer, seed: int, hidden: int, layers: int):
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    vocab = len(tokenizer)
+    vocab = (vocab + 63) // 64 * 64  # verl/FSDP are happier with a rounded vocab
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        use_sliding_window=False,
+        torch_dtype="float32",
+    )
+    model = Qwen2ForCausalLM(config)
+    model.to(torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True
+    )
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return model
+
+
+def build_data(data_dir: Path, seed: int, n_train: int, n_test: int) -> None:
+    import pandas as pd
+
+    rng = random.Random(seed + 1)
+    system = "You are a helpful assistant."
+
+    def rows(n: int, split: str, agent_name: str | None = None):
+        out = []
+        for i in range(n):
+            digit = rng.randint(0, 9)
+            text = rng.choice(PROMPT_TEMPLATES).format(d=digit)
+            row = {
+                "data_source": "verl_traj/tiny_digits",
+                "prompt": [{"role": "system", "content": system}, {"role": "user", "content": text}],
+                "ability": "digits",
+                "reward_model": {"style": "rule", "ground_truth": str(digit)},
+                "extra_info": {"split": split, "index": i, "need_tools_kwargs": False,
+                               "tools_kwargs": {"digits": {"create_kwargs": {"seed": i}}}},
+            }
+            if agent_name:
+                row["agent_name"] = agent_name
+            out.append(row)
+        return out
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows(n_train, "train")).to_parquet(data_dir / "train.parquet")
+    pd.DataFrame(rows(n_test, "test")).to_parquet(data_dir / "test.parquet")
+    pd.DataFrame(rows(n_train, "train", agent_name="tool_agent")).to_parquet(data_dir / "tool_train.parquet")
+    pd.DataFrame(rows(n_test, "test", agent_name="tool_agent")).to_parquet(data_dir / "tool_test.parquet")
+
+
+def build_tool_config(path: Path) -> None:
+    cfg = {
+        "tools": [
+            {
+                "class_name": "verl_traj.cpu.tools.DigitsTool",
+                "config": {"type": "native"},
+                "tool_schema": {
+                    "type": "function",
+                    "function": {
+                        "name": "digits",
+                        "description": "Return a string of digits.",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"n": {"type": "integer", "description": "how many digits"}},
+                            "required": ["n"],
+                        },
+                    },
+                },
+            }
+        ]
+    }
+    import yaml
+
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+def build(home: str | None = None, force: bool = False, seed: int = 0, vocab_size: int = 512,
+          hidden: int = 64, layers: int = 2, n_train: int = 256, n_test: int = 32) -> Path:
+    root = home_dir(home)
+    stamp = root / "BUILD"
+    meta = json.dumps({"version": BUILD_VERSION, "seed": seed, "vocab": vocab_size, "hidden": hidden,
+                       "layers": layers, "n_train": n_train, "n_test": n_test}, sort_keys=True)
+    if not force and stamp.exists() and stamp.read_text() == meta:
+        return root
+    (root / "model").mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(root / "model", vocab_size, seed)
+    build_model(root / "model", tokenizer, seed, hidden, layers)
+    build_data(root / "data", seed, n_train, n_test)
+    build_tool_config(root / "tool_config.yaml")
+    stamp.write_text(meta)
+    return root
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--home", default=None, help=f"output dir (default $VERL_TRAJ_HOME or {DEFAULT_HOME})")
+    p.add_argument("--force", action="store_true", help="rebuild even if present")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    args = p.parse_args(argv)
+    root = build(args.home, args.force, args.seed, args.vocab_size, args.hidden, args.layers)
+    print(root)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,399 @@
+"""CPU rollout backend for verl (rollout name ``cpu``).
+
+Three pieces, mirroring verl's vLLM/SGLang backends:
+
+* :class:`CPUGenerationServer`: a Ray actor holding a Hugging Face causal LM (fp32, sdpa by
+  default) that serves verl's token-in/token-out API: ``async generate(request_id, prompt_ids,
+  sampling_params, ...) -> TokenOutput(token_ids, log_probs)``. Sampling with a KV cache,
+  temperature / top-k / top-p / repetition penalty, eos and ``stop_token_ids``, ``max_tokens``,
+  per-token log-probs of the temperature-scaled distribution (what verl's actor computes, so
+  ``training/rollout_probs_diff_*`` measures the two implementations on the same weights).
+  Requests are served one at a time on a worker thread (a tiny model on a few cores gains little
+  from batching; the event loop stays free for control calls).
+* :class:`CPUReplica`: verl's ``RolloutReplica``: one server per replica, placed on the node of
+  the replica's first trainer worker (hybrid mode), registered as ``cpu`` in
+  ``RolloutReplicaRegistry``.
+* :class:`CPUServerAdapter`: verl's ``BaseRollout`` living in the actor worker; verl's
+  ``ActorRolloutRefWorker.update_weights`` (checkpoint engine backend ``naive``) hands it the
+  actor's full tensors after every update, and it pushes them to its replica's server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import time
+from typing import Any, Generator, Optional
+
+import ray
+import torch
+
+from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
+
+logger = logging.getLogger(__name__)
+logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
+
+SERVER_NAME_PREFIX = "verl_traj_cpu_server_"
+
+
+def _server_name(replica_rank: int, node_rank: int = 0) -> str:
+    return f"{SERVER_NAME_PREFIX}{replica_rank}_{node_rank}"
+
+
+def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
+    if cfg is None:
+        return default
+    if isinstance(cfg, dict):
+        return cfg.get(key, default)
+    getter = getattr(cfg, "get", None)
+    if callable(getter):
+        try:
+            return getter(key, default)
+        except Exception:
+            pass
+    return getattr(cfg, key, default)
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+# ----------------------------------------------------------------------------------------------
+# sampling
+# ----------------------------------------------------------------------------------------------
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) tokens outside top-k / top-p of a [V] logits vector."""
+    if top_k is not None and 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and 0.0 < top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        cum = torch.cumsum(probs, dim=-1)
+        remove = cum - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(0, idx, sorted_logits)
+    return logits
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                 generator: Optional[torch.Generator]) -> tuple[int, float]:
+    """Returns (token, log-prob under softmax(logits / temperature)); greedy when temperature <= 0."""
+    logits = logits.float()
+    if temperature is None or temperature <= 0:
+        token = int(torch.argmax(logits))
+        return token, float(torch.log_softmax(logits, dim=-1)[token])
+    scaled = logits / temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    filtered = filter_logits(scaled, top_k, top_p)
+    probs = torch.softmax(filtered, dim=-1)
+    token = int(torch.multinomial(probs, 1, generator=generator))
+    return token, float(logp[token])
+
+
+# ----------------------------------------------------------------------------------------------
+# server
+# ----------------------------------------------------------------------------------------------
+class CPUGenerationServer:
+    """Token-in/token-out generation server (wrapped with ``ray.remote`` by :class:`CPUReplica`)."""
+
+    def __init__(self, config: Any, model_config: Any, replica_rank: int = 0, node_rank: int = 0,
+                 rollout_mode: Any = None):
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+        from verl.utils.fs import copy_to_local
+
+        self.config = config
+        self.replica_rank = replica_rank
+        self.node_rank = node_rank
+        self.rollout_mode = rollout_mode
+        self.global_steps: Optional[int] = None
+        self.num_weight_updates = 0
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-gen")
+        self._abort = False
+
+        threads = int(os.environ.get("VERL_TRAJ_CPU_ROLLOUT_THREADS", "1"))
+        torch.set_num_threads(max(1, threads))
+
+        path = _cfg_get(model_config, "local_path") or _cfg_get(model_config, "path")
+        local_path = copy_to_local(path)
+        override = dict(_cfg_get(model_config, "override_config", {}) or {})
+        attn = override.get("attn_implementation", "sdpa")
+        trust = bool(_cfg_get(model_config, "trust_remote_code", False))
+        dtype = _DTYPES.get(str(_cfg_get(config, "dtype", "float32")), torch.float32)
+        hf_config = AutoConfig.from_pretrained(local_path, trust_remote_code=trust)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            local_path, torch_dtype=dtype, attn_implementation=attn, trust_remote_code=trust
+        )
+        self.model.eval()
+        self.model.requires_grad_(False)
+
+        eos: set[int] = set()
+        for src in (hf_config, ):
+            e = getattr(src, "eos_token_id", None)
+            eos.update(e if isinstance(e, (list, tuple)) else ([e] if e is not None else []))
+        try:
+            gen_cfg = GenerationConfig.from_pretrained(local_path)
+            e = gen_cfg.eos_token_id
+            eos.update(e if isinstance(e, (list, tuple)) else ([e] if e is not None else []))
+        except Exception:
+            pass
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(local_path, trust_remote_code=trust)
+            if tok.eos_token_id is not None:
+                eos.add(tok.eos_token_id)
+        except Exception:
+            pass
+        self.eos_token_ids = sorted(eos)
+        self.max_model_len = int(_cfg_get(config, "max_model_len", None) or 0) or int(
+            getattr(hf_config, "max_position_embeddings", 4096)
+        )
+        self.prompt_length = int(_cfg_get(config, "prompt_length", 512))
+        self.response_length = int(_cfg_get(config, "response_length", 512))
+        seed = int(_cfg_get(config, "seed", 0) or 0) + 1000 * replica_rank
+        self._generator = torch.Generator().manual_seed(seed)
+        self.stats = {"requests": 0, "tokens": 0, "gen_seconds": 0.0}
+
+    # ---------------------------------------------------------------- generation
+    def _max_tokens(self, prompt_len: int, sampling_params: dict) -> int:
+        max_possible = self.max_model_len - prompt_len
+        if "max_tokens" in sampling_params and sampling_params["max_tokens"] is not None:
+            max_tokens = int(sampling_params["max_tokens"])
+        elif "max_new_tokens" in sampling_params and sampling_params["max_new_tokens"] is not None:
+            max_tokens = int(sampling_params["max_new_tokens"])
+        else:
+            max_tokens = min(self.response_length, self.prompt_length + self.response_length - prompt_len)
+        return max(1, min(max_tokens, max_possible))
+
+    @torch.no_grad()
+    def _generate_sync(self, prompt_ids: list[int], sampling_params: dict) -> TokenOutput:
+        t0 = time.perf_counter()
+        temperature = float(sampling_params.get("temperature", 1.0) if sampling_params.get("temperature") is not None else 1.0)
+        top_k = int(sampling_params.get("top_k", -1) if sampling_params.get("top_k") is not None else -1)
+        top_p = float(sampling_params.get("top_p", 1.0) if sampling_params.get("top_p") is not None else 1.0)
+        rep = float(sampling_params.get("repetition_penalty", 1.0) or 1.0)
+        want_logprobs = bool(sampling_params.get("logprobs", False) not in (False, None))
+        stop = set(self.eos_token_ids)
+        if not sampling_params.get("ignore_eos", False):
+            stop.update(int(t) for t in (sampling_params.get("stop_token_ids") or []))
+        else:
+            stop = set(int(t) for t in (sampling_params.get("stop_token_ids") or []))
+        max_tokens = self._max_tokens(len(prompt_ids), sampling_params)
+
+        input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+        past = None
+        out_ids: list[int] = []
+        out_logps: list[float] = []
+        stop_reason = "length"
+        seen = set(prompt_ids) if rep != 1.0 else None
+        for _ in range(max_tokens):
+            if self._abort:
+                stop_reason = "aborted"
+                break
+            out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[0, -1].float()
+            if seen is not None and seen:
+                idx = torch.tensor(sorted(seen), dtype=torch.long)
+                vals = logits[idx]
+                logits[idx] = torch.where(vals > 0, vals / rep, vals * rep)
+            token, logp = sample_token(logits, temperature, top_k, top_p, self._generator)
+            out_ids.append(token)
+            out_logps.append(logp)
+            if seen is not None:
+                seen.add(token)
+            if token in stop:
+                stop_reason = "completed"
+                break
+            input_ids = torch.tensor([[token]], dtype=torch.long)
+        self.stats["requests"] += 1
+        self.stats["tokens"] += len(out_ids)
+        self.stats["gen_seconds"] += time.perf_counter() - t0
+        return TokenOutput(
+            token_ids=out_ids,
+            log_probs=out_logps if want_logprobs else None,
+            stop_reason=stop_reason,
+            num_preempted=0,
+            extra_fields={"global_steps": self.global_steps},
+        )
+
+    async def generate(self, request_id: str = None, *, prompt_ids: list[int], sampling_params: dict[str, Any],
+                       image_data: Optional[list[Any]] = None, video_data: Optional[list[Any]] = None,
+                       **kwargs: Any) -> TokenOutput:
+        if image_data or video_data or kwargs.get("audio_data"):
+            raise NotImplementedError("the CPU rollout backend serves text-only models")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._generate_sync, list(prompt_ids), dict(sampling_params))
+
+    # ---------------------------------------------------------------- weights
+    def _load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> dict:
+        own = self.model.state_dict()
+        loaded, skipped = 0, []
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                target = own.get(name)
+                if target is None:
+                    skipped.append(name)
+                    continue
+                target.copy_(tensor.to(target.dtype).view_as(target))
+                loaded += 1
+        if skipped:
+            logger.warning("CPU rollout server: %d unknown weights skipped, e.g. %s", len(skipped), skipped[:3])
+        return {"loaded": loaded, "skipped": len(skipped)}
+
+    async def update_weights(self, state_dict: dict[str, torch.Tensor], global_steps: Optional[int] = None) -> dict:
+        loop = asyncio.get_running_loop()
+        # Runs on the generation thread: never swaps weights in the middle of a request.
+        result = await loop.run_in_executor(self._executor, self._load_state_dict, state_dict)
+        self.num_weight_updates += 1
+        if global_steps is not None:
+            self.global_steps = global_steps
+        return result
+
+    async def get_weights_checksum(self) -> float:
+        return float(sum(p.double().sum() for p in self.model.parameters()))
+
+    async def get_stats(self) -> dict:
+        return {**self.stats, "num_weight_updates": self.num_weight_updates, "global_steps": self.global_steps}
+
+    async def compute_log_probs(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """Teacher-forced log-probs of ``response_ids`` (for tests)."""
+        ids = torch.tensor([list(prompt_ids) + list(response_ids)], dtype=torch.long)
+        with torch.no_grad():
+            logits = self.model(input_ids=ids).logits[0].float() / max(temperature, 1e-8)
+        logp = torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)
+        return logp.gather(1, torch.tensor(response_ids)[:, None])[:, 0].tolist()
+
+    # ---------------------------------------------------------------- control (no device memory to free)
+    async def set_global_steps(self, global_steps: int):
+        self.global_steps = global_steps
+
+    async def wake_up(self, tags: Optional[list[str]] = None):
+        return None
+
+    async def sleep(self):
+        return None
+
+    async def clear_kv_cache(self):
+        return None
+
+    async def release_kv_cache(self):
+        return None
+
+    async def resume_kv_cache(self):
+        return None
+
+    async def abort_all_requests(self, reject_request: bool = False) -> dict:
+        return {"aborted_count": 0, "request_ids": []}
+
+    async def resume_generation(self):
+        self._abort = False
+
+    async def wait_for_requests_to_drain(self):
+        return None
+
+    async def start_profile(self, **kwargs):
+        return None
+
+    async def stop_profile(self):
+        return None
+
+    async def get_server_address(self):
+        return ray.util.get_node_ip_address(), 0
+
+
+# ----------------------------------------------------------------------------------------------
+# replica
+# ----------------------------------------------------------------------------------------------
+class CPUReplica(RolloutReplica):
+    """One :class:`CPUGenerationServer` per replica."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.server_class = ray.remote(CPUGenerationServer)
+
+    def rollout_worker_use_gpu(self) -> bool:
+        return False
+
+    async def launch_servers(self):
+        node_id = None
+        if self.workers:
+            node_id = await self.workers[0].__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+        options: dict[str, Any] = {
+            "name": _server_name(self.replica_rank) + self.name_suffix,
+            "max_concurrency": self.max_concurrency,
+            "num_cpus": 0,
+        }
+        if node_id is not None:
+            options["scheduling_strategy"] = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+                node_id=node_id, soft=False
+            )
+        server = self.server_class.options(**options).remote(
+            config=self.config, model_config=self.model_config, replica_rank=self.replica_rank, node_rank=0,
+            rollout_mode=self.rollout_mode,
+        )
+        address, _ = await server.get_server_address.remote()  # waits for the model to load
+        self.servers = [server]
+        self._server_handle = server
+        # Unique key for verl's load balancer (no HTTP endpoint is served).
+        self._server_address = f"{address}:cpu-{self.replica_rank}{self.name_suffix}"
+
+
+# ----------------------------------------------------------------------------------------------
+# adapter in the actor worker
+# ----------------------------------------------------------------------------------------------
+class CPUServerAdapter(BaseRollout):
+    """Client of this worker's replica server; receives the actor's weights after every update."""
+
+    def __init__(self, config, model_config, device_mesh, replica_rank: int = -1, *args, **kwargs):
+        super().__init__(config, model_config, device_mesh)
+        rank = int(os.environ.get("RANK", 0))
+        rollout_world_size = (
+            self.config.tensor_model_parallel_size
+            * self.config.data_parallel_size
+            * self.config.pipeline_model_parallel_size
+        )
+        self.replica_rank = rank // rollout_world_size if replica_rank == -1 else replica_rank
+        self.rollout_rank = rank % rollout_world_size
+        self._has_server = self.rollout_rank == 0
+        self.is_leader_rank = self._has_server
+        self.server_handle = None
+        self.sleep_level = 1
+        self.last_sync_seconds = 0.0
+
+    def _ensure_server_handle(self) -> bool:
+        if not self._has_server:
+            return False
+        if self.server_handle is None:
+            self.server_handle = ray.get_actor(_server_name(self.replica_rank))
+        return True
+
+    async def resume(self, tags: list[str]):
+        return None
+
+    async def release(self):
+        return None
+
+    @torch.no_grad()
+    async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None],
+                             wire_format: str = "named_tensors", global_steps: Optional[int] = None,
+                             peft_config: Any = None, **kwargs):
+        if wire_format != "named_tensors":
+            raise NotImplementedError(f"CPU rollout supports wire_format='named_tensors' only, got {wire_format!r}")
+        if peft_config is not None:
+            raise NotImplementedError("CPU rollout: LoRA adapters must be merged (model.lora.merge=True)")
+        t0 = time.perf_counter()
+        has_server = self._ensure_server_handle()
+        state_dict = {}
+        # Every rank must drain the generator: it all-gathers FSDP shards (a collective).
+        for name, tensor in weights:
+            if has_server:
+                state_dict[name] = tensor.detach().to("cpu", copy=True)
+        if has_server:
+            await self.server_handle.update_weights.remote(state_dict, global_steps)
+        self.last_sync_seconds = time.perf_counter() - t0
