@@ -240,3 +240,26 @@ def test_property_loss_tokens_and_logprobs_preserved(steps_per_traj, merge, seed
         # observation / padding positions carry no log-prob
         assert torch.count_nonzero(t["rollout_log_probs"][rows] * (1 - t["response_mask"][rows])) == 0
     assert out.stats.loss_tokens_before == out.stats.loss_tokens_after
+
+
+def test_encoded_records_roundtrip_and_expand_identically():
+    from verl_traj.stepwise.expand import decode_step_records, encode_step_records
+
+    rng = np.random.default_rng(7)
+    trajs = [make_trajectory(rng, 4, break_at=2), make_trajectory(rng, 3)]
+    t1, n1 = make_batch(trajs, ["g0", "g0"], [1.0, 0.0], R=60)
+    enc = np.empty(2, dtype=object)
+    enc[:] = [encode_step_records(t[0]) for t in trajs]
+    # compact: the chained steps store only their new tokens
+    assert enc[1]["steps"][1]["prompt_tail_ids"].size < len(trajs[1][0][1]["prompt_ids"])
+    for t, e in zip(trajs, enc):
+        dec = decode_step_records(e)
+        assert [d["prompt_ids"].tolist() for d in dec] == [r["prompt_ids"] for r in t[0]]
+    n2 = {**n1, "traj_steps": enc}
+    for merge in (False, True):
+        a = expand_step_rows(t1, n1, merge_prefix=merge)
+        b = expand_step_rows(t1, n2, merge_prefix=merge)
+        for k in a.tensors:
+            assert torch.equal(a.tensors[k], b.tensors[k]), k
+    with pytest.raises(StepExpansionError, match="prompt_prefix_len"):
+        decode_step_records([{"prompt_prefix_len": 5, "prompt_tail_ids": [1], "response_ids": [2]}])

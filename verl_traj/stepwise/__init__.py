@@ -21,6 +21,8 @@ from verl_traj.stepwise.expand import (  # noqa: F401
     DEFAULT_STEPS_KEY,
     ExpandedBatch,
     StepExpansionError,
+    decode_step_records,
+    encode_step_records,
     expand_step_rows,
     mask_non_last_step_rewards,
     steps_from_row,

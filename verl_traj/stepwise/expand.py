@@ -15,8 +15,12 @@ only (at that row's last response token); every other step row gets 0. Rewards a
 counted once per trajectory, and :func:`verl_traj.stepwise.advantages.compute_trajectory_advantages`
 reads them from the last-step rows.
 
-A record is a mapping with ``prompt_ids`` and ``response_ids`` (lists or 1-D tensors) and optional
-``response_mask`` and ``response_logprobs``. Rows without records fall back to
+A record is a mapping with ``prompt_ids`` and ``response_ids`` (lists, arrays or 1-D tensors) and
+optional ``response_mask`` and ``response_logprobs``. To keep the rollout -> trainer transfer O(T)
+instead of O(T^2), a record may instead give ``prompt_prefix_len`` + ``prompt_tail_ids``: its prompt
+is the first ``prompt_prefix_len`` tokens of the previous step's prompt+response followed by the tail
+(:func:`encode_step_records` builds this form). A row's records may be a list, or a dict
+``{"steps": [...]}`` (numpy cannot mis-broadcast a dict when verl stacks ``extra_fields``). Rows without records fall back to
 :func:`steps_from_row`: the concatenated row cut at the runs of ``response_mask == 1`` (exact for
 token-in/token-out agent loops such as verl's ``ToolAgentLoop``, whose observations are masked 0).
 
@@ -40,6 +44,8 @@ __all__ = [
     "StepExpansionError",
     "ExpandedBatch",
     "steps_from_row",
+    "encode_step_records",
+    "decode_step_records",
     "expand_step_rows",
     "mask_non_last_step_rewards",
 ]
@@ -119,6 +125,69 @@ def steps_from_row(
         if log_probs is not None:
             rec["response_logprobs"] = log_probs[s:e]
         out.append(rec)
+    return out
+
+
+def _common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.size, b.size)
+    if n == 0:
+        return 0
+    neq = np.flatnonzero(a[:n] != b[:n])
+    return int(neq[0]) if neq.size else n
+
+
+def encode_step_records(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Compact per-call records (prompt delta-encoded against the previous step's full context).
+
+    ``calls``: per LLM call, ``prompt_ids`` and ``response_ids`` (and optional ``response_logprobs``,
+    ``response_mask``). Returns ``{"steps": [...]}`` with int32/float32 numpy arrays.
+    """
+    steps = []
+    prev_full: Optional[np.ndarray] = None
+    for call in calls:
+        prompt = np.asarray(call["prompt_ids"], dtype=np.int64).reshape(-1)
+        resp = np.asarray(call["response_ids"], dtype=np.int64).reshape(-1)
+        shared = _common_prefix_len(prev_full, prompt) if prev_full is not None else 0
+        rec: dict[str, Any] = {
+            "prompt_prefix_len": shared,
+            "prompt_tail_ids": prompt[shared:].astype(np.int32),
+            "response_ids": resp.astype(np.int32),
+        }
+        if call.get("response_logprobs") is not None:
+            rec["response_logprobs"] = np.asarray(call["response_logprobs"], dtype=np.float32).reshape(-1)
+        if call.get("response_mask") is not None:
+            rec["response_mask"] = np.asarray(call["response_mask"], dtype=np.int8).reshape(-1)
+        steps.append(rec)
+        prev_full = np.concatenate([prompt, resp])
+    return {"steps": steps}
+
+
+def decode_step_records(records: Any) -> list[dict[str, Any]]:
+    """Records (list, or ``{"steps": [...]}``, full or delta-encoded) -> list of full records."""
+    if isinstance(records, Mapping):
+        records = records.get("steps", [])
+    out: list[dict[str, Any]] = []
+    prev_full: Optional[torch.Tensor] = None
+    for k, rec in enumerate(records):
+        resp = _as_long(rec["response_ids"])
+        if "prompt_ids" in rec and rec["prompt_ids"] is not None:
+            prompt = _as_long(rec["prompt_ids"])
+        elif "prompt_tail_ids" in rec:
+            shared = int(rec.get("prompt_prefix_len", 0))
+            if shared and (prev_full is None or shared > prev_full.numel()):
+                raise StepExpansionError(
+                    f"step record {k}: prompt_prefix_len={shared} exceeds the previous step's context "
+                    f"({0 if prev_full is None else prev_full.numel()} tokens)."
+                )
+            head = prev_full[:shared] if shared else torch.zeros(0, dtype=torch.long)
+            prompt = torch.cat([head, _as_long(rec["prompt_tail_ids"])])
+        else:
+            raise StepExpansionError(f"step record {k} has neither prompt_ids nor prompt_tail_ids.")
+        full = dict(rec)
+        full["prompt_ids"] = prompt
+        full["response_ids"] = resp
+        out.append(full)
+        prev_full = torch.cat([prompt, resp])
     return out
 
 
@@ -220,7 +289,9 @@ def expand_step_rows(
 
     for b in range(B):
         recs = records_col[b] if records_col is not None else None
-        if recs is None or (hasattr(recs, "__len__") and len(recs) == 0):
+        if recs is not None:
+            recs = decode_step_records(recs)
+        if not recs:
             pl, rl = int(prompt_len[b]), int(resp_len[b])
             recs = steps_from_row(
                 prompts_t[b, P - pl :], responses_t[b, :rl], resp_mask_t[b, :rl], lp_t[b, :rl] if has_lp else None
