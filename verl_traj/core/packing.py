@@ -46,19 +46,26 @@ class MicroBatchPacking:
 
 
 def _best_fit_decreasing(tokens: list[int], cap: int) -> tuple[list[int], list[list[int]]]:
-    """Pack ``tokens`` (already sorted descending) -> (bin of each item, items of each bin)."""
-    free: list[tuple[int, int]] = []  # sorted (free capacity, bin id)
+    """Pack ``tokens`` (already sorted descending) -> (bin of each item, items of each bin).
+
+    Free capacities are kept sorted as ints ``room * K + bin`` (K > #bins), so ``bisect`` finds the
+    tightest bin that still fits in O(log bins) comparisons of plain ints.
+    """
+    K = len(tokens) + 1
+    free: list[int] = []
     members: list[list[int]] = []
     assign = [0] * len(tokens)
+    bisect_left, insort, pop = bisect.bisect_left, bisect.insort, free.pop
     for i, t in enumerate(tokens):
-        k = bisect.bisect_left(free, (t, -1))
+        k = bisect_left(free, t * K)
         if k < len(free):
-            room, b = free.pop(k)
-            bisect.insort(free, (room - t, b))
+            key = pop(k)
+            b = key % K
+            insort(free, key - t * K)
         else:
             b = len(members)
             members.append([])
-            bisect.insort(free, (cap - t, b))
+            insort(free, (cap - t) * K + b)
         members[b].append(i)
         assign[i] = b
     return assign, members

@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import heapq
+import time
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -105,7 +106,7 @@ class MiniBatchPlan:
     micro_batch_index: Optional[torch.Tensor] = None  # [B_out] int64 micro-batch within (rank, mini-batch)
     split_trajectories: int = 0
     split_groups: int = 0
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # {"timing_s": {"units_s", "balance_s", "stats_s", "packing_s"}}
 
     @property
     def num_rows(self) -> int:
@@ -235,6 +236,13 @@ def plan_mini_batches(
         raise PlanError(f"micro_batch_max_tokens={micro_batch_max_tokens} must be >= 1 (or None for no cap).")
     M, dp = int(num_mini_batches), int(dp_size)
     rng = np.random.default_rng(seed)
+    clock = [time.perf_counter()]
+    timing: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        now = time.perf_counter()
+        timing[name] = now - clock[0]
+        clock[0] = now
 
     real_rows = np.flatnonzero(~layout.is_padding.numpy())
     tokens_all = layout.num_tokens.numpy()
@@ -261,6 +269,7 @@ def plan_mini_batches(
     fair_share = tokens.sum() / M
     units_larger = int((unit_tokens > fair_share).sum())
     mb = unit_mb[unit]
+    lap("units_s")
 
     # 3. padding items
     n_real = np.bincount(mb, minlength=M).astype(np.int64)
@@ -279,6 +288,7 @@ def plan_mini_batches(
         item_rank = balance_equal_size(item_cost, item_mb, M, dp, tiebreak=tiebreak)
     else:
         item_rank = round_robin_equal_size(item_mb, M, dp)
+    lap("balance_s")
 
     # 5. rank-major order: (rank, mini-batch, padding last, source row)
     src_key = np.where(item_pad, np.arange(item_src.shape[0]), item_src)
@@ -302,6 +312,7 @@ def plan_mini_batches(
     grp_per_mb = np.bincount(grp_mb_pairs % M, minlength=M)
     split_traj = int(traj_mb_pairs.shape[0] - T)
     split_grp = int(grp_mb_pairs.shape[0] - G)
+    lap("stats_s")
 
     # 7. micro-batches
     micro_index = None
@@ -321,6 +332,7 @@ def plan_mini_batches(
         sums = np.bincount(inv.reshape(-1), weights=tokens).astype(np.int64)
         np.maximum.at(max_packed, (uniq // (int(packing.micro_index.max()) + 1)) // dp, sums)
         micro_index = torch.from_numpy(packing.micro_index[out])
+    lap("packing_s")
 
     stats = MiniBatchStats(
         real_rows=torch.from_numpy(n_real),
@@ -357,6 +369,7 @@ def plan_mini_batches(
         micro_batch_index=micro_index,
         split_trajectories=split_traj,
         split_groups=split_grp,
+        extra={"timing_s": timing},
     )
 
 
