@@ -1,0 +1,124 @@
+"""StepwiseToolAgentLoop on verl's real ToolAgentLoop machinery (offline tiny tokenizer, scripted LLM server)."""
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+pytest.importorskip("tokenizers")
+
+from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap  # noqa: E402
+from verl.tools.schemas import OpenAIFunctionToolSchema  # noqa: E402
+from verl.utils.dataset.rl_dataset import RLHFDataset  # noqa: E402
+
+from verl_traj.integration.stepwise_agent_loop import StepwiseToolAgentLoop  # noqa: E402
+from verl_traj.stepwise.expand import decode_step_records, expand_step_rows  # noqa: E402
+
+CALL = '<tool_call>\n{"name": "digits", "arguments": {"n": 3}}\n</tool_call><|im_end|>'
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from verl_traj.cpu.build_tiny import build_tokenizer
+
+    return build_tokenizer(tmp_path_factory.mktemp("tok"), 512, 0)
+
+
+class _Out:
+    def __init__(self, ids, lps):
+        self.token_ids, self.log_probs = ids, lps
+        self.num_preempted, self.extra_fields, self.routed_experts = None, {}, None
+
+
+class ScriptedServer:
+    """Answers with a tool call for the first ``n_calls`` turns, then a final answer; remembers prompts."""
+
+    def __init__(self, tok, n_calls):
+        self.tok, self.n_calls, self.seen = tok, n_calls, []
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
+        self.seen.append(list(prompt_ids))
+        text = CALL if len(self.seen) <= self.n_calls else "777<|im_end|>"
+        ids = self.tok.encode(text, add_special_tokens=False)
+        k = len(self.seen)
+        return _Out(ids, [-0.01 * k - 0.001 * i for i in range(len(ids))])
+
+
+def _run(tokenizer, n_calls):
+    from verl_traj.cpu.build_tiny import TOOL_SCHEMA
+    from verl_traj.cpu.tools import DigitsTool
+
+    cfg = OmegaConf.create({
+        "actor_rollout_ref": {"rollout": {
+            "prompt_length": 1024, "response_length": 512, "full_determinism": False,
+            "multi_turn": {"max_user_turns": 8, "max_assistant_turns": 8, "max_parallel_calls": 1,
+                           "max_tool_response_length": 64, "tool_response_truncate_side": "middle",
+                           "format": "hermes"}}},
+        "data": {"apply_chat_template_kwargs": {}},
+    })
+    tool = DigitsTool({"type": "native"}, OpenAIFunctionToolSchema.model_validate(TOOL_SCHEMA))
+    server = ScriptedServer(tokenizer, n_calls)
+
+    async def main():
+        loop = StepwiseToolAgentLoop(
+            trainer_config=DictConfigWrap(cfg), server_manager=server, tokenizer=tokenizer, processor=None,
+            dataset_cls=RLHFDataset, data_config=DictConfigWrap(cfg.data), tools=ToolListWrap([tool]),
+        )
+        msgs = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "write 7"}]
+        return await loop.run({"temperature": 1.0}, raw_prompt=msgs)
+
+    return asyncio.run(main()), server
+
+
+@pytest.mark.parametrize("n_calls", [0, 2])
+def test_records_each_llm_call_and_merge_restores_the_concatenated_row(tokenizer, n_calls):
+    out, server = _run(tokenizer, n_calls)
+    steps = decode_step_records(out.extra_fields["traj_steps"])
+    assert len(steps) == n_calls + 1 == len(server.seen)
+    # each record's prompt is exactly the context that call saw
+    for rec, seen in zip(steps, server.seen):
+        assert rec["prompt_ids"].tolist() == seen
+        assert len(rec["response_logprobs"]) == len(rec["response_ids"])
+    assert isinstance(out.extra_fields["traj_id"], str)
+    # steps are stored delta-encoded: later steps only carry their new (observation) tokens
+    enc = out.extra_fields["traj_steps"]["steps"]
+    if n_calls:
+        assert enc[1]["prompt_prefix_len"] == len(server.seen[0]) + len(steps[0]["response_ids"])
+
+    # as verl's AgentLoopWorker would batch it (left-padded prompt, right-padded response)
+    P, R = 1024, 512
+    p = torch.tensor(out.prompt_ids)
+    r = torch.tensor(out.response_ids)
+    m = torch.tensor(out.response_mask)
+    lp = torch.tensor(out.response_logprobs)
+    tensors = {
+        "prompts": torch.nn.functional.pad(p, (P - p.numel(), 0)).unsqueeze(0),
+        "responses": torch.nn.functional.pad(r, (0, R - r.numel())).unsqueeze(0),
+        "response_mask": torch.nn.functional.pad(m, (0, R - m.numel())).unsqueeze(0),
+        "rollout_log_probs": torch.nn.functional.pad(lp, (0, R - lp.numel())).unsqueeze(0),
+        "attention_mask": torch.cat([torch.arange(P) >= P - p.numel(), torch.arange(R) < r.numel()]).long().unsqueeze(0),
+        "rm_scores": torch.zeros(1, R),
+    }
+    tensors["rm_scores"][0, r.numel() - 1] = 1.0
+    recs = np.empty(1, dtype=object)
+    recs[0] = out.extra_fields["traj_steps"]
+    non = {"uid": np.array(["g"], dtype=object), "traj_steps": recs,
+           "traj_id": np.array([out.extra_fields["traj_id"]], dtype=object)}
+
+    step_rows = expand_step_rows(tensors, non, merge_prefix=False)
+    assert step_rows.stats.rows_after == n_calls + 1
+    assert step_rows.tensors["rm_scores"].sum(-1).tolist() == [0.0] * n_calls + [1.0]
+
+    merged = expand_step_rows(tensors, non, merge_prefix=True)
+    assert merged.stats.rows_after == 1  # verl's token-in/token-out loop: every turn extends the context
+    t = merged.tensors
+    Pw = t["prompts"].shape[1]
+    pl = int(t["attention_mask"][0, :Pw].sum())
+    rl = int(t["attention_mask"][0, Pw:].sum())
+    assert t["prompts"][0, Pw - pl:].tolist() == out.prompt_ids
+    assert t["responses"][0, :rl].tolist() == out.response_ids
+    assert t["response_mask"][0, :rl].tolist() == out.response_mask
+    assert torch.allclose(t["rollout_log_probs"][0, :rl], lp)
+    assert merged.stats.loss_tokens_after == step_rows.stats.loss_tokens_after == int(m.sum())
