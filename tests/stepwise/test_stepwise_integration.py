@@ -154,3 +154,35 @@ def test_recording_server_manager_records_each_call():
         {"prompt_ids": [1, 2], "response_ids": [2], "response_logprobs": [-0.5]},
         {"prompt_ids": [1, 2, 2, 7], "response_ids": [4], "response_logprobs": [-0.5]},
     ]
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_expand_plan_pad_then_advantages_end_to_end(merge):
+    """The _balance_batch chain: expand -> core layout/plan/apply_plan (padding rows) -> step-aware advantages."""
+    from verl_traj.core import apply_plan, build_layout, plan_mini_batches
+
+    rng = np.random.default_rng(11)
+    trajs = [make_trajectory(rng, int(rng.integers(1, 5))) for _ in range(8)]
+    uids = [f"g{i // 2}" for i in range(8)]
+    rewards = [float(x) for x in rng.random(8)]
+    tensors, non = make_batch(trajs, uids, rewards)
+    data = DataProto.from_dict(tensors=tensors, non_tensors=non)
+    sal.expand_dataproto_step_rows(data, merge_prefix=merge)
+    nt = data.non_tensor_batch
+    # reference before planning
+    ref_data = DataProto.from_dict(tensors={k: v.clone() for k, v in data.batch.items()},
+                                   non_tensors={k: v.copy() for k, v in nt.items()})
+    ref_data.batch["token_level_rewards"] = ref_data.batch["rm_scores"].clone()
+    ref = sal.compute_stepwise_advantage(ref_data, "grpo", config=OmegaConf.create({})).batch["advantages"]
+
+    layout = build_layout(data.batch["attention_mask"], data.batch["response_mask"], nt["uid"], nt["traj_id"],
+                          nt["step_index"], nt["is_last_step"])
+    plan = plan_mini_batches(layout, num_mini_batches=2, dp_size=3)
+    t, n = apply_plan({k: v for k, v in data.batch.items()}, dict(nt), plan)
+    planned = DataProto.from_dict(tensors=t, non_tensors=n)
+    planned.batch["token_level_rewards"] = planned.batch["rm_scores"].clone()
+    adv = sal.compute_stepwise_advantage(planned, "grpo", config=OmegaConf.create({})).batch["advantages"]
+    pad = plan.is_padding
+    assert int(pad.sum()) == int(plan.stats.padding_rows.sum())
+    assert torch.count_nonzero(adv[pad]) == 0
+    assert torch.allclose(adv[~pad], ref[plan.order[~pad]])
