@@ -122,3 +122,33 @@ def test_records_each_llm_call_and_merge_restores_the_concatenated_row(tokenizer
     assert t["response_mask"][0, :rl].tolist() == out.response_mask
     assert torch.allclose(t["rollout_log_probs"][0, :rl], lp)
     assert merged.stats.loss_tokens_after == step_rows.stats.loss_tokens_after == int(m.sum())
+
+
+def test_records_survive_verl_agent_loop_worker_postprocess(tokenizer):
+    """verl stacks extra_fields into object arrays; same-length step lists must not be mis-broadcast."""
+    from types import SimpleNamespace
+
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopWorker, _InternalAgentLoopOutput
+
+    outs = [_run(tokenizer, 1)[0], _run(tokenizer, 1)[0]]  # two trajectories with the same number of steps
+    internal = []
+    for o in outs:
+        P, R = 1024, 512
+        p = torch.nn.functional.pad(torch.tensor(o.prompt_ids), (P - len(o.prompt_ids), 0)).unsqueeze(0)
+        r = torch.nn.functional.pad(torch.tensor(o.response_ids), (0, R - len(o.response_ids))).unsqueeze(0)
+        m = torch.nn.functional.pad(torch.tensor(o.response_mask), (0, R - len(o.response_mask))).unsqueeze(0)
+        a = torch.cat([(p != -1).long() * (torch.arange(P) >= P - len(o.prompt_ids)).long(),
+                       (torch.arange(R) < len(o.response_ids)).long().unsqueeze(0)], 1)
+        internal.append(_InternalAgentLoopOutput(
+            prompt_ids=p, response_ids=r, input_ids=torch.cat([p, r], 1), position_ids=torch.clip(a.cumsum(-1) - 1, min=0),
+            response_mask=m, attention_mask=a, reward_score=1.0, num_turns=o.num_turns,
+            metrics=AgentLoopMetrics(), extra_fields=o.extra_fields,
+        ))
+    fake = SimpleNamespace(reward_loop_worker_handles=None)
+    batch = AgentLoopWorker._postprocess(fake, internal)
+    col = batch.non_tensor_batch["traj_steps"]
+    assert col.shape == (2,) and all(isinstance(x, dict) and len(x["steps"]) == 2 for x in col)
+    assert len(set(batch.non_tensor_batch["traj_id"])) == 2
+    out = expand_step_rows({k: v for k, v in batch.batch.items()}, dict(batch.non_tensor_batch), merge_prefix=True)
+    assert out.stats.rows_before == 4 and out.stats.rows_after == 2
+    assert out.tensors["rm_scores"].sum().item() == pytest.approx(2.0)
