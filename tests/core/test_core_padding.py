@@ -130,3 +130,38 @@ def test_row_count_mismatch_raises():
     plan = plan_mini_batches(lay, 1, 2)
     with pytest.raises(ValueError, match="rows but the plan was built for"):
         apply_plan({"attention_mask": t["attention_mask"][:2]}, {}, plan)
+
+
+def _grpo_scores(uid: np.ndarray, score: torch.Tensor) -> dict:
+    """GRPO outcome normalisation as verl does it: per-uid mean / std of the sequence scores."""
+    out = {}
+    for u in set(uid.tolist()):
+        sel = torch.from_numpy(uid == u)
+        s = score[sel]
+        out[u] = (float(s.mean()), float(s.std()) if s.numel() > 1 else 1.0, int(sel.sum()))
+    return out
+
+
+def test_padding_changes_no_group_statistic_or_token_sum():
+    b = random_batch(11, 5, 4, 6, max_len=48)
+    t = to_verl_tensors(b)
+    t["token_level_scores"] = torch.rand(t["response_mask"].shape) * t["response_mask"]
+    lay = build_layout(t["attention_mask"], t["response_mask"], b.uid, b.traj_id, b.step_index)
+    plan = plan_mini_batches(lay, 3, 8)
+    assert plan.is_padding.any()
+    out_t, out_nt = apply_plan(t, {"uid": b.uid}, plan)
+    before = _grpo_scores(b.uid, t["token_level_scores"].sum(-1))
+    after = _grpo_scores(out_nt["uid"], out_t["token_level_scores"].sum(-1))
+    pad_uids = set(out_nt["uid"][plan.is_padding.numpy()].tolist())
+    real_after = {k: v for k, v in after.items() if k not in pad_uids}
+    assert real_after.keys() == before.keys()
+    for k, (mean, std, n) in before.items():
+        assert real_after[k][2] == n
+        assert real_after[k][:2] == pytest.approx((mean, std), rel=1e-5)
+    assert all(after[u][2] == 1 and after[u][0] == 0.0 for u in pad_uids)  # groups of one, zero score
+    # masked token sums (any loss aggregation) are unchanged
+    for key in ("token_level_scores", "rollout_log_probs", "rm_scores"):
+        s0 = (t[key] * t["response_mask"]).sum()
+        s1 = (out_t[key] * out_t["response_mask"]).sum()
+        assert torch.allclose(s0, s1)
+    assert int(out_t["response_mask"].sum()) == int(t["response_mask"].sum())
