@@ -216,3 +216,28 @@ def test_encoded_records_roundtrip_and_expand_identically():
             assert torch.equal(a.tensors[k], b.tensors[k]), k
     with pytest.raises(StepExpansionError, match="prompt_prefix_len"):
         decode_step_records([{"prompt_prefix_len": 5, "prompt_tail_ids": [1], "response_ids": [2]}])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=4), st.integers(0, 10_000))
+def test_property_delta_encoded_fast_path_equals_decode_then_merge(steps_per_traj, seed):
+    from verl_traj.stepwise.expand import encode_step_records
+
+    rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
+    trajs = []
+    for n in steps_per_traj:
+        brk = int(rng.integers(1, n)) if n > 1 and rng.random() < 0.5 else None
+        trajs.append(make_trajectory(rng, n, break_at=brk))
+    R = max(int(t[2].numel()) for t in trajs) + 1
+    tensors, non = make_batch(trajs, ["g"] * len(trajs), list(rng.random(len(trajs))), R=R)
+    enc = np.empty(len(trajs), dtype=object)
+    enc[:] = [encode_step_records(t[0]) for t in trajs]
+    slow = expand_step_rows(tensors, non, merge_prefix=True)  # full records: generic path
+    fast = expand_step_rows(tensors, {**non, "traj_steps": enc}, merge_prefix=True)
+    assert slow.source_steps == fast.source_steps
+    for k in slow.tensors:
+        assert torch.equal(slow.tensors[k], fast.tensors[k]), k
+    for k in ("step_index", "is_last_step", "traj_id", "uid"):
+        assert list(slow.non_tensors[k]) == list(fast.non_tensors[k])
+    assert slow.stats == fast.stats

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from verl_traj.stepwise.prefix_merge import MergeStats, merge_trajectory_steps
+from verl_traj.stepwise.prefix_merge import MergedRow, MergeStats, merge_trajectory_steps
 
 __all__ = [
     "DEFAULT_STEPS_KEY",
@@ -191,6 +191,92 @@ def decode_step_records(records: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _response_parts(rec: Mapping[str, Any], b: int, k: int, has_lp: bool):
+    """(response ids, response mask, log-probs or None) of one record, validated."""
+    r = _as_long(rec["response_ids"])
+    m = rec.get("response_mask")
+    m = torch.ones(r.numel(), dtype=torch.long) if m is None else _as_long(m)
+    if m.numel() != r.numel():
+        raise StepExpansionError(f"row {b} step {k}: response_mask has {m.numel()} entries for {r.numel()} tokens.")
+    lp = None
+    if has_lp:
+        lp = rec.get("response_logprobs")
+        if lp is None:
+            raise StepExpansionError(
+                f"row {b} step {k}: the batch has rollout_log_probs but the step record has no "
+                "response_logprobs; record the log-probs of every LLM call (or drop rollout_log_probs)."
+            )
+        lp = (lp.detach().cpu() if isinstance(lp, torch.Tensor) else torch.as_tensor(lp)).reshape(-1).float()
+        if lp.numel() != r.numel():
+            raise StepExpansionError(f"row {b} step {k}: response_logprobs has {lp.numel()} entries for {r.numel()} tokens.")
+    return r, m, lp
+
+
+def _merge_delta_encoded(steps: Sequence[Mapping[str, Any]], b: int, has_lp: bool):
+    """Prefix merge straight from delta-encoded records (same result as decode + merge_trajectory_steps).
+
+    Step k+1 continues step k's row iff its ``prompt_prefix_len`` equals step k's full context length
+    (the common prefix is the whole previous context). Rows are built from response and tail segments.
+    """
+    n = len(steps)
+    parts = [_response_parts(rec, b, k, has_lp) for k, rec in enumerate(steps)]
+    tails = [_as_long(rec["prompt_tail_ids"]) for rec in steps]
+    pre = [int(rec.get("prompt_prefix_len", 0)) for rec in steps]
+    full_len = [pre[k] + tails[k].numel() + parts[k][0].numel() for k in range(n)]
+    for k in range(n):
+        limit = full_len[k - 1] if k else 0
+        if pre[k] < 0 or pre[k] > limit:
+            raise StepExpansionError(
+                f"row {b} step record {k}: prompt_prefix_len={pre[k]} exceeds the previous step's context ({limit} tokens)."
+            )
+    stats = MergeStats(rows_before=n, tokens_before=int(sum(full_len)),
+                       loss_tokens_before=int(sum(int(torch.count_nonzero(m)) for _, m, _ in parts)))
+    rows: list[MergedRow] = []
+    prompt = None
+    segs: list[torch.Tensor] = []
+    msegs: list[torch.Tensor] = []
+    lsegs: list[torch.Tensor] = []
+    start = 0
+
+    def close(end: int) -> None:
+        rows.append(MergedRow(
+            prompt_ids=prompt,
+            response_ids=torch.cat(segs) if len(segs) > 1 else segs[0],
+            response_mask=torch.cat(msegs) if len(msegs) > 1 else msegs[0],
+            per_token={"lp": torch.cat(lsegs) if len(lsegs) > 1 else lsegs[0]} if has_lp else {},
+            source_steps=list(range(start, end + 1)),
+            step_index=len(rows),
+            is_last_step=end == n - 1,
+        ))
+
+    for k in range(n):
+        r, m, lp = parts[k]
+        if k and pre[k] == full_len[k - 1]:  # continues the current row
+            tail = tails[k]
+            if tail.numel():
+                segs.append(tail)
+                msegs.append(torch.zeros(tail.numel(), dtype=m.dtype))
+                if has_lp:
+                    lsegs.append(torch.zeros(tail.numel(), dtype=lp.dtype))
+        else:
+            if k:
+                prev_full = torch.cat([prompt] + segs)
+                close(k - 1)
+                prompt = torch.cat([prev_full[: pre[k]], tails[k]]) if pre[k] else tails[k]
+            else:
+                prompt = tails[0]
+            segs, msegs, lsegs, start = [], [], [], k
+        segs.append(r)
+        msegs.append(m)
+        if has_lp:
+            lsegs.append(lp)
+    close(n - 1)
+    stats.rows_after = len(rows)
+    stats.tokens_after = sum(row.num_tokens for row in rows)
+    stats.loss_tokens_after = sum(int(torch.count_nonzero(row.response_mask)) for row in rows)
+    return rows, stats
+
+
 def _left_pad(seqs: list[torch.Tensor], width: int, value) -> torch.Tensor:
     if not seqs:
         return torch.zeros(0, width, dtype=torch.long)
@@ -288,41 +374,32 @@ def expand_step_rows(
     stats = MergeStats()
 
     for b in range(B):
-        recs = records_col[b] if records_col is not None else None
-        if recs is not None:
-            recs = decode_step_records(recs)
-        if not recs:
-            pl, rl = int(prompt_len[b]), int(resp_len[b])
-            recs = steps_from_row(
-                prompts_t[b, P - pl :], responses_t[b, :rl], resp_mask_t[b, :rl], lp_t[b, :rl] if has_lp else None
+        raw = records_col[b] if records_col is not None else None
+        raw_steps = raw.get("steps", []) if isinstance(raw, Mapping) else raw
+        if merge_prefix and raw_steps is not None and len(raw_steps) and all(
+            "prompt_tail_ids" in r and r.get("prompt_ids") is None for r in raw_steps
+        ):
+            # fast path: delta-encoded records decide every boundary from their prefix lengths; only
+            # the prompts that start a row are materialised (O(T) instead of O(T^2) copies)
+            rows, st = _merge_delta_encoded(raw_steps, b, has_lp)
+        else:
+            recs = decode_step_records(raw) if raw is not None else None
+            if not recs:
+                pl, rl = int(prompt_len[b]), int(resp_len[b])
+                recs = steps_from_row(
+                    prompts_t[b, P - pl :], responses_t[b, :rl], resp_mask_t[b, :rl], lp_t[b, :rl] if has_lp else None
+                )
+            prompts_b, resps_b, masks_b, lps_b = [], [], [], []
+            for k, rec in enumerate(recs):
+                prompts_b.append(_as_long(rec["prompt_ids"]))
+                r, m, lp = _response_parts(rec, b, k, has_lp)
+                resps_b.append(r)
+                masks_b.append(m)
+                if has_lp:
+                    lps_b.append(lp)
+            rows, st = merge_trajectory_steps(
+                prompts_b, resps_b, masks_b, {"lp": lps_b} if has_lp else None, enable=merge_prefix
             )
-        prompts_b, resps_b, masks_b, lps_b = [], [], [], []
-        for k, rec in enumerate(recs):
-            p = _as_long(rec["prompt_ids"])
-            r = _as_long(rec["response_ids"])
-            m = rec.get("response_mask")
-            m = torch.ones(r.numel(), dtype=torch.long) if m is None else _as_long(m)
-            if m.numel() != r.numel():
-                raise StepExpansionError(f"row {b} step {k}: response_mask has {m.numel()} entries for {r.numel()} tokens.")
-            prompts_b.append(p)
-            resps_b.append(r)
-            masks_b.append(m)
-            if has_lp:
-                lp = rec.get("response_logprobs")
-                if lp is None:
-                    raise StepExpansionError(
-                        f"row {b} step {k}: the batch has rollout_log_probs but the step record has no "
-                        "response_logprobs; record the log-probs of every LLM call (or drop rollout_log_probs)."
-                    )
-                lp = (lp.detach().cpu() if isinstance(lp, torch.Tensor) else torch.as_tensor(lp)).reshape(-1).float()
-                if lp.numel() != r.numel():
-                    raise StepExpansionError(
-                        f"row {b} step {k}: response_logprobs has {lp.numel()} entries for {r.numel()} tokens."
-                    )
-                lps_b.append(lp)
-        rows, st = merge_trajectory_steps(
-            prompts_b, resps_b, masks_b, {"lp": lps_b} if has_lp else None, enable=merge_prefix
-        )
         stats = stats + st
         tid = traj_col[b] if traj_col is not None and traj_col[b] is not None else f"__row{b}"
         for row in rows:
