@@ -79,6 +79,60 @@ def apply_token_cap(config: Any, cap: int) -> None:
                     critic[key] = cap
 
 
+def _max_row_tokens(config: Any) -> int:
+    data = config.data
+    return int(data.get("max_prompt_length", 0) or 0) + int(data.get("max_response_length", 0) or 0)
+
+
+def fixed_to_dynamic_micro_batches(config: Any) -> list[str]:
+    """Planned mini-batches have variable row counts per rank, which verl's fixed micro-batch sizes
+    (``*_micro_batch_size_per_gpu``: the rows per rank must divide by it) cannot take. Micro-batching
+    does not change verl_traj's gradient (global loss weights), so each pass still on fixed sizes is
+    switched to verl's dynamic micro-batching with the same worst-case memory bound:
+    ``micro_batch_size_per_gpu * (max_prompt_length + max_response_length)`` tokens. Returns what changed."""
+    max_len = _max_row_tokens(config)
+    if max_len <= 0:
+        return []
+    arr = config.actor_rollout_ref
+    changed = []
+
+    def convert(section, prefix: str, flag: str, mbs_key: str, len_keys: tuple[str, ...]) -> Optional[int]:
+        if section is None or bool(section.get(flag, False)):
+            return None
+        mbs = (
+            section.get(mbs_key, None)
+            or arr.rollout.get("log_prob_micro_batch_size_per_gpu", None)
+            or arr.actor.get("ppo_micro_batch_size_per_gpu", None)
+            or 1
+        )
+        cap = int(mbs) * max_len
+        section[flag] = True
+        for key in len_keys:
+            section[key] = cap
+        changed.append(f"{prefix}.{flag}=true, {prefix}.{len_keys[0]}={cap}")
+        return cap
+
+    with open_dict(config):
+        if not bool(arr.actor.get("use_dynamic_bsz", False)) or not bool(arr.rollout.get("log_prob_use_dynamic_bsz", False)):
+            # verl asserts actor.use_dynamic_bsz == rollout.log_prob_use_dynamic_bsz: convert both
+            arr.actor.use_dynamic_bsz = False
+            arr.rollout.log_prob_use_dynamic_bsz = False
+            convert(arr.actor, "actor_rollout_ref.actor", "use_dynamic_bsz", "ppo_micro_batch_size_per_gpu",
+                    ("ppo_max_token_len_per_gpu",))
+            convert(arr.rollout, "actor_rollout_ref.rollout", "log_prob_use_dynamic_bsz",
+                    "log_prob_micro_batch_size_per_gpu", ("log_prob_max_token_len_per_gpu",))
+        if "ref" in arr and arr.ref is not None:
+            convert(arr.ref, "actor_rollout_ref.ref", "log_prob_use_dynamic_bsz", "log_prob_micro_batch_size_per_gpu",
+                    ("log_prob_max_token_len_per_gpu",))
+        critic = config.get("critic", None)
+        if critic is not None:
+            keys = tuple(k for k in ("ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu",
+                                     "ppo_infer_max_token_len_per_gpu") if k in critic)
+            if keys:
+                convert(critic, "critic", "use_dynamic_bsz", "ppo_micro_batch_size_per_gpu", keys)
+    return changed
+
+
 def prepare_config(config: Any, traj: TrajConfig) -> None:
     """Validate ``traj:`` against verl's sections and adapt verl's settings it depends on."""
     validate_against_verl(traj, config)
@@ -123,6 +177,15 @@ def prepare_config(config: Any, traj: TrajConfig) -> None:
         config.trainer.balance_batch = True
     if traj.micro_batch_max_tokens is not None:
         apply_token_cap(config, int(traj.micro_batch_max_tokens))
+    else:
+        changed = fixed_to_dynamic_micro_batches(config)
+        if changed:
+            logger.warning(
+                "verl_traj: planned mini-batches have variable rows per rank, so fixed micro-batch sizes were "
+                "replaced by dynamic micro-batching with the same per-micro-batch memory bound (the gradient does "
+                "not depend on micro-batching): %s. Set traj.micro_batch_max_tokens to choose the cap.",
+                "; ".join(changed),
+            )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -380,7 +443,9 @@ class TrajRayPPOTrainer(RayPPOTrainer):
             "traj_id": [str(t) for t in traj_ids] if traj_ids is not None else None,
             "mini_batch_id": batch.batch["mini_batch_id"].tolist(),
             "is_padding": pad,
-            "response_length": batch.batch["response_mask"].sum(-1).tolist(),
+            "loss_tokens": batch.batch["response_mask"].sum(-1).tolist(),
+            # verl's compute_data_metrics response_length: attended response positions
+            "response_length": batch.batch["attention_mask"][:, -batch.batch["responses"].shape[-1]:].sum(-1).tolist(),
             "attention_length": batch.batch["attention_mask"].sum(-1).tolist(),
         }
         with open(os.path.join(out_dir, "plan.jsonl"), "a") as f:
