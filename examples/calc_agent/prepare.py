@@ -1,0 +1,177 @@
+"""Prepare the calculator-agent recipe offline: data, tiny model, supervised warm start.
+
+    python examples/calc_agent/prepare.py [--home DIR] [--sft-steps 400]
+
+Writes under ``$VERL_TRAJ_HOME/calc_agent`` (default ``~/.cache/verl_traj/calc_agent``):
+* ``data/{train,test}.parquet``: verl's RL format (``prompt`` chat, ``agent_name: tool_agent``,
+  ``reward_model.ground_truth``), 2-3 operations per problem, so 2-3 tool calls per episode.
+* ``model/``: the tiny Qwen2-style model and tokenizer of ``verl_traj.cpu.build_tiny`` (built here,
+  offline), warm-started with a short supervised run on correct transcripts rendered by the SAME
+  chat template and tool schema that verl's ``tool_agent`` loop uses, so it knows the tool-call
+  format; GRPO then has to make it right. A random tiny model would never emit a parseable tool
+  call, and nothing can be downloaded here.
+Pass ``--data-only`` on a GPU machine: a real instruct model needs no tiny model and no warm start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import task  # noqa: E402
+
+
+@functools.lru_cache(maxsize=None)
+def _tool_schemas() -> tuple[dict, ...]:
+    from verl.tools.function_tool import FUNCTION_TOOL_REGISTRY
+
+    spec = importlib.util.spec_from_file_location("calc_tool", HERE / "calc_tool.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # registers "calculator" (once per process)
+    return (FUNCTION_TOOL_REGISTRY["calculator"].tool_schema.model_dump(exclude_unset=True, exclude_none=True),)
+
+
+def tool_schemas() -> list[dict]:
+    """The tool schema exactly as verl's agent loop renders it (FunctionTool -> model_dump)."""
+    return list(_tool_schemas())
+
+
+def write_data(data_dir: Path, n_train: int, n_test: int, seed: int) -> None:
+    import pandas as pd
+
+    rng = random.Random(seed)
+
+    def rows(n: int, split: str) -> list[dict]:
+        out = []
+        for i in range(n):
+            p = task.make_problem(rng, rng.choice((2, 3)))
+            out.append(
+                {
+                    "data_source": "calc_agent",
+                    "agent_name": "tool_agent",
+                    "prompt": [{"role": "system", "content": task.SYSTEM_PROMPT}, {"role": "user", "content": p.question}],
+                    "ability": "arithmetic",
+                    "reward_model": {"style": "rule", "ground_truth": str(p.answer)},
+                    "extra_info": {"split": split, "index": i, "expression": p.expression, "num_calls": len(p.steps)},
+                }
+            )
+        return out
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows(n_train, "train")).to_parquet(data_dir / "train.parquet")
+    pd.DataFrame(rows(n_test, "test")).to_parquet(data_dir / "test.parquet")
+
+
+def encode_transcript(tokenizer, messages: list[dict], tools: list[dict]) -> tuple[list[int], list[int]]:
+    """Token ids and a 0/1 loss mask that is 1 on the assistant's own tokens (incl. its <|im_end|>)."""
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
+    opener, closer = "<|im_start|>assistant\n", "<|im_end|>"
+    spans, start = [], text.find(opener)
+    while start != -1:
+        begin = start + len(opener)
+        end = text.find(closer, begin) + len(closer)
+        spans.append((begin, end))
+        start = text.find(opener, end)
+    mask = [int(any(b <= s < e for b, e in spans)) for s, _ in enc["offset_mapping"]]
+    return enc["input_ids"], mask
+
+
+def warm_start(model_dir: Path, steps: int, seed: int, batch_size: int = 16, lr: float = 3e-3) -> dict:
+    """Supervised warm start on correct transcripts; returns loss figures."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed + 7)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    tools = tool_schemas()
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / steps))
+    pad = tokenizer.pad_token_id
+    losses = []
+    model.train()
+    t0 = time.time()
+    for step in range(steps):
+        batch = [encode_transcript(tokenizer, task.transcript(task.make_problem(rng, rng.choice((2, 3)))), tools)
+                 for _ in range(batch_size)]
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.full((batch_size, width), pad, dtype=torch.long)
+        labels = torch.full((batch_size, width), -100, dtype=torch.long)
+        attn = torch.zeros((batch_size, width), dtype=torch.long)
+        for row, (tok, mask) in enumerate(batch):
+            n = len(tok)
+            ids[row, :n] = torch.tensor(tok)
+            attn[row, :n] = 1
+            labels[row, :n] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(tok), -100)
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        sched.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+        if step % 50 == 0 or step == steps - 1:
+            print(f"[warm start] step {step:4d} loss {loss.item():.3f} ({time.time() - t0:.0f}s)", flush=True)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return {"first_loss": losses[0], "last_loss": sum(losses[-10:]) / min(10, len(losses)), "seconds": time.time() - t0}
+
+
+def _bootstrap_tokenizer():
+    """A throwaway character-level tokenizer, only to render chat-template text for the corpus."""
+    from tokenizers import Tokenizer, models
+
+    return Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    default_home = Path(os.path.expanduser(os.environ.get("VERL_TRAJ_HOME", "~/.cache/verl_traj"))) / "calc_agent"
+    parser.add_argument("--home", type=Path, default=default_home)
+    parser.add_argument("--data-only", action="store_true",
+                        help="write the data only (GPU runs bring their own model via actor_rollout_ref.model.path)")
+    parser.add_argument("--sft-steps", type=int, default=400)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--n-train", type=int, default=2048)
+    parser.add_argument("--n-test", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--force", action="store_true")
+    args = parser.parse_args(argv)
+
+    home: Path = args.home
+    write_data(home / "data", args.n_train, args.n_test, args.seed)
+    stamp = home / "model" / "WARM_START.json"
+    if not args.data_only and (args.force or not stamp.exists()):
+        from verl_traj.cpu.build_tiny import build_model, build_tokenizer
+
+        (home / "model").mkdir(parents=True, exist_ok=True)
+        # train the tokenizer on the recipe's own rendered episodes too, so they stay short
+        from transformers import PreTrainedTokenizerFast
+
+        from verl_traj.cpu.build_tiny import CHAT_TEMPLATE
+
+        render = PreTrainedTokenizerFast(tokenizer_object=_bootstrap_tokenizer())
+        render.chat_template = CHAT_TEMPLATE
+        rng = random.Random(args.seed + 1)
+        corpus = [render.apply_chat_template(task.transcript(task.make_problem(rng, rng.choice((2, 3)))),
+                                             tools=tool_schemas(), tokenize=False) for _ in range(300)]
+        tokenizer = build_tokenizer(home / "model", vocab_size=1024, seed=args.seed, extra_corpus=corpus)
+        build_model(home / "model", tokenizer, seed=args.seed, hidden=args.hidden, layers=args.layers)
+        figures = warm_start(home / "model", args.sft_steps, args.seed)
+        stamp.write_text(json.dumps(figures, indent=1))
+    print(json.dumps({"home": str(home), "model": None if args.data_only else str(home / "model"), "data": str(home / "data")}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""The calculator-agent recipe's task: safe evaluation, problem generation, reward."""
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "calc_agent"))
+import task  # noqa: E402
+
+
+@given(seed=st.integers(0, 10_000), num_ops=st.integers(1, 4))
+@settings(max_examples=200, deadline=None)
+def test_problem_steps_chain_to_answer(seed, num_ops):
+    problem = task.make_problem(random.Random(seed), num_ops)
+    assert task.evaluate(problem.expression) == problem.answer
+    assert len(problem.steps) == num_ops
+    value = None
+    for call, result in problem.steps:
+        if value is not None:
+            assert call.startswith(f"{value} ")  # each call uses the previous tool result
+        assert task.evaluate(call) == result
+        value = result
+    assert value == problem.answer
+
+
+@pytest.mark.parametrize("bad", ["__import__('os')", "2 ** 100", "1 / 0", "x + 1", "", "1e3 + 1", "True + 1"])
+def test_calculator_rejects_anything_but_integer_arithmetic(bad):
+    with pytest.raises(task.CalculatorError):
+        task.evaluate(bad)
+
+
+def test_reward_levels():
+    assert task.compute_score("calc_agent", "<tool_call>..</tool_call> <answer>57</answer>", "57") == 1.0
+    assert task.compute_score("calc_agent", "<answer>56</answer>", "57") == 0.1
+    assert task.compute_score("calc_agent", "the answer is 57", "57") == 0.0
+    # the LAST answer counts
+    assert task.compute_score("calc_agent", "<answer>57</answer> <answer>1</answer>", "57") == 0.1
+
+
+def test_transcript_is_a_correct_episode():
+    problem = task.make_problem(random.Random(1), 3)
+    messages = task.transcript(problem)
+    calls = [m["tool_calls"][0]["function"]["arguments"]["expression"] for m in messages if m.get("tool_calls")]
+    results = [int(m["content"]) for m in messages if m["role"] == "tool"]
+    assert calls == [c for c, _ in problem.steps] and results == [r for _, r in problem.steps]
+    assert task.compute_score("calc_agent", messages[-1]["content"], str(problem.answer)) == 1.0
