@@ -137,6 +137,56 @@ def _model_time(tokens, uid, dp, mini_batches):
     return total
 
 
+def expand_timing(trajs: list[dict[str, Any]], uids: list[str], seed: int) -> dict[str, Any]:
+    """Driver-side cost of ``expand_step_rows`` on one rollout batch of these trajectories: the
+    concatenated rows (verl's layout) + delta-encoded per-call records, as the step-wise agent loop
+    produces them; merged and step-wise."""
+    from verl_traj.stepwise.expand import encode_step_records, expand_step_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    recs, rows = [], []
+    for t in trajs:
+        p, r = synthesise_trajectory(t["steps"], gen, 0.0)
+        recs.append(encode_step_records([{"prompt_ids": a.numpy(), "response_ids": b.numpy()} for a, b in zip(p, r)]))
+        p0 = p[0].numel()
+        full = torch.cat([p[-1], r[-1]]).long()
+        mask = torch.zeros(full.numel() - p0, dtype=torch.long)
+        for a, b in zip(p, r):
+            mask[a.numel() - p0 : a.numel() - p0 + b.numel()] = 1
+        rows.append((p[0].long(), full[p0:], mask))
+        del p, r
+    B = len(rows)
+    P = max(x[0].numel() for x in rows)
+    R = max(x[1].numel() for x in rows)
+    tensors = {
+        "prompts": torch.zeros(B, P, dtype=torch.long),
+        "responses": torch.zeros(B, R, dtype=torch.long),
+        "response_mask": torch.zeros(B, R, dtype=torch.long),
+        "attention_mask": torch.zeros(B, P + R, dtype=torch.long),
+        "rm_scores": torch.zeros(B, R),
+    }
+    for b, (p, r, m) in enumerate(rows):
+        tensors["prompts"][b, P - p.numel():] = p
+        tensors["responses"][b, : r.numel()] = r
+        tensors["response_mask"][b, : r.numel()] = m
+        tensors["attention_mask"][b, P - p.numel(): P + r.numel()] = 1
+        tensors["rm_scores"][b, r.numel() - 1] = 1.0
+    col = np.empty(B, dtype=object)
+    col[:] = recs
+    non = {"uid": np.asarray(uids[:B], dtype=object), "traj_steps": col}
+    out: dict[str, Any] = {"trajectories": B}
+    for merge in (True, False):
+        t0 = time.perf_counter()
+        res = expand_step_rows(tensors, non, merge_prefix=merge)
+        dt = time.perf_counter() - t0
+        key = "merged" if merge else "stepwise"
+        out[f"{key}_seconds"] = round(dt, 3)
+        out[f"{key}_shape"] = list(res.tensors["input_ids"].shape)
+        out[f"{key}_padded_bytes"] = int(sum(v.numel() * v.element_size() for v in res.tensors.values()))
+        del res
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=DEFAULT_DATA)
@@ -149,6 +199,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--planner", choices=["auto", "model"], default="auto",
                     help="auto: verl_traj.core.plan_mini_batches if importable, else the workload model")
+    ap.add_argument("--expand-trajectories", type=int, default=0,
+                    help="also time expand_step_rows on one rollout batch of the first N trajectories")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args(argv)
 
@@ -226,6 +278,8 @@ def main(argv=None) -> int:
         "seconds_merge": round(t_merge, 2),
         "merge_tokens_per_second": total.tokens_before / max(t_merge, 1e-9),
     }
+    if args.expand_trajectories:
+        out["expand_step_rows"] = expand_timing(trajs[: args.expand_trajectories], uids, args.seed)
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -245,6 +299,11 @@ def main(argv=None) -> int:
     print()
     print(f"loss tokens identical: {out['loss_tokens_identical']}; merge time {t_merge:.1f}s "
           f"({out['merge_tokens_per_second'] / 1e6:.0f}M step tokens/s), synthesis {t_synth:.1f}s")
+    if args.expand_trajectories:
+        e = out["expand_step_rows"]
+        print(f"expand_step_rows on one batch of {e['trajectories']} trajectories: merged {e['merged_seconds']:.2f}s "
+              f"-> {e['merged_shape']} ({e['merged_padded_bytes'] / 2**30:.2f} GiB padded tensors); step-wise "
+              f"{e['stepwise_seconds']:.2f}s -> {e['stepwise_shape']} ({e['stepwise_padded_bytes'] / 2**30:.2f} GiB)")
     print("planned update workload = sum over mini-batches of the slowest rank's sum of 24576*L + L^2 (verl's "
           "calculate_workload; relative units, lower is faster)")
     return 0
