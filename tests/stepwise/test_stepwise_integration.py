@@ -186,3 +186,29 @@ def test_expand_plan_pad_then_advantages_end_to_end(merge):
     assert int(pad.sum()) == int(plan.stats.padding_rows.sum())
     assert torch.count_nonzero(adv[pad]) == 0
     assert torch.allclose(adv[~pad], ref[plan.order[~pad]])
+
+
+def test_context_manager_under_the_trainers_real_rows_wrapper():
+    """Installed outside the trainer's real-rows wrapper: step batches use the step path, plain ones verl's."""
+    orig = ray_trainer.compute_advantage
+
+    def real_rows_wrapper(fn):  # stands in for the trainer's _compute_advantage_real_rows
+        def w(data, *a, **k):
+            return fn(data, *a, **k)
+
+        w.__wrapped__ = fn
+        return w
+
+    with sal.stepwise_compute_advantage_installed():
+        ray_trainer.compute_advantage = real_rows_wrapper(ray_trainer.compute_advantage)
+        step, _ = _dataproto(6)
+        sal.expand_dataproto_step_rows(step)
+        step.batch["token_level_rewards"] = step.batch["rm_scores"].clone()
+        ray_trainer.compute_advantage(step, "grpo", config=OmegaConf.create({}))
+        assert torch.count_nonzero(step.batch["advantages"][~torch.as_tensor(step.non_tensor_batch["is_last_step"])]) > 0
+        plain, _ = _dataproto(6)
+        plain.batch["token_level_rewards"] = plain.batch["rm_scores"].clone()
+        ray_trainer.compute_advantage(plain, "grpo", config=OmegaConf.create({}))  # no recursion
+        assert "advantages" in plain.batch.keys()
+    assert ray_trainer.compute_advantage is orig
+    assert not hasattr(ray_trainer, "_verl_traj_original_compute_advantage")

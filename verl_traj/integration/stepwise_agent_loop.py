@@ -15,16 +15,31 @@ Three pieces, all thin adapters over the pure :mod:`verl_traj.stepwise` function
    broadcasts it to every step row on the row's own ``response_mask``; on ordinary batches it calls
    verl's function unchanged.
 
-Registering the agent loop in verl's worker processes: either import this module there, or point
-``actor_rollout_ref.rollout.agent.agent_loop_config_path`` at a YAML file containing
-:data:`AGENT_LOOP_CONFIG_YAML`.
+How to wire (``traj.step_wise=true``; the trainer owns these calls):
+
+* rollout: ``actor_rollout_ref.rollout.agent.default_agent_loop=traj_stepwise_tool_agent`` (or the
+  dataset's ``agent_name`` column) and ``actor_rollout_ref.rollout.agent.agent_loop_config_path`` = a
+  YAML file containing :data:`AGENT_LOOP_CONFIG_YAML` (registers the class in the agent-loop worker
+  processes; verl_traj must be importable there). The reward must be computed once per trajectory
+  in the agent loop (verl's reward loop -> ``rm_scores``); :func:`expand_dataproto_step_rows` puts it
+  on the last step row only. If a reward model scores the step rows later instead, the default
+  ``reward_reduction="last_step"`` only uses the last step row's score.
+* ``TrajRayPPOTrainer._balance_batch``: first
+  ``metrics.update(expand_dataproto_step_rows(batch, merge_prefix=traj.merge_prefix,
+  pad_token_id=tokenizer.pad_token_id, traj_id_key=traj.traj_id_key,
+  step_index_key=traj.step_index_key))``, then ``build_layout`` / ``plan_mini_batches`` /
+  ``apply_plan`` as usual (the expanded batch has ``traj_id``, ``step_index``, ``is_last_step``).
+* ``TrajRayPPOTrainer.fit``: ``with stepwise_compute_advantage_installed():`` OUTSIDE
+  ``fit_globals_on_real_rows()`` (so the real-rows wrapper wraps the step-aware function); non-step
+  batches still go to verl's ``compute_advantage`` unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 from uuid import uuid4
 
 import numpy as np
@@ -185,11 +200,8 @@ def compute_stepwise_advantage(
     from verl.trainer.ppo import core_algos
 
     if not is_stepwise_batch(data, traj_id_key, is_last_step_key):
-        from verl.trainer.ppo import ray_trainer
-
-        fn = getattr(ray_trainer, "_verl_traj_original_compute_advantage", ray_trainer.compute_advantage)
-        return fn(data, adv_estimator, gamma=gamma, lam=lam, num_repeat=num_repeat,
-                  norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=config)
+        return _verl_compute_advantage()(data, adv_estimator, gamma=gamma, lam=lam, num_repeat=num_repeat,
+                                         norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=config)
 
     if "response_mask" not in data.batch.keys():
         from verl.trainer.ppo.ray_trainer import compute_response_mask
@@ -227,6 +239,19 @@ def compute_stepwise_advantage(
     return data
 
 
+def _verl_compute_advantage():
+    """verl's own ``compute_advantage`` (never one of our wrappers: no recursion whatever is installed)."""
+    from verl.trainer.ppo import ray_trainer
+
+    fn = getattr(ray_trainer, "_verl_traj_original_compute_advantage", None)
+    if fn is None:
+        fn = inspect.unwrap(ray_trainer.compute_advantage)
+        if fn is compute_stepwise_advantage:  # patched without install_compute_advantage()
+            raise RuntimeError("verl's compute_advantage was replaced without install_compute_advantage(); "
+                               "cannot find the original to fall back to.")
+    return fn
+
+
 def _is_padding(data: Any) -> Optional[np.ndarray]:
     if "is_padding" in data.non_tensor_batch:
         return np.asarray(data.non_tensor_batch["is_padding"], dtype=bool)
@@ -245,4 +270,23 @@ def install_compute_advantage() -> None:
     ray_trainer.compute_advantage = compute_stepwise_advantage
 
 
-__all__.append("install_compute_advantage")
+@contextlib.contextmanager
+def stepwise_compute_advantage_installed() -> Iterator[None]:
+    """Context manager form of :func:`install_compute_advantage` that restores verl's global on exit.
+
+    Enter it OUTSIDE the trainer's ``fit_globals_on_real_rows()`` so the real-rows wrapper wraps it.
+    """
+    from verl.trainer.ppo import ray_trainer
+
+    saved = ray_trainer.compute_advantage
+    had_original = hasattr(ray_trainer, "_verl_traj_original_compute_advantage")
+    install_compute_advantage()
+    try:
+        yield
+    finally:
+        ray_trainer.compute_advantage = saved
+        if not had_original and hasattr(ray_trainer, "_verl_traj_original_compute_advantage"):
+            del ray_trainer._verl_traj_original_compute_advantage
+
+
+__all__ += ["install_compute_advantage", "stepwise_compute_advantage_installed"]
