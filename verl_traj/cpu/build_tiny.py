@@ -13,6 +13,8 @@ Writes under ``$VERL_TRAJ_HOME`` (default ``~/.cache/verl_traj/tiny``):
   The task: "write digits"; reward ``verl_traj.cpu.reward.compute_score``.
 * ``data/tool_train.parquet``: the same prompts routed to verl's ``tool_agent`` loop
   (``agent_name``), for multi-turn runs with ``tool_config.yaml`` (tool ``verl_traj.cpu.tools.DigitsTool``).
+* ``model_tool/`` (``--tool-caller``): the tiny model after a few seconds of supervised fine-tuning
+  to call that tool, so the ``tool_agent`` loop really runs several turns.
 
 Nothing is downloaded. Building takes a few seconds; it is deterministic for a given seed.
 """
@@ -26,7 +28,7 @@ import random
 from pathlib import Path
 
 DEFAULT_HOME = "~/.cache/verl_traj/tiny"
-BUILD_VERSION = "1"
+BUILD_VERSION = "2"
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -43,10 +45,9 @@ CHAT_TEMPLATE = (
     "{% if tools %}"
     "<|im_start|>system\n"
     "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
-    "# Tools\n\nYou may call functions. Function signatures are within <tools></tools>:\n<tools>"
-    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
-    "Return a json object with function name and arguments within <tool_call></tool_call> tags:\n"
-    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "# Tools\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n"
+    "Call a tool with <tool_call>\n{\"name\": <name>, \"arguments\": <json>}\n</tool_call><|im_end|>\n"
     "{% elif messages and messages[0].role == 'system' %}"
     "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
     "{% endif %}"
@@ -104,11 +105,15 @@ def _corpus(rng: random.Random, n: int = 4000) -> list[str]:
         else:
             args = json.dumps({"n": rng.randint(0, 99)})
             lines.append(f'<tool_call>\n{{"name": "digits", "arguments": {args}}}\n</tool_call>')
-    lines += ["system user assistant tool", "You are a helpful assistant.", "# Tools", "<tools></tools>"]
+    lines += ["system user assistant tool", "You are a helpful assistant."] * 50
+    tools_block = "# Tools\n<tools>\n" + json.dumps(TOOL_SCHEMA) + "\n</tools>\n"
+    call_hint = 'Call a tool with <tool_call>\n{"name": <name>, "arguments": <json>}\n</tool_call>'
+    lines += [tools_block, call_hint] * 300
     return lines
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int, seed: int):
+def build_tokenizer(out_dir: Path, vocab_size: int, seed: int, extra_corpus: list[str] | None = None):
+    """Train the byte-level BPE tokenizer; ``extra_corpus`` adds a recipe's own text (shorter sequences)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -122,7 +127,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int, seed: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(rng), trainer=trainer)
+    tok.train_from_iterator(_corpus(rng) + list(extra_corpus or []), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -207,24 +212,94 @@ def build_tool_config(path: Path) -> None:
             {
                 "class_name": "verl_traj.cpu.tools.DigitsTool",
                 "config": {"type": "native"},
-                "tool_schema": {
-                    "type": "function",
-                    "function": {
-                        "name": "digits",
-                        "description": "Return a string of digits.",
-                        "parameters": {
-                            "type": "object",
-                            "properties": {"n": {"type": "integer", "description": "how many digits"}},
-                            "required": ["n"],
-                        },
-                    },
-                },
+                "tool_schema": TOOL_SCHEMA,
             }
         ]
     }
     import yaml
 
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+TOOL_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "digits",
+        "description": "Return a string of digits.",
+        "parameters": {
+            "type": "object",
+            "properties": {"n": {"type": "integer", "description": "how many digits"}},
+            "required": ["n"],
+        },
+    },
+}
+
+
+def build_tool_caller(home: str | None = None, steps: int = 150, lr: float = 3e-3, seed: int = 0,
+                      force: bool = False) -> Path:
+    """A copy of the tiny model taught (a few seconds of supervised fine-tuning) to answer the first
+    user turn with ``<tool_call>{"name": "digits", ...}</tool_call>`` and a tool response with digits,
+    so verl's ``tool_agent`` loop really runs several turns (``model_tool/``)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = home_dir(home)
+    out_dir = root / "model_tool"
+    if not force and (out_dir / "model.safetensors").exists():
+        return out_dir
+    tok = AutoTokenizer.from_pretrained(root / "model")
+    model = AutoModelForCausalLM.from_pretrained(root / "model", torch_dtype=torch.float32, attn_implementation="sdpa")
+    rng = random.Random(seed + 2)
+    torch.manual_seed(seed)
+
+    def example():
+        digit = rng.randint(0, 9)
+        n = rng.randint(2, 6)
+        user = rng.choice(PROMPT_TEMPLATES).format(d=digit)
+        result = "".join(rng.choice("0123456789") for _ in range(n))
+        msgs = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": user}]
+        call = {"role": "assistant", "content": "",
+                "tool_calls": [{"type": "function", "function": {"name": "digits", "arguments": {"n": n}}}]}
+        answer = {"role": "assistant", "content": result + str(digit) * 4}
+        full = msgs + [call, {"role": "tool", "content": result}, answer]
+        ids, labels = [], []
+        # assistant segments = diff between consecutive renderings
+        text_prompt = tok.apply_chat_template(msgs, tools=[TOOL_SCHEMA], tokenize=False, add_generation_prompt=True)
+        text_call = tok.apply_chat_template(msgs + [call], tools=[TOOL_SCHEMA], tokenize=False)
+        text_tool = tok.apply_chat_template(msgs + [call, full[3]], tools=[TOOL_SCHEMA], tokenize=False,
+                                            add_generation_prompt=True)
+        text_full = tok.apply_chat_template(full, tools=[TOOL_SCHEMA], tokenize=False)
+        for seg_text, train in ((text_prompt, False), (text_call[len(text_prompt):], True),
+                                (text_tool[len(text_call):], False), (text_full[len(text_tool):], True)):
+            seg = tok.encode(seg_text, add_special_tokens=False)
+            if train:
+                seg = seg[: len(seg) - (1 if seg_text.endswith("\n") else 0)]  # train up to <|im_end|>
+            ids += seg
+            labels += seg if train else [-100] * len(seg)
+        return ids, labels
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        batch = [example() for _ in range(8)]
+        width = max(len(i) for i, _ in batch)
+        input_ids = torch.full((len(batch), width), tok.pad_token_id)
+        labels = torch.full((len(batch), width), -100)
+        attn = torch.zeros((len(batch), width), dtype=torch.long)
+        for r, (i, lab) in enumerate(batch):
+            input_ids[r, : len(i)] = torch.tensor(i)
+            labels[r, : len(lab)] = torch.tensor(lab)
+            attn[r, : len(i)] = 1
+        loss = model(input_ids=input_ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    (out_dir / "sft_loss.txt").write_text(f"{loss.item():.4f}\n")
+    return out_dir
 
 
 def build(home: str | None = None, force: bool = False, seed: int = 0, vocab_size: int = 512,
@@ -252,8 +327,12 @@ def main(argv=None) -> None:
     p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--tool-caller", action="store_true",
+                   help="also build model_tool/: the tiny model fine-tuned to call the digits tool (multi-turn runs)")
     args = p.parse_args(argv)
     root = build(args.home, args.force, args.seed, args.vocab_size, args.hidden, args.layers)
+    if args.tool_caller:
+        print(build_tool_caller(args.home, force=args.force, seed=args.seed))
     print(root)
 
 
