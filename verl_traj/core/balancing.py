@@ -64,6 +64,7 @@ def balance_equal_size(
     *,
     tiebreak: np.ndarray | None = None,
     max_swaps: int | None = None,
+    rel_tol: float = 1e-4,
 ) -> np.ndarray:
     """Split every group's items over ``num_bins`` bins with equal counts, minimising each group's max bin load.
 
@@ -72,6 +73,7 @@ def balance_equal_size(
         group: ``[N]`` int group of each item (0..num_groups-1); each group size divisible by ``num_bins``.
         tiebreak: ``[N]`` optional key ordering equal costs (seed-deterministic plans pass a permutation).
         max_swaps: refinement swaps per group (default ``8 * num_bins + 64``).
+        rel_tol: refinement stops once the max bin is within ``rel_tol`` of ``max(ceil(total/bins), max item)``.
     Returns:
         ``[N]`` int64 bin of each item. Invariant: for every group every bin holds ``size / num_bins`` items.
     """
@@ -114,19 +116,22 @@ def balance_equal_size(
         if sizes[g] <= num_bins:
             continue  # one item per bin: nothing to swap that keeps counts equal and helps
         idx = order[starts[g] : starts[g] + sizes[g]]
-        _refine_group(idx, costs, bins, loads[g], num_bins, max_swaps)
+        _refine_group(idx, costs, bins, loads[g], num_bins, max_swaps, rel_tol)
     return bins
 
 
-def _refine_group(idx: np.ndarray, costs: np.ndarray, bins: np.ndarray, loads: np.ndarray, num_bins: int, max_swaps: int) -> None:
+def _refine_group(
+    idx: np.ndarray, costs: np.ndarray, bins: np.ndarray, loads: np.ndarray, num_bins: int, max_swaps: int, rel_tol: float
+) -> None:
     """In-place swap refinement of one group (``idx``: its items; ``loads``: ``[num_bins]`` its bin loads)."""
     item_cost = costs[idx]
     item_bin = bins[idx].copy()
     max_item = int(item_cost.max())
     lower = max(-(-int(loads.sum()) // num_bins), max_item)
+    good_enough = lower + int(lower * rel_tol)
     for _ in range(max_swaps):
         h = int(np.argmax(loads))
-        if loads[h] <= lower:
+        if loads[h] <= good_enough:
             break
         in_h = np.flatnonzero(item_bin == h)
         wa = item_cost[in_h]
