@@ -46,13 +46,13 @@ class ScriptedServer:
         return _Out(ids, [-0.01 * k - 0.001 * i for i in range(len(ids))])
 
 
-def _run(tokenizer, n_calls):
+def _run(tokenizer, n_calls, response_length=512):
     from verl_traj.cpu.build_tiny import TOOL_SCHEMA
     from verl_traj.cpu.tools import DigitsTool
 
     cfg = OmegaConf.create({
         "actor_rollout_ref": {"rollout": {
-            "prompt_length": 1024, "response_length": 512, "full_determinism": False,
+            "prompt_length": 1024, "response_length": response_length, "full_determinism": False,
             "multi_turn": {"max_user_turns": 8, "max_assistant_turns": 8, "max_parallel_calls": 1,
                            "max_tool_response_length": 64, "tool_response_truncate_side": "middle",
                            "format": "hermes"}}},
@@ -152,3 +152,25 @@ def test_records_survive_verl_agent_loop_worker_postprocess(tokenizer):
     out = expand_step_rows({k: v for k, v in batch.batch.items()}, dict(batch.non_tensor_batch), merge_prefix=True)
     assert out.stats.rows_before == 4 and out.stats.rows_after == 2
     assert out.tensors["rm_scores"].sum().item() == pytest.approx(2.0)
+
+
+def test_truncate_calls_matches_verl_row_budget():
+    from verl_traj.integration.stepwise_agent_loop import truncate_calls
+
+    calls = [
+        {"prompt_ids": [1] * 5, "response_ids": [2] * 3, "response_logprobs": [-1.0] * 3},
+        {"prompt_ids": [1] * 9, "response_ids": [3] * 4, "response_logprobs": [-1.0] * 4},
+        {"prompt_ids": [1] * 14, "response_ids": [4], "response_logprobs": [-1.0]},
+    ]
+    out = truncate_calls(calls, 11)
+    assert [len(c["response_ids"]) for c in out] == [3, 2]
+    assert len(out[1]["response_logprobs"]) == 2 and len(calls[1]["response_ids"]) == 4  # input untouched
+
+
+def test_long_last_generation_is_truncated_like_the_row(tokenizer):
+    out, server = _run(tokenizer, 3, response_length=10)  # the first generation (19 tokens) overshoots
+    steps = decode_step_records(out.extra_fields["traj_steps"])
+    assert len(server.seen) == 1 and len(steps) == 1
+    assert steps[0]["prompt_ids"].tolist() == out.prompt_ids
+    assert steps[0]["response_ids"].tolist() == out.response_ids  # cut at 10 tokens, like verl's row
+    assert len(steps[0]["response_logprobs"]) == len(out.response_ids) == 10

@@ -212,3 +212,37 @@ def test_context_manager_under_the_trainers_real_rows_wrapper():
         assert "advantages" in plain.batch.keys()
     assert ray_trainer.compute_advantage is orig
     assert not hasattr(ray_trainer, "_verl_traj_original_compute_advantage")
+
+
+def test_trainer_mixin_expands_before_planning_and_installs_advantage_in_fit():
+    from types import SimpleNamespace
+
+    from verl_traj.config import TrajConfig
+
+    seen = {}
+
+    class FakeTrainer:
+        def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
+            seen["rows_at_planning"] = len(batch)
+            seen["keys"] = set(batch.non_tensor_batch)
+
+        def fit(self):
+            seen["compute_advantage"] = ray_trainer.compute_advantage
+
+    class T(sal.StepwiseTrainerMixin, FakeTrainer):
+        def __init__(self, traj):
+            self.traj = traj
+            self.tokenizer = SimpleNamespace(pad_token_id=0)
+
+    data, trajs = _dataproto(7)
+    metrics = {}
+    T(TrajConfig(step_wise=True, merge_prefix=False))._balance_batch(data, metrics)
+    assert seen["rows_at_planning"] == sum(len(t[0]) for t in trajs)
+    assert {"traj_id", "step_index", "is_last_step"} <= seen["keys"]
+    assert metrics["traj_stepwise/rows_after"] == seen["rows_at_planning"]
+    T(TrajConfig(step_wise=True)).fit()
+    assert seen["compute_advantage"] is sal.compute_stepwise_advantage
+    assert ray_trainer.compute_advantage is not sal.compute_stepwise_advantage  # restored after fit
+    data2, _ = _dataproto(7)
+    T(TrajConfig(step_wise=False))._balance_batch(data2, {})
+    assert seen["rows_at_planning"] == 4  # not step-wise: untouched

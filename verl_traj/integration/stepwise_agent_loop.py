@@ -64,6 +64,8 @@ __all__ = [
     "expand_dataproto_step_rows",
     "compute_stepwise_advantage",
     "is_stepwise_batch",
+    "truncate_calls",
+    "StepwiseTrainerMixin",
 ]
 
 
@@ -118,12 +120,67 @@ if _ToolAgentLoop is not None:
                 output = await super().run(sampling_params, **kwargs)
             finally:
                 self.server_manager = inner
-            output.extra_fields[self.steps_key] = encode_step_records(calls)
+            budget = len(output.prompt_ids) + int(self.response_length)
+            output.extra_fields[self.steps_key] = encode_step_records(truncate_calls(calls, budget))
             output.extra_fields[self.traj_id_key] = uuid4().hex
             return output
 
 else:  # pragma: no cover
     StepwiseToolAgentLoop = None  # type: ignore[assignment,misc]
+
+
+def truncate_calls(calls: list[dict[str, Any]], max_context: int) -> list[dict[str, Any]]:
+    """Clip recorded calls to the row's budget (``len(prompt) + rollout.response_length``), as verl
+    truncates the concatenated row: a response is cut where prompt+response reaches ``max_context``;
+    a call whose prompt alone reaches it is dropped (so no step row is longer than a verl row)."""
+    out = []
+    for call in calls:
+        room = max_context - len(call["prompt_ids"])
+        if room <= 0:
+            break
+        if len(call["response_ids"]) > room:
+            call = dict(call)
+            call["response_ids"] = call["response_ids"][:room]
+            if call.get("response_logprobs") is not None:
+                call["response_logprobs"] = call["response_logprobs"][:room]
+        out.append(call)
+    return out
+
+
+class StepwiseTrainerMixin:
+    """Step-wise wiring for a ``TrajRayPPOTrainer``: ``class T(StepwiseTrainerMixin, TrajRayPPOTrainer)``.
+
+    When ``traj.enable`` and ``traj.step_wise``: ``_balance_batch`` first expands the batch into step
+    rows (prefix-merged when ``traj.merge_prefix``), then runs the trainer's own planning; ``fit``
+    runs with the step-aware ``compute_advantage`` installed (outside the trainer's real-rows
+    wrappers, which it enters itself). Otherwise both methods are the base class's.
+    """
+
+    def _stepwise_on(self) -> bool:
+        traj = getattr(self, "traj", None)
+        return bool(traj is not None and traj.enable and traj.step_wise)
+
+    def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
+        if self._stepwise_on():
+            traj = self.traj
+            tok = getattr(self, "tokenizer", None)
+            pad_id = getattr(tok, "pad_token_id", None) if tok is not None else None
+            step_metrics = expand_dataproto_step_rows(
+                batch,
+                merge_prefix=traj.merge_prefix,
+                pad_token_id=int(pad_id) if pad_id is not None else 0,
+                traj_id_key=traj.traj_id_key,
+                step_index_key=traj.step_index_key,
+            )
+            if metrics is not None:
+                metrics.update(step_metrics)
+        return super()._balance_batch(batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+
+    def fit(self):
+        if self._stepwise_on():
+            with stepwise_compute_advantage_installed():
+                return super().fit()
+        return super().fit()
 
 
 def is_stepwise_batch(data: Any, traj_id_key: str = "traj_id", is_last_step_key: str = "is_last_step") -> bool:
