@@ -242,6 +242,8 @@ def run_verl(wl: dict, M: int, dp: int, cap: int, timeout_s: float, tmpdir: Path
     tfile = Path(str(base) + ".time")
     if not tfile.exists():
         res.update(skipped=f"skipped (>{timeout_s:.0f} s)" if timed_out else "failed")
+        for ext in (".in.npy", ".idx.npy", ".time", ".micro"):
+            Path(str(base) + ext).unlink(missing_ok=True)
         return res
     res["plan_s"] = float(tfile.read_text())
     gi = np.load(str(base) + ".idx.npy")
@@ -286,6 +288,24 @@ def fmt_row(wl_name: str, r: dict) -> str:
     )
 
 
+EXPLANATION = """
+## What is compared
+
+- **verl 0.9.1 stock**: `RayPPOTrainer._balance_batch` default branch (Karmarkar-Karp `equal_size=True` over dp
+  ranks on `calculate_workload`, per-partition sort + interleave), then each rank's contiguous shard cut into
+  `M` consecutive equal mini-batches (the engine worker's `make_iterator`), micro-batches counted as
+  `rearrange_micro_batches(max_token_len=cap)` does (ceil(tokens/cap) raised until the KK partition fits the cap,
+  synced as the max over ranks). Its time is the `_balance_batch` part only (micro-batching runs on the workers).
+  verl has no training-batch padding: the last `B mod (dp*M)` rows are dropped for its run.
+- **verl_traj**: `build_layout_from_counts` + `plan_mini_batches(..., micro_batch_max_tokens=cap)`: whole
+  units (GRPO groups on the synthetic and M=4 real rows; trajectories for M=16 on the real data, which has only
+  12 repository groups) per mini-batch, DP balancing with equal rows per rank, minimal padding, best-fit
+  decreasing micro-batch packing with synced counts. Its time includes the packing (shown in brackets).
+- Balance = slowest rank's workload / max(ceil(total/dp), largest row) per mini-batch (1.0 is optimal).
+- Split trajectories / groups = (distinct (unit, mini-batch) pairs) - (units): how many extra mini-batches
+  the steps of a trajectory / the members of a group were scattered over.
+"""
+
 HEADER = (
     "| workload | rows | method | plan time (s), ours incl. micro-batch packing | slowest rank / lower bound (mean / worst mini-batch) | "
     "split trajectories | split groups | padding rows / tokens | micro-batches / sum ceil(tokens/cap) |\n"
@@ -298,8 +318,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="real data + 10K synthetic only")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table (--write still writes the table)")
     ap.add_argument("--dp", type=int, default=8)
-    ap.add_argument("--verl-timeout", type=float, default=300.0, help="seconds before verl's KK run is skipped")
-    ap.add_argument("--sizes", type=str, default="10000,100000,1000000")
+    ap.add_argument("--verl-timeout", type=float, default=600.0, help="seconds before verl's KK run is skipped")
+    ap.add_argument("--sizes", type=str, default="10000,30000,100000,1000000")
     ap.add_argument("--write", type=str, default=None, help="also write the markdown table to this file")
     args = ap.parse_args(argv)
     dp = args.dp
@@ -307,6 +327,7 @@ def main(argv=None) -> int:
     sizes = [10_000] if args.quick else [int(s) for s in args.sizes.split(",")]
 
     results = []
+    load0 = f"{os.getloadavg()[0]:.1f}"
     if DATA_FILE.exists():
         wl = load_real()
         cap = 131_072  # >= longest row (~90.9K tokens)
@@ -317,16 +338,25 @@ def main(argv=None) -> int:
             print(f"[bench] {name} done", file=sys.stderr)
     else:
         print(f"[bench] {DATA_FILE} absent: real-data rows skipped", file=sys.stderr)
+    verl_gave_up_at = None
     for n in sizes:
         wl = make_synthetic(n)
         cap = 65_536
         M = 16
         name = f"{wl['name']}, M={M}"
         results.append((name, wl["note"], run_ours(wl, M, dp, cap, "group")))
-        results.append((name, wl["note"], run_verl(wl, M, dp, cap, args.verl_timeout, tmpdir, do_micro=n <= 100_000)))
+        if verl_gave_up_at is None:
+            r = run_verl(wl, M, dp, cap, args.verl_timeout, tmpdir, do_micro=n <= 100_000)
+            if "skipped" in r:
+                verl_gave_up_at = n
+        else:  # KK is superlinear: a larger batch cannot finish where a smaller one did not
+            keep = n - n % (dp * M)
+            r = dict(method="verl 0.9.1 stock", rows=keep, dropped_rows=n - keep,
+                     skipped=f"skipped (>{args.verl_timeout:.0f} s already at {verl_gave_up_at:,} rows)")
+        results.append((name, wl["note"], r))
         print(f"[bench] {name} done", file=sys.stderr)
 
-    notes = sorted({f"- {n.split(',')[0]}: {note}" for n, note, _ in results})
+    notes = sorted({f"- {n.split(',')[0].split(' ')[0]}: {note}" for n, note, _ in results})
     lines = [
         f"dp_size={dp}; cap (micro_batch_max_tokens / verl max_token_len) = 131072 on the real data, 65536 on "
         "synthetic; workload model 24576*L + L^2 (verl's calculate_workload) for both methods.",
@@ -345,11 +375,13 @@ def main(argv=None) -> int:
     else:
         print(table)
     if args.write:
-        cmd = "python scripts/bench_batching.py" + (" --quick" if args.quick else "") + f" --dp {dp} --write {args.write}"
+        cmd = "python scripts/bench_batching.py" + (" --quick" if args.quick else "") + f" --dp {dp} --sizes {args.sizes}"
+        cmd += f" --verl-timeout {args.verl_timeout:.0f} --write docs/bench_batching.md"
         Path(args.write).write_text(
             "# Batching benchmark: verl_traj vs verl 0.9.1 stock `_balance_batch`\n\n"
             f"Reproduce: `{cmd}` (machine: {os.cpu_count()} cores; verl's Karmarkar-Karp time-limited at "
-            f"{args.verl_timeout:.0f} s).\n\n" + table + "\n"
+            f"{args.verl_timeout:.0f} s; load average during the run {load0} -> {os.getloadavg()[0]:.1f}: "
+            "other jobs shared the machine, so times are noisy, ratios are not).\n\n" + table + "\n" + EXPLANATION
         )
     return 0
 
