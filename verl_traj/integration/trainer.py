@@ -315,7 +315,10 @@ def traj_index_of_rows(batch: DataProto, traj_key: str) -> torch.Tensor:
     if traj_key in batch.non_tensor_batch:
         from verl_traj.core import factorize
 
-        codes, _ = factorize(np.asarray(batch.non_tensor_batch[traj_key]))
+        tid = np.asarray(batch.non_tensor_batch[traj_key]).astype(str)
+        if "uid" in batch.non_tensor_batch:  # a trajectory never spans two uids; guards per-group ids
+            tid = np.char.add(np.char.add(np.asarray(batch.non_tensor_batch["uid"]).astype(str), "\x00"), tid)
+        codes, _ = factorize(tid)
         return torch.as_tensor(np.asarray(codes), dtype=torch.long)
     return torch.arange(n, dtype=torch.long)
 
