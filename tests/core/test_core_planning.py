@@ -110,6 +110,15 @@ def check_plan(b, lay, plan, M, dp, group_by, workload="verl", cap=None):
             short = sum(1 for r, c in enumerate(counts) if c < max(counts))
             assert short == s.ranks_short_of_rows[m]
             assert max(counts) == s.micro_batches[m]
+            real_micro = 0
+            max_packed = 0
+            for r in range(dp):
+                sel = (mbid == m) & (plan.rank.numpy() == r) & ~pad
+                for k in np.unique(mi[sel]):
+                    real_micro += 1
+                    max_packed = max(max_packed, int(tokens[order[sel][mi[sel] == k]].sum()))
+            assert s.real_micro_batches[m] == real_micro
+            assert s.max_packed_tokens[m] == max_packed
     metrics = plan.metrics("p")
     assert all(isinstance(v, float) and math.isfinite(v) for v in metrics.values())
     assert metrics["p/padding_rows"] == n_pad.sum()

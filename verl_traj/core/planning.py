@@ -79,6 +79,7 @@ class MiniBatchStats:
     micro_batches: torch.Tensor  # [M] int64 micro-batches per rank (synced over ranks)
     micro_batches_lower_bound: torch.Tensor  # [M] int64 max over ranks of ceil(rank tokens / cap)
     max_packed_tokens: torch.Tensor  # [M] int64 largest real-token sum of one micro-batch
+    real_micro_batches: torch.Tensor  # [M] int64 micro-batches holding >= 1 real row, summed over ranks
     ranks_short_of_rows: torch.Tensor  # [M] int64 ranks with fewer rows than the synced count
 
 
@@ -153,6 +154,8 @@ class MiniBatchPlan:
                     "micro_batches_over_lower_bound": n_micro / max(float(s.micro_batches_lower_bound.sum()), 1.0),
                     "tokens_per_micro_batch": float(s.tokens.sum()) / max(n_micro * self.dp_size, 1.0),
                     "max_packed_tokens": float(s.max_packed_tokens.max()),
+                    "micro_batches_with_real_rows": float(s.real_micro_batches.sum()),  # over all ranks
+                    "real_tokens_per_micro_batch": float(s.tokens.sum()) / max(float(s.real_micro_batches.sum()), 1.0),
                     "ranks_short_of_rows": float(s.ranks_short_of_rows.sum()),
                 }
             )
@@ -319,6 +322,7 @@ def plan_mini_batches(
     micro = np.zeros(M, dtype=np.int64)
     micro_lb = np.zeros(M, dtype=np.int64)
     max_packed = np.zeros(M, dtype=np.int64)
+    real_micro = np.zeros(M, dtype=np.int64)
     short = np.zeros(M, dtype=np.int64)
     if micro_batch_max_tokens is not None:
         cap = int(micro_batch_max_tokens)
@@ -330,7 +334,9 @@ def plan_mini_batches(
         real_key = mkey[~item_pad]
         uniq, inv = np.unique(real_key, return_inverse=True)
         sums = np.bincount(inv.reshape(-1), weights=tokens).astype(np.int64)
-        np.maximum.at(max_packed, (uniq // (int(packing.micro_index.max()) + 1)) // dp, sums)
+        uniq_mb = (uniq // (int(packing.micro_index.max()) + 1)) // dp
+        np.maximum.at(max_packed, uniq_mb, sums)
+        real_micro = np.bincount(uniq_mb, minlength=M).astype(np.int64)
         micro_index = torch.from_numpy(packing.micro_index[out])
     lap("packing_s")
 
@@ -350,6 +356,7 @@ def plan_mini_batches(
         micro_batches=torch.from_numpy(micro),
         micro_batches_lower_bound=torch.from_numpy(micro_lb),
         max_packed_tokens=torch.from_numpy(max_packed),
+        real_micro_batches=torch.from_numpy(real_micro),
         ranks_short_of_rows=torch.from_numpy(short),
     )
     return MiniBatchPlan(
