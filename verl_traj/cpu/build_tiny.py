@@ -248,7 +248,7 @@ def build_tool_caller(home: str | None = None, steps: int = 150, lr: float = 3e-
     if not force and (out_dir / "model.safetensors").exists():
         return out_dir
     tok = AutoTokenizer.from_pretrained(root / "model")
-    model = AutoModelForCausalLM.from_pretrained(root / "model", torch_dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32, attn_implementation="sdpa")
     rng = random.Random(seed + 2)
     torch.manual_seed(seed)
 

@@ -126,7 +126,7 @@ class CPUGenerationServer:
         dtype = _DTYPES.get(str(_cfg_get(config, "dtype", "float32")), torch.float32)
         hf_config = AutoConfig.from_pretrained(local_path, trust_remote_code=trust)
         self.model = AutoModelForCausalLM.from_pretrained(
-            local_path, torch_dtype=dtype, attn_implementation=attn, trust_remote_code=trust
+            local_path, dtype=dtype, attn_implementation=attn, trust_remote_code=trust
         )
         self.model.eval()
         self.model.requires_grad_(False)
