@@ -107,6 +107,11 @@ def read_metrics(path: Path) -> list[dict]:
 
 @pytest.fixture
 def run_training(tiny_home, tmp_path):
+    from verl_traj.cpu.plugin import accelerator_present
+
+    if accelerator_present():
+        pytest.skip("the CPU e2e tests target machines without an accelerator")
+
     def _run(overrides: list[str], timeout: float = 300, extra_roots: list[int] = (), extra_env: dict = None,
              config_name: str = "cpu_tiny") -> TrainingRun:
         metrics_path = tmp_path / "metrics.jsonl"

@@ -46,6 +46,43 @@ def test_plugin_registers_cpu_platform_without_accelerator():
     assert get_rollout_replica_class("cpu").__name__ == "CPUReplica"
 
 
+@pytest.mark.parametrize("how", ["cuda_available", "VERL_TRAJ_CPU=0"])
+def test_plugin_stays_out_when_accelerator_present(how):
+    """With an accelerator (simulated: torch.cuda.is_available() -> True) or VERL_TRAJ_CPU=0, nothing
+    CPU-specific is registered or patched: GPU runs see stock verl (the rollout name 'cpu' is only
+    a registry entry)."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import json, torch
+if HOW == "cuda_available":
+    torch.cuda.is_available = lambda: True
+import verl
+import verl.utils.distributed as d
+from verl.plugin.platform.platform_manager import PlatformRegistry
+from verl_traj.cpu import plugin
+from verl.workers.engine import EngineRegistry
+from verl.workers.rollout.base import _ROLLOUT_REGISTRY
+print(json.dumps({
+    "active": plugin.cpu_platform_active(),
+    "registered": "cpu" in PlatformRegistry.registered_names(),
+    "patched": getattr(d, "_verl_traj_cpu_patched", False),
+    "cpu_engine": "cpu" in EngineRegistry._engines["language_model"]["fsdp2"],
+    "rollout_entry": ("cpu", "async") in _ROLLOUT_REGISTRY,
+}))
+""".replace("HOW", repr(how))
+    env = dict(os.environ)
+    if how == "VERL_TRAJ_CPU=0":
+        env["VERL_TRAJ_CPU"] = "0"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res == {"active": False, "registered": False, "patched": False, "cpu_engine": False,
+                   "rollout_entry": True}, res
+
+
 def test_sampler_top_k_top_p_and_logprobs():
     from verl_traj.cpu.rollout import filter_logits, sample_token
 
