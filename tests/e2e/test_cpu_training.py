@@ -140,6 +140,34 @@ def test_server_generation_matches_teacher_forcing(tiny_home):
     assert after != before and server.global_steps == 7
 
 
+def test_server_batched_generation_matches_teacher_forcing(tiny_home):
+    """Concurrent requests of different prompt lengths are batched (left padding, one KV cache);
+    every row's log-probs still equal a full forward of that row alone; per-row stops and limits."""
+    import asyncio
+
+    from verl_traj.cpu.rollout import CPUGenerationServer
+
+    server = CPUGenerationServer(
+        config={"dtype": "float32", "prompt_length": 64, "response_length": 20, "seed": 1, "max_num_seqs": 16},
+        model_config={"path": str(tiny_home / "model")},
+    )
+    prompts = [[1, 5, 9], [1, 7, 7, 7, 7, 7, 7, 30], [1, 40, 41, 42, 43], [2], [1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3]]
+
+    async def go():
+        tasks = [server.generate(request_id=str(i), prompt_ids=p, sampling_params={
+            "temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True, "max_tokens": 8 + i})
+            for i, p in enumerate(prompts)]
+        outs = await asyncio.gather(*tasks)
+        refs = [await server.compute_log_probs(p, o.token_ids) for p, o in zip(prompts, outs)]
+        return outs, refs
+
+    outs, refs = asyncio.run(go())
+    assert server.stats["batches"] < len(prompts)  # really batched
+    for i, (o, ref) in enumerate(zip(outs, refs)):
+        assert len(o.token_ids) == 8 + i or o.stop_reason == "completed"
+        assert max(abs(a - b) for a, b in zip(o.log_probs, ref)) < 1e-4, (i, o.log_probs[:3], ref[:3])
+
+
 # ---------------------------------------------------------------------------------------------
 # end to end
 # ---------------------------------------------------------------------------------------------

@@ -8,8 +8,10 @@ Three pieces, mirroring verl's vLLM/SGLang backends:
   temperature / top-k / top-p / repetition penalty, eos and ``stop_token_ids``, ``max_tokens``,
   per-token log-probs of the temperature-scaled distribution (what verl's actor computes, so
   ``training/rollout_probs_diff_*`` measures the two implementations on the same weights).
-  Requests are served one at a time on a worker thread (a tiny model on a few cores gains little
-  from batching; the event loop stays free for control calls).
+  Concurrent requests (verl's agent loop sends a whole rollout at once) are served as static
+  batches (left padding, one KV cache, per-row sampling parameters and stops) on a worker thread,
+  so the actor's event loop stays free for control calls; weight updates run on the same thread,
+  never in the middle of a batch.
 * :class:`CPUReplica`: verl's ``RolloutReplica``: one server per replica, placed on the node of
   the replica's first trainer worker (hybrid mode), registered as ``cpu`` in
   ``RolloutReplicaRegistry``.
@@ -157,7 +159,13 @@ class CPUGenerationServer:
         self.response_length = int(_cfg_get(config, "response_length", 512))
         seed = int(_cfg_get(config, "seed", 0) or 0) + 1000 * replica_rank
         self._generator = torch.Generator().manual_seed(seed)
-        self.stats = {"requests": 0, "tokens": 0, "gen_seconds": 0.0}
+        self.stats = {"requests": 0, "batches": 0, "tokens": 0, "gen_seconds": 0.0}
+        # Static batching of concurrent requests (verl's agent loop sends a whole rollout at once);
+        # VERL_TRAJ_CPU_ROLLOUT_BATCH=1 serves requests one by one.
+        self.max_batch_size = int(os.environ.get("VERL_TRAJ_CPU_ROLLOUT_BATCH", 0) or _cfg_get(config, "max_num_seqs", 64) or 64)
+        self.batch_wait_s = 0.005
+        self._queue: Optional[asyncio.Queue] = None
+        self._batch_task = None
 
     # ---------------------------------------------------------------- generation
     def _max_tokens(self, prompt_len: int, sampling_params: dict) -> int:
@@ -170,65 +178,129 @@ class CPUGenerationServer:
             max_tokens = min(self.response_length, self.prompt_length + self.response_length - prompt_len)
         return max(1, min(max_tokens, max_possible))
 
-    @torch.no_grad()
-    def _generate_sync(self, prompt_ids: list[int], sampling_params: dict) -> TokenOutput:
-        t0 = time.perf_counter()
-        temperature = float(sampling_params.get("temperature", 1.0) if sampling_params.get("temperature") is not None else 1.0)
-        top_k = int(sampling_params.get("top_k", -1) if sampling_params.get("top_k") is not None else -1)
-        top_p = float(sampling_params.get("top_p", 1.0) if sampling_params.get("top_p") is not None else 1.0)
-        rep = float(sampling_params.get("repetition_penalty", 1.0) or 1.0)
-        want_logprobs = bool(sampling_params.get("logprobs", False) not in (False, None))
-        stop = set(self.eos_token_ids)
-        if not sampling_params.get("ignore_eos", False):
-            stop.update(int(t) for t in (sampling_params.get("stop_token_ids") or []))
-        else:
-            stop = set(int(t) for t in (sampling_params.get("stop_token_ids") or []))
-        max_tokens = self._max_tokens(len(prompt_ids), sampling_params)
+    def _parse(self, prompt_ids: list[int], sampling_params: dict) -> dict:
+        sp = sampling_params
+        stop = set(int(t) for t in (sp.get("stop_token_ids") or []))
+        if not sp.get("ignore_eos", False):
+            stop.update(self.eos_token_ids)
+        return {
+            "prompt": list(prompt_ids),
+            "temperature": float(sp["temperature"]) if sp.get("temperature") is not None else 1.0,
+            "top_k": int(sp["top_k"]) if sp.get("top_k") is not None else -1,
+            "top_p": float(sp["top_p"]) if sp.get("top_p") is not None else 1.0,
+            "rep": float(sp.get("repetition_penalty") or 1.0),
+            "logprobs": sp.get("logprobs", False) not in (False, None),
+            "stop": stop,
+            "max_tokens": self._max_tokens(len(prompt_ids), sp),
+        }
 
-        input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
-        past = None
-        out_ids: list[int] = []
-        out_logps: list[float] = []
-        stop_reason = "length"
-        seen = set(prompt_ids) if rep != 1.0 else None
-        for _ in range(max_tokens):
+    @torch.no_grad()
+    def _generate_batch_sync(self, requests: list[dict]) -> list[TokenOutput]:
+        """Static batch: left-padded prompts, one KV cache, per-row sampling parameters and stops."""
+        from transformers import DynamicCache
+
+        t0 = time.perf_counter()
+        bsz = len(requests)
+        width = max(len(r["prompt"]) for r in requests)
+        pad = 0
+        input_ids = torch.full((bsz, width), pad, dtype=torch.long)
+        mask = torch.zeros((bsz, width), dtype=torch.long)
+        for i, r in enumerate(requests):
+            n = len(r["prompt"])
+            input_ids[i, width - n :] = torch.tensor(r["prompt"], dtype=torch.long)
+            mask[i, width - n :] = 1
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        past = DynamicCache()
+        outs: list[list[int]] = [[] for _ in range(bsz)]
+        logps: list[list[float]] = [[] for _ in range(bsz)]
+        reasons = ["length"] * bsz
+        done = [False] * bsz
+        seen = [set(r["prompt"]) if r["rep"] != 1.0 else None for r in requests]
+        max_steps = max(r["max_tokens"] for r in requests)
+        for _ in range(max_steps):
             if self._abort:
-                stop_reason = "aborted"
+                for i in range(bsz):
+                    if not done[i]:
+                        reasons[i], done[i] = "aborted", True
                 break
-            out = self.model(input_ids=input_ids, past_key_values=past, use_cache=True)
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                             past_key_values=past, use_cache=True)
             past = out.past_key_values
-            logits = out.logits[0, -1].float()
-            if seen is not None and seen:
-                idx = torch.tensor(sorted(seen), dtype=torch.long)
-                vals = logits[idx]
-                logits[idx] = torch.where(vals > 0, vals / rep, vals * rep)
-            token, logp = sample_token(logits, temperature, top_k, top_p, self._generator)
-            out_ids.append(token)
-            out_logps.append(logp)
-            if seen is not None:
-                seen.add(token)
-            if token in stop:
-                stop_reason = "completed"
+            logits = out.logits[:, -1].float()
+            next_ids = torch.full((bsz, 1), pad, dtype=torch.long)
+            for i, r in enumerate(requests):
+                if done[i]:
+                    continue
+                row = logits[i]
+                if seen[i]:
+                    idx = torch.tensor(sorted(seen[i]), dtype=torch.long)
+                    vals = row[idx]
+                    row[idx] = torch.where(vals > 0, vals / r["rep"], vals * r["rep"])
+                token, logp = sample_token(row, r["temperature"], r["top_k"], r["top_p"], self._generator)
+                outs[i].append(token)
+                logps[i].append(logp)
+                next_ids[i, 0] = token
+                if seen[i] is not None:
+                    seen[i].add(token)
+                if token in r["stop"]:
+                    reasons[i], done[i] = "completed", True
+                elif len(outs[i]) >= r["max_tokens"]:
+                    done[i] = True
+            if all(done):
                 break
-            input_ids = torch.tensor([[token]], dtype=torch.long)
-        self.stats["requests"] += 1
-        self.stats["tokens"] += len(out_ids)
+            input_ids = next_ids
+            alive = torch.tensor([[0 if d else 1] for d in done], dtype=torch.long)
+            mask = torch.cat([mask, alive], dim=1)
+            position_ids = position_ids[:, -1:] + 1
+        self.stats["requests"] += bsz
+        self.stats["batches"] += 1
+        self.stats["tokens"] += sum(len(o) for o in outs)
         self.stats["gen_seconds"] += time.perf_counter() - t0
-        return TokenOutput(
-            token_ids=out_ids,
-            log_probs=out_logps if want_logprobs else None,
-            stop_reason=stop_reason,
-            num_preempted=0,
-            extra_fields={"global_steps": self.global_steps},
-        )
+        return [
+            TokenOutput(
+                token_ids=outs[i],
+                log_probs=logps[i] if r["logprobs"] else None,
+                stop_reason=reasons[i],
+                num_preempted=0,
+                extra_fields={"global_steps": self.global_steps},
+            )
+            for i, r in enumerate(requests)
+        ]
+
+    async def _batch_loop(self):
+        loop = asyncio.get_running_loop()
+        while True:
+            first = await self._queue.get()
+            batch = [first]
+            await asyncio.sleep(self.batch_wait_s)  # let concurrent requests of one rollout arrive
+            while not self._queue.empty() and len(batch) < self.max_batch_size:
+                batch.append(self._queue.get_nowait())
+            try:
+                results = await loop.run_in_executor(self._executor, self._generate_batch_sync,
+                                                     [req for req, _ in batch])
+                for (_, fut), res in zip(batch, results):
+                    if not fut.done():
+                        fut.set_result(res)
+            except Exception as e:  # pragma: no cover - surface to every caller
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(e)
 
     async def generate(self, request_id: str = None, *, prompt_ids: list[int], sampling_params: dict[str, Any],
                        image_data: Optional[list[Any]] = None, video_data: Optional[list[Any]] = None,
                        **kwargs: Any) -> TokenOutput:
         if image_data or video_data or kwargs.get("audio_data"):
             raise NotImplementedError("the CPU rollout backend serves text-only models")
+        req = self._parse(prompt_ids, dict(sampling_params))
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._generate_sync, list(prompt_ids), dict(sampling_params))
+        if self.max_batch_size <= 1:
+            return (await loop.run_in_executor(self._executor, self._generate_batch_sync, [req]))[0]
+        if self._batch_task is None or self._batch_task.done():
+            self._queue = asyncio.Queue()
+            self._batch_task = asyncio.ensure_future(self._batch_loop())
+        fut = loop.create_future()
+        await self._queue.put((req, fut))
+        return await fut
 
     # ---------------------------------------------------------------- weights
     def _load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> dict:
