@@ -241,9 +241,9 @@ def build_layout_from_counts(
     if bad.size:
         r = int(bad[0])
         t = int(t_codes[r])
-        uids = np.unique(_real(uid_arr)[t_codes == t].astype(str))
+        uids = np.unique(_real(uid_arr)[t_codes == t].astype(str)).tolist()
         raise BatchLayoutError(
-            f"trajectory traj_id={_tid(t)!r} has rows with {len(uids)} different uids {list(uids[:4])}. "
+            f"trajectory traj_id={_tid(t)!r} has rows with {len(uids)} different uids {uids[:4]}. "
             "Fix: all steps of one trajectory must carry the uid of its prompt group (set uid per prompt, "
             "then copy it to every step row of the trajectory)."
         )
