@@ -19,7 +19,18 @@ With ``traj.enable=true``:
   ``compute_variance_proxy_metrics``) are wrapped to see real rows only; they are restored when
   ``fit`` returns or raises.
 * ``traj.micro_batch_max_tokens`` switches verl's dynamic micro-batching on for actor, critic,
-  reference and log-prob passes with that hard cap (``max_token_len_per_gpu``).
+  reference and log-prob passes with that hard cap (``max_token_len_per_gpu``; verl's
+  ``rearrange_micro_batches`` raises the micro-batch count until every micro-batch fits). Without a
+  cap, passes configured with fixed micro-batch sizes are switched to dynamic micro-batching with the
+  same memory bound (``micro_batch_size_per_gpu * (max_prompt_length + max_response_length)``):
+  planned mini-batches have variable rows per rank, which fixed sizes cannot divide, and the
+  gradient does not depend on the micro-batch cut.
+* Start-up checks (``prepare_config``): ``traj:`` vs verl (``validate_against_verl``), a policy loss
+  that takes per-row weights, no distillation / prefix grouper, ``train_batch_size`` a multiple of
+  ``ppo_mini_batch_size``; ``trainer.balance_batch`` is forced on (warning) because the planner runs
+  in ``_balance_batch``. Actor and critic must have the same DP size.
+* Debug: ``VERL_TRAJ_DEBUG_DUMP=<dir>`` appends one JSON line per step to ``<dir>/plan.jsonl`` with
+  every row's uid, traj_id, mini_batch_id, is_padding and lengths (used by the e2e tests).
 
 With ``traj.enable=false`` every method is verl's (``super()``).
 """
