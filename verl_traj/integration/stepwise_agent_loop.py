@@ -60,6 +60,7 @@ __all__ = [
     "AGENT_LOOP_NAME",
     "AGENT_LOOP_CONFIG_YAML",
     "RecordingServerManager",
+    "StepRecordingMixin",
     "StepwiseToolAgentLoop",
     "expand_dataproto_step_rows",
     "compute_stepwise_advantage",
@@ -99,31 +100,39 @@ except ImportError as _exc:  # verl's agent loop needs optional deps (PIL, ...):
     logger.warning("StepwiseToolAgentLoop unavailable: %s", _exc)
     _ToolAgentLoop = None
 
+class StepRecordingMixin:
+    """Records every LLM call of any verl agent loop: ``class MyStepwise(StepRecordingMixin, MyAgentLoop)``.
+
+    Wraps ``self.server_manager`` during ``run`` and writes the calls (the exact prompt ids each call
+    saw, the generated ids and log-probs), clipped to the row's budget and delta-encoded (O(T)), to
+    ``extra_fields["traj_steps"]``, plus a fresh ``extra_fields["traj_id"]``.
+    """
+
+    steps_key = DEFAULT_STEPS_KEY
+    traj_id_key = "traj_id"
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any):
+        calls: list[dict[str, Any]] = []
+        inner = self.server_manager
+        self.server_manager = RecordingServerManager(inner, calls)
+        try:
+            output = await super().run(sampling_params, **kwargs)
+        finally:
+            self.server_manager = inner
+        response_length = getattr(self, "response_length", None)
+        if response_length is None:
+            response_length = self.rollout_config.response_length
+        budget = len(output.prompt_ids) + int(response_length)
+        output.extra_fields[self.steps_key] = encode_step_records(truncate_calls(calls, budget))
+        output.extra_fields[self.traj_id_key] = uuid4().hex
+        return output
+
+
 if _ToolAgentLoop is not None:
 
     @_register(AGENT_LOOP_NAME)
-    class StepwiseToolAgentLoop(_ToolAgentLoop):
-        """verl's tool agent loop, plus one record per LLM call (for one training row per turn).
-
-        The records hold the exact prompt ids each call saw and the ids / log-probs it generated;
-        ``extra_fields["traj_steps"]`` (delta-encoded, O(T)) and ``extra_fields["traj_id"]``.
-        """
-
-        steps_key = DEFAULT_STEPS_KEY
-        traj_id_key = "traj_id"
-
-        async def run(self, sampling_params: dict[str, Any], **kwargs: Any):
-            calls: list[dict[str, Any]] = []
-            inner = self.server_manager
-            self.server_manager = RecordingServerManager(inner, calls)
-            try:
-                output = await super().run(sampling_params, **kwargs)
-            finally:
-                self.server_manager = inner
-            budget = len(output.prompt_ids) + int(self.response_length)
-            output.extra_fields[self.steps_key] = encode_step_records(truncate_calls(calls, budget))
-            output.extra_fields[self.traj_id_key] = uuid4().hex
-            return output
+    class StepwiseToolAgentLoop(StepRecordingMixin, _ToolAgentLoop):
+        """verl's tool agent loop, plus one record per LLM call (for one training row per turn)."""
 
 else:  # pragma: no cover
     StepwiseToolAgentLoop = None  # type: ignore[assignment,misc]
