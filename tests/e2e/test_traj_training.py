@@ -96,3 +96,22 @@ def test_traj_training_two_ranks_padding_token_cap(run_training, tmp_path):
     for m in run.metrics:
         if "traj_plan/micro_batches" in m:
             assert m["traj_plan/max_packed_tokens"] <= 160
+
+
+def test_traj_disabled_is_stock_verl(run_training, tmp_path):
+    """traj.enable=false through the same entry point: verl's own balancing and fixed-size
+    mini-batches (no plan, no padding, no verl_traj worker metrics)."""
+    dump = tmp_path / "dump"
+    run = run_training(
+        [f"trainer.total_training_steps={STEPS}", "traj.enable=false"],
+        timeout=420,
+        extra_env={"VERL_TRAJ_DEBUG_DUMP": str(dump)},
+    )
+    assert run.returncode == 0, tail(run.output, 80)
+    steps = [m for m in run.metrics if "actor/pg_loss" in m]
+    assert len(steps) == STEPS
+    for m in steps:
+        assert "global_seqlen/min" in m  # verl's stock _balance_batch ran
+        assert not any(k.startswith("traj_plan/") for k in m)
+        assert "actor/num_optimizer_steps" not in m
+    assert not (dump / "plan.jsonl").exists()
