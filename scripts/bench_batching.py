@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark: verl_traj's trajectory-aware batching vs verl 0.9.1's stock `_balance_batch` path.
 
-Both run in this process (verl's Karmarkar-Karp in a forked child with a time limit, so a slow run
+Both run from this process (verl's Karmarkar-Karp in a spawned child with a time limit, so a slow run
 prints "skipped (>N s)" instead of hanging).
 
 verl stock path (replicated from RayPPOTrainer._balance_batch, default branch, and the engine
@@ -229,7 +229,9 @@ def run_verl(wl: dict, M: int, dp: int, cap: int, timeout_s: float, tmpdir: Path
     np.save(str(base) + ".in.npy", tokens)
     for ext in (".idx.npy", ".time", ".micro"):
         Path(str(base) + ext).unlink(missing_ok=True)
-    ctx = mp.get_context("fork")
+    # spawn, not fork: a child forked after torch's OpenMP pool started in this process deadlocks in its
+    # first parallel op (>= 32K elements), which would look like a KK timeout
+    ctx = mp.get_context("spawn")
     p = ctx.Process(target=_verl_child, args=(str(base) + ".in.npy", str(base), dp, M, cap, do_micro))
     t_start = time.perf_counter()
     p.start()
@@ -318,7 +320,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="real data + 10K synthetic only")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table (--write still writes the table)")
     ap.add_argument("--dp", type=int, default=8)
-    ap.add_argument("--verl-timeout", type=float, default=600.0, help="seconds before verl's KK run is skipped")
+    ap.add_argument("--verl-timeout", type=float, default=300.0, help="seconds before verl's KK run is skipped")
     ap.add_argument("--sizes", type=str, default="10000,30000,100000,1000000")
     ap.add_argument("--write", type=str, default=None, help="also write the markdown table to this file")
     args = ap.parse_args(argv)
