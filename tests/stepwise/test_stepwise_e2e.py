@@ -36,7 +36,8 @@ def test_stepwise_training_on_cpu(tiny, tmp_path, merge):
     env = dict(os.environ, VERL_TRAJ_HOME=str(tiny), VERL_FILE_LOGGER_PATH=str(metrics_path),
                VERL_TRAJ_CKPT_DIR=str(tmp_path / "ckpt"), PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0")
     cmd = [
-        sys.executable, str(HERE / "_stepwise_e2e_main.py"), str(yaml_path),
+        sys.executable, "-m", "verl_traj.main_ppo", "--config-name", "cpu_tiny",
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={yaml_path}",
         f"trainer.total_training_steps={STEPS}", "trainer.logger=[console,file]",
         f"actor_rollout_ref.model.path={tiny}/model_tool",
         f"data.train_files={tiny}/data/tool_train.parquet", f"data.val_files={tiny}/data/tool_test.parquet",

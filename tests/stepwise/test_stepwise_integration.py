@@ -214,35 +214,45 @@ def test_context_manager_under_the_trainers_real_rows_wrapper():
     assert not hasattr(ray_trainer, "_verl_traj_original_compute_advantage")
 
 
-def test_trainer_mixin_expands_before_planning_and_installs_advantage_in_fit():
+def test_trainer_expands_before_planning_and_installs_advantage_in_fit():
+    """TrajRayPPOTrainer with traj.step_wise: _balance_batch expands to step rows, then plans them
+    (real planner, dp=2); fit runs with the step-aware compute_advantage, restored afterwards."""
     from types import SimpleNamespace
 
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    import verl_traj.integration.trainer as T
     from verl_traj.config import TrajConfig
 
-    seen = {}
-
-    class FakeTrainer:
-        def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
-            seen["rows_at_planning"] = len(batch)
-            seen["keys"] = set(batch.non_tensor_batch)
-
-        def fit(self):
-            seen["compute_advantage"] = ray_trainer.compute_advantage
-
-    class T(sal.StepwiseTrainerMixin, FakeTrainer):
-        def __init__(self, traj):
-            self.traj = traj
-            self.tokenizer = SimpleNamespace(pad_token_id=0)
+    def trainer(traj: TrajConfig):
+        tr = T.TrajRayPPOTrainer.__new__(T.TrajRayPPOTrainer)
+        tr.traj = traj
+        tr.tokenizer = SimpleNamespace(pad_token_id=0)
+        tr.global_steps = 1
+        tr.config = OmegaConf.create({"data": {"train_batch_size": 2},
+                                      "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 1}}})
+        tr._dp_size = lambda: 2
+        return tr
 
     data, trajs = _dataproto(7)
+    n_steps = sum(len(t[0]) for t in trajs)
     metrics = {}
-    T(TrajConfig(step_wise=True, merge_prefix=False))._balance_batch(data, metrics)
-    assert seen["rows_at_planning"] == sum(len(t[0]) for t in trajs)
-    assert {"traj_id", "step_index", "is_last_step"} <= seen["keys"]
-    assert metrics["traj_stepwise/rows_after"] == seen["rows_at_planning"]
-    T(TrajConfig(step_wise=True)).fit()
-    assert seen["compute_advantage"] is sal.compute_stepwise_advantage
+    trainer(TrajConfig(step_wise=True, merge_prefix=False))._balance_batch(data, metrics)
+    assert metrics["traj_stepwise/rows_after"] == n_steps == metrics["traj_plan/real_rows"]
+    assert metrics["traj_plan/split_trajectories"] == 0 and metrics["traj_plan/split_groups"] == 0
+    real = ~data.batch["is_padding"]
+    assert int(real.sum()) == n_steps and len(data) % 2 == 0
+    assert {"traj_id", "step_index", "is_last_step"} <= set(data.non_tensor_batch)
+
+    seen = {}
+    original_fit = RayPPOTrainer.fit
+    RayPPOTrainer.fit = lambda self: seen.setdefault("compute_advantage", ray_trainer.compute_advantage)
+    try:
+        trainer(TrajConfig(step_wise=True)).fit()
+    finally:
+        RayPPOTrainer.fit = original_fit
+    # the real-rows wrapper (inner) wraps the step-aware function (outer)
+    assert seen["compute_advantage"] is not sal.compute_stepwise_advantage
     assert ray_trainer.compute_advantage is not sal.compute_stepwise_advantage  # restored after fit
-    data2, _ = _dataproto(7)
-    T(TrajConfig(step_wise=False))._balance_batch(data2, {})
-    assert seen["rows_at_planning"] == 4  # not step-wise: untouched
+

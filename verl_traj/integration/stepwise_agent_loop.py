@@ -15,23 +15,14 @@ Three pieces, all thin adapters over the pure :mod:`verl_traj.stepwise` function
    broadcasts it to every step row on the row's own ``response_mask``; on ordinary batches it calls
    verl's function unchanged.
 
-How to wire (``traj.step_wise=true``; the trainer owns these calls):
-
-* rollout: ``actor_rollout_ref.rollout.agent.default_agent_loop=traj_stepwise_tool_agent`` (or the
-  dataset's ``agent_name`` column) and ``actor_rollout_ref.rollout.agent.agent_loop_config_path`` = a
-  YAML file containing :data:`AGENT_LOOP_CONFIG_YAML` (registers the class in the agent-loop worker
-  processes; verl_traj must be importable there). The reward must be computed once per trajectory
-  in the agent loop (verl's reward loop -> ``rm_scores``); :func:`expand_dataproto_step_rows` puts it
-  on the last step row only. If a reward model scores the step rows later instead, the default
-  ``reward_reduction="last_step"`` only uses the last step row's score.
-* ``TrajRayPPOTrainer._balance_batch``: first
-  ``metrics.update(expand_dataproto_step_rows(batch, merge_prefix=traj.merge_prefix,
-  pad_token_id=tokenizer.pad_token_id, traj_id_key=traj.traj_id_key,
-  step_index_key=traj.step_index_key))``, then ``build_layout`` / ``plan_mini_batches`` /
-  ``apply_plan`` as usual (the expanded batch has ``traj_id``, ``step_index``, ``is_last_step``).
-* ``TrajRayPPOTrainer.fit``: ``with stepwise_compute_advantage_installed():`` OUTSIDE
-  ``fit_globals_on_real_rows()`` (so the real-rows wrapper wraps the step-aware function); non-step
-  batches still go to verl's ``compute_advantage`` unchanged.
+Wiring (``traj.step_wise=true``): ``TrajRayPPOTrainer._balance_batch`` calls
+:func:`expand_dataproto_step_rows` before planning, and ``TrajRayPPOTrainer.fit`` installs
+:func:`stepwise_compute_advantage_installed` outside its real-rows wrappers. The rollout side needs
+``actor_rollout_ref.rollout.agent.default_agent_loop=traj_stepwise_tool_agent`` (or the dataset's
+``agent_name`` column) and ``actor_rollout_ref.rollout.agent.agent_loop_config_path`` = a YAML file
+containing :data:`AGENT_LOOP_CONFIG_YAML` (registers the class in the agent-loop worker processes).
+The reward must be computed once per trajectory in the agent loop (verl's reward loop ->
+``rm_scores``); :func:`expand_dataproto_step_rows` puts it on the last step row only.
 """
 
 from __future__ import annotations
@@ -66,8 +57,7 @@ __all__ = [
     "compute_stepwise_advantage",
     "is_stepwise_batch",
     "truncate_calls",
-    "StepwiseTrainerMixin",
-]
+    ]
 
 
 class RecordingServerManager:
@@ -154,42 +144,6 @@ def truncate_calls(calls: list[dict[str, Any]], max_context: int) -> list[dict[s
                 call["response_logprobs"] = call["response_logprobs"][:room]
         out.append(call)
     return out
-
-
-class StepwiseTrainerMixin:
-    """Step-wise wiring for a ``TrajRayPPOTrainer``: ``class T(StepwiseTrainerMixin, TrajRayPPOTrainer)``.
-
-    When ``traj.enable`` and ``traj.step_wise``: ``_balance_batch`` first expands the batch into step
-    rows (prefix-merged when ``traj.merge_prefix``), then runs the trainer's own planning; ``fit``
-    runs with the step-aware ``compute_advantage`` installed (outside the trainer's real-rows
-    wrappers, which it enters itself). Otherwise both methods are the base class's.
-    """
-
-    def _stepwise_on(self) -> bool:
-        traj = getattr(self, "traj", None)
-        return bool(traj is not None and traj.enable and traj.step_wise)
-
-    def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
-        if self._stepwise_on():
-            traj = self.traj
-            tok = getattr(self, "tokenizer", None)
-            pad_id = getattr(tok, "pad_token_id", None) if tok is not None else None
-            step_metrics = expand_dataproto_step_rows(
-                batch,
-                merge_prefix=traj.merge_prefix,
-                pad_token_id=int(pad_id) if pad_id is not None else 0,
-                traj_id_key=traj.traj_id_key,
-                step_index_key=traj.step_index_key,
-            )
-            if metrics is not None:
-                metrics.update(step_metrics)
-        return super()._balance_batch(batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
-
-    def fit(self):
-        if self._stepwise_on():
-            with stepwise_compute_advantage_installed():
-                return super().fit()
-        return super().fit()
 
 
 def is_stepwise_batch(data: Any, traj_id_key: str = "traj_id", is_last_step_key: str = "is_last_step") -> bool:

@@ -367,7 +367,13 @@ class TrajRayPPOTrainer(RayPPOTrainer):
     def fit(self):
         if not self.traj.enable:
             return super().fit()
-        with fit_globals_on_real_rows():
+        with contextlib.ExitStack() as stack:
+            if self.traj.step_wise:
+                from verl_traj.integration.stepwise_agent_loop import stepwise_compute_advantage_installed
+
+                # outermost, so the real-rows wrappers below wrap the step-aware compute_advantage
+                stack.enter_context(stepwise_compute_advantage_installed())
+            stack.enter_context(fit_globals_on_real_rows())
             return super().fit()
 
     # ---- planning --------------------------------------------------------------------------------
@@ -389,6 +395,19 @@ class TrajRayPPOTrainer(RayPPOTrainer):
     def _balance_batch(self, batch: DataProto, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
         if not self.traj.enable:
             return super()._balance_batch(batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+        if self.traj.step_wise:
+            from verl_traj.integration.stepwise_agent_loop import expand_dataproto_step_rows
+
+            pad_id = getattr(self.tokenizer, "pad_token_id", None)
+            step_metrics = expand_dataproto_step_rows(
+                batch,
+                merge_prefix=self.traj.merge_prefix,
+                pad_token_id=int(pad_id) if pad_id is not None else 0,
+                traj_id_key=self.traj.traj_id_key,
+                step_index_key=self.traj.step_index_key,
+            )
+            if metrics is not None:
+                metrics.update(step_metrics)
         plan = self.plan_and_apply(batch, self._dp_size(), metrics)
         self.last_plan = plan
 
