@@ -244,16 +244,22 @@ def test_cpu_multiturn_tool_agent(run_training, tiny_home):
             "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
             "actor_rollout_ref.rollout.multi_turn.format=hermes",
             f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tiny_home}/tool_config.yaml",
+            # the 80-step SFT model writes a well-formed call in ~45% of samples at T=1, ~100% at T=0.5;
+            # a small lr keeps that behaviour through the update between the two steps
+            "actor_rollout_ref.rollout.temperature=0.7",
+            "actor_rollout_ref.actor.optim.lr=2e-4",
         ],
         timeout=420,
     )
     assert run.returncode == 0, run.tail()
     assert len(run.metrics) == steps, run.tail()
     for m in run.metrics:
-        assert m["actor/grad_norm"] > 0
         assert m["training/rollout_probs_diff_max"] < 1e-4
         # user + assistant = 2 turns; a tool round trip adds a tool turn and another assistant turn
-        assert m["num_turns/max"] >= 4, {k: v for k, v in m.items() if k.startswith("num_turns")}
+        turns = {k: v for k, v in m.items() if k.startswith("num_turns")}
+        assert m["num_turns/max"] >= 4, turns
         assert m["timing_s/agent_loop/tool_calls/max"] > 0
+    assert run.metrics[0]["num_turns/mean"] > 2.5, run.metrics[0]["num_turns/mean"]
+    assert any(m["actor/grad_norm"] > 0 for m in run.metrics)
     print("\n[cpu multi-turn]", json.dumps({k: run.metrics[-1][k] for k in (
         "num_turns/mean", "num_turns/max", "response_length/mean", "critic/score/mean")}))

@@ -116,6 +116,8 @@ class CPUGenerationServer:
         self.num_weight_updates = 0
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-gen")
         self._abort = False
+        self._tokenizer = None
+        self._debug = int(os.environ.get("VERL_TRAJ_CPU_ROLLOUT_DEBUG", "0") or 0)
 
         threads = int(os.environ.get("VERL_TRAJ_CPU_ROLLOUT_THREADS", "1"))
         torch.set_num_threads(max(1, threads))
@@ -147,6 +149,7 @@ class CPUGenerationServer:
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(local_path, trust_remote_code=trust)
+            self._tokenizer = tok
             if tok.eos_token_id is not None:
                 eos.add(tok.eos_token_id)
         except Exception:
@@ -252,6 +255,11 @@ class CPUGenerationServer:
             alive = torch.tensor([[0 if d else 1] for d in done], dtype=torch.long)
             mask = torch.cat([mask, alive], dim=1)
             position_ids = position_ids[:, -1:] + 1
+        if self._debug > 0 and self._tokenizer is not None:  # VERL_TRAJ_CPU_ROLLOUT_DEBUG=N: print N requests
+            for i in range(min(bsz, self._debug)):
+                print(f"[cpu rollout] prompt={self._tokenizer.decode(requests[i]['prompt'])!r} "
+                      f"response={self._tokenizer.decode(outs[i])!r} stop={reasons[i]}", flush=True)
+            self._debug -= min(bsz, self._debug)
         self.stats["requests"] += bsz
         self.stats["batches"] += 1
         self.stats["tokens"] += sum(len(o) for o in outs)
