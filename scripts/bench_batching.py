@@ -370,6 +370,7 @@ def main(argv=None) -> int:
         "- lower bound per mini-batch = max(ceil(total workload / dp), largest row workload); micro-batches are per rank, "
         "summed over mini-batches (verl syncs the count as the max over ranks).",
         "- verl stock drops the last B mod (dp*M) rows (it would assert on them); it never pads.",
+        "- verl's micro-batch count is computed up to 100K rows only (it reruns KK per rank and mini-batch): '-' above.",
     ]
     table = "\n".join(lines)
     if args.json:
