@@ -19,7 +19,14 @@ from verl.trainer.main_ppo_v0 import BaseTaskRunner
 
 from verl_traj.config import TrajConfig, validate_against_verl
 
-CONFIG_DIR = os.environ.get("VERL_TRAJ_CONFIG_DIR", str(Path(__file__).resolve().parent.parent / "configs"))
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = os.environ.get("VERL_TRAJ_CONFIG_DIR", str(REPO_ROOT / "configs"))
+
+# `${verl_traj_repo:}` in configs = this checkout's root, so recipe files (tools, reward functions)
+# get absolute paths: Ray workers do not run in the launch directory. Registered at import, which
+# also happens in the task-runner process (it unpickles TrajTaskRunnerImpl from this module).
+if not OmegaConf.has_resolver("verl_traj_repo"):
+    OmegaConf.register_new_resolver("verl_traj_repo", lambda: str(REPO_ROOT))
 
 
 class TrajTaskRunnerImpl(BaseTaskRunner):
