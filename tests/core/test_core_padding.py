@@ -46,7 +46,8 @@ def test_apply_plan_keeps_schema(seed, groups, tpg, steps, dp, M, mrope, pad_row
     lay = build_layout(t["attention_mask"], t["response_mask"], b.uid, b.traj_id, b.step_index, b.is_last_step, b.is_padding)
     M = min(M, lay.num_groups)
     plan = plan_mini_batches(lay, M, dp)
-    out_t, out_nt = apply_plan(t, nt, plan)
+    out_t, out_nt = apply_plan(t, nt, plan, is_padding_non_tensor=True)
+    assert "is_padding" not in apply_plan(t, nt, plan)[1]  # default: tensor only (verl's to_tensordict)
     B_out = plan.num_rows
     order = plan.order
     pad = plan.is_padding

@@ -63,6 +63,7 @@ def apply_plan(
     pad_token_id: int = 0,
     traj_key: str = "traj_id",
     step_key: str = "step_index",
+    is_padding_non_tensor: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
     """Reorder rows by ``plan.order`` and fill padding rows; returns new dicts (inputs untouched).
 
@@ -72,9 +73,11 @@ def apply_plan(
         plan: from :func:`plan_mini_batches` on these rows (``plan.num_source_rows == B``).
         prompt_length: ``P`` when there is no ``prompts`` tensor (else ``P = prompts.shape[1]``; last
             resort ``attention_mask.shape[1] - response_mask.shape[1]``).
+        is_padding_non_tensor: also add ``is_padding`` as a bool array to ``non_tensors``. Off by default:
+            verl's ``DataProto.to_tensordict`` refuses a key that is both a tensor and a non-tensor field.
     Returns:
-        ``(tensors, non_tensors)`` with ``B_out`` rows, plus ``is_padding`` (bool tensor and bool
-        array) and ``mini_batch_id`` (int64 tensor).
+        ``(tensors, non_tensors)`` with ``B_out`` rows, plus ``is_padding`` (bool tensor) and
+        ``mini_batch_id`` (int64 tensor). An input ``is_padding`` (either kind) is replaced.
     """
     B = plan.num_source_rows
     order = plan.order
@@ -127,7 +130,8 @@ def apply_plan(
         if n_pad:
             g = _fill_padding(name, arr, g, pad_rows, traj_key, step_key)
         out_nt[name] = g
-    out_nt["is_padding"] = pad_np.copy()
+    if is_padding_non_tensor:
+        out_nt["is_padding"] = pad_np.copy()
     return out_t, out_nt
 
 
