@@ -10,3 +10,21 @@ Layout (the split is deliberate):
 """
 
 __version__ = "0.1.0"
+
+
+def _register_config_resolvers() -> None:
+    """``${verl_traj_repo:}`` in configs = this checkout's root (absolute recipe paths; Ray workers
+    do not run in the launch directory). Registered on any ``import verl_traj...``, so it exists in
+    the driver and in the task-runner process alike."""
+    try:
+        from omegaconf import OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf comes with verl
+        return
+    if not OmegaConf.has_resolver("verl_traj_repo"):
+        from pathlib import Path
+
+        root = str(Path(__file__).resolve().parent.parent)
+        OmegaConf.register_new_resolver("verl_traj_repo", lambda: root)
+
+
+_register_config_resolvers()

@@ -22,12 +22,6 @@ from verl_traj.config import TrajConfig, validate_against_verl
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = os.environ.get("VERL_TRAJ_CONFIG_DIR", str(REPO_ROOT / "configs"))
 
-# `${verl_traj_repo:}` in configs = this checkout's root, so recipe files (tools, reward functions)
-# get absolute paths: Ray workers do not run in the launch directory. Registered at import, which
-# also happens in the task-runner process (it unpickles TrajTaskRunnerImpl from this module).
-if not OmegaConf.has_resolver("verl_traj_repo"):
-    OmegaConf.register_new_resolver("verl_traj_repo", lambda: str(REPO_ROOT))
-
 
 class TrajTaskRunnerImpl(BaseTaskRunner):
     """verl's v0 task runner with verl_traj's trainer and worker classes swapped in."""

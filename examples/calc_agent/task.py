@@ -17,7 +17,7 @@ import ast
 import operator
 import random
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 SYSTEM_PROMPT = (
     "You solve arithmetic with the calculator tool: one operation per call. "
@@ -56,9 +56,9 @@ def evaluate(expression: str) -> int:
     return walk(tree)
 
 
-@dataclass(frozen=True)
-class Problem:
-    """``steps``: the calls a correct agent makes, e.g. [("12 + 7", 19), ("19 * 3", 57)]."""
+class Problem(NamedTuple):
+    """A NamedTuple, not a dataclass: verl loads reward files without registering them in
+    ``sys.modules``, where ``@dataclass`` fails. ``steps``: the calls a correct agent makes, e.g. [("12 + 7", 19), ("19 * 3", 57)]."""
 
     question: str
     expression: str
