@@ -61,7 +61,8 @@ def write_data(data_dir: Path, n_train: int, n_test: int, seed: int) -> None:
                     "prompt": [{"role": "system", "content": task.SYSTEM_PROMPT}, {"role": "user", "content": p.question}],
                     "ability": "arithmetic",
                     "reward_model": {"style": "rule", "ground_truth": str(p.answer)},
-                    "extra_info": {"split": split, "index": i, "expression": p.expression, "num_calls": len(p.steps)},
+                    "extra_info": {"split": split, "index": i, "expression": p.expression, "num_calls": len(p.steps),
+                                   "intermediates": [value for _, value in p.steps]},
                 }
             )
         return out
@@ -140,7 +141,7 @@ def main(argv=None) -> None:
     parser.add_argument("--home", type=Path, default=default_home)
     parser.add_argument("--data-only", action="store_true",
                         help="write the data only (GPU runs bring their own model via actor_rollout_ref.model.path)")
-    parser.add_argument("--sft-steps", type=int, default=400)
+    parser.add_argument("--sft-steps", type=int, default=1000)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--n-train", type=int, default=2048)

@@ -5,9 +5,12 @@ calls ``calculator`` once per operation (two or three tool calls an episode), re
 from the tool response, then answers ``<answer>N</answer>``.
 
 Reward (``compute_score``, verl's custom reward function signature), verifiable:
-    1.0  if the last ``<answer>..</answer>`` equals the ground truth
-    0.1  if an answer tag is present but wrong (format credit)
-    0.0  otherwise
+    1.0  if the last ``<answer>..</answer>`` equals the ground truth, else
+    0.1 * (an answer tag is present) + 0.5 * progress,
+where progress = the fraction of the problem's intermediate values (``extra_info["intermediates"]``)
+that the agent's own calculator calls reach, in order (the calls' expressions are re-evaluated
+here, so nothing the tool printed is trusted). Partial credit gives a small model a dense signal
+before it solves whole problems.
 Everything here is pure Python: no verl import, so data preparation and tests are fast.
 """
 
@@ -26,6 +29,7 @@ SYSTEM_PROMPT = (
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 _SYMBOL = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 ANSWER_RE = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
+CALL_RE = re.compile(r'"expression"\s*:\s*"([^"]*)"')
 
 
 class CalculatorError(ValueError):
@@ -98,9 +102,26 @@ def transcript(problem: Problem) -> list[dict]:
     return messages
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth=None, extra_info=None, **kwargs) -> float:
-    """verl custom reward: 1.0 correct final answer, 0.1 wrong but well-formed answer, else 0."""
-    found = ANSWER_RE.findall(solution_str or "")
-    if not found:
+def call_progress(solution_str: str, intermediates) -> float:
+    """Fraction of ``intermediates`` reached, in order, by the calculator calls in ``solution_str``."""
+    expected = [int(v) for v in (intermediates or [])]
+    if not expected:
         return 0.0
-    return 1.0 if ground_truth is not None and int(found[-1]) == int(ground_truth) else 0.1
+    reached = 0
+    for expression in CALL_RE.findall(solution_str or ""):
+        try:
+            value = evaluate(expression)
+        except CalculatorError:
+            continue
+        if reached < len(expected) and value == expected[reached]:
+            reached += 1
+    return reached / len(expected)
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth=None, extra_info=None, **kwargs) -> float:
+    """verl custom reward: 1.0 for a correct final answer, else format + progress partial credit."""
+    found = ANSWER_RE.findall(solution_str or "")
+    if found and ground_truth is not None and int(found[-1]) == int(ground_truth):
+        return 1.0
+    intermediates = (extra_info or {}).get("intermediates") if isinstance(extra_info, dict) else None
+    return 0.1 * bool(found) + 0.5 * call_progress(solution_str, intermediates)

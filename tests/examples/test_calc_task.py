@@ -34,11 +34,19 @@ def test_calculator_rejects_anything_but_integer_arithmetic(bad):
 
 
 def test_reward_levels():
-    assert task.compute_score("calc_agent", "<tool_call>..</tool_call> <answer>57</answer>", "57") == 1.0
-    assert task.compute_score("calc_agent", "<answer>56</answer>", "57") == 0.1
-    assert task.compute_score("calc_agent", "the answer is 57", "57") == 0.0
+    info = {"intermediates": [19, 57]}
+    call = '<tool_call>{{"name": "calculator", "arguments": {{"expression": "{}"}}}}</tool_call>'
+    assert task.compute_score("calc_agent", call.format("12 + 7") + " <answer>57</answer>", "57", info) == 1.0
+    assert task.compute_score("calc_agent", "<answer>56</answer>", "57", info) == 0.1
+    assert task.compute_score("calc_agent", "the answer is 57", "57", info) == 0.0
     # the LAST answer counts
-    assert task.compute_score("calc_agent", "<answer>57</answer> <answer>1</answer>", "57") == 0.1
+    assert task.compute_score("calc_agent", "<answer>57</answer> <answer>1</answer>", "57", info) == 0.1
+    # partial credit: intermediate values reached by the agent's own calls, in order, re-evaluated here
+    assert task.compute_score("calc_agent", call.format("12 + 7") + " <answer>5</answer>", "57", info) == 0.1 + 0.25
+    assert task.compute_score("calc_agent", call.format("19 * 3") + call.format("12 + 7"), "57", info) == 0.25
+    assert task.compute_score("calc_agent", call.format("12+7") + call.format("19*3"), "57", info) == 0.5
+    assert task.compute_score("calc_agent", call.format("import os") + call.format("2 ** 9"), "57", info) == 0.0
+    assert task.compute_score("calc_agent", call.format("12 + 7"), "57", None) == 0.0  # no intermediates given
 
 
 def test_transcript_is_a_correct_episode():
