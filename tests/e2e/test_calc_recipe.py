@@ -5,10 +5,11 @@ planner and workers."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from .conftest import REPO, tail
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.e2e
 STEPS = 2
@@ -21,7 +22,7 @@ def recipe_home(tmp_path_factory):
     cmd = [sys.executable, str(REPO / "examples/calc_agent/prepare.py"), "--home", str(home / "calc_agent"),
            "--sft-steps", "80", "--n-train", "64", "--n-test", "8"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, tail(run.stdout + run.stderr)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     return home
 
 
