@@ -45,7 +45,7 @@ def tool_schemas() -> list[dict]:
     return list(_tool_schemas())
 
 
-def write_data(data_dir: Path, n_train: int, n_test: int, seed: int) -> None:
+def write_data(data_dir: Path, n_train: int, n_test: int, seed: int, max_operand: int) -> None:
     import pandas as pd
 
     rng = random.Random(seed)
@@ -53,7 +53,7 @@ def write_data(data_dir: Path, n_train: int, n_test: int, seed: int) -> None:
     def rows(n: int, split: str) -> list[dict]:
         out = []
         for i in range(n):
-            p = task.make_problem(rng, rng.choice((2, 3)))
+            p = task.make_problem(rng, rng.choice((2, 3)), max_operand)
             out.append(
                 {
                     "data_source": "calc_agent",
@@ -87,43 +87,27 @@ def encode_transcript(tokenizer, messages: list[dict], tools: list[dict]) -> tup
     return enc["input_ids"], mask
 
 
-def warm_start(model_dir: Path, steps: int, seed: int, batch_size: int = 16, lr: float = 3e-3) -> dict:
-    """Supervised warm start on correct transcripts; returns loss figures."""
+def warm_start(model_dir: Path, steps: int, seed: int, max_operand: int, batch_size: int = 16, lr: float = 3e-3) -> dict:
+    """Supervised warm start on correct transcripts (assistant tokens only); returns loss figures."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_traj.cpu.warm_start import supervised_warm_start
 
     torch.manual_seed(seed)
     rng = random.Random(seed + 7)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tools = tool_schemas()
-    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / steps))
-    pad = tokenizer.pad_token_id
-    losses = []
-    model.train()
+
+    def example():
+        problem = task.make_problem(rng, rng.choice((2, 3)), max_operand)
+        ids, mask = encode_transcript(tokenizer, task.transcript(problem), tools)
+        return ids, [t if m else -100 for t, m in zip(ids, mask)]
+
     t0 = time.time()
-    for step in range(steps):
-        batch = [encode_transcript(tokenizer, task.transcript(task.make_problem(rng, rng.choice((2, 3)))), tools)
-                 for _ in range(batch_size)]
-        width = max(len(ids) for ids, _ in batch)
-        ids = torch.full((batch_size, width), pad, dtype=torch.long)
-        labels = torch.full((batch_size, width), -100, dtype=torch.long)
-        attn = torch.zeros((batch_size, width), dtype=torch.long)
-        for row, (tok, mask) in enumerate(batch):
-            n = len(tok)
-            ids[row, :n] = torch.tensor(tok)
-            attn[row, :n] = 1
-            labels[row, :n] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(tok), -100)
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optim.step()
-        sched.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-        if step % 50 == 0 or step == steps - 1:
-            print(f"[warm start] step {step:4d} loss {loss.item():.3f} ({time.time() - t0:.0f}s)", flush=True)
+    losses = supervised_warm_start(model, example, steps=steps, lr=lr, pad_id=tokenizer.pad_token_id,
+                                   batch_size=batch_size, warmup_steps=20, decay=True, clip_grad=1.0, log_every=50)
     model.save_pretrained(model_dir, safe_serialization=True)
     return {"first_loss": losses[0], "last_loss": sum(losses[-10:]) / min(10, len(losses)), "seconds": time.time() - t0}
 
@@ -141,17 +125,19 @@ def main(argv=None) -> None:
     parser.add_argument("--home", type=Path, default=default_home)
     parser.add_argument("--data-only", action="store_true",
                         help="write the data only (GPU runs bring their own model via actor_rollout_ref.model.path)")
-    parser.add_argument("--sft-steps", type=int, default=1000)
+    parser.add_argument("--sft-steps", type=int, default=600)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--n-train", type=int, default=2048)
     parser.add_argument("--n-test", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-operand", type=int, default=9,
+                        help="operands in [2, N]; 9 keeps copying easy enough for the tiny CPU model")
     parser.add_argument("--force", action="store_true")
     args = parser.parse_args(argv)
 
     home: Path = args.home
-    write_data(home / "data", args.n_train, args.n_test, args.seed)
+    write_data(home / "data", args.n_train, args.n_test, args.seed, args.max_operand)
     stamp = home / "model" / "WARM_START.json"
     if not args.data_only and (args.force or not stamp.exists()):
         from verl_traj.cpu.build_tiny import build_model, build_tokenizer
@@ -165,11 +151,11 @@ def main(argv=None) -> None:
         render = PreTrainedTokenizerFast(tokenizer_object=_bootstrap_tokenizer())
         render.chat_template = CHAT_TEMPLATE
         rng = random.Random(args.seed + 1)
-        corpus = [render.apply_chat_template(task.transcript(task.make_problem(rng, rng.choice((2, 3)))),
+        corpus = [render.apply_chat_template(task.transcript(task.make_problem(rng, rng.choice((2, 3)), args.max_operand)),
                                              tools=tool_schemas(), tokenize=False) for _ in range(300)]
         tokenizer = build_tokenizer(home / "model", vocab_size=1024, seed=args.seed, extra_corpus=corpus)
         build_model(home / "model", tokenizer, seed=args.seed, hidden=args.hidden, layers=args.layers)
-        figures = warm_start(home / "model", args.sft_steps, args.seed)
+        figures = warm_start(home / "model", args.sft_steps, args.seed, args.max_operand)
         stamp.write_text(json.dumps(figures, indent=1))
     print(json.dumps({"home": str(home), "model": None if args.data_only else str(home / "model"), "data": str(home / "data")}))
 

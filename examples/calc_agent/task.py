@@ -70,14 +70,15 @@ class Problem(NamedTuple):
     answer: int
 
 
-def make_problem(rng: random.Random, num_ops: int) -> Problem:
-    """A left-nested expression ``((a op b) op c) ...`` with ``num_ops`` operations."""
-    value = rng.randint(2, 30)
+def make_problem(rng: random.Random, num_ops: int, max_operand: int = 9) -> Problem:
+    """A left-nested expression ``((a op b) op c) ...`` with ``num_ops`` operations and operands in
+    ``[2, max_operand]`` (intermediate values grow beyond it: the agent must carry tool results)."""
+    value = rng.randint(2, max_operand)
     expression = str(value)
     steps = []
     for k in range(num_ops):
         symbol = rng.choice("+-*") if k else rng.choice("+-")
-        operand = rng.randint(2, 9) if symbol == "*" else rng.randint(2, 30)
+        operand = rng.randint(2, min(9, max_operand)) if symbol == "*" else rng.randint(2, max_operand)
         call = f"{value} {symbol} {operand}"
         result = _SYMBOL[symbol](value, operand)
         steps.append((call, result))
