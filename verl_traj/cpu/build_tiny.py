@@ -278,27 +278,13 @@ def build_tool_caller(home: str | None = None, steps: int = 150, lr: float = 3e-
             labels += seg if train else [-100] * len(seg)
         return ids, labels
 
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    model.train()
-    for _ in range(steps):
-        batch = [example() for _ in range(8)]
-        width = max(len(i) for i, _ in batch)
-        input_ids = torch.full((len(batch), width), tok.pad_token_id)
-        labels = torch.full((len(batch), width), -100)
-        attn = torch.zeros((len(batch), width), dtype=torch.long)
-        for r, (i, lab) in enumerate(batch):
-            input_ids[r, : len(i)] = torch.tensor(i)
-            labels[r, : len(lab)] = torch.tensor(lab)
-            attn[r, : len(i)] = 1
-        loss = model(input_ids=input_ids, attention_mask=attn, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval()
+    from verl_traj.cpu.warm_start import supervised_warm_start
+
+    losses = supervised_warm_start(model, example, steps=steps, lr=lr, pad_id=tok.pad_token_id, batch_size=8)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
-    (out_dir / "sft_loss.txt").write_text(f"{loss.item():.4f}\n")
+    (out_dir / "sft_loss.txt").write_text(f"{losses[-1]:.4f}\n")
     return out_dir
 
 
