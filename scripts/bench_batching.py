@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import os
 import sys
@@ -39,29 +38,19 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
 from verl_traj.core import build_layout_from_counts, calculate_workload, plan_mini_batches  # noqa: E402
 
-DATA_FILE = REPO.parent / "shared/data/swebench_steps.jsonl"
+from swebench_data import DATA_FILE, load_step_rows  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------- workloads
 def load_real(path: Path = DATA_FILE) -> dict:
     """One row per step. uid: consecutive trajectories of the same repository (id prefix before '__')."""
-    tid, uid, step, tok, loss = [], [], [], [], []
-    group, prev = -1, None
-    with open(path) as f:
-        for line in f:
-            d = json.loads(line)
-            repo = d["id"].split("__")[0]
-            if repo != prev:
-                group, prev = group + 1, repo
-            for s, (p, r) in enumerate(d["steps"]):
-                tid.append(d["id"])
-                uid.append(f"{repo}#{group}")
-                step.append(s)
-                tok.append(p + r)
-                loss.append(r)
+    rows = load_step_rows(path)
+    uid, tid, step = rows["uid"], rows["traj_id"], rows["step_index"]
+    tok, loss = rows["prompt_tokens"] + rows["response_tokens"], rows["response_tokens"]
     return dict(
         name="swebench (real)",
         uid=np.asarray(uid, dtype=object),

@@ -36,7 +36,10 @@ import torch
 
 from verl_traj.stepwise.prefix_merge import MergeStats, merge_trajectory_steps
 
-DEFAULT_DATA = "/work/shared/data/swebench_steps.jsonl"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from swebench_data import DATA_FILE, load_trajectories  # noqa: E402
+
+DEFAULT_DATA = str(DATA_FILE)
 
 
 def synthesise_trajectory(steps: list[list[int]], gen: torch.Generator, retokenise_prob: float, vocab: int = 150000):
@@ -66,8 +69,7 @@ def synthesise_trajectory(steps: list[list[int]], gen: torch.Generator, retokeni
 
 
 def load(path: str) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return load_trajectories(path)
 
 
 def group_ids(trajs: list[dict[str, Any]], group_by: str, group_size: int) -> list[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -10,7 +9,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-DATA_FILE = Path(__file__).parents[2].parent / "shared/data/swebench_steps.jsonl"
+import sys
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from swebench_data import DATA_FILE, load_step_rows  # noqa: E402
 
 
 @dataclass
@@ -110,20 +112,9 @@ def to_verl_tensors(b: RandomBatch, P: Optional[int] = None, R: Optional[int] = 
 
 def load_swebench(path: Path = DATA_FILE) -> RandomBatch:
     """One row per step; uid = consecutive trajectories of the same repository (id prefix before '__')."""
-    uid, tid, step, plen, rlen = [], [], [], [], []
-    group, prev = -1, None
-    with open(path) as f:
-        for line in f:
-            d = json.loads(line)
-            repo = d["id"].split("__")[0]
-            if repo != prev:
-                group, prev = group + 1, repo
-            for s, (p, r) in enumerate(d["steps"]):
-                uid.append(f"{repo}#{group}")
-                tid.append(d["id"])
-                step.append(s)
-                plen.append(p)
-                rlen.append(r)
+    rows = load_step_rows(path)
+    uid, tid, step = rows["uid"], rows["traj_id"], rows["step_index"]
+    plen, rlen = rows["prompt_tokens"], rows["response_tokens"]
     step_a = np.asarray(step, dtype=np.int64)
     tid_a = np.asarray(tid, dtype=object)
     rlen_a = np.asarray(rlen, dtype=np.int64)

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-DATA = "/work/shared/data/swebench_steps.jsonl"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DATA = os.path.join(os.path.dirname(ROOT), "shared", "data", "swebench_steps.jsonl")  # ../shared beside the repo
 
 
 @pytest.mark.skipif(not os.path.exists(DATA), reason="shared benchmark data not present")
