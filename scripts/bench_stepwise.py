@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Step-wise vs prefix-merged training rows on real multi-turn lengths (SWE-bench agent trajectories).
 
-Input: /work/shared/data/swebench_steps.jsonl (per-step [prompt_tokens, response_tokens], no text).
+Input: ../shared/data/swebench_steps.jsonl beside the repository (per-step [prompt_tokens, response_tokens], no text).
 Token ids are synthesised per trajectory so that the MERGE FUNCTION ITSELF decides every boundary:
 
 * step i+1's prompt = step i's prompt + response + fresh observation tokens, when the recorded
