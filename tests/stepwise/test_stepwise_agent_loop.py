@@ -174,3 +174,19 @@ def test_long_last_generation_is_truncated_like_the_row(tokenizer):
     assert steps[0]["prompt_ids"].tolist() == out.prompt_ids
     assert steps[0]["response_ids"].tolist() == out.response_ids  # cut at 10 tokens, like verl's row
     assert len(steps[0]["response_logprobs"]) == len(out.response_ids) == 10
+
+
+def test_shipped_agent_loop_config_registers_the_stepwise_loop():
+    """configs/agent_loops/stepwise.yaml (the README's step-wise recipe) names the real class."""
+    from pathlib import Path
+
+    import yaml
+
+    from verl_traj.integration.stepwise_agent_loop import AGENT_LOOP_NAME, StepwiseToolAgentLoop
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "agent_loops" / "stepwise.yaml"
+    entries = yaml.safe_load(path.read_text())
+    assert {e["name"] for e in entries} == {AGENT_LOOP_NAME, "tool_agent"}
+    for entry in entries:
+        module, _, cls = entry["_target_"].rpartition(".")
+        assert getattr(__import__(module, fromlist=[cls]), cls) is StepwiseToolAgentLoop
