@@ -252,7 +252,7 @@ def test_trainer_expands_before_planning_and_installs_advantage_in_fit():
         trainer(TrajConfig(step_wise=True)).fit()
     finally:
         RayPPOTrainer.fit = original_fit
-    # the real-rows wrapper (inner) wraps the step-aware function (outer)
-    assert seen["compute_advantage"] is not sal.compute_stepwise_advantage
+    # during fit: the real-rows wrapper around the step-aware function (installed outermost)
+    assert seen["compute_advantage"].__wrapped__ is sal.compute_stepwise_advantage
     assert ray_trainer.compute_advantage is not sal.compute_stepwise_advantage  # restored after fit
 

@@ -38,11 +38,11 @@ With ``traj.enable=false`` every method is verl's (``super()``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
 import warnings
-from functools import partial
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -232,11 +232,10 @@ def real_rows(batch: DataProto) -> DataProto:
 
 
 def _on_real_rows(fn):
+    @functools.wraps(fn)
     def wrapper(batch: DataProto, *args, **kwargs):
         return fn(real_rows(batch), *args, **kwargs)
 
-    wrapper.__wrapped__ = fn
-    wrapper.__name__ = getattr(fn, "__name__", "wrapped")
     return wrapper
 
 
@@ -258,6 +257,7 @@ def _scatter_rows(full: DataProto, sub: DataProto, keep: np.ndarray) -> None:
 def _compute_advantage_real_rows(fn):
     """Advantages from real rows only (any estimator); padding rows get zero advantages/returns."""
 
+    @functools.wraps(fn)
     def wrapper(data: DataProto, *args, **kwargs):
         pad = padding_mask(data)
         if pad is None:
@@ -272,13 +272,13 @@ def _compute_advantage_real_rows(fn):
                 data.non_tensor_batch[key] = arr
         return data
 
-    wrapper.__wrapped__ = fn
     return wrapper
 
 
 def _apply_kl_penalty_real_rows(fn):
     """KL-in-reward statistics (and the adaptive controller update) from real rows only."""
 
+    @functools.wraps(fn)
     def wrapper(data: DataProto, *args, **kwargs):
         pad = padding_mask(data)
         if pad is None:
@@ -290,7 +290,6 @@ def _apply_kl_penalty_real_rows(fn):
         data.batch["token_level_rewards"] = rewards
         return data, metrics
 
-    wrapper.__wrapped__ = fn
     return wrapper
 
 
@@ -360,7 +359,7 @@ class TrajRayPPOTrainer(RayPPOTrainer):
             from verl_traj.integration.losses import traj_value_loss
 
             critic_cfg: CriticConfig = omega_conf_to_dataclass(self.config.critic)
-            self.critic_wg.set_loss_fn(partial(traj_value_loss, config=critic_cfg))
+            self.critic_wg.set_loss_fn(functools.partial(traj_value_loss, config=critic_cfg))
 
     # ---- fit -------------------------------------------------------------------------------------
 
