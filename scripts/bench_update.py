@@ -213,21 +213,17 @@ def _build_worker(cfg, variant: str):
 
 
 def _prepared_batch(args, variant: str, vocab: int, dp: int):
-    from verl_traj.core import apply_plan, build_layout, compute_loss_weights, plan_mini_batches
+    from verl_traj.config import TrajConfig
+    from verl_traj.core import compute_loss_weights
+    from verl_traj.integration.trainer import plan_batch_in_place
 
     batch = make_batch(args, vocab)
     if variant == "stock":
         stock_order(batch, dp)
         blocks = mini_batch_blocks_stock(batch, dp, args.mini_batches)
         return batch, blocks, 0
-    layout = build_layout(batch.batch["attention_mask"], batch.batch["response_mask"], batch.non_tensor_batch["uid"])
-    plan = plan_mini_batches(layout, args.mini_batches, dp, group_by="group", micro_batch_max_tokens=args.cap)
-    t, nt = apply_plan(dict(batch.batch.items()), dict(batch.non_tensor_batch), plan)
-    nt.pop("is_padding", None)
-    from tensordict import TensorDict
-
-    batch.batch = TensorDict(t, batch_size=[plan.num_rows])
-    batch.non_tensor_batch = nt
+    plan = plan_batch_in_place(batch, TrajConfig(group_by="group", micro_batch_max_tokens=args.cap),
+                               args.mini_batches, dp)
     import torch
 
     batch.batch["loss_weight"] = compute_loss_weights(

@@ -129,12 +129,13 @@ def _critic_proc(rank, world, port, home, critic_path, cap, out_path):
         import verl.utils.model as vum
         from hydra import compose, initialize_config_dir
         from omegaconf import OmegaConf
-        from tensordict import TensorDict
         from verl.utils import tensordict_utils as tu
         from verl.utils.config import omega_conf_to_dataclass
         from verl.workers.config import TrainingWorkerConfig
 
-        from verl_traj.core import apply_plan, build_layout, compute_loss_weights, plan_mini_batches
+        from verl_traj.config import TrajConfig
+        from verl_traj.core import compute_loss_weights
+        from verl_traj.integration.trainer import plan_batch_in_place
         from verl_traj.integration.losses import traj_value_loss
         from verl_traj.integration.workers import TrajCriticWorker
 
@@ -165,12 +166,7 @@ def _critic_proc(rank, world, port, home, critic_path, cap, out_path):
         B, R = batch.batch["response_mask"].shape
         batch.batch["values"] = torch.randn(B, R, generator=g) * 0.1
         batch.batch["returns"] = torch.randn(B, R, generator=g)
-        layout = build_layout(batch.batch["attention_mask"], batch.batch["response_mask"], batch.non_tensor_batch["uid"])
-        plan = plan_mini_batches(layout, args.mini_batches, world, group_by="group")
-        t, nt = apply_plan(dict(batch.batch.items()), dict(batch.non_tensor_batch), plan)
-        nt.pop("is_padding", None)
-        batch.batch = TensorDict(t, batch_size=[plan.num_rows])
-        batch.non_tensor_batch = nt
+        plan = plan_batch_in_place(batch, TrajConfig(group_by="group"), args.mini_batches, world)
         batch.batch["loss_weight"] = compute_loss_weights(
             "seq-mean-token-mean", batch.batch["response_mask"], batch.batch["mini_batch_id"],
             torch.arange(len(batch)), batch.batch["is_padding"])

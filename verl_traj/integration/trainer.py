@@ -333,6 +333,41 @@ def traj_index_of_rows(batch: DataProto, traj_key: str) -> torch.Tensor:
     return torch.arange(n, dtype=torch.long)
 
 
+def plan_batch_in_place(batch: DataProto, traj: TrajConfig, num_mini_batches: int, dp_size: int, *,
+                        pad_token_id: int = 0, seed: Optional[int] = None):
+    """Plan a verl batch with the core planner and apply the plan IN PLACE on the DataProto (rows
+    reordered rank-major, padding rows appended, ``mini_batch_id`` / ``is_padding`` tensors added).
+    Returns the :class:`~verl_traj.core.MiniBatchPlan`."""
+    from verl_traj.core import apply_plan, build_layout, plan_mini_batches
+
+    nt = batch.non_tensor_batch
+    step_wise = traj.traj_id_key in nt and traj.step_index_key in nt
+    layout = build_layout(
+        batch.batch["attention_mask"],
+        batch.batch["response_mask"],
+        nt["uid"],
+        traj_id=nt[traj.traj_id_key] if step_wise else None,
+        step_index=nt[traj.step_index_key] if step_wise else None,
+        is_last_step=nt.get("is_last_step") if step_wise else None,
+        is_padding=batch.batch["is_padding"] if "is_padding" in batch.batch.keys() else nt.get("is_padding"),
+    )
+    plan = plan_mini_batches(
+        layout, num_mini_batches, dp_size, group_by=traj.group_by, balance_dp=traj.balance_dp,
+        workload=traj.workload, micro_batch_max_tokens=traj.micro_batch_max_tokens,
+        seed=traj.seed if seed is None else seed,
+    )
+    out_t, out_nt = apply_plan(
+        dict(batch.batch.items()), dict(nt), plan, pad_token_id=pad_token_id,
+        traj_key=traj.traj_id_key, step_key=traj.step_index_key,
+    )
+    # verl's DataProto.to_tensordict refuses a key that is both a tensor and a non-tensor field:
+    # keep ``is_padding`` as the bool tensor only.
+    out_nt.pop("is_padding", None)
+    batch.batch = TensorDict(out_t, batch_size=[plan.num_rows], device=batch.batch.device)
+    batch.non_tensor_batch = out_nt
+    return plan
+
+
 # --------------------------------------------------------------------------------------------------
 # the trainer
 # --------------------------------------------------------------------------------------------------
@@ -412,46 +447,12 @@ class TrajRayPPOTrainer(RayPPOTrainer):
 
     def plan_and_apply(self, batch: DataProto, dp_size: int, metrics: Optional[dict] = None):
         """Plan ``batch`` and apply the plan in place (rows reordered, padding rows appended)."""
-        from verl_traj.core import apply_plan, build_layout, plan_mini_batches
-
-        traj = self.traj
-        nt = batch.non_tensor_batch
-        step_wise = traj.traj_id_key in nt and traj.step_index_key in nt
-        layout = build_layout(
-            batch.batch["attention_mask"],
-            batch.batch["response_mask"],
-            nt["uid"],
-            traj_id=nt[traj.traj_id_key] if step_wise else None,
-            step_index=nt[traj.step_index_key] if step_wise else None,
-            is_last_step=nt.get("is_last_step") if step_wise else None,
-            is_padding=batch.batch["is_padding"] if "is_padding" in batch.batch.keys() else nt.get("is_padding"),
-        )
-        plan = plan_mini_batches(
-            layout,
-            self.num_mini_batches(),
-            dp_size,
-            group_by=traj.group_by,
-            balance_dp=traj.balance_dp,
-            workload=traj.workload,
-            micro_batch_max_tokens=traj.micro_batch_max_tokens,
-            seed=traj.seed + int(getattr(self, "global_steps", 0) or 0),
-        )
-        tensors = {k: v for k, v in batch.batch.items()}
         pad_id = getattr(self.tokenizer, "pad_token_id", None) if getattr(self, "tokenizer", None) is not None else None
-        out_t, out_nt = apply_plan(
-            tensors,
-            dict(nt),
-            plan,
+        plan = plan_batch_in_place(
+            batch, self.traj, self.num_mini_batches(), dp_size,
             pad_token_id=int(pad_id) if pad_id is not None else 0,
-            traj_key=traj.traj_id_key,
-            step_key=traj.step_index_key,
+            seed=self.traj.seed + int(getattr(self, "global_steps", 0) or 0),
         )
-        n_out = plan.num_rows
-        # verl's DataProto.to_tensordict refuses a key that is both a tensor and a non-tensor field:
-        # keep ``is_padding`` as the bool tensor only.
-        out_nt.pop("is_padding", None)
-        batch.batch = TensorDict(out_t, batch_size=[n_out], device=batch.batch.device)
-        batch.non_tensor_batch = out_nt
         if metrics is not None:
             metrics.update(plan.metrics("traj_plan"))
             ppo_epochs = int(self.config.actor_rollout_ref.actor.get("ppo_epochs", 1))
@@ -527,6 +528,7 @@ class TrajRayPPOTrainer(RayPPOTrainer):
 
 __all__ = [
     "TrajRayPPOTrainer",
+    "plan_batch_in_place",
     "apply_token_cap",
     "fit_globals_on_real_rows",
     "prepare_config",
