@@ -32,7 +32,7 @@ def _bench():
 ARGS = dict(groups=6, n=3, mini_batches=2, prompt_len=32, response_len=96, seed=3, threads=1)
 
 
-def _proc(rank, world, port, home, cap, out_path, planned):
+def _proc(rank, world, port, home, cap, out_path, planned, mini_batches=ARGS["mini_batches"]):
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "VERL_TRAJ_HOME": home})
     import torch
@@ -42,7 +42,7 @@ def _proc(rank, world, port, home, cap, out_path, planned):
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     try:
         b = _bench()
-        args = Namespace(**ARGS, cap=cap, home=home)
+        args = Namespace(**{**ARGS, "mini_batches": mini_batches}, cap=cap, home=home)
         cfg = b._load_config(args)
         variant = "traj" if planned else "stock"
         worker = b._build_worker(cfg, variant)
@@ -56,6 +56,7 @@ def _proc(rank, world, port, home, cap, out_path, planned):
             metrics = tu.get(out, "metrics")
             grad_norm = metrics["grad_norm"]
             res = {"grad_norm": [float(x) for x in grad_norm], "padding_rows": n_pad,
+                   "pg_loss": [float(x) for x in metrics["actor/pg_loss"]],
                    "num_optimizer_steps": metrics.get("num_optimizer_steps"), "rows": len(batch)}
             with open(out_path, "w") as f:
                 json.dump(res, f)
@@ -79,9 +80,9 @@ def tiny_home(tmp_path_factory):
     return str(build(str(tmp_path_factory.mktemp("tiny"))))
 
 
-def _run(home, world, cap, planned, tmp_path):
-    out = str(tmp_path / f"w{world}_{cap}_{planned}.json")
-    mp.spawn(_proc, args=(world, _free_port(), home, cap, out, planned), nprocs=world, join=True)
+def _run(home, world, cap, planned, tmp_path, mini_batches=ARGS["mini_batches"]):
+    out = str(tmp_path / f"w{world}_{cap}_{planned}_{mini_batches}.json")
+    mp.spawn(_proc, args=(world, _free_port(), home, cap, out, planned, mini_batches), nprocs=world, join=True)
     with open(out) as f:
         return json.load(f)
 
@@ -100,6 +101,17 @@ def test_real_engine_update_dp2_capped_equals_dp1(tiny_home, tmp_path):
 def test_real_engine_stock_path_without_mini_batch_id(tiny_home, tmp_path):
     res = _run(tiny_home, 1, 4096, False, tmp_path)
     assert len(res["grad_norm"]) == 2 and res["num_optimizer_steps"] is None
+
+
+def test_real_engine_traj_update_equals_stock_on_the_same_rows(tiny_home, tmp_path):
+    """One mini-batch holding every row: verl_traj's weighted token-sum loss (token-mean weights) and
+    verl's own token-mean loss give the same loss and the same gradient, so any training difference
+    between the two comes from which rows share a mini-batch, never from the loss."""
+    traj = _run(tiny_home, 1, 4096, True, tmp_path, mini_batches=1)
+    stock = _run(tiny_home, 1, 4096, False, tmp_path, mini_batches=1)
+    assert traj["padding_rows"] == 0 and len(traj["grad_norm"]) == len(stock["grad_norm"]) == 1
+    assert traj["grad_norm"][0] == pytest.approx(stock["grad_norm"][0], rel=1e-4), (traj, stock)
+    assert sum(traj["pg_loss"]) == pytest.approx(sum(stock["pg_loss"]), rel=1e-4, abs=1e-6), (traj, stock)
 
 
 # ---- critic: TrajCriticWorker + traj_value_loss on verl's value-model engine ----------------------
