@@ -143,7 +143,8 @@ def build_tokenizer(out_dir: Path, vocab_size: int, seed: int, extra_corpus: lis
     return fast
 
 
-def build_model(out_dir: Path, tokenizer, seed: int, hidden: int, layers: int):
+def build_model(out_dir: Path, tokenizer, seed: int, hidden: int, layers: int, kv_heads: int = 2):
+    """A random-init Qwen2 causal LM (4 attention heads, ``kv_heads`` key/value heads) saved to ``out_dir``."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -156,7 +157,7 @@ def build_model(out_dir: Path, tokenizer, seed: int, hidden: int, layers: int):
         intermediate_size=hidden * 2,
         num_hidden_layers=layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=1024,
         rope_theta=10000.0,
         tie_word_embeddings=True,
