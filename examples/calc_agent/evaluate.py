@@ -121,6 +121,11 @@ def main(argv=None) -> None:
     parser.add_argument("--max-operand", type=int, default=9)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if not (args.model / "config.json").is_file():
+        parser.error(f"--model {args.model}: no config.json there; pass a Hugging Face model directory "
+                     "(the prepared one is $VERL_TRAJ_HOME/calc_agent/model, made by prepare.py)")
+    if args.samples < 1:
+        parser.error(f"--samples {args.samples}: must be >= 1")
     print(json.dumps(evaluate_model(args.model, samples=args.samples, temperature=args.temperature, seed=args.seed,
                                     max_operand=args.max_operand)))
 

@@ -96,3 +96,13 @@ def test_evaluate_model_on_the_tiny_model(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["samples"] == 3 and 0.0 <= report["accuracy"] <= report["mean_reward"] + 1e-9 <= 1.0 + 1e-9
     assert 0.0 <= report["mean_calls"] <= 5
+
+
+@pytest.mark.parametrize("args, named", [(["--model", "/nonexistent/model"], "--model /nonexistent/model"),
+                                         (["--samples", "0"], "--samples 0")])
+def test_evaluate_cli_rejects_bad_input_by_name(tmp_path, capsys, args, named):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        evaluate.main(["--model", str(tmp_path), *args])
+    assert exc.value.code == 2
+    assert named in capsys.readouterr().err
