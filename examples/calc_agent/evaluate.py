@@ -1,10 +1,10 @@
-"""Offline evaluation of a calculator agent with Hugging Face ``generate`` (no Ray, no verl).
+"""Offline evaluation of a calculator agent with Hugging Face ``generate`` (no Ray, no trainer).
 
     python examples/calc_agent/evaluate.py --model ~/.cache/verl_traj/calc_agent/model [--samples 64] [--temperature 1.0]
 
-Plays each episode the way verl's ``tool_agent`` loop does (hermes ``<tool_call>`` parsing, the
-calculator run on each call, its result fed back as a tool message, at most ``--max-turns``
-assistant turns) and scores it with the recipe's ``compute_score``. Prints one JSON line:
+Plays each episode the way verl's ``tool_agent`` loop does, with verl's own pieces: its hermes
+``ToolParser``, the calculator loaded by ``load_function_tools_from_path`` and run with the loop's
+error texts, the result fed back as a tool message, at most ``--max-turns`` assistant turns; and scores it with the recipe's ``compute_score``. Prints one JSON line:
 accuracy, mean reward, mean tool calls per episode, and the start of one response.
 Used to size the warm start (greedy and temperature-1 accuracy of the prepared model) and to
 check a trained model outside the trainer.
@@ -13,9 +13,9 @@ check a trained model outside the trainer.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
-import re
 import sys
 from pathlib import Path
 
@@ -23,25 +23,55 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import task  # noqa: E402
 
-TOOL_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
+async def call_tool(tools: dict, call) -> str:
+    """One parsed call run as verl's ``ToolAgentLoop._call_tool`` runs a function tool, with its error
+    texts for an unknown tool, arguments that are not JSON, and a tool that raises."""
+    from verl.tools.function_tool import normalize_function_tool_return
 
-def parse_call(text: str) -> str | None:
-    """The ``expression`` argument of the first hermes tool call in ``text``, or None."""
-    match = TOOL_CALL_RE.search(text)
-    if not match:
-        return None
+    if call.name not in tools:
+        return f"Unknown function '{call.name}'. Available tools: {list(tools)}"
     try:
-        call = json.loads(match.group(1))
-        return str(call["arguments"]["expression"])
-    except (ValueError, KeyError, TypeError):
-        return None
+        arguments = json.loads(call.arguments)
+    except (json.JSONDecodeError, TypeError) as exc:
+        return f"Invalid JSON in arguments for '{call.name}': {exc}"
+    try:
+        response, _, _ = normalize_function_tool_return(await tools[call.name].call(arguments))
+    except Exception as exc:  # noqa: BLE001 - the loop turns any tool failure into a tool message
+        return f"Error executing tool '{call.name}': {exc}"
+    return response.text or ""
 
 
-def play(model, tokenizer, problems: list[task.Problem], tools: list[dict], *, temperature: float,
+def _assistant_message(content: str, call) -> dict:
+    """The assistant message verl's loop appends for a turn with one tool call."""
+    from verl.tools.schemas import OpenAIFunctionCallSchema, OpenAIFunctionParsedSchema
+
+    parsed, decode_error = OpenAIFunctionCallSchema.from_openai_function_parsed_schema(
+        OpenAIFunctionParsedSchema(name=call.name, arguments=call.arguments))
+    function = {"name": call.name, "arguments": call.arguments} if decode_error else parsed.model_dump()
+    return {"role": "assistant", "content": content, "tool_calls": [{"type": "function", "function": function}]}
+
+
+def play(model, tokenizer, problems: list[task.Problem], tools: dict, *, temperature: float,
          max_turns: int, max_new_tokens: int = 64, seed: int = 0) -> list[dict]:
-    """Play ``problems`` as a batch, one assistant turn per ``generate`` call; one result dict per problem."""
+    """Play ``problems`` as a batch, one assistant turn per ``generate`` call; one result dict per problem.
+
+    ``tools``: name -> verl ``FunctionTool`` (``prepare.calc_tools()``). Each turn is parsed by verl's
+    hermes ``ToolParser`` and its first call (verl's default ``max_parallel_calls: 1``) executed by
+    ``call_tool``; a turn without a call ends the episode, as in verl's ``tool_agent`` loop.
+    """
     import torch
+    from verl.experimental.agent_loop.tool_parser import ToolParser
+
+    parser = ToolParser.get_tool_parser("hermes", tokenizer)
+    schemas = [tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in tools.values()]
+
+    async def parse_and_call(ids: list[int]):
+        content, calls = await parser.extract_tool_calls(ids)
+        return content, (calls[0] if calls else None), (await call_tool(tools, calls[0]) if calls else None)
+
+    async def turn(rows: list[list[int]]):
+        return await asyncio.gather(*(parse_and_call(ids) for ids in rows))
 
     torch.manual_seed(seed)
     chats = [[{"role": "system", "content": task.SYSTEM_PROMPT}, {"role": "user", "content": p.question}] for p in problems]
@@ -49,32 +79,32 @@ def play(model, tokenizer, problems: list[task.Problem], tools: list[dict], *, t
     calls = [0] * len(problems)
     live = list(range(len(problems)))
     tokenizer.padding_side = "left"
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
     for _ in range(max_turns):
         if not live:
             break
-        texts = [tokenizer.apply_chat_template(chats[i], tools=tools, add_generation_prompt=True, tokenize=False) for i in live]
+        texts = [tokenizer.apply_chat_template(chats[i], tools=schemas, add_generation_prompt=True, tokenize=False) for i in live]
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
                                  pad_token_id=tokenizer.pad_token_id, **sampling)
+        new = out[:, enc["input_ids"].shape[1]:]
+        # the turn ends at the first end-of-turn token (kept out of the text, as verl's response text)
+        ended = (new == tokenizer.eos_token_id) | (new == tokenizer.pad_token_id)
+        lengths = torch.where(ended.any(1), ended.int().argmax(1), torch.full_like(ended[:, 0], new.shape[1], dtype=torch.long))
+        rows = [new[r, :n].tolist() for r, n in enumerate(lengths.tolist())]
         still = []
-        for row, i in enumerate(live):
-            # keep <tool_call> (a special token of the tiny tokenizer); cut at the end of the turn
-            text = tokenizer.decode(out[row, enc["input_ids"].shape[1]:], skip_special_tokens=False)
-            text = text.split(tokenizer.eos_token)[0].replace(tokenizer.pad_token, "")
-            responses[i] += text
-            expression = parse_call(text)
-            if expression is None:
-                chats[i].append({"role": "assistant", "content": text})
-                continue  # a final answer (or garbage): the episode ends, as in verl's loop
+        for i, ids, (content, call, result) in zip(live, rows, asyncio.run(turn(rows))):
+            responses[i] += tokenizer.decode(ids)
+            # The chat is re-rendered by the template every turn (verl's loop appends token ids instead):
+            # strip the whitespace the template itself puts around a tool call, so that a well-formed turn
+            # re-renders to exactly the tokens the model produced.
+            content = content.strip()
+            if call is None:
+                chats[i].append({"role": "assistant", "content": content})
+                continue
             calls[i] += 1
-            try:
-                result = str(task.evaluate(expression))
-            except task.CalculatorError as exc:
-                result = f"error: {exc}"
-            chats[i].append({"role": "assistant", "content": "", "tool_calls": [
-                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}]})
+            chats[i].append(_assistant_message(content, call))
             chats[i].append({"role": "tool", "content": result})
             responses[i] += f"\n<tool_response>\n{result}\n</tool_response>\n"
             still.append(i)
@@ -93,15 +123,16 @@ def evaluate_model(model_dir: Path, *, samples: int, temperature: float, seed: i
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from prepare import tool_schemas
+    from prepare import calc_tools
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tools = {tool.name: tool for tool in calc_tools()}
     rng = random.Random(seed + 12345)
     problems = [task.make_problem(rng, rng.choice((2, 3)), max_operand) for _ in range(samples)]
     results = []
     for start in range(0, samples, batch):
-        results += play(model, tokenizer, problems[start:start + batch], tool_schemas(), temperature=temperature,
+        results += play(model, tokenizer, problems[start:start + batch], tools, temperature=temperature,
                         max_turns=max_turns, seed=seed + start)
     n = len(results)
     return {

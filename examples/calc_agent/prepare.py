@@ -19,8 +19,6 @@ Pass ``--data-only`` on a GPU machine: a real instruct model needs no tiny model
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib.util
 import json
 import os
 import random
@@ -33,20 +31,18 @@ sys.path.insert(0, str(HERE))
 import task  # noqa: E402
 
 
-@functools.lru_cache(maxsize=None)
-def _tool_schemas() -> tuple[dict, ...]:
-    from verl.tools.function_tool import FUNCTION_TOOL_REGISTRY
+def calc_tools() -> list:
+    """The recipe's function tools (``calculator``), loaded by verl's own ``load_function_tools_from_path``,
+    as its agent loop loads ``multi_turn.function_tool_path``; verl caches by path, so every caller in a
+    process shares one registration."""
+    from verl.tools.function_tool import load_function_tools_from_path
 
-    if "calculator" not in FUNCTION_TOOL_REGISTRY:  # this file may run as __main__ and be imported as prepare
-        spec = importlib.util.spec_from_file_location("calc_tool", HERE / "calc_tool.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)  # registers "calculator"
-    return (FUNCTION_TOOL_REGISTRY["calculator"].tool_schema.model_dump(exclude_unset=True, exclude_none=True),)
+    return load_function_tools_from_path(str(HERE / "calc_tool.py"))
 
 
 def tool_schemas() -> list[dict]:
     """The tool schema exactly as verl's agent loop renders it (FunctionTool -> model_dump)."""
-    return list(_tool_schemas())
+    return [tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in calc_tools()]
 
 
 def write_data(data_dir: Path, n_train: int, n_test: int, seed: int, max_operand: int) -> None:

@@ -1,8 +1,9 @@
-"""The recipe's offline evaluator (``examples/calc_agent/evaluate.py``): hermes call parsing and the
-episode loop. ``play`` is driven by an oracle model that answers each turn with the correct next
-message of the episode (read off the prompt it is given), and by the tiny random model through real
+"""The recipe's offline evaluator (``examples/calc_agent/evaluate.py``): tool calls run as verl's loop
+runs them, and the episode loop on verl's hermes parser and the real calculator tool. ``play`` is
+driven by an oracle model that answers each turn with the correct next message of the episode (read off the prompt it is given), and by the tiny random model through real
 Hugging Face ``generate``."""
 
+import asyncio
 import json
 import random
 import sys
@@ -18,12 +19,26 @@ import task  # noqa: E402
 CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>'
 
 
-def test_parse_call():
-    assert evaluate.parse_call(CALL.format("12 + 7")) == "12 + 7"
-    assert evaluate.parse_call("text " + CALL.format("3 * 4") + CALL.format("1 + 1")) == "3 * 4"  # the first call
-    assert evaluate.parse_call("<answer>5</answer>") is None
-    assert evaluate.parse_call("<tool_call>{not json}</tool_call>") is None
-    assert evaluate.parse_call('<tool_call>{"name": "calculator", "arguments": {}}</tool_call>') is None
+@pytest.fixture(scope="module")
+def tools():
+    from prepare import calc_tools
+
+    return {tool.name: tool for tool in calc_tools()}
+
+
+def _call(name, arguments):
+    from verl.experimental.agent_loop.tool_parser import FunctionCall
+
+    return FunctionCall(name=name, arguments=arguments)
+
+
+def test_call_tool_runs_the_real_tool_and_reports_errors_as_verl_does(tools):
+    run = lambda name, arguments: asyncio.run(evaluate.call_tool(tools, _call(name, arguments)))  # noqa: E731
+    assert run("calculator", '{"expression": "(12 + 7) * 3"}') == "57"
+    assert run("calculator", '{"expression": "2 / 3"}').startswith("error: unsupported element")  # the tool's own error
+    assert run("search", '{"q": "x"}') == "Unknown function 'search'. Available tools: ['calculator']"
+    assert run("calculator", "{not json").startswith("Invalid JSON in arguments for 'calculator'")
+    assert run("calculator", '{"expr": "1 + 1"}').startswith("Error executing tool 'calculator'")  # wrong argument name
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +61,7 @@ class OracleModel:
         problem = next(p for q, p in self.by_question.items() if q in prompt)
         done = prompt.count("<tool_response>")
         if done < len(problem.steps):
-            return CALL.format(problem.steps[done][0])
+            return "\n" + CALL.format(problem.steps[done][0])  # as the chat template renders a call turn
         return f"<answer>{problem.answer + int(self.wrong_answer)}</answer>"
 
     def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, **sampling):
@@ -60,12 +75,10 @@ class OracleModel:
 
 
 @pytest.mark.parametrize("wrong_answer", [False, True])
-def test_play_runs_the_tool_loop(tokenizer, wrong_answer):
+def test_play_runs_the_tool_loop(tokenizer, tools, wrong_answer):
     rng = random.Random(3)
     problems = [task.make_problem(rng, n, 9) for n in (1, 2, 3, 3)]
-    from prepare import tool_schemas
-
-    results = evaluate.play(OracleModel(tokenizer, problems, wrong_answer), tokenizer, problems, tool_schemas(),
+    results = evaluate.play(OracleModel(tokenizer, problems, wrong_answer), tokenizer, problems, tools,
                             temperature=0.0, max_turns=5)
     assert [r["calls"] for r in results] == [len(p.steps) for p in problems]
     for r, p in zip(results, problems):
@@ -75,13 +88,13 @@ def test_play_runs_the_tool_loop(tokenizer, wrong_answer):
         # all intermediates reached: full credit, or 0.1 + 0.5 for a well-formed wrong answer
         assert r["score"] == (pytest.approx(0.6) if wrong_answer else 1.0)
         assert r["correct"] is (not wrong_answer)
+        # a call turn re-renders as the template renders it (content "" around the call), not with "\n" added
+        assert all(m["content"] == "" for m in r["messages"] if m.get("tool_calls")), r["messages"]
 
 
-def test_play_stops_at_max_turns(tokenizer):
+def test_play_stops_at_max_turns(tokenizer, tools):
     problems = [task.make_problem(random.Random(5), 3, 9)]
-    from prepare import tool_schemas
-
-    results = evaluate.play(OracleModel(tokenizer, problems), tokenizer, problems, tool_schemas(), temperature=0.0,
+    results = evaluate.play(OracleModel(tokenizer, problems), tokenizer, problems, tools, temperature=0.0,
                             max_turns=2)
     assert results[0]["calls"] == 2 and not results[0]["correct"]
 
