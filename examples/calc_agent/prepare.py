@@ -137,6 +137,10 @@ def main(argv=None) -> None:
                         help="episodes for the warm start's greedy and sampled accuracy (0: skip the evaluation)")
     parser.add_argument("--force", action="store_true")
     args = parser.parse_args(argv)
+    if args.sft_steps < 1:
+        parser.error(f"--sft-steps {args.sft_steps}: must be >= 1 (the tiny model cannot call the tool without a warm start)")
+    if args.eval_samples < 0:
+        parser.error(f"--eval-samples {args.eval_samples}: must be >= 0 (0 skips the evaluation)")
 
     home: Path = args.home
     write_data(home / "data", args.n_train, args.n_test, args.seed, args.max_operand)

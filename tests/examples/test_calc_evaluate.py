@@ -119,3 +119,14 @@ def test_evaluate_cli_rejects_bad_input_by_name(tmp_path, capsys, args, named):
         evaluate.main(["--model", str(tmp_path), *args])
     assert exc.value.code == 2
     assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, named", [(["--sft-steps", "0"], "--sft-steps 0"), (["--eval-samples", "-1"], "--eval-samples -1")])
+def test_prepare_cli_rejects_bad_input_by_name(tmp_path, capsys, args, named):
+    import prepare
+
+    with pytest.raises(SystemExit) as exc:
+        prepare.main(["--home", str(tmp_path), *args])
+    assert exc.value.code == 2
+    assert named in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before writing anything
