@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core_batches import random_batch, to_verl_tensors
+from verl_traj.testing import random_batch, verl_tensors as to_verl_tensors
 from verl_traj.core import BatchLayoutError, build_layout, build_layout_from_counts
 
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core_batches import random_batch, to_verl_tensors
+from verl_traj.testing import random_batch, verl_tensors as to_verl_tensors
 from verl_traj.core import PAD_UID_PREFIX, apply_plan, build_layout, plan_mini_batches
 
 
@@ -46,8 +46,8 @@ def test_apply_plan_keeps_schema(seed, groups, tpg, steps, dp, M, mrope, pad_row
     lay = build_layout(t["attention_mask"], t["response_mask"], b.uid, b.traj_id, b.step_index, b.is_last_step, b.is_padding)
     M = min(M, lay.num_groups)
     plan = plan_mini_batches(lay, M, dp)
-    out_t, out_nt = apply_plan(t, nt, plan, is_padding_non_tensor=True)
-    assert "is_padding" not in apply_plan(t, nt, plan)[1]  # default: tensor only (verl's to_tensordict)
+    out_t, out_nt = apply_plan(t, nt, plan)
+    assert "is_padding" not in out_nt  # a tensor only (verl's to_tensordict refuses a key in both)
     B_out = plan.num_rows
     order = plan.order
     pad = plan.is_padding
@@ -61,11 +61,13 @@ def test_apply_plan_keeps_schema(seed, groups, tpg, steps, dp, M, mrope, pad_row
         assert torch.equal(out_t[k][real], v[order[real]]), k
     assert out_t["is_padding"].dtype == torch.bool and torch.equal(out_t["is_padding"], pad)
     assert out_t["mini_batch_id"].dtype == torch.int64 and torch.equal(out_t["mini_batch_id"], plan.mini_batch_id)
+    assert torch.equal(out_t["micro_batch_id"], plan.micro_batch_id)
+    assert torch.equal(out_t["traj_index"], plan.traj_index)
+    assert torch.equal(out_t["traj_index"][real], lay.traj_index[order[real]])
     for k, v in nt.items():
         assert out_nt[k].shape == (B_out,), k
         assert out_nt[k].dtype == v.dtype or k in ("uid", "traj_id"), k
         assert list(out_nt[k][real.numpy()]) == list(v[order[real].numpy()]), k
-    assert out_nt["is_padding"].dtype == bool and out_nt["is_padding"].tolist() == pad.tolist()
     n_pad = int(pad.sum())
     if n_pad:
         am = out_t["attention_mask"][pad]
@@ -90,12 +92,16 @@ def test_apply_plan_keeps_schema(seed, groups, tpg, steps, dp, M, mrope, pad_row
         assert (out_nt["step_index"][pad_np] == 0).all() and out_nt["is_last_step"][pad_np].all()
         assert all(x == {} for x in out_nt["multi_modal_inputs"][pad_np])
         assert len({id(x) for x in out_nt["multi_modal_inputs"][pad_np]}) == n_pad
-        assert all(x is None for x in out_nt["raw_prompt"][pad_np])
-        assert (out_nt["reward_extra"][pad_np] == 0).all()
+        # every other field is a copy of a real row of the same mini-batch (schema-safe for every consumer)
+        mb = plan.mini_batch_id.numpy()
+        for row in np.flatnonzero(pad_np):
+            donors = {out_nt["raw_prompt"][j] for j in np.flatnonzero(~pad_np & (mb == mb[row]))}
+            assert out_nt["raw_prompt"][row] in donors
+        assert (out_nt["reward_extra"][pad_np] == 0).all()  # numeric fields: 0, neutral in any sum
     # the padded batch is itself a valid layout with the plan's padding flagged: re-planning works
     lay2 = build_layout(
         out_t["attention_mask"], out_t["response_mask"], out_nt["uid"], out_nt["traj_id"], out_nt["step_index"],
-        out_nt["is_last_step"], out_nt["is_padding"],
+        out_nt["is_last_step"], out_t["is_padding"],
     )
     assert lay2.num_real_rows == int(real.sum())
     assert int(lay2.num_loss_tokens[out_t["is_padding"]].sum()) == 0

@@ -10,7 +10,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core_batches import random_batch
 from verl_traj.core import (
     PAD_ROW_TOKENS,
     PackingError,
@@ -20,10 +19,41 @@ from verl_traj.core import (
     mini_batch_order,
     plan_mini_batches,
 )
+from verl_traj.testing import random_batch
 
 
 def _layout(b):
-    return build_layout_from_counts(b.num_tokens, b.loss_len, b.uid, b.traj_id, b.step_index, b.is_last_step, b.is_padding)
+    return b.layout()
+
+
+def _block_tokens(plan, tokens, m, r):
+    """Attended tokens of rank r's rows of mini-batch m (padding rows included), and the selector."""
+    sel = (plan.mini_batch_id.numpy() == m) & (plan.rank.numpy() == r)
+    src = plan.order.numpy()[sel]
+    return np.where(src >= 0, tokens[np.maximum(src, 0)], plan.spec.pad_row_tokens), sel
+
+
+def check_micro_batches(plan, tokens, cap):
+    """Every micro-batch fits the cap under the plan's cost; ids dense per block; counts synced; stats."""
+    mi = plan.micro_batch_id.numpy()
+    s = plan.stats
+    padded = plan.spec.micro_batch_cost == "padded"
+    for m in range(plan.num_mini_batches):
+        counts, waste, longest_sum = [], 0, 0
+        for r in range(plan.dp_size):
+            t, sel = _block_tokens(plan, tokens, m, r)
+            mis = mi[sel]
+            for k in np.unique(mis):
+                part = t[mis == k]
+                assert (part.size * part.max() if padded else part.sum()) <= cap
+                waste += int(part.size * part.max() - part.sum())
+                longest_sum = max(longest_sum, int(part.sum()))
+            assert sorted(np.unique(mis).tolist()) == list(range(int(np.unique(mis).shape[0])))
+            counts.append(int(np.unique(mis).shape[0]))
+            assert counts[-1] >= math.ceil(t.sum() / cap)
+        assert max(counts) == s.micro_batches[m] and min(counts) == max(counts)
+        assert s.ranks_short_of_rows[m] == 0
+        assert s.padded_positions[m] == waste and s.max_packed_tokens[m] == longest_sum
 
 
 def check_plan(b, lay, plan, M, dp, group_by, workload="verl", cap=None):
@@ -63,7 +93,7 @@ def check_plan(b, lay, plan, M, dp, group_by, workload="verl", cap=None):
     assert n_pad.tolist() == ((-n_real) % dp).tolist()
     s = plan.stats
     assert s.padding_rows.tolist() == n_pad.tolist()
-    assert s.padding_tokens.tolist() == (n_pad * PAD_ROW_TOKENS).tolist()
+    assert s.padding_tokens.tolist() == (n_pad * plan.spec.pad_row_tokens).tolist()
     # statistics = brute force
     tokens = b.num_tokens
     loss = b.loss_len
@@ -78,7 +108,7 @@ def check_plan(b, lay, plan, M, dp, group_by, workload="verl", cap=None):
         for r in range(dp):
             sel = (mbid == m) & (plan.rank.numpy() == r)
             src = order[sel]
-            t = np.where(src >= 0, tokens[np.maximum(src, 0)], PAD_ROW_TOKENS)
+            t = np.where(src >= 0, tokens[np.maximum(src, 0)], plan.spec.pad_row_tokens)
             w = calculate_workload(t, workload)
             rank_w.append(int(w.sum()))
             assert s.rank_workload[m, r] == rank_w[-1]
@@ -86,39 +116,16 @@ def check_plan(b, lay, plan, M, dp, group_by, workload="verl", cap=None):
             assert s.rank_tokens[m, r] == tokens[real_src_r].sum()
             assert s.rank_loss_tokens[m, r] == loss[real_src_r].sum()
         assert s.max_rank_workload[m] == max(rank_w)
-        all_t = np.where(order[mbid == m] >= 0, tokens[np.maximum(order[mbid == m], 0)], PAD_ROW_TOKENS)
+        all_t = np.where(order[mbid == m] >= 0, tokens[np.maximum(order[mbid == m], 0)], plan.spec.pad_row_tokens)
         w_all = calculate_workload(all_t, workload)
         assert s.workload_lower_bound[m] == max(math.ceil(int(w_all.sum()) / dp), int(w_all.max()))
         assert s.max_rank_workload[m] >= s.workload_lower_bound[m]
     assert s.loss_tokens.sum() == loss[real_src].sum()
     if cap is not None:
-        mi = plan.micro_batch_index.numpy()
-        for m in range(M):
-            counts = []
-            for r in range(dp):
-                sel = (mbid == m) & (plan.rank.numpy() == r)
-                src = order[sel]
-                t = np.where(src >= 0, tokens[np.maximum(src, 0)], PAD_ROW_TOKENS)
-                mis = mi[sel]
-                for k in np.unique(mis):
-                    assert t[mis == k].sum() <= cap
-                n_micro = int(np.unique(mis).shape[0])
-                assert sorted(np.unique(mis).tolist()) == list(range(n_micro))
-                counts.append(n_micro)
-                assert n_micro >= math.ceil(t[src >= 0].sum() / cap) if (src >= 0).any() else True
-            # synced count (unless a rank has too few rows: reported)
-            short = sum(1 for r, c in enumerate(counts) if c < max(counts))
-            assert short == s.ranks_short_of_rows[m]
-            assert max(counts) == s.micro_batches[m]
-            real_micro = 0
-            max_packed = 0
-            for r in range(dp):
-                sel = (mbid == m) & (plan.rank.numpy() == r) & ~pad
-                for k in np.unique(mi[sel]):
-                    real_micro += 1
-                    max_packed = max(max_packed, int(tokens[order[sel][mi[sel] == k]].sum()))
-            assert s.real_micro_batches[m] == real_micro
-            assert s.max_packed_tokens[m] == max_packed
+        check_micro_batches(plan, tokens, cap)
+    # the plan's per-row facts: trajectory index carried from the layout, -1 on padding
+    assert plan.traj_index[plan.is_padding].eq(-1).all()
+    assert plan.traj_index[~plan.is_padding].tolist() == traj[order[~pad]].tolist()
     metrics = plan.metrics("p")
     assert all(isinstance(v, float) and math.isfinite(v) for v in metrics.values())
     assert metrics["p/padding_rows"] == n_pad.sum()
@@ -139,8 +146,11 @@ def check_plan(b, lay, plan, M, dp, group_by, workload="verl", cap=None):
     tail=st.floats(0.2, 2.0),
     pad_rows=st.integers(0, 2),
     use_cap=st.booleans(),
+    cost=st.sampled_from(["tokens", "padded"]),
+    mb_balance=st.sampled_from(["tokens", "units"]),
 )
-def test_plan_invariants(seed, groups, tpg, steps, dp, M, group_by, balance, workload, tail, pad_rows, use_cap):
+def test_plan_invariants(seed, groups, tpg, steps, dp, M, group_by, balance, workload, tail, pad_rows, use_cap, cost,
+                         mb_balance):
     b = random_batch(seed, groups, tpg, steps, heavy_tail=tail, pad_rows=pad_rows)
     lay = _layout(b)
     units = lay.num_groups if group_by == "group" else lay.num_trajectories
@@ -152,9 +162,13 @@ def test_plan_invariants(seed, groups, tpg, steps, dp, M, group_by, balance, wor
             plan_mini_batches(lay, M, dp, group_by=group_by)
         return
     plan = plan_mini_batches(
-        lay, M, dp, group_by=group_by, balance_dp=balance, workload=workload, micro_batch_max_tokens=cap, seed=seed
+        lay, M, dp, group_by=group_by, balance_dp=balance, workload=workload, micro_batch_max_tokens=cap, seed=seed,
+        micro_batch_cost=cost, mini_batch_balance=mb_balance,
     )
     check_plan(b, lay, plan, M, dp, group_by, workload, cap)
+    if mb_balance == "units":
+        per_mb = (plan.stats.groups if group_by == "group" else plan.stats.trajectories).numpy()
+        assert per_mb.max() - per_mb.min() <= 1
     # units larger than a fair share are counted
     unit = (lay.group_index if group_by == "group" else lay.traj_index).numpy()
     real = ~b.is_padding
@@ -178,7 +192,7 @@ def test_deterministic_for_a_seed():
     lay = _layout(b)
     p1 = plan_mini_batches(lay, 4, 4, seed=3, micro_batch_max_tokens=20_000)
     p2 = plan_mini_batches(lay, 4, 4, seed=3, micro_batch_max_tokens=20_000)
-    assert torch.equal(p1.order, p2.order) and torch.equal(p1.micro_batch_index, p2.micro_batch_index)
+    assert torch.equal(p1.order, p2.order) and torch.equal(p1.micro_batch_id, p2.micro_batch_id)
 
 
 def test_fewer_units_than_mini_batches_message():
@@ -193,6 +207,9 @@ def test_fewer_units_than_mini_batches_message():
         (dict(group_by="row"), "group_by"),
         (dict(workload="flops"), "workload"),
         (dict(micro_batch_max_tokens=0), "micro_batch_max_tokens"),
+        (dict(mini_batch_balance="rows"), "mini_batch_balance"),
+        (dict(micro_batch_cost="area"), "micro_batch_cost"),
+        (dict(pad_row_tokens=1), "pad_row_tokens"),
     ],
 )
 def test_bad_config(kw, match):
@@ -218,7 +235,7 @@ def test_every_rank_reaches_the_synced_micro_batch_count():
     assert s.micro_batches[0] >= 2
     assert s.ranks_short_of_rows.sum() == 0
     assert plan.metrics()["traj_plan/ranks_short_of_rows"] == 0.0
-    mi, rank = plan.micro_batch_index, plan.rank
+    mi, rank = plan.micro_batch_id, plan.rank
     assert len(set(mi[rank == 0].tolist())) == len(set(mi[rank == 1].tolist())) == s.micro_batches[0]
 
 
@@ -236,3 +253,32 @@ def test_balance_off_is_round_robin():
     lay = _layout(b)
     plan = plan_mini_batches(lay, 2, 3, balance_dp=False)
     check_plan(b, lay, plan, 2, 3, "group")
+
+
+def _unit_tokens(b, lay, plan):
+    """Per mini-batch: real tokens and units (groups)."""
+    return plan.stats.tokens.numpy(), plan.stats.groups.numpy()
+
+
+def test_mini_batch_balance_tokens_equalises_token_mass():
+    """tokens (default): LPT on unit tokens -> every mini-batch within one largest unit of the fair share;
+    the unit counts may differ (here by more than one)."""
+    b = random_batch(7, 24, 4, 12, heavy_tail=1.5)
+    lay = _layout(b)
+    plan = plan_mini_batches(lay, 4, 2, mini_batch_balance="tokens")
+    tokens, groups = _unit_tokens(b, lay, plan)
+    unit_tokens = np.bincount(lay.group_index.numpy(), weights=b.num_tokens)
+    assert tokens.max() - tokens.sum() / 4 <= unit_tokens.max()
+    units = plan_mini_batches(lay, 4, 2, mini_batch_balance="units")
+    u_tokens, u_groups = _unit_tokens(b, lay, units)
+    assert groups.max() - groups.min() > 1 and u_groups.max() - u_groups.min() <= 1  # the trade-off
+    assert tokens.max() <= u_tokens.max()
+
+
+def test_mini_batch_balance_units_fixes_prompts_per_optimizer_step():
+    """units: 10 groups over 4 mini-batches -> 3, 3, 2, 2 groups (a fixed prompt count, +-1), whole groups."""
+    b = random_batch(3, 10, 3, 5)
+    lay = _layout(b)
+    plan = plan_mini_batches(lay, 4, 2, mini_batch_balance="units")
+    check_plan(b, lay, plan, 4, 2, "group")
+    assert sorted(plan.stats.groups.tolist()) == [2, 2, 3, 3]

@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_traj.core import compute_loss_weights
-from verl_traj.core.loss_weights import LOSS_WEIGHT_MODES
+from verl_traj.core import compute_loss_weights, loss_weight_modes, register_loss_weight
+from verl_traj.core.loss_weights import LOSS_WEIGHT_FNS
 
-MODES = list(LOSS_WEIGHT_MODES)
+MODES = list(loss_weight_modes())
 
 
 @st.composite
@@ -25,8 +25,10 @@ def batches(draw):
         # arbitrary (not necessarily contiguous) loss tokens
         cols = draw(st.permutations(list(range(R))))[:n]
         mask[i, cols] = 1
-    mb = torch.tensor(draw(st.lists(st.integers(0, 3), min_size=B, max_size=B)), dtype=torch.long)
+    # the plan's invariant: a trajectory lives in one mini-batch (traj -> mini-batch is a function)
     traj = torch.tensor(draw(st.lists(st.integers(0, 4), min_size=B, max_size=B)), dtype=torch.long)
+    traj_mb = torch.tensor(draw(st.lists(st.integers(0, 3), min_size=5, max_size=5)), dtype=torch.long)
+    mb = traj_mb[traj]
     pad = torch.tensor(draw(st.lists(st.booleans(), min_size=B, max_size=B)), dtype=torch.bool)
     scale = draw(st.one_of(st.none(), st.floats(0.5, 100.0)))
     return mask, mb, traj, pad, scale
@@ -80,7 +82,7 @@ def test_padding_rows_weigh_zero_and_change_nothing(batch, mode):
     extra = 3
     mask2 = torch.cat([mask, torch.ones(extra, mask.shape[1], dtype=mask.dtype)])
     mb2 = torch.cat([mb, torch.tensor([0, 1, 7])])
-    traj2 = torch.cat([traj, torch.tensor([0, 99, 100])])
+    traj2 = torch.cat([traj, torch.tensor([-1, -1, -1])])
     pad2 = torch.cat([pad, torch.ones(extra, dtype=torch.bool)])
     w2 = compute_loss_weights(mode, mask2, mb2, traj2, pad2, loss_scale_factor=scale)
     torch.testing.assert_close(w2[: len(w)], w)
@@ -147,3 +149,18 @@ def test_errors_name_the_problem():
         compute_loss_weights("sum", mask, z, z, z.bool())
     with pytest.raises(ValueError, match="mini_batch_id"):
         compute_loss_weights("token-mean", mask, torch.zeros(3, dtype=torch.long), z, z.bool())
+
+
+def test_registry_adds_a_mode_with_one_function():
+    @register_loss_weight("unit-test-rows")
+    def _rows(s):
+        return s.real  # every real row weighs 1
+
+    try:
+        assert "unit-test-rows" in loss_weight_modes()
+        mask = torch.ones(3, 2)
+        w = compute_loss_weights("unit-test-rows", mask, torch.zeros(3, dtype=torch.long), torch.arange(3),
+                                 torch.tensor([False, True, False]))
+        assert w.tolist() == [1.0, 0.0, 1.0]
+    finally:
+        LOSS_WEIGHT_FNS.pop("unit-test-rows")

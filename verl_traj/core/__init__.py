@@ -1,40 +1,47 @@
 """Pure trajectory-aware batching core (torch + numpy only; never imports verl, ray or transformers).
 
 Pipeline: :func:`build_layout` (validate ids, steps, count tokens) -> :func:`plan_mini_batches`
-(whole units per mini-batch, DP balancing, rank-major layout, padding, micro-batch packing,
-global statistics) -> :func:`apply_plan` (materialise on a batch's columns).
+(whole units per mini-batch, DP balancing, rank-major layout, padding, micro-batch packing, global
+statistics) -> :func:`apply_plan` (materialise it on a batch's columns and attach the per-row facts
+named in :mod:`verl_traj.core.keys`) -> :func:`compute_loss_weights` (per update, from those facts).
 """
 
+from . import keys
 from .balancing import WORKLOAD_MODELS, balance_equal_size, calculate_workload, round_robin_equal_size
 from .layout import BatchLayout, BatchLayoutError, build_layout, build_layout_from_counts, factorize
-from .packing import MicroBatchPacking, PackingError, pack_micro_batches
+from .loss_weights import RowStats, compute_loss_weights, loss_weight_modes, register_loss_weight
+from .packing import MICRO_BATCH_COSTS, MicroBatchPacking, PackingError, min_micro_batches, pack_micro_batches
 from .padding import apply_plan, pad_attention_mask, pad_position_ids
 from .planning import (
+    GROUP_BY_CHOICES,
+    MINI_BATCH_BALANCE_CHOICES,
     PAD_ROW_TOKENS,
     PAD_UID_PREFIX,
     MiniBatchPlan,
     MiniBatchStats,
     PlanError,
+    PlanSpec,
+    assign_units,
+    count_splits,
     mini_batch_order,
     plan_mini_batches,
 )
 
-try:  # written by another module owner; a missing file must not break the batching core
-    from .loss_weights import compute_loss_weights
-except ImportError:  # pragma: no cover
-    compute_loss_weights = None  # type: ignore[assignment]
-
 __all__ = [
+    "keys",
     "BatchLayout",
     "BatchLayoutError",
     "build_layout",
     "build_layout_from_counts",
     "factorize",
+    "PlanSpec",
     "MiniBatchPlan",
     "MiniBatchStats",
     "PlanError",
     "PackingError",
     "plan_mini_batches",
+    "assign_units",
+    "count_splits",
     "mini_batch_order",
     "apply_plan",
     "pad_attention_mask",
@@ -43,9 +50,16 @@ __all__ = [
     "balance_equal_size",
     "round_robin_equal_size",
     "pack_micro_batches",
+    "min_micro_batches",
     "MicroBatchPacking",
+    "MICRO_BATCH_COSTS",
     "WORKLOAD_MODELS",
+    "GROUP_BY_CHOICES",
+    "MINI_BATCH_BALANCE_CHOICES",
     "PAD_UID_PREFIX",
     "PAD_ROW_TOKENS",
+    "RowStats",
     "compute_loss_weights",
+    "loss_weight_modes",
+    "register_loss_weight",
 ]

@@ -84,92 +84,88 @@ def balance_equal_size(
         raise ValueError(f"group sizes {sizes.tolist()} are not all divisible by num_bins={num_bins}")
     if num_bins == 1:
         return np.zeros(n, dtype=np.int64)
-    if tiebreak is None:
-        tiebreak = np.arange(n)
-    # sort by (group, cost desc, tiebreak)
-    order = np.lexsort((tiebreak, -costs, group))
+    order = np.lexsort((np.arange(n) if tiebreak is None else tiebreak, -costs, group))
+    bins, loads = _round_lpt(costs, group, order, sizes, num_bins)
     starts = np.cumsum(sizes) - sizes
-    pos_in_group = np.arange(n, dtype=np.int64) - np.repeat(starts, sizes)
-    rounds = sizes // num_bins
-    max_rounds = int(rounds.max()) if num_groups else 0
-    # C[g, j, i]: i-th largest item of round j of group g (0 beyond the group's rounds)
+    max_swaps = 8 * num_bins + 64 if max_swaps is None else max_swaps
+    for g in np.flatnonzero(sizes > num_bins):  # one item per bin: no count-preserving swap helps
+        idx = order[starts[g]: starts[g] + sizes[g]]
+        _refine_group(idx, costs, bins, loads[g], num_bins, max_swaps, rel_tol)
+    return bins
+
+
+def _round_lpt(costs: np.ndarray, group: np.ndarray, order: np.ndarray, sizes: np.ndarray,
+               num_bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """Round-based LPT vectorised over groups: items of a group sorted by cost are dealt ``num_bins`` at
+    a time, the largest of a round to the lightest bin. Returns (``[N]`` bins, ``[G, num_bins]`` loads)."""
+    num_groups = sizes.shape[0]
+    starts = np.cumsum(sizes) - sizes
+    pos = np.arange(costs.shape[0], dtype=np.int64) - np.repeat(starts, sizes)
+    g_sorted, j_sorted, i_sorted = group[order], pos // num_bins, pos % num_bins
+    max_rounds = int((sizes // num_bins).max()) if num_groups else 0
+    # grid[g, j, i]: i-th largest item of round j of group g (0 beyond the group's rounds)
     grid_cost = np.zeros((num_groups, max_rounds, num_bins), dtype=np.int64)
-    g_sorted = group[order]
-    j_sorted = pos_in_group // num_bins
-    i_sorted = pos_in_group % num_bins
     grid_cost[g_sorted, j_sorted, i_sorted] = costs[order]
-    grid_bin = np.zeros((num_groups, max_rounds, num_bins), dtype=np.int64)
+    grid_bin = np.zeros_like(grid_cost)
     loads = np.zeros((num_groups, num_bins), dtype=np.int64)
     rows = np.arange(num_groups)[:, None]
     for j in range(max_rounds):
-        # lightest bin takes the largest item of the round; ties -> lower bin index (stable)
-        b = np.argsort(loads, axis=1, kind="stable")
+        b = np.argsort(loads, axis=1, kind="stable")  # lightest bin first; ties -> lower bin index
         grid_bin[:, j, :] = b
         loads[rows, b] += grid_cost[:, j, :]
-    bins = np.empty(n, dtype=np.int64)
+    bins = np.empty(costs.shape[0], dtype=np.int64)
     bins[order] = grid_bin[g_sorted, j_sorted, i_sorted]
-
-    # pairwise swap refinement per group
-    if max_swaps is None:
-        max_swaps = 8 * num_bins + 64
-    for g in range(num_groups):
-        if sizes[g] <= num_bins:
-            continue  # one item per bin: nothing to swap that keeps counts equal and helps
-        idx = order[starts[g] : starts[g] + sizes[g]]
-        _refine_group(idx, costs, bins, loads[g], num_bins, max_swaps, rel_tol)
-    return bins
+    return bins, loads
 
 
 def _refine_group(
     idx: np.ndarray, costs: np.ndarray, bins: np.ndarray, loads: np.ndarray, num_bins: int, max_swaps: int, rel_tol: float
 ) -> None:
-    """In-place swap refinement of one group (``idx``: its items; ``loads``: ``[num_bins]`` its bin loads)."""
+    """In-place swap refinement of one group (``idx``: its items; ``loads``: ``[num_bins]`` its bin loads):
+    swap one item of the heaviest bin with one of another bin while that lowers the heaviest bin."""
     item_cost = costs[idx]
     item_bin = bins[idx].copy()
-    max_item = int(item_cost.max())
-    lower = max(-(-int(loads.sum()) // num_bins), max_item)
+    lower = max(-(-int(loads.sum()) // num_bins), int(item_cost.max()))
     good_enough = lower + int(lower * rel_tol)
     for _ in range(max_swaps):
         h = int(np.argmax(loads))
         if loads[h] <= good_enough:
             break
-        in_h = np.flatnonzero(item_bin == h)
-        wa = item_cost[in_h]
-        best = None  # (new pair max, a, b, other bin)
-        for l in np.argsort(loads, kind="stable"):
-            l = int(l)
-            if l == h:
-                continue
-            gap = int(loads[h] - loads[l])
-            if gap <= 1 or (best is not None and loads[l] + (gap + 1) // 2 >= best[0]):
-                break  # bins are visited lightest first: no later bin can beat the best found
-            in_l = np.flatnonzero(item_bin == l)
-            wb_order = np.argsort(item_cost[in_l], kind="stable")
-            wb = item_cost[in_l][wb_order]
-            # want wa - wb = d with 0 < d < gap, d closest to gap/2  ->  wb ~ wa - gap/2
-            target = wa - gap / 2.0
-            k = np.searchsorted(wb, target)
-            cand_best_val = None
-            for kk in (k - 1, k):
-                ok = (kk >= 0) & (kk < wb.shape[0])
-                kc = np.clip(kk, 0, wb.shape[0] - 1)
-                d = wa - wb[kc]
-                valid = ok & (d > 0) & (d < gap)
-                if not valid.any():
-                    continue
-                newmax = np.where(valid, np.maximum(loads[h] - d, loads[l] + d), np.iinfo(np.int64).max)
-                a = int(np.argmin(newmax))
-                val = int(newmax[a])
-                if cand_best_val is None or val < cand_best_val[0]:
-                    cand_best_val = (val, a, int(kc[a]))
-            if cand_best_val is not None and (best is None or cand_best_val[0] < best[0]):
-                val, a, kb = cand_best_val
-                best = (val, int(in_h[a]), int(in_l[wb_order[kb]]), l)
+        best = _best_swap(h, item_cost, item_bin, loads)
         if best is None or best[0] >= loads[h]:
             break
-        _, a, b, l = best
+        _, a, b, other = best
         d = int(item_cost[a] - item_cost[b])
         loads[h] -= d
-        loads[l] += d
-        item_bin[a], item_bin[b] = l, h
+        loads[other] += d
+        item_bin[a], item_bin[b] = other, h
     bins[idx] = item_bin
+
+
+def _best_swap(h: int, item_cost: np.ndarray, item_bin: np.ndarray, loads: np.ndarray):
+    """Best (new pair max, item of bin h, item of other bin, other bin) over bins lightest first, or None.
+    For each other bin ``l`` the partner is found by ``searchsorted``: ``cost_b ~ cost_a - gap / 2``."""
+    in_h = np.flatnonzero(item_bin == h)
+    wa = item_cost[in_h]
+    best = None
+    for other in np.argsort(loads, kind="stable").tolist():
+        if other == h:
+            continue
+        gap = int(loads[h] - loads[other])
+        if gap <= 1 or (best is not None and loads[other] + (gap + 1) // 2 >= best[0]):
+            break  # visited lightest first: no later bin can beat the best found
+        in_l = np.flatnonzero(item_bin == other)
+        wb_order = np.argsort(item_cost[in_l], kind="stable")
+        wb = item_cost[in_l][wb_order]
+        k = np.searchsorted(wb, wa - gap / 2.0)
+        for kk in (k - 1, k):
+            kc = np.clip(kk, 0, wb.shape[0] - 1)
+            d = wa - wb[kc]
+            valid = (kk >= 0) & (kk < wb.shape[0]) & (d > 0) & (d < gap)
+            if not valid.any():
+                continue
+            newmax = np.where(valid, np.maximum(loads[h] - d, loads[other] + d), np.iinfo(np.int64).max)
+            a = int(np.argmin(newmax))
+            if best is None or int(newmax[a]) < best[0]:
+                best = (int(newmax[a]), int(in_h[a]), int(in_l[wb_order[int(kc[a])]]), other)
+    return best

@@ -112,25 +112,16 @@ def _row_counts(name: str, mask: Any) -> torch.Tensor:
     return mask.detach().cpu().long().sum(-1)
 
 
-def build_layout(
-    attention_mask: torch.Tensor,
-    response_mask: torch.Tensor,
-    uid: Sequence[Any] | np.ndarray,
-    traj_id: Optional[Sequence[Any] | np.ndarray] = None,
-    step_index: Optional[Sequence[int] | np.ndarray | torch.Tensor] = None,
-    is_last_step: Optional[Sequence[bool] | np.ndarray | torch.Tensor] = None,
-    is_padding: Optional[Sequence[bool] | np.ndarray | torch.Tensor] = None,
-) -> BatchLayout:
-    """Derive and validate the :class:`BatchLayout` of a batch.
+def build_layout(attention_mask: torch.Tensor, response_mask: torch.Tensor, uid: Sequence[Any] | np.ndarray,
+                 *structure: Any, **named_structure: Any) -> BatchLayout:
+    """Derive and validate the :class:`BatchLayout` of a batch from its masks.
 
     Args:
         attention_mask: ``[B, L]`` 0/1 (verl: left-padded prompt + right-padded response).
         response_mask: ``[B, R]`` 0/1 loss mask over the response.
         uid: ``[B]`` prompt-group id per row (verl's ``non_tensor_batch["uid"]``).
-        traj_id: ``[B]`` trajectory id per row (step-wise data); requires ``step_index``.
-        step_index: ``[B]`` int step of the row within its trajectory; requires ``traj_id``.
-        is_last_step: ``[B]`` bool, optional; derived as ``step == max step`` when absent.
-        is_padding: ``[B]`` bool, optional; rows already flagged padding.
+        structure / named_structure: ``traj_id``, ``step_index``, ``is_last_step``, ``is_padding``, as in
+            :func:`build_layout_from_counts` (positionally or by name).
     Raises:
         BatchLayoutError: see :func:`build_layout_from_counts`.
     """
@@ -148,7 +139,7 @@ def build_layout(
             f"response_mask has {num_loss_tokens.shape[0]} rows but attention_mask has {num_tokens.shape[0]}. "
             "Fix: both must come from the same batch (same row order)."
         )
-    return build_layout_from_counts(num_tokens, num_loss_tokens, uid, traj_id, step_index, is_last_step, is_padding)
+    return build_layout_from_counts(num_tokens, num_loss_tokens, uid, *structure, **named_structure)
 
 
 def build_layout_from_counts(
@@ -160,158 +151,212 @@ def build_layout_from_counts(
     is_last_step: Optional[Sequence[bool] | np.ndarray | torch.Tensor] = None,
     is_padding: Optional[Sequence[bool] | np.ndarray | torch.Tensor] = None,
 ) -> BatchLayout:
-    """Same as :func:`build_layout` but from per-row token counts ``[B]`` instead of masks.
+    """:func:`build_layout` from per-row token counts ``[B]`` instead of masks.
 
+    Args:
+        num_tokens: ``[B]`` attended tokens (prompt + response) per row.
+        num_loss_tokens: ``[B]`` loss tokens per row.
+        uid: ``[B]`` prompt-group id per row.
+        traj_id: ``[B]`` trajectory id per row (step-wise data); requires ``step_index``.
+        step_index: ``[B]`` int step of the row within its trajectory; requires ``traj_id``.
+        is_last_step: ``[B]`` bool, optional; derived as ``step == max step`` when absent.
+        is_padding: ``[B]`` bool, optional; rows already flagged padding.
     Raises:
         BatchLayoutError: missing uid, mismatched lengths, ``traj_id`` without ``step_index`` (or
             vice versa), a trajectory whose rows carry two uids, duplicate / missing / negative steps,
             a trajectory with zero or several last steps or a last step that is not its max step,
             a batch without any real row.
     """
-    num_tokens = torch.as_tensor(np.asarray(num_tokens) if not isinstance(num_tokens, torch.Tensor) else num_tokens)
-    num_tokens = num_tokens.detach().cpu().long().reshape(-1)
-    num_loss_tokens = torch.as_tensor(
-        np.asarray(num_loss_tokens) if not isinstance(num_loss_tokens, torch.Tensor) else num_loss_tokens
-    )
-    num_loss_tokens = num_loss_tokens.detach().cpu().long().reshape(-1)
+    num_tokens, num_loss_tokens = _row_count_pair(num_tokens, num_loss_tokens)
     n = int(num_tokens.shape[0])
-    if num_loss_tokens.shape[0] != n:
+    uid_arr = _required_uid(uid, n)
+    pad = np.zeros(n, dtype=bool) if is_padding is None else _as_1d("is_padding", is_padding, n).astype(bool)
+    real = _RealRows(pad)
+    groups = factorize(real.take(uid_arr))[0]
+    ids = _trajectories(traj_id, step_index, real)
+    traj_group = groups[ids.first]
+    _check_one_uid_per_trajectory(ids, groups, traj_group, real.take(uid_arr))
+    counts = np.bincount(ids.codes, minlength=ids.num).astype(np.int64)
+    if traj_id is not None:
+        _check_steps(ids, counts)
+    derived_last = ids.steps == (counts[ids.codes] - 1)
+    if is_last_step is not None:
+        given_last = real.take(_as_1d("is_last_step", is_last_step, n)).astype(bool)
+        _check_last_steps(ids, given_last, derived_last)
+    return BatchLayout(
+        traj_index=torch.from_numpy(real.scatter(ids.codes, -1, np.int64)),
+        group_index=torch.from_numpy(real.scatter(groups, -1, np.int64)),
+        step_index=torch.from_numpy(real.scatter(ids.steps, 0, np.int64)),
+        is_last_step=torch.from_numpy(real.scatter(derived_last, False, bool)),
+        num_tokens=num_tokens,
+        num_loss_tokens=num_loss_tokens,
+        is_padding=torch.from_numpy(pad.copy()),
+        traj_group=torch.from_numpy(traj_group.astype(np.int64)),
+        traj_num_steps=torch.from_numpy(counts),
+        num_rows=n,
+        num_trajectories=ids.num,
+        num_groups=int(groups.max()) + 1,
+    )
+
+
+def _row_count_pair(num_tokens: Any, num_loss_tokens: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both per-row counts as CPU int64 ``[B]`` tensors of the same length."""
+    a = torch.as_tensor(num_tokens if isinstance(num_tokens, torch.Tensor) else np.asarray(num_tokens))
+    b = torch.as_tensor(num_loss_tokens if isinstance(num_loss_tokens, torch.Tensor) else np.asarray(num_loss_tokens))
+    a, b = a.detach().cpu().long().reshape(-1), b.detach().cpu().long().reshape(-1)
+    if b.shape[0] != a.shape[0]:
         raise BatchLayoutError(
-            f"num_loss_tokens has {num_loss_tokens.shape[0]} rows but num_tokens has {n}. Fix: same batch, same order."
+            f"num_loss_tokens has {b.shape[0]} rows but num_tokens has {a.shape[0]}. Fix: same batch, same order."
         )
+    return a, b
+
+
+def _required_uid(uid: Any, n: int) -> np.ndarray:
     if uid is None:
         raise BatchLayoutError(
             "uid is missing. Fix: every row needs its prompt-group id in non_tensor_batch['uid'] "
             "(verl's fit() assigns one uuid per prompt before repeat(n))."
         )
-    uid_arr = _as_1d("uid", uid, n)
+    return _as_1d("uid", uid, n)
+
+
+def _int_steps(steps: np.ndarray) -> np.ndarray:
+    """``[N]`` int64 steps; floats must be whole numbers, objects must convert to int."""
+    if steps.dtype.kind in "iub":
+        return steps.astype(np.int64)
+    try:
+        as_float = steps.astype(np.float64)
+    except (TypeError, ValueError) as exc:
+        raise BatchLayoutError(
+            f"step_index must be integers; got dtype {steps.dtype}. Fix: pass int step numbers."
+        ) from exc
+    if not np.all(np.mod(as_float, 1) == 0):
+        raise BatchLayoutError(
+            f"step_index must be whole numbers; got {as_float[np.mod(as_float, 1) != 0][:4].tolist()}. "
+            "Fix: pass int step numbers."
+        )
+    return as_float.astype(np.int64)
+
+
+class _RealRows:
+    """The rows not flagged padding: ``take`` selects them, ``scatter`` writes back to ``[B]``."""
+
+    def __init__(self, pad: np.ndarray):
+        self.n = int(pad.shape[0])
+        self.count = int((~pad).sum())
+        if self.count == 0:
+            raise BatchLayoutError(
+                f"the batch has no real row ({self.n} rows, all flagged is_padding). This is an upstream bug "
+                "(rollout produced nothing or every row was masked): fix the producer; refusing to plan an empty batch."
+            )
+        self.index = np.flatnonzero(~pad) if self.count < self.n else None
+
+    def take(self, arr: np.ndarray) -> np.ndarray:
+        return arr if self.index is None else arr[self.index]
+
+    def scatter(self, values: np.ndarray, fill: Any, dtype: Any) -> np.ndarray:
+        if self.index is None:
+            return values.astype(dtype, copy=False)
+        out = np.full(self.n, fill, dtype=dtype)
+        out[self.index] = values
+        return out
+
+
+@dataclass
+class _Trajectories:
+    """Dense trajectory codes of the real rows, their steps, and each trajectory's first row."""
+
+    codes: np.ndarray  # [N_real] 0..T-1
+    steps: np.ndarray  # [N_real]
+    first: np.ndarray  # [T] first real row of each trajectory
+    ids: Optional[np.ndarray]  # [N_real] original traj ids (None: one row per trajectory)
+    real: _RealRows
+
+    @property
+    def num(self) -> int:
+        return int(self.codes.max()) + 1
+
+    def name(self, t: int) -> Any:
+        """Human-readable id of trajectory ``t`` for error messages."""
+        if self.ids is not None:
+            return self.ids[self.first[t]]
+        row = int(self.first[t]) if self.real.index is None else int(self.real.index[self.first[t]])
+        return f"row {row}"
+
+
+def _trajectories(traj_id: Any, step_index: Any, real: _RealRows) -> _Trajectories:
+    """Dense trajectory codes of the real rows; without ids every row is its own trajectory (step 0)."""
     if (traj_id is None) != (step_index is None):
         given, missing = ("traj_id", "step_index") if step_index is None else ("step_index", "traj_id")
         raise BatchLayoutError(
             f"{given} was given without {missing}. Fix: step-wise rows need both a trajectory id and a step "
             f"index per row (non_tensor_batch['traj_id'], ['step_index']); pass neither for one row per trajectory."
         )
-
-    pad_np = np.zeros(n, dtype=bool) if is_padding is None else _as_1d("is_padding", is_padding, n).astype(bool)
-    real = ~pad_np
-    num_real = int(real.sum())
-    if num_real == 0:
-        raise BatchLayoutError(
-            f"the batch has no real row ({n} rows, all flagged is_padding). This is an upstream bug "
-            "(rollout produced nothing or every row was masked): fix the producer; refusing to plan an empty batch."
-        )
-    real_idx = np.flatnonzero(real) if num_real < n else None
-
-    def _real(arr: np.ndarray) -> np.ndarray:
-        return arr if real_idx is None else arr[real_idx]
-
-    # groups
-    g_codes, _ = factorize(_real(uid_arr))
-    num_groups = int(g_codes.max()) + 1
-
-    # trajectories + steps
     if traj_id is None:
-        t_codes = np.arange(num_real, dtype=np.int64)
-        steps = np.zeros(num_real, dtype=np.int64)
-        t_first = t_codes
-        traj_id_arr = None
-    else:
-        traj_id_arr = _as_1d("traj_id", traj_id, n)
-        step_arr = _as_1d("step_index", step_index, n)
-        if step_arr.dtype.kind not in "iub":
-            if step_arr.dtype.kind == "f" and np.all(np.mod(step_arr, 1) == 0):
-                step_arr = step_arr.astype(np.int64)
-            else:
-                try:
-                    step_arr = step_arr.astype(np.int64)
-                except (TypeError, ValueError) as exc:
-                    raise BatchLayoutError(
-                        f"step_index must be integers; got dtype {step_arr.dtype}. Fix: pass int step numbers."
-                    ) from exc
-        t_codes, t_first = factorize(_real(traj_id_arr))
-        steps = _real(step_arr).astype(np.int64)
-    num_traj = int(t_codes.max()) + 1
-    traj_group = g_codes[t_first]
+        rows = np.arange(real.count, dtype=np.int64)
+        return _Trajectories(rows, np.zeros(real.count, dtype=np.int64), rows, None, real)
+    ids = real.take(_as_1d("traj_id", traj_id, real.n))
+    codes, first = factorize(ids)
+    return _Trajectories(codes, real.take(_int_steps(_as_1d("step_index", step_index, real.n))), first, ids, real)
 
-    def _tid(t: int) -> Any:
-        return _real(traj_id_arr)[t_first[t]] if traj_id_arr is not None else f"row {int(_real(np.arange(n))[t])}"
 
-    # one uid per trajectory
-    bad = np.flatnonzero(g_codes != traj_group[t_codes])
+def _check_one_uid_per_trajectory(ids: _Trajectories, groups: np.ndarray, traj_group: np.ndarray,
+                                  uid: np.ndarray) -> None:
+    bad = np.flatnonzero(groups != traj_group[ids.codes])
     if bad.size:
-        r = int(bad[0])
-        t = int(t_codes[r])
-        uids = np.unique(_real(uid_arr)[t_codes == t].astype(str)).tolist()
+        t = int(ids.codes[bad[0]])
+        uids = np.unique(uid[ids.codes == t].astype(str)).tolist()
         raise BatchLayoutError(
-            f"trajectory traj_id={_tid(t)!r} has rows with {len(uids)} different uids {uids[:4]}. "
+            f"trajectory traj_id={ids.name(t)!r} has rows with {len(uids)} different uids {uids[:4]}. "
             "Fix: all steps of one trajectory must carry the uid of its prompt group (set uid per prompt, "
             "then copy it to every step row of the trajectory)."
         )
 
-    counts = np.bincount(t_codes, minlength=num_traj).astype(np.int64)
-    if traj_id_arr is not None:
-        if steps.size and steps.min() < 0:
-            r = int(np.argmin(steps))
-            raise BatchLayoutError(
-                f"step_index={int(steps[r])} is negative (traj_id={_tid(int(t_codes[r]))!r}). "
-                "Fix: steps of a trajectory must be numbered 0..n-1."
-            )
-        too_big = np.flatnonzero(steps >= counts[t_codes])
-        start = np.cumsum(counts) - counts
-        slot = start[t_codes] + np.minimum(steps, counts[t_codes] - 1)
-        hits = np.bincount(slot, minlength=num_real)
-        if too_big.size or np.any(hits != 1):
-            if too_big.size:
-                t = int(t_codes[too_big[0]])
-            else:
-                t = int(np.searchsorted(start, int(np.flatnonzero(hits != 1)[0]), side="right") - 1)
-            got = np.sort(steps[t_codes == t])
-            dup = got[1:][got[1:] == got[:-1]]
-            missing = np.setdiff1d(np.arange(counts[t]), got)
-            raise BatchLayoutError(
-                f"trajectory traj_id={_tid(t)!r} has steps {got[:12].tolist()}{'...' if got.size > 12 else ''}: "
-                f"duplicate steps {np.unique(dup)[:8].tolist()}, missing steps {missing[:8].tolist()} "
-                f"(expected exactly 0..{counts[t] - 1} for its {counts[t]} rows). Fix: every step of a "
-                "trajectory must be in the same batch exactly once (do not drop or duplicate step rows)."
-            )
-    derived_last = steps == (counts[t_codes] - 1)
-    if is_last_step is not None:
-        last_np = _real(_as_1d("is_last_step", is_last_step, n)).astype(bool)
-        per_traj = np.bincount(t_codes, weights=last_np, minlength=num_traj)
-        wrong_count = np.flatnonzero(per_traj != 1)
-        if wrong_count.size:
-            t = int(wrong_count[0])
-            raise BatchLayoutError(
-                f"trajectory traj_id={_tid(t)!r} has {int(per_traj[t])} rows with is_last_step=True "
-                "(expected exactly 1). Fix: flag exactly the final step of every trajectory; a trajectory "
-                "without its last step was truncated upstream (keep all of its steps in the batch)."
-            )
-        mism = np.flatnonzero(last_np != derived_last)
-        if mism.size:
-            t = int(t_codes[mism[0]])
-            raise BatchLayoutError(
-                f"trajectory traj_id={_tid(t)!r}: is_last_step=True is on step {int(steps[last_np & (t_codes == t)][0])}"
-                f" but its max step is {int(counts[t]) - 1}. Fix: the last step must be the highest step_index."
-            )
 
-    def _full(real_vals: np.ndarray, fill: Any, dtype: Any) -> np.ndarray:
-        if real_idx is None:
-            return real_vals.astype(dtype, copy=False)
-        out = np.full(n, fill, dtype=dtype)
-        out[real_idx] = real_vals
-        return out
-
-    return BatchLayout(
-        traj_index=torch.from_numpy(_full(t_codes, -1, np.int64)),
-        group_index=torch.from_numpy(_full(g_codes, -1, np.int64)),
-        step_index=torch.from_numpy(_full(steps, 0, np.int64)),
-        is_last_step=torch.from_numpy(_full(derived_last, False, bool)),
-        num_tokens=num_tokens,
-        num_loss_tokens=num_loss_tokens,
-        is_padding=torch.from_numpy(pad_np.copy()),
-        traj_group=torch.from_numpy(traj_group.astype(np.int64)),
-        traj_num_steps=torch.from_numpy(counts),
-        num_rows=n,
-        num_trajectories=num_traj,
-        num_groups=num_groups,
+def _check_steps(ids: _Trajectories, counts: np.ndarray) -> None:
+    """The steps of every trajectory are exactly ``0..n_t-1`` (a counting sort finds any hole or repeat)."""
+    steps, codes = ids.steps, ids.codes
+    if steps.size and steps.min() < 0:
+        r = int(np.argmin(steps))
+        raise BatchLayoutError(
+            f"step_index={int(steps[r])} is negative (traj_id={ids.name(int(codes[r]))!r}). "
+            "Fix: steps of a trajectory must be numbered 0..n-1."
+        )
+    too_big = np.flatnonzero(steps >= counts[codes])
+    start = np.cumsum(counts) - counts
+    hits = np.bincount(start[codes] + np.minimum(steps, counts[codes] - 1), minlength=codes.shape[0])
+    if not too_big.size and np.all(hits == 1):
+        return
+    if too_big.size:
+        t = int(codes[too_big[0]])
+    else:
+        t = int(np.searchsorted(start, int(np.flatnonzero(hits != 1)[0]), side="right") - 1)
+    got = np.sort(steps[codes == t])
+    dup = got[1:][got[1:] == got[:-1]]
+    missing = np.setdiff1d(np.arange(counts[t]), got)
+    raise BatchLayoutError(
+        f"trajectory traj_id={ids.name(t)!r} has steps {got[:12].tolist()}{'...' if got.size > 12 else ''}: "
+        f"duplicate steps {np.unique(dup)[:8].tolist()}, missing steps {missing[:8].tolist()} "
+        f"(expected exactly 0..{counts[t] - 1} for its {counts[t]} rows). Fix: every step of a "
+        "trajectory must be in the same batch exactly once (do not drop or duplicate step rows)."
     )
+
+
+def _check_last_steps(ids: _Trajectories, given: np.ndarray, derived: np.ndarray) -> None:
+    per_traj = np.bincount(ids.codes, weights=given, minlength=ids.num)
+    wrong_count = np.flatnonzero(per_traj != 1)
+    if wrong_count.size:
+        t = int(wrong_count[0])
+        raise BatchLayoutError(
+            f"trajectory traj_id={ids.name(t)!r} has {int(per_traj[t])} rows with is_last_step=True "
+            "(expected exactly 1). Fix: flag exactly the final step of every trajectory; a trajectory "
+            "without its last step was truncated upstream (keep all of its steps in the batch)."
+        )
+    mismatch = np.flatnonzero(given != derived)
+    if mismatch.size:
+        t = int(ids.codes[mismatch[0]])
+        flagged = int(ids.steps[given & (ids.codes == t)][0])
+        raise BatchLayoutError(
+            f"trajectory traj_id={ids.name(t)!r}: is_last_step=True is on step {flagged} but its max step is "
+            f"{int(np.bincount(ids.codes)[t]) - 1}. Fix: the last step must be the highest step_index."
+        )

@@ -1,7 +1,9 @@
-"""Per-row loss weights: every loss aggregation mode as one weighted token sum.
+"""Per-row loss weights: every loss aggregation mode as one weighted token sum, as a registry by name.
 
-Pure module (torch only). The trainer computes ``loss_weight`` (float32, one value per row) once per
-training step on the driver and attaches it to the batch; the loss functions
+Pure module (torch only). Before each update the trainer computes ``loss_weight`` (float32, one value
+per row) from the plan's per-row facts carried in the batch (``mini_batch_id``, ``traj_index``,
+``is_padding``) and the final ``response_mask`` (verl's rollout correction may still mask tokens after
+planning, so the weights are computed when the mask is final, once per update). The loss functions
 (``verl_traj.integration.losses``) then aggregate every loss term ``loss_t`` (policy, entropy, KL,
 value) of a mini-batch ``m`` as
 
@@ -12,56 +14,134 @@ value) of a mini-batch ``m`` as
 mini-batch-global normaliser, the gradient of a mini-batch does not depend on how its rows are spread
 over DP ranks or cut into micro-batches, and padding rows (``w = 0``) contribute nothing.
 
-Notation, for the mini-batch ``m`` that row ``i`` belongs to (``mini_batch_id[i] == m``); only
-*real* rows (``is_padding == False``) enter any statistic:
+Notation, for the mini-batch ``m`` of row ``i``; only *real* rows enter any statistic:
 
 * ``l_i``   = loss tokens of row i = ``response_mask[i].sum()``
-* ``N_m``   = number of real rows in m (rows with ``l_i == 0`` included, as verl's
-  ``global_batch_size`` counts every row)
+* ``N_m``   = real rows in m (rows with ``l_i == 0`` included, as verl's ``global_batch_size`` counts rows)
 * ``L_m``   = sum of ``l_i`` over the real rows of m
-* ``T_m``   = number of distinct trajectories (``traj_index``) with a real row in m
-* ``L_k``   = sum of ``l_i`` over the real rows of trajectory k (in m)
+* ``T_m``   = trajectories with a real row in m
+* ``L_k``   = sum of ``l_i`` over the real rows of trajectory k
 * ``S``     = ``loss_scale_factor`` if given, else the response width ``R = response_mask.shape[1]``
 
-Formulas (``w_i = 0`` for padding rows, and wherever the formula divides by a zero count):
+Modes (``w_i = 0`` for padding rows and wherever a formula divides by a zero count):
 
 - ``token-mean``:              ``w_i = 1 / L_m``            (mean over all loss tokens of the mini-batch)
 - ``seq-mean-token-sum``:      ``w_i = 1 / N_m``            (mean over rows of each row's token sum)
 - ``seq-mean-token-mean``:     ``w_i = 1 / (N_m * l_i)``    (mean over rows of each row's token mean)
-- ``seq-mean-token-sum-norm``: ``w_i = 1 / (N_m * S)``      (row token sums divided by a constant S,
-  mean over rows)
-- ``traj-mean``:               ``w_i = 1 / (T_m * L_k(i))`` (k(i) = trajectory of row i: mean over
-  trajectories of each trajectory's token mean over all its step rows together; every trajectory
-  weighs the same whatever its number of steps/rows)
+- ``seq-mean-token-sum-norm``: ``w_i = 1 / (N_m * S)``      (row token sums over a constant S, mean over rows)
+- ``traj-mean``:               ``w_i = 1 / (T_m * L_k(i))`` (mean over trajectories of each trajectory's
+  token mean over all its step rows together; every trajectory weighs the same whatever its steps)
 
-Differences from verl's own ``agg_loss``: the statistics are those of the real mini-batch (verl uses
-the configured ``ppo_mini_batch_size * n`` row count, which counts padding and is wrong for
-variable-size mini-batches), and ``seq-mean-token-sum-norm`` uses a constant ``S`` (verl falls back
-to the current micro-batch's padded width, which varies between micro-batches).
-With one row per trajectory, ``traj-mean`` equals ``seq-mean-token-mean``.
+Differences from verl's own ``agg_loss``: the statistics are those of the real mini-batch (verl uses the
+configured ``ppo_mini_batch_size * n`` row count, which counts padding and is wrong for variable-size
+mini-batches), and ``seq-mean-token-sum-norm`` uses a constant ``S`` (verl falls back to the current
+micro-batch's padded width, which varies between micro-batches). With one row per trajectory
+``traj-mean`` equals ``seq-mean-token-mean``.
+
+A new mode is one decorated function of :class:`RowStats`::
+
+    @register_loss_weight("my-mode")
+    def _my_mode(s: RowStats) -> torch.Tensor:   # [B] float64, padding rows are zeroed afterwards
+        return s.per_mini_batch(s.real)[s.mini_batch].reciprocal()
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
-LOSS_WEIGHT_MODES = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-    "traj-mean",
-)
+__all__ = ["LOSS_WEIGHT_FNS", "RowStats", "compute_loss_weights", "loss_weight_modes", "register_loss_weight"]
+
+LOSS_WEIGHT_FNS: dict[str, Callable[["RowStats"], torch.Tensor]] = {}
 
 
-def _safe_reciprocal(x: torch.Tensor) -> torch.Tensor:
-    """1/x where x > 0, else 0 (float64)."""
-    out = torch.zeros_like(x, dtype=torch.float64)
-    pos = x > 0
-    out[pos] = 1.0 / x[pos].to(torch.float64)
-    return out
+def register_loss_weight(name: str) -> Callable:
+    """Register ``fn(RowStats) -> [B] float64`` as loss aggregation mode ``name`` (verl's
+    ``register_policy_loss`` style)."""
+
+    def decorator(fn: Callable[["RowStats"], torch.Tensor]) -> Callable[["RowStats"], torch.Tensor]:
+        LOSS_WEIGHT_FNS[name] = fn
+        return fn
+
+    return decorator
+
+
+def loss_weight_modes() -> tuple[str, ...]:
+    """The registered mode names (what ``traj.loss_agg_mode`` accepts)."""
+    return tuple(LOSS_WEIGHT_FNS)
+
+
+def safe_reciprocal(x: torch.Tensor) -> torch.Tensor:
+    """``1 / x`` where ``x > 0``, else 0 (float64)."""
+    x = x.to(torch.float64)
+    return torch.where(x > 0, 1.0 / x.clamp(min=1e-300), torch.zeros_like(x))
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """What a weight function may use; every ``[B]`` tensor on the mask's device, float64 unless stated.
+
+    mini_batch: ``[B]`` int64 dense 0..M-1; traj: ``[B]`` int64 dense 0..T-1 (-1 on padding);
+    real: 1.0 on real rows; loss_tokens: ``l_i`` (0 on padding); scale: ``S``."""
+
+    mini_batch: torch.Tensor
+    traj: torch.Tensor
+    real: torch.Tensor
+    loss_tokens: torch.Tensor
+    num_mini_batches: int
+    num_trajectories: int
+    scale: float
+
+    def per_mini_batch(self, values: torch.Tensor) -> torch.Tensor:
+        """``[M]`` sums of ``values`` ``[B]`` per mini-batch."""
+        return values.new_zeros(self.num_mini_batches).index_add_(0, self.mini_batch, values)
+
+    def per_trajectory(self, values: torch.Tensor) -> torch.Tensor:
+        """``[T]`` sums of ``values`` ``[B]`` over the real rows of each trajectory."""
+        real = self.traj >= 0
+        return values.new_zeros(self.num_trajectories).index_add_(0, self.traj[real], values[real])
+
+
+@register_loss_weight("token-mean")
+def _token_mean(s: RowStats) -> torch.Tensor:
+    return safe_reciprocal(s.per_mini_batch(s.loss_tokens))[s.mini_batch]
+
+
+@register_loss_weight("seq-mean-token-sum")
+def _seq_mean_token_sum(s: RowStats) -> torch.Tensor:
+    return safe_reciprocal(s.per_mini_batch(s.real))[s.mini_batch]
+
+
+@register_loss_weight("seq-mean-token-mean")
+def _seq_mean_token_mean(s: RowStats) -> torch.Tensor:
+    return _seq_mean_token_sum(s) * safe_reciprocal(s.loss_tokens)
+
+
+@register_loss_weight("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(s: RowStats) -> torch.Tensor:
+    return _seq_mean_token_sum(s) / s.scale
+
+
+@register_loss_weight("traj-mean")
+def _traj_mean(s: RowStats) -> torch.Tensor:
+    """A trajectory lives in one mini-batch (the plan never splits one), so ``T_m`` counts trajectories."""
+    traj = s.traj.clamp(min=0)
+    has_real = (s.per_trajectory(s.real) > 0).to(torch.float64)
+    traj_mini_batch = torch.zeros(s.num_trajectories, dtype=torch.long, device=traj.device)
+    traj_mini_batch[s.traj[s.traj >= 0]] = s.mini_batch[s.traj >= 0]
+    per_mb = has_real.new_zeros(s.num_mini_batches).index_add_(0, traj_mini_batch, has_real)
+    return safe_reciprocal(per_mb)[s.mini_batch] * safe_reciprocal(s.per_trajectory(s.loss_tokens))[traj]
+
+
+def _check_shapes(response_mask: torch.Tensor, **per_row: torch.Tensor) -> None:
+    if response_mask.dim() != 2:
+        raise ValueError(f"response_mask must be [B, R], got shape {tuple(response_mask.shape)}")
+    rows = response_mask.shape[0]
+    for name, t in per_row.items():
+        if t.shape != (rows,):
+            raise ValueError(f"{name} must have shape [{rows}] (one value per row), got {tuple(t.shape)}")
 
 
 def compute_loss_weights(
@@ -73,66 +153,35 @@ def compute_loss_weights(
     *,
     loss_scale_factor: Optional[float] = None,
 ) -> torch.Tensor:
-    """Per-row weights ``w`` (float32 [B]) such that ``sum(loss * response_mask * w[:, None])`` over a
+    """Per-row weights ``w`` (float32 ``[B]``) such that ``sum(loss * response_mask * w[:, None])`` over a
     mini-batch is that mini-batch's loss under aggregation ``mode`` (formulas: module docstring).
 
     Args:
-        mode: one of ``LOSS_WEIGHT_MODES``.
-        response_mask: [B, R] (bool/int/float; non-zero = loss token).
-        mini_batch_id: [B] integer id of each row's mini-batch (any integers).
-        traj_index: [B] integer trajectory of each row (only used by ``traj-mean``).
-        is_padding: [B] bool; padding rows get weight 0 and enter no statistic.
+        mode: a registered name (:func:`loss_weight_modes`).
+        response_mask: ``[B, R]`` (bool/int/float; non-zero = loss token).
+        mini_batch_id: ``[B]`` int, dense ``0..M-1`` (the plan's ids).
+        traj_index: ``[B]`` int, dense ``0..T-1`` on real rows (the plan's ``traj_index``).
+        is_padding: ``[B]`` bool; padding rows get weight 0 and enter no statistic.
         loss_scale_factor: ``S`` of ``seq-mean-token-sum-norm`` (default: ``R``).
     """
-    if mode not in LOSS_WEIGHT_MODES:
+    if mode not in LOSS_WEIGHT_FNS:
         raise ValueError(
-            f"loss aggregation mode {mode!r} is not one of {list(LOSS_WEIGHT_MODES)}; set traj.loss_agg_mode "
+            f"loss aggregation mode {mode!r} is not one of {list(LOSS_WEIGHT_FNS)}; set traj.loss_agg_mode "
             "(or actor/critic loss_agg_mode) to one of them."
         )
-    if response_mask.dim() != 2:
-        raise ValueError(f"response_mask must be [B, R], got shape {tuple(response_mask.shape)}")
-    B, R = response_mask.shape
-    for name, t in (("mini_batch_id", mini_batch_id), ("traj_index", traj_index), ("is_padding", is_padding)):
-        if t.shape != (B,):
-            raise ValueError(f"{name} must have shape [{B}] (one value per row), got {tuple(t.shape)}")
+    _check_shapes(response_mask, mini_batch_id=mini_batch_id, traj_index=traj_index, is_padding=is_padding)
+    scale = float(loss_scale_factor) if loss_scale_factor is not None else float(response_mask.shape[1])
+    if scale <= 0:
+        raise ValueError(f"loss_scale_factor must be positive, got {loss_scale_factor!r}")
     device = response_mask.device
-    real = ~is_padding.to(device=device, dtype=torch.bool)
-    realf = real.to(torch.float64)
-    row_tokens = (response_mask != 0).sum(-1).to(torch.float64) * realf  # l_i (0 for padding)
-
-    _, mb = torch.unique(mini_batch_id.to(device), return_inverse=True)
-    num_mb = int(mb.max().item()) + 1 if B > 0 else 0
-
-    def per_mb_sum(values: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(num_mb, dtype=torch.float64, device=device).index_add_(0, mb, values)
-
-    if mode == "token-mean":
-        w = _safe_reciprocal(per_mb_sum(row_tokens))[mb]
-    elif mode in ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
-        w = _safe_reciprocal(per_mb_sum(realf))[mb]
-        if mode == "seq-mean-token-mean":
-            w = w * _safe_reciprocal(row_tokens)
-        elif mode == "seq-mean-token-sum-norm":
-            scale = float(loss_scale_factor) if loss_scale_factor is not None else float(R)
-            if scale <= 0:
-                raise ValueError(f"loss_scale_factor must be positive, got {loss_scale_factor!r}")
-            w = w / scale
-    else:  # traj-mean
-        # (mini-batch, trajectory) pairs: robust even if a trajectory were split over mini-batches.
-        _, traj_dense = torch.unique(traj_index.to(device), return_inverse=True)
-        num_traj = int(traj_dense.max().item()) + 1 if B > 0 else 0
-        pair = mb * max(num_traj, 1) + traj_dense
-        _, pair_dense = torch.unique(pair, return_inverse=True)
-        num_pairs = int(pair_dense.max().item()) + 1 if B > 0 else 0
-        pair_tokens = torch.zeros(num_pairs, dtype=torch.float64, device=device).index_add_(0, pair_dense, row_tokens)
-        pair_real = torch.zeros(num_pairs, dtype=torch.float64, device=device).index_add_(0, pair_dense, realf)
-        pair_mb = torch.zeros(num_pairs, dtype=torch.long, device=device).scatter_(0, pair_dense, mb)
-        traj_per_mb = torch.zeros(num_mb, dtype=torch.float64, device=device).index_add_(
-            0, pair_mb, (pair_real > 0).to(torch.float64)
-        )
-        w = _safe_reciprocal(traj_per_mb)[mb] * _safe_reciprocal(pair_tokens)[pair_dense]
-    w = w * realf
-    return w.to(torch.float32)
-
-
-__all__ = ["LOSS_WEIGHT_MODES", "compute_loss_weights"]
+    real = (~is_padding.to(device=device, dtype=torch.bool)).to(torch.float64)
+    mb = mini_batch_id.to(device=device, dtype=torch.long)
+    traj = torch.where(real > 0, traj_index.to(device=device, dtype=torch.long), torch.full_like(mb, -1))
+    stats = RowStats(
+        mini_batch=mb, traj=traj, real=real,
+        loss_tokens=(response_mask != 0).sum(-1).to(torch.float64) * real,
+        num_mini_batches=int(mb.max()) + 1 if mb.numel() else 0,
+        num_trajectories=max(int(traj.max()) + 1 if traj.numel() else 0, 1),  # >= 1: padding rows gather slot 0
+        scale=scale,
+    )
+    return (LOSS_WEIGHT_FNS[mode](stats) * real).to(torch.float32)

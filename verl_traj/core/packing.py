@@ -1,28 +1,56 @@
-"""Token-capped micro-batch packing per (mini-batch, rank) block.
+"""Token-capped micro-batch packing per (mini-batch, rank) block: the forward/backward passes that run.
 
-``micro_batch_max_tokens`` is a hard cap on the attended (prompt + response) tokens of one
-micro-batch on one rank, independent of the maximum sequence length. Packing never changes what a
-mini-batch contains (one mini-batch = one optimizer step); it only decides how a rank's rows of a
-mini-batch are cut into forward/backward passes.
+A mini-batch is one optimizer step; packing only decides how one rank's rows of a mini-batch are cut
+into forward/backward passes, so it never changes the gradient (the losses carry mini-batch-global
+weights). The cost of a micro-batch depends on the attention path:
 
-Algorithm: best-fit decreasing per block (rows by tokens descending, each into the open micro-batch
-with the least room that still fits, else a new one; ``bisect`` over the sorted free capacities).
-Then, as verl syncs the micro-batch COUNT over DP ranks (``rearrange_micro_batches`` takes the max),
-every rank of a mini-batch is brought to the same count by splitting its micro-batch with the most
-rows in two (halves alternate over the rows sorted by tokens, so both halves stay under the cap).
-A rank with fewer rows than the synced count cannot be split that far; it keeps one row per
-micro-batch and is counted in ``ranks_short_of_rows`` (verl 0.9.1 raises in that case: "Requested N
-non-empty micro-batches, but a rank has only M forced groups") -- a warning metric for the trainer.
+* ``cost="tokens"`` (remove-padding / varlen attention, verl's GPU default): a micro-batch costs the
+  sum of its rows' attended tokens. Objective: the fewest micro-batches whose token sums fit ``cap``.
+  Per block the count starts at the lower bound ``ceil(tokens / cap)`` and rises until one of these
+  fits: longest-processing-time (LPT, balanced), best-fit decreasing (BFD), an optional caller-given
+  partitioner (the verl adapter passes verl's own Karmarkar-Karp, so the count is never above verl's
+  ``rearrange_micro_batches`` on the same rows), and, for blocks of at most ``EXACT_MAX_ROWS`` rows,
+  an exact depth-first search with a node budget (the optimum wherever that search is cheap).
+* ``cost="padded"`` (no remove-padding, e.g. sdpa on CPU): every micro-batch is padded to its longest
+  row, so it costs ``rows x longest row`` positions and that area must fit ``cap``. The count is the
+  fewest runs of length-sorted rows that fit (a greedy cut finds it), or, when a partitioner is given,
+  as many micro-batches as it would cut if that is more (verl's own count: never more passes than
+  stock). The rows are then cut into that many consecutive runs in length order with the least total
+  padded area (a dynamic program; consecutive runs are optimal for this cost).
+
+Then, as verl's engines expect the same number of micro-batches on every DP rank of a mini-batch
+(FSDP's gradient sync runs on the last one), every block of a sync set is brought to the set's
+largest count: the padded cost re-cuts the block's least-area runs at that count, the token cost
+splits its micro-batch with the largest cost in two. Every rank holds the same
+number of rows of a mini-batch (the planner's invariant), so a block can always be split that far
+when the synced count does not exceed its rows; ``ranks_short_of_rows`` counts the blocks where it
+cannot (kept as a guard metric; it stays 0 for verl_traj plans).
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Callable, Literal, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["PackingError", "MicroBatchPacking", "pack_micro_batches"]
+__all__ = [
+    "EXACT_MAX_ROWS",
+    "MICRO_BATCH_COSTS",
+    "MicroBatchPacking",
+    "PackingError",
+    "Partitioner",
+    "min_micro_batches",
+    "pack_micro_batches",
+]
+
+MICRO_BATCH_COSTS = ("tokens", "padded")
+EXACT_MAX_ROWS = 24  # blocks up to this many rows get the exact search
+EXACT_NODE_BUDGET = 20_000
+Cost = Literal["tokens", "padded"]
+# (row lengths, number of parts) -> parts as lists of row positions (may return parts over the cap)
+Partitioner = Callable[[list[int], int], Sequence[Sequence[int]]]
 
 
 class PackingError(ValueError):
@@ -35,40 +63,205 @@ class MicroBatchPacking:
 
     micro_index: ``[N]`` int64 micro-batch of each row within its block (0..count-1).
     block_count: ``[num_blocks]`` int64 micro-batches of each block (after the DP sync).
-    block_count_unsynced: ``[num_blocks]`` int64 micro-batches best-fit-decreasing needed per block.
-    ranks_short_of_rows: ``[num_blocks]`` bool, block has fewer rows than its mini-batch's synced count.
+    block_count_unsynced: ``[num_blocks]`` int64 fewest micro-batches found per block.
+    block_lower_bound: ``[num_blocks]`` int64 ``ceil(cost / cap)``: no packing of the block needs fewer.
+    ranks_short_of_rows: ``[num_blocks]`` bool, block has fewer rows than its sync set's count.
     """
 
     micro_index: np.ndarray
     block_count: np.ndarray
     block_count_unsynced: np.ndarray
+    block_lower_bound: np.ndarray
     ranks_short_of_rows: np.ndarray
 
 
-def _best_fit_decreasing(tokens: list[int], cap: int) -> tuple[list[int], list[list[int]]]:
-    """Pack ``tokens`` (already sorted descending) -> (bin of each item, items of each bin).
+def _check_cap(tokens: np.ndarray, cap: int) -> None:
+    if tokens.size and int(tokens.max()) > cap:
+        raise PackingError(
+            f"micro_batch_max_tokens={cap} is below the longest row ({int(tokens.max())} tokens). "
+            "Fix: raise the micro-batch token cap to at least the max prompt+response length "
+            "(a row cannot be split across micro-batches)."
+        )
 
-    Free capacities are kept sorted as ints ``room * K + bin`` (K > #bins), so ``bisect`` finds the
-    tightest bin that still fits in O(log bins) comparisons of plain ints.
-    """
-    K = len(tokens) + 1
+
+def _bins_of(assign: Sequence[int], k: int) -> list[list[int]]:
+    bins: list[list[int]] = [[] for _ in range(k)]
+    for i, b in enumerate(assign):
+        bins[b].append(i)
+    return [b for b in bins if b]
+
+
+def _best_fit_decreasing(sizes: list[int], cap: int) -> list[list[int]]:
+    """BFD on ``sizes`` sorted descending -> bins (positions). Free room is kept sorted as
+    ``room * K + bin`` ints so ``bisect`` finds the tightest bin that fits in O(log bins)."""
+    K = len(sizes) + 1
     free: list[int] = []
-    members: list[list[int]] = []
-    assign = [0] * len(tokens)
-    bisect_left, insort, pop = bisect.bisect_left, bisect.insort, free.pop
-    for i, t in enumerate(tokens):
-        k = bisect_left(free, t * K)
+    bins: list[list[int]] = []
+    for i, t in enumerate(sizes):
+        k = bisect.bisect_left(free, t * K)
         if k < len(free):
-            key = pop(k)
+            key = free.pop(k)
             b = key % K
-            insort(free, key - t * K)
+            bisect.insort(free, key - t * K)
         else:
-            b = len(members)
-            members.append([])
-            insort(free, (cap - t) * K + b)
-        members[b].append(i)
-        assign[i] = b
-    return assign, members
+            b = len(bins)
+            bins.append([])
+            bisect.insort(free, (cap - t) * K + b)
+        bins[b].append(i)
+    return bins
+
+
+def _lpt(sizes: list[int], k: int) -> list[list[int]]:
+    """Largest first (``sizes`` sorted descending) to the lightest of ``k`` bins."""
+    loads = [0] * k
+    bins: list[list[int]] = [[] for _ in range(k)]
+    for i, t in enumerate(sizes):
+        b = loads.index(min(loads))
+        loads[b] += t
+        bins[b].append(i)
+    return [b for b in bins if b]
+
+
+def _exact(sizes: list[int], k: int, cap: int, budget: int = EXACT_NODE_BUDGET) -> Optional[list[list[int]]]:
+    """Depth-first search for a packing of ``sizes`` (sorted descending) into ``k`` bins of ``cap``.
+    Equal-load bins are tried once (symmetry). Returns None when none exists or the budget ran out."""
+    n = len(sizes)
+    loads = [0] * k
+    assign = [0] * n
+    nodes = [0]
+    suffix = np.concatenate([np.cumsum(sizes[::-1])[::-1], [0]]).tolist()
+
+    def place(i: int) -> bool:
+        if i == n:
+            return True
+        nodes[0] += 1
+        if nodes[0] > budget or suffix[i] > k * cap - sum(loads):
+            return False
+        tried: set[int] = set()
+        for b in range(k):
+            if loads[b] in tried or loads[b] + sizes[i] > cap:
+                continue
+            tried.add(loads[b])
+            loads[b] += sizes[i]
+            assign[i] = b
+            if place(i + 1):
+                return True
+            loads[b] -= sizes[i]
+        return False
+
+    return _bins_of(assign, k) if place(0) else None
+
+
+def _fits(bins: Sequence[Sequence[int]], sizes: list[int], cap: int) -> bool:
+    return all(sum(sizes[i] for i in b) <= cap for b in bins)
+
+
+def min_micro_batches(sizes: list[int], cap: int, partitioner: Optional[Partitioner] = None) -> list[list[int]]:
+    """Fewest micro-batches (token-sum cost) for one block; ``sizes`` sorted descending.
+    Returns bins of positions into ``sizes``. See the module docstring for the methods tried."""
+    bfd = _best_fit_decreasing(sizes, cap)
+    lower = max(1, -(-sum(sizes) // cap))
+    for k in range(lower, len(bfd)):
+        candidates = [_lpt(sizes, k)]
+        if partitioner is not None:
+            candidates.append([list(p) for p in partitioner(sizes, k) if len(p)])
+        for bins in candidates:
+            if len(bins) <= k and _fits(bins, sizes, cap):
+                return bins
+        if len(sizes) <= EXACT_MAX_ROWS:
+            bins = _exact(sizes, k, cap)
+            if bins is not None:
+                return bins
+    return bfd
+
+
+def _padded_runs(sizes: list[int], cap: int) -> list[list[int]]:
+    """``sizes`` sorted descending cut greedily into consecutive runs with ``len(run) * run[0] <= cap``:
+    the fewest runs."""
+    bins: list[list[int]] = []
+    i = 0
+    while i < len(sizes):
+        take = max(1, cap // sizes[i])
+        bins.append(list(range(i, min(i + take, len(sizes)))))
+        i += take
+    return bins
+
+
+def _padded_least_area(sizes: list[int], cap: int, k: int) -> Optional[list[list[int]]]:
+    """Exactly ``k`` consecutive runs of ``sizes`` (sorted descending) with the least total padded area
+    ``sum(len(run) * run[0])``, each run's area ``<= cap``; None when ``k`` runs cannot fit.
+
+    For this cost, runs of consecutive rows in length order are optimal, so a dynamic program over
+    (runs, rows covered) finds the optimum: ``O(k n^2)``, vectorised over the run's start."""
+    n = len(sizes)
+    if k > n:
+        return None
+    length = np.asarray(sizes, dtype=np.float64)
+    start, end = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
+    area = (end - start) * np.concatenate([length, [0.0]])[:, None]  # run rows start..end-1 costs (end-start)*L[start]
+    area = np.where((end > start) & (area <= cap), area, np.inf)
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    back = []
+    for _ in range(k):
+        cand = best[:, None] + area
+        back.append(cand.argmin(0))
+        best = cand.min(0)
+    if not np.isfinite(best[n]):
+        return None
+    bounds, i = [n], n
+    for arg in reversed(back):
+        i = int(arg[i])
+        bounds.append(i)
+    bounds.reverse()
+    return [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _bin_cost(b: Sequence[int], sizes: list[int], cost: Cost) -> int:
+    return len(b) * max(sizes[i] for i in b) if cost == "padded" else sum(sizes[i] for i in b)
+
+
+def _split_to(bins: list[list[int]], want: int, sizes: list[int], cost: Cost) -> list[list[int]]:
+    """Split the costliest multi-row bin in two (rows alternate, so both halves stay under the cap
+    and, for the padded cost, each half keeps rows of similar length) until ``want`` bins."""
+    bins = [sorted(b) for b in bins]
+    while len(bins) < want:
+        splittable = [j for j, b in enumerate(bins) if len(b) > 1]
+        if not splittable:
+            break
+        j = max(splittable, key=lambda j: (_bin_cost(bins[j], sizes, cost), len(bins[j])))
+        rows = bins[j]
+        if cost == "padded":  # keep runs contiguous in length order: first half / second half
+            half = len(rows) // 2
+            bins[j], new = rows[:half], rows[half:]
+        else:
+            bins[j], new = rows[0::2], rows[1::2]
+        bins.append(new)
+    return bins
+
+
+def _pack_block(sizes: list[int], cap: int, cost: Cost, partitioner: Optional[Partitioner]) -> list[list[int]]:
+    """The fewest micro-batches of one block under its cost model (the padded cost also takes as many as
+    the partitioner -- verl's own cut -- would run, when that is more: fewer padded positions, no more passes)."""
+    if not sizes:
+        return []
+    if cost == "tokens":
+        return min_micro_batches(sizes, cap, partitioner)
+    bins = _padded_runs(sizes, cap)
+    if partitioner is not None:
+        k_theirs = next(k for k in range(max(1, -(-sum(sizes) // cap)), len(sizes) + 1)
+                        if _fits([p for p in partitioner(sizes, k) if len(p)], sizes, cap))
+        bins = _padded_least_area(sizes, cap, max(k_theirs, len(bins))) or bins
+    return bins
+
+
+def _final_bins(bins: list[list[int]], want: int, sizes: list[int], cap: int, cost: Cost) -> list[list[int]]:
+    """A block's micro-batches at its sync set's count: the least-area runs (padded cost) or splits."""
+    if cost == "padded" and sizes:
+        best = _padded_least_area(sizes, cap, min(want, len(sizes)))
+        if best is not None:
+            return best
+    return _split_to(bins, want, sizes, cost)
 
 
 def pack_micro_batches(
@@ -77,64 +270,48 @@ def pack_micro_batches(
     block_sync: np.ndarray,
     num_blocks: int,
     cap: int,
+    *,
+    cost: Cost = "tokens",
+    partitioner: Optional[Partitioner] = None,
 ) -> MicroBatchPacking:
-    """Pack every block's rows into micro-batches of at most ``cap`` tokens with synced counts.
+    """Pack every block's rows into micro-batches under ``cap`` with synced counts per sync set.
 
     Args:
-        tokens: ``[N]`` int attended tokens per row (padding rows included: they are real forward rows).
+        tokens: ``[N]`` int attended tokens per row (padding rows included: they run a forward pass).
         block: ``[N]`` int block of each row (block = mini_batch * dp + rank).
-        block_sync: ``[num_blocks]`` int sync set of each block (= its mini-batch): all blocks of one
+        block_sync: ``[num_blocks]`` int sync set of each block (its mini-batch): all blocks of one
             sync set end with the same micro-batch count (where they have enough rows).
-        cap: tokens per micro-batch, ``>= tokens.max()``.
+        cap: per micro-batch: tokens (``cost="tokens"``) or padded positions (``cost="padded"``).
+        partitioner: optional extra candidate for ``cost="tokens"`` (see :func:`min_micro_batches`).
     Raises:
         PackingError: a row is longer than ``cap``.
     """
+    if cost not in MICRO_BATCH_COSTS:
+        raise ValueError(f"cost={cost!r} is not one of {MICRO_BATCH_COSTS}")
     tokens = np.asarray(tokens, dtype=np.int64)
-    n = tokens.shape[0]
-    if n and int(tokens.max()) > cap:
-        raise PackingError(
-            f"micro_batch_max_tokens={cap} is below the longest row ({int(tokens.max())} tokens). "
-            "Fix: raise micro_batch_max_tokens to at least the max prompt+response length "
-            "(a row cannot be split across micro-batches)."
-        )
-    order = np.lexsort((-tokens, block))
-    sizes = np.bincount(block, minlength=num_blocks)
-    starts = np.cumsum(sizes) - sizes
-    micro_index = np.zeros(n, dtype=np.int64)
-    unsynced = np.zeros(num_blocks, dtype=np.int64)
-    members_of: list[list[list[int]]] = []
-    assign_of: list[np.ndarray] = []
-    tok_sorted = tokens[order].tolist()
-    for b in range(num_blocks):
-        s, e = int(starts[b]), int(starts[b] + sizes[b])
-        if e == s:
-            members_of.append([])
-            assign_of.append(np.zeros(0, dtype=np.int64))
-            continue
-        assign, members = _best_fit_decreasing(tok_sorted[s:e], cap)
-        members_of.append(members)
-        assign_of.append(np.asarray(assign, dtype=np.int64))
-        unsynced[b] = len(members)
+    _check_cap(tokens, cap)
+    order = np.lexsort((-tokens, block))  # by block, longest first
+    sizes_all = np.bincount(block, minlength=num_blocks)
+    starts = np.cumsum(sizes_all) - sizes_all
+    sorted_tokens = tokens[order].tolist()
+    packed = [_pack_block(sorted_tokens[s:s + n], cap, cost, partitioner)
+              for s, n in zip(starts.tolist(), sizes_all.tolist())]
+    unsynced = np.array([len(p) for p in packed], dtype=np.int64)
     target = np.zeros(int(block_sync.max()) + 1 if num_blocks else 0, dtype=np.int64)
     np.maximum.at(target, block_sync, unsynced)
-    count = unsynced.copy()
-    short = np.zeros(num_blocks, dtype=bool)
+    want = target[block_sync]
+    short = sizes_all < want
+    micro_index = np.zeros(tokens.shape[0], dtype=np.int64)
+    count = np.zeros(num_blocks, dtype=np.int64)
     for b in range(num_blocks):
-        want = int(target[block_sync[b]])
-        members = members_of[b]
-        if len(members) < want:
-            if sizes[b] < want:
-                short[b] = True
-                want = int(sizes[b])
-            while len(members) < want:
-                # split the micro-batch with most rows (ties: most tokens); members hold indices sorted by tokens desc
-                k = max(range(len(members)), key=lambda m: (len(members[m]), sum(tok_sorted[starts[b] + i] for i in members[m])))
-                rows = sorted(members[k])
-                members[k] = rows[0::2]
-                members.append(rows[1::2])
-            count[b] = len(members)
-            for m, rows in enumerate(members):
-                assign_of[b][rows] = m
-        s = int(starts[b])
-        micro_index[order[s : s + int(sizes[b])]] = assign_of[b]
-    return MicroBatchPacking(micro_index, count, unsynced, short)
+        s, n = int(starts[b]), int(sizes_all[b])
+        bins = _final_bins(packed[b], int(want[b]), sorted_tokens[s:s + n], cap, cost)
+        count[b] = len(bins)
+        local = np.empty(n, dtype=np.int64)
+        for m, rows in enumerate(bins):
+            local[rows] = m
+        micro_index[order[s:s + n]] = local
+    block_cost = np.zeros(num_blocks, dtype=np.int64)
+    np.add.at(block_cost, block, tokens)
+    lower = np.maximum(-(-block_cost // cap), (sizes_all > 0).astype(np.int64))
+    return MicroBatchPacking(micro_index, count, unsynced, lower, short)

@@ -4,37 +4,43 @@ verl's row layout: ``prompts`` ``[B, P]`` (left-padded), ``responses`` ``[B, R]`
 ``input_ids`` / ``attention_mask`` ``[B, P+R]``, ``position_ids`` ``[B, P+R]`` or ``[B, k, P+R]``
 (multi-dimensional rope, VLMs), ``response_mask`` ``[B, R]``.
 
-A padding row has the real rows' schema (same keys, shapes and dtypes) and is minimal: 2 attended
-tokens (last prompt position ``P-1`` and first response position ``P``), ``pad_token_id``
-everywhere in ``input_ids`` / ``prompts`` / ``responses``, all-zero ``response_mask`` /
-``loss_mask`` and every other tensor (``rm_scores``, ``token_level_scores``, ``rollout_log_probs``,
-``routed_experts``, ...), so it never changes a loss, an advantage, a group statistic or a metric.
-Non-tensor fields: its own ``uid`` ``"__verl_traj_pad__{k}"`` (a GRPO group of one with no response
-token), its own ``traj_id``, ``step_index`` 0, ``is_last_step`` True, ``multi_modal_inputs`` ``{}``,
-other object fields ``None``, numeric fields 0.
+A padding row has the real rows' schema and changes no loss, advantage, group statistic or metric:
+
+* tensors: ``pad_row_tokens`` attended tokens from the last prompt position ``P-1`` on,
+  ``pad_token_id`` in ``input_ids`` / ``prompts`` / ``responses``, all-zero ``response_mask`` and every
+  other tensor (``rm_scores``, ``token_level_scores``, ``rollout_log_probs``, ``routed_experts``, ...);
+* non-tensor fields: object fields are a copy of a real row of the same mini-batch (so every consumer
+  that reads ``raw_prompt``, ``reward_model``, ``extra_info``, ``data_source``, ... sees the type and
+  structure it expects); numeric fields are 0 (neutral in any sum, e.g. verl's per-request counters);
+  its own ``uid`` ``"__verl_traj_pad__{k}"`` (a GRPO group of one, with no response token) and its own
+  trajectory id, ``step_index`` 0, ``is_last_step`` True and ``multi_modal_inputs`` ``{}`` (no image
+  features without image tokens).
+
+The plan's per-row facts travel with the batch (:mod:`verl_traj.core.keys`): ``mini_batch_id``,
+``micro_batch_id``, ``traj_index`` and ``is_padding`` are added as tensors.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
+from .keys import IS_LAST_STEP, IS_PADDING, MICRO_BATCH_ID, MINI_BATCH_ID, PLAN_KEYS, TRAJ_INDEX
 from .planning import PAD_UID_PREFIX, MiniBatchPlan
 
 __all__ = ["apply_plan", "pad_attention_mask", "pad_position_ids"]
 
 _TOKEN_KEYS = ("input_ids", "prompts", "responses")
-_TRUE_KEYS = ("is_last_step",)
 
 
-def pad_attention_mask(length: int, prompt_length: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """``[length]`` mask of a padding row: 1 at ``prompt_length - 1`` and ``prompt_length`` only."""
+def pad_attention_mask(length: int, prompt_length: int, num_tokens: int = 2, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``[length]`` mask of a padding row: 1 on ``num_tokens`` positions from ``prompt_length - 1`` on."""
     m = torch.zeros(length, dtype=dtype)
-    for pos in (prompt_length - 1, prompt_length):
-        if 0 <= pos < length:
-            m[pos] = 1
+    start = max(prompt_length - 1, 0)
+    m[start: min(start + num_tokens, length)] = 1
     return m
 
 
@@ -54,6 +60,60 @@ def _prompt_length(tensors: dict[str, torch.Tensor], prompt_length: Optional[int
     return None
 
 
+def _check_rows(tensors: dict[str, torch.Tensor], non_tensors: dict[str, np.ndarray], rows: int) -> None:
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{name!r}] is {type(t).__name__}, expected a torch.Tensor")
+        if t.shape[0] != rows:
+            raise ValueError(f"tensors[{name!r}] has {t.shape[0]} rows but the plan was built for {rows} rows")
+    for name, arr in non_tensors.items():
+        if np.shape(arr)[0] != rows:
+            raise ValueError(f"non_tensors[{name!r}] has {np.shape(arr)[0]} rows but the plan was built for {rows} rows")
+
+
+def _pad_tensor(name: str, g: torch.Tensor, idx: torch.Tensor, prompt_len: Optional[int], pad_tokens: int,
+                pad_token_id: int) -> None:
+    """Overwrite the padding rows ``idx`` of the gathered tensor ``g`` in place."""
+    if name in _TOKEN_KEYS:
+        g[idx] = pad_token_id
+    elif name == "attention_mask" and g.dim() == 2:
+        g[idx] = pad_attention_mask(g.shape[1], prompt_len, pad_tokens, g.dtype).to(g.device)
+    elif name == "position_ids":
+        pos = pad_position_ids(pad_attention_mask(g.shape[-1], prompt_len or 1, pad_tokens)).to(g.dtype).to(g.device)
+        g[idx] = pos.expand(g.shape[1:]) if g.dim() > 2 else pos
+    else:
+        g[idx] = 0
+
+
+def _apply_tensors(tensors: dict[str, torch.Tensor], plan: MiniBatchPlan, prompt_len: Optional[int],
+                   pad_token_id: int) -> dict[str, torch.Tensor]:
+    gather = plan.order.clamp(min=0)
+    pad_idx = torch.nonzero(plan.is_padding, as_tuple=False).reshape(-1)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name in PLAN_KEYS:
+            continue
+        g = t.index_select(0, gather.to(t.device))
+        if pad_idx.numel():
+            _pad_tensor(name, g, pad_idx.to(t.device), prompt_len, int(plan.spec.pad_row_tokens), pad_token_id)
+        out[name] = g
+    out[MINI_BATCH_ID] = plan.mini_batch_id.clone()
+    out[MICRO_BATCH_ID] = plan.micro_batch_id.clone()
+    out[TRAJ_INDEX] = plan.traj_index.clone()
+    out[IS_PADDING] = plan.is_padding.clone()
+    return out
+
+
+def _donor_rows(plan: MiniBatchPlan) -> np.ndarray:
+    """``[P]`` output position of a real row of the same mini-batch, for every padding row."""
+    mb = plan.mini_batch_id.numpy()
+    pad = plan.is_padding.numpy()
+    real_pos = np.flatnonzero(~pad)
+    first_real = np.full(plan.num_mini_batches, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(first_real, mb[real_pos], real_pos)  # every mini-batch holds a real row (plan invariant)
+    return first_real[mb[pad]]
+
+
 def apply_plan(
     tensors: dict[str, torch.Tensor],
     non_tensors: dict[str, np.ndarray],
@@ -63,9 +123,8 @@ def apply_plan(
     pad_token_id: int = 0,
     traj_key: str = "traj_id",
     step_key: str = "step_index",
-    is_padding_non_tensor: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
-    """Reorder rows by ``plan.order`` and fill padding rows; returns new dicts (inputs untouched).
+    """Reorder rows by ``plan.order``, fill padding rows, attach the plan's per-row facts.
 
     Args:
         tensors: ``{name: [B, ...]}`` (every tensor's first dim is the row).
@@ -73,102 +132,65 @@ def apply_plan(
         plan: from :func:`plan_mini_batches` on these rows (``plan.num_source_rows == B``).
         prompt_length: ``P`` when there is no ``prompts`` tensor (else ``P = prompts.shape[1]``; last
             resort ``attention_mask.shape[1] - response_mask.shape[1]``).
-        is_padding_non_tensor: also add ``is_padding`` as a bool array to ``non_tensors``. Off by default:
-            verl's ``DataProto.to_tensordict`` refuses a key that is both a tensor and a non-tensor field.
     Returns:
-        ``(tensors, non_tensors)`` with ``B_out`` rows, plus ``is_padding`` (bool tensor) and
-        ``mini_batch_id`` (int64 tensor). An input ``is_padding`` (either kind) is replaced.
+        New ``(tensors, non_tensors)`` with ``B_out`` rows; tensors gain :data:`~verl_traj.core.keys.PLAN_KEYS`
+        (an input copy of any of them, tensor or non-tensor, is replaced).
     """
-    B = plan.num_source_rows
-    order = plan.order
-    pad = plan.is_padding
-    n_pad = int(pad.sum())
-    gather = order.clamp(min=0)
-    pad_pos = torch.nonzero(pad, as_tuple=False).reshape(-1)
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tensors[{name!r}] is {type(t).__name__}, expected a torch.Tensor")
-        if t.shape[0] != B:
-            raise ValueError(f"tensors[{name!r}] has {t.shape[0]} rows but the plan was built for {B} rows")
-    P = _prompt_length(tensors, prompt_length)
-    if n_pad and P is None and "attention_mask" in tensors:
+    _check_rows(tensors, non_tensors, plan.num_source_rows)
+    prompt_len = _prompt_length(tensors, prompt_length)
+    if bool(plan.is_padding.any()) and prompt_len is None and "attention_mask" in tensors:
         raise ValueError(
             "apply_plan needs the prompt length to build padding rows: pass tensors['prompts'] or prompt_length=P."
         )
-    out_t: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if name in ("is_padding", "mini_batch_id"):
-            continue
-        g = t.index_select(0, gather.to(t.device))
-        if n_pad:
-            idx = pad_pos.to(t.device)
-            if name in _TOKEN_KEYS:
-                g[idx] = pad_token_id
-            elif name == "attention_mask" and t.dim() == 2:
-                g[idx] = pad_attention_mask(t.shape[1], P, t.dtype).to(t.device)
-            elif name == "position_ids":
-                mask = pad_attention_mask(t.shape[-1], P if P is not None else 1)
-                pos = pad_position_ids(mask).to(t.dtype).to(t.device)
-                g[idx] = pos.expand(t.shape[1:]) if t.dim() > 2 else pos
-            else:
-                g[idx] = 0
-        out_t[name] = g
-    out_t["is_padding"] = pad.clone()
-    out_t["mini_batch_id"] = plan.mini_batch_id.clone()
-
-    gather_np = gather.numpy()
-    pad_np = pad.numpy()
-    pad_rows = np.flatnonzero(pad_np)
+    out_t = _apply_tensors(tensors, plan, prompt_len, pad_token_id)
+    gather = plan.order.clamp(min=0).numpy()
+    pad_rows = np.flatnonzero(plan.is_padding.numpy())
+    donors = _donor_rows(plan)
     out_nt: dict[str, np.ndarray] = {}
     for name, arr in non_tensors.items():
-        arr = np.asarray(arr)
-        if arr.shape[0] != B:
-            raise ValueError(f"non_tensors[{name!r}] has {arr.shape[0]} rows but the plan was built for {B} rows")
-        if name == "is_padding":
+        if name in PLAN_KEYS:
             continue
-        g = arr[gather_np]  # fancy indexing copies
-        if n_pad:
-            g = _fill_padding(name, arr, g, pad_rows, traj_key, step_key)
+        g = np.asarray(arr)[gather]  # fancy indexing copies
+        if pad_rows.size:
+            g = _fill_padding(name, g, pad_rows, donors, traj_key, step_key)
         out_nt[name] = g
-    if is_padding_non_tensor:
-        out_nt["is_padding"] = pad_np.copy()
     return out_t, out_nt
 
 
-def _fill_padding(name: str, src: np.ndarray, g: np.ndarray, pad_rows: np.ndarray, traj_key: str, step_key: str) -> np.ndarray:
-    n = pad_rows.shape[0]
-    labels = np.array([f"{PAD_UID_PREFIX}{k}" for k in range(n)], dtype=object)
-    if name == "uid" or name == traj_key:
-        if g.dtype.kind in "iu":
-            g[pad_rows] = (int(src.max()) + 1 if src.size else 0) + np.arange(n)
-        elif g.dtype == object:
-            if name == "uid":
-                real = np.ones(g.shape[0], dtype=bool)
-                real[pad_rows] = False
-                clash = np.isin(labels.astype(str), g[real].astype(str))
-                if clash.any():
-                    raise ValueError(
-                        f"real uid {labels[clash][0]!r} collides with the padding uids ({PAD_UID_PREFIX}k); "
-                        "rename it upstream"
-                    )
-            g[pad_rows] = labels
-        else:
-            g = g.astype(object)
-            g[pad_rows] = labels
-        return g
-    if g.dtype == object:
-        if name == "multi_modal_inputs":
-            fill: Any = np.empty(n, dtype=object)
-            for k in range(n):
-                fill[k] = {}
-            g[pad_rows] = fill
-        elif name in _TRUE_KEYS:
-            g[pad_rows] = True
-        else:
-            g[pad_rows] = None
-        return g
-    if name in _TRUE_KEYS:
+def _fill_padding(name: str, g: np.ndarray, pad_rows: np.ndarray, donors: np.ndarray, traj_key: str,
+                  step_key: str) -> np.ndarray:
+    """Padding rows of one gathered non-tensor column: own ids; objects copied from the donor row; numbers 0."""
+    if name in ("uid", traj_key):
+        return _unique_pad_ids(name, g, pad_rows)
+    if name == step_key:
+        g[pad_rows] = 0
+    elif name == IS_LAST_STEP:
         g[pad_rows] = True
+    elif name == "multi_modal_inputs":
+        for row in pad_rows.tolist():
+            g[row] = {}
+    elif g.dtype == object:
+        for row, donor in zip(pad_rows.tolist(), donors.tolist()):
+            g[row] = copy.deepcopy(g[donor])
     else:
         g[pad_rows] = 0
+    return g
+
+
+def _unique_pad_ids(name: str, g: np.ndarray, pad_rows: np.ndarray) -> np.ndarray:
+    """Ids no real row carries: ``max + 1 + k`` for integer ids, ``"__verl_traj_pad__{k}"`` otherwise."""
+    n = pad_rows.size
+    real = np.ones(g.shape[0], dtype=bool)
+    real[pad_rows] = False
+    if g.dtype.kind in "iu":
+        g[pad_rows] = (int(g[real].max()) + 1 if real.any() else 0) + np.arange(n)
+        return g
+    labels = np.array([f"{PAD_UID_PREFIX}{k}" for k in range(n)], dtype=object)
+    clash = np.isin(labels.astype(str), g[real].astype(str))
+    if clash.any():
+        raise ValueError(
+            f"real {name} {labels[clash][0]!r} collides with the padding ids ({PAD_UID_PREFIX}k); rename it upstream"
+        )
+    g = g.astype(object, copy=False)
+    g[pad_rows] = labels
     return g

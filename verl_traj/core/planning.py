@@ -1,27 +1,24 @@
-"""Mini-batch plan: whole trajectories / groups per mini-batch, DP-balanced, rank-major, padded.
+"""Mini-batch plan: whole trajectories / groups per mini-batch, DP-balanced, rank-major, padded, packed.
 
 :func:`plan_mini_batches` turns a :class:`~verl_traj.core.layout.BatchLayout` into a
-:class:`MiniBatchPlan`:
+:class:`MiniBatchPlan` in five stages, one function each:
 
-1. **Units.** A unit is a trajectory (``group_by="trajectory"``) or every trajectory of one prompt
-   group (``group_by="group"``, the default: GRPO statistics and the whole group land in the same
-   optimizer step). Units are never split.
-2. **Mini-batches.** Exactly ``num_mini_batches`` (the user's ``train_batch_size /
-   ppo_mini_batch_size``, whatever the number of turns). Units go to mini-batches by LPT on tokens
-   (largest unit first to the lightest mini-batch; heap; seed-permuted tie-breaks). A unit larger
-   than a fair share (``total_tokens / num_mini_batches``) is allowed -- its mini-batch is just
-   bigger -- and counted in ``units_larger_than_mini_batch``. Fewer units than mini-batches raises
-   :class:`PlanError`: an empty mini-batch would still be an optimizer step (or silently change the
-   number of steps and the LR schedule), so we refuse rather than guess.
-3. **Padding.** Mini-batch ``m`` with ``n_m`` real rows gets ``(-n_m) % dp_size`` padding rows (the
-   fewest that make it divisible by ``dp_size``); each holds 2 attended tokens and no loss token.
-4. **DP balancing** (:mod:`verl_traj.core.balancing`): rows (padding included, as near-zero cost
-   items) are spread over ranks with equal counts, minimising the slowest rank's workload.
-   Padding rows therefore land where they lower the slowest rank: on ranks whose real rows are
-   already heavy, i.e. every rank ends with the least possible workload.
-5. **Rank-major output.** Rank ``r`` holds the contiguous block ``[r*B_out/dp, (r+1)*B_out/dp)``:
-   its rows of mini-batch 0 (real rows in source order, then padding), then of mini-batch 1, ...
-6. **Micro-batches** (optional, :mod:`verl_traj.core.packing`) under ``micro_batch_max_tokens``.
+1. **Units -> mini-batches** (:func:`assign_units`). A unit is a trajectory (``group_by="trajectory"``)
+   or every trajectory of one prompt group (``group_by="group"``, the default: GRPO statistics and the
+   whole group land in the same optimizer step). Units are never split. Exactly ``num_mini_batches``
+   mini-batches (the user's ``train_batch_size / ppo_mini_batch_size``, whatever the number of turns).
+   ``mini_batch_balance="tokens"``: LPT on unit tokens (mini-batches of equal token mass, prompt counts
+   may differ); ``"units"``: every mini-batch gets ``U // M`` or ``U // M + 1`` units (a fixed prompt
+   count per optimizer step), LPT on tokens among those. Fewer units than mini-batches raises
+   :class:`PlanError`: an empty mini-batch would change the number of optimizer steps.
+2. **Padding** (:func:`padding_items`). Mini-batch ``m`` with ``n_m`` real rows gets ``(-n_m) % dp``
+   padding rows, the fewest that give every rank the same number of rows.
+3. **DP balancing** (:mod:`verl_traj.core.balancing`): rows (padding included, near-zero cost) spread
+   over ranks with equal counts per mini-batch, minimising the slowest rank's workload.
+4. **Rank-major order**: rank ``r`` holds the contiguous block ``[r*B_out/dp, (r+1)*B_out/dp)``, its
+   rows of mini-batch 0 (real rows in source order, then padding), then of mini-batch 1, ...
+5. **Micro-batches** (:mod:`verl_traj.core.packing`) under ``micro_batch_max_tokens``, with the cost of
+   the attention path (``micro_batch_cost``), and the statistics of the plan.
 """
 
 from __future__ import annotations
@@ -36,20 +33,28 @@ import torch
 
 from .balancing import WORKLOAD_MODELS, balance_equal_size, calculate_workload, round_robin_equal_size
 from .layout import BatchLayout
-from .packing import pack_micro_batches
+from .packing import MICRO_BATCH_COSTS, Partitioner, pack_micro_batches
 
 __all__ = [
+    "GROUP_BY_CHOICES",
+    "MINI_BATCH_BALANCE_CHOICES",
     "PAD_UID_PREFIX",
     "PAD_ROW_TOKENS",
     "PlanError",
+    "PlanSpec",
     "MiniBatchStats",
     "MiniBatchPlan",
-    "plan_mini_batches",
+    "assign_units",
+    "count_splits",
     "mini_batch_order",
+    "padding_items",
+    "plan_mini_batches",
 ]
 
 PAD_UID_PREFIX = "__verl_traj_pad__"
-PAD_ROW_TOKENS = 2  # attended tokens of a padding row: last prompt position + first response position
+PAD_ROW_TOKENS = 2  # default attended tokens of a padding row: last prompt position + first response position
+GROUP_BY_CHOICES = ("group", "trajectory")
+MINI_BATCH_BALANCE_CHOICES = ("tokens", "units")
 
 
 class PlanError(ValueError):
@@ -57,11 +62,40 @@ class PlanError(ValueError):
 
 
 @dataclass(frozen=True)
-class MiniBatchStats:
-    """Global per-mini-batch statistics; every ``[M]`` tensor excludes padding unless named ``padding_*``.
+class PlanSpec:
+    """What to plan. ``micro_batch_max_tokens=None`` plans no micro-batches (one per rank and mini-batch
+    is then left to the engine); ``micro_batch_cost`` is the attention path's cost model
+    (:mod:`verl_traj.core.packing`); ``pad_row_tokens`` the attended tokens of a padding row."""
 
-    These are the numbers losses divide by (global over DP ranks and micro-batches).
-    """
+    num_mini_batches: int
+    dp_size: int
+    group_by: Literal["group", "trajectory"] = "group"
+    mini_batch_balance: Literal["tokens", "units"] = "tokens"
+    balance_dp: bool = True
+    workload: Literal["verl", "tokens"] = "verl"
+    micro_batch_max_tokens: Optional[int] = None
+    micro_batch_cost: Literal["tokens", "padded"] = "tokens"
+    pad_row_tokens: int = PAD_ROW_TOKENS
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = (("group_by", GROUP_BY_CHOICES), ("mini_batch_balance", MINI_BATCH_BALANCE_CHOICES),
+                  ("workload", WORKLOAD_MODELS), ("micro_batch_cost", MICRO_BATCH_COSTS))
+        for name, choices in checks:
+            if getattr(self, name) not in choices:
+                raise PlanError(f"{name}={getattr(self, name)!r}; choose one of {list(choices)}.")
+        if int(self.num_mini_batches) < 1 or int(self.dp_size) < 1:
+            raise PlanError(f"num_mini_batches={self.num_mini_batches} and dp_size={self.dp_size} must both be >= 1.")
+        cap = self.micro_batch_max_tokens
+        if cap is not None and int(cap) < 1:
+            raise PlanError(f"micro_batch_max_tokens={cap} must be >= 1 (or None for no cap).")
+        if int(self.pad_row_tokens) < 2:
+            raise PlanError(f"pad_row_tokens={self.pad_row_tokens} must be >= 2 (one prompt and one response position).")
+
+
+@dataclass(frozen=True)
+class MiniBatchStats:
+    """Global per-mini-batch statistics; every ``[M]`` tensor excludes padding unless named ``padding_*``."""
 
     real_rows: torch.Tensor  # [M] int64
     trajectories: torch.Tensor  # [M] int64 trajectories (whole, never split)
@@ -77,9 +111,9 @@ class MiniBatchStats:
     rank_loss_tokens: torch.Tensor  # [M, dp] int64
     # micro-batch packing (zeros when no cap was given)
     micro_batches: torch.Tensor  # [M] int64 micro-batches per rank (synced over ranks)
-    micro_batches_lower_bound: torch.Tensor  # [M] int64 max over ranks of ceil(rank tokens / cap)
-    max_packed_tokens: torch.Tensor  # [M] int64 largest real-token sum of one micro-batch
-    real_micro_batches: torch.Tensor  # [M] int64 micro-batches holding >= 1 real row, summed over ranks
+    micro_batches_lower_bound: torch.Tensor  # [M] int64 max over ranks of ceil(rank cost / cap)
+    max_packed_tokens: torch.Tensor  # [M] int64 largest attended-token sum of one micro-batch
+    padded_positions: torch.Tensor  # [M] int64 positions computed without remove-padding minus attended tokens
     ranks_short_of_rows: torch.Tensor  # [M] int64 ranks with fewer rows than the synced count
 
 
@@ -89,25 +123,29 @@ class MiniBatchPlan:
     (``-1`` = a new padding row). Invariants: every real source row appears exactly once; no unit
     spans two mini-batches; ``B_out = dp_size * rows_per_rank.sum()``; rank ``r``'s block is
     ``[r*B_out/dp, (r+1)*B_out/dp)`` and holds ``rows_per_rank[m]`` rows of mini-batch ``m`` in
-    mini-batch order."""
+    mini-batch order; ``traj_index`` is the layout's dense trajectory index carried to the output."""
 
     order: torch.Tensor  # [B_out] int64
-    mini_batch_id: torch.Tensor  # [B_out] int64
+    mini_batch_id: torch.Tensor  # [B_out] int64, 0..M-1
+    micro_batch_id: torch.Tensor  # [B_out] int64 micro-batch within (rank, mini-batch); 0 without a cap
+    traj_index: torch.Tensor  # [B_out] int64, dense 0..T-1, -1 on padding rows
     is_padding: torch.Tensor  # [B_out] bool
-    dp_size: int
-    num_mini_batches: int
     rows_per_rank: torch.Tensor  # [M] int64
     stats: MiniBatchStats
+    spec: PlanSpec
     num_source_rows: int
-    group_by: str
-    workload: str
-    seed: int
     units_larger_than_mini_batch: int
-    micro_batch_max_tokens: Optional[int] = None
-    micro_batch_index: Optional[torch.Tensor] = None  # [B_out] int64 micro-batch within (rank, mini-batch)
     split_trajectories: int = 0
     split_groups: int = 0
-    extra: dict = field(default_factory=dict)  # {"timing_s": {"units_s", "balance_s", "stats_s", "packing_s"}}
+    timing_s: dict = field(default_factory=dict)  # {"units_s", "balance_s", "stats_s", "packing_s"}
+
+    @property
+    def dp_size(self) -> int:
+        return int(self.spec.dp_size)
+
+    @property
+    def num_mini_batches(self) -> int:
+        return int(self.spec.num_mini_batches)
 
     @property
     def num_rows(self) -> int:
@@ -116,58 +154,18 @@ class MiniBatchPlan:
     @property
     def rank(self) -> torch.Tensor:
         """``[B_out]`` int64 DP rank of each output position."""
-        per_rank = self.num_rows // self.dp_size
-        return torch.arange(self.num_rows, dtype=torch.long) // per_rank
+        return torch.arange(self.num_rows, dtype=torch.long) // (self.num_rows // self.dp_size)
 
     def metrics(self, prefix: str = "traj_plan") -> dict[str, float]:
         """Flat floats for the logger (padding excluded from every token / row count but ``padding_*``)."""
-        s = self.stats
-        lb = s.workload_lower_bound.double().clamp(min=1)
-        ratio = s.max_rank_workload.double() / lb
-        p = prefix.rstrip("/") + "/"
-        out = {
-            "num_mini_batches": float(self.num_mini_batches),
-            "dp_size": float(self.dp_size),
-            "real_rows": float(s.real_rows.sum()),
-            "trajectories": float(s.trajectories.sum()),
-            "groups": float(s.groups.sum()),
-            "loss_tokens": float(s.loss_tokens.sum()),
-            "tokens": float(s.tokens.sum()),
-            "split_trajectories": float(self.split_trajectories),
-            "split_groups": float(self.split_groups),
-            "balance_ratio_mean": float(ratio.mean()),
-            "balance_ratio_worst": float(ratio.max()),
-            "padding_rows": float(s.padding_rows.sum()),
-            "padding_tokens": float(s.padding_tokens.sum()),
-            "units_larger_than_mini_batch": float(self.units_larger_than_mini_batch),
-            "rows_per_mini_batch_min": float(s.real_rows.min()),
-            "rows_per_mini_batch_max": float(s.real_rows.max()),
-            "loss_tokens_per_mini_batch_min": float(s.loss_tokens.min()),
-            "loss_tokens_per_mini_batch_max": float(s.loss_tokens.max()),
-        }
-        if self.micro_batch_max_tokens is not None:
-            n_micro = float(s.micro_batches.sum())
-            out.update(
-                {
-                    "micro_batches": n_micro,  # per rank, summed over mini-batches
-                    "micro_batches_lower_bound": float(s.micro_batches_lower_bound.sum()),
-                    "micro_batches_over_lower_bound": n_micro / max(float(s.micro_batches_lower_bound.sum()), 1.0),
-                    "tokens_per_micro_batch": float(s.tokens.sum()) / max(n_micro * self.dp_size, 1.0),
-                    "max_packed_tokens": float(s.max_packed_tokens.max()),
-                    "micro_batches_with_real_rows": float(s.real_micro_batches.sum()),  # over all ranks
-                    "real_tokens_per_micro_batch": float(s.tokens.sum()) / max(float(s.real_micro_batches.sum()), 1.0),
-                    "ranks_short_of_rows": float(s.ranks_short_of_rows.sum()),
-                }
-            )
-        return {p + k: v for k, v in out.items()}
+        from .plan_metrics import plan_metrics
+
+        return plan_metrics(self, prefix)
 
 
 def mini_batch_order(num_mini_batches: int, epoch: int, seed: int, shuffle: bool) -> torch.Tensor:
-    """Order in which the mini-batches of one training batch are stepped in epoch ``epoch``.
-
-    Returns ``[num_mini_batches]`` int64: a permutation, identical on every rank (it depends only on
-    its arguments); ``arange`` when ``shuffle`` is False.
-    """
+    """Order in which the mini-batches of one training batch are stepped in epoch ``epoch``:
+    ``[num_mini_batches]`` int64, identical on every rank (depends only on its arguments)."""
     if not shuffle:
         return torch.arange(num_mini_batches, dtype=torch.long)
     g = torch.Generator()
@@ -175,32 +173,117 @@ def mini_batch_order(num_mini_batches: int, epoch: int, seed: int, shuffle: bool
     return torch.randperm(num_mini_batches, generator=g)
 
 
-def _assign_units_lpt(unit_tokens: np.ndarray, num_bins: int, rng: np.random.Generator) -> np.ndarray:
-    """LPT: units by tokens descending (seed-permuted ties) to the lightest bin. ``[U] -> [U]`` bin."""
-    u = unit_tokens.shape[0]
-    perm = rng.permutation(u)
+def _lpt(unit_tokens: np.ndarray, num_bins: int, rng: np.random.Generator, quota: Optional[np.ndarray]) -> np.ndarray:
+    """Units by tokens descending (seed-permuted ties) to the lightest bin with quota left. ``[U] -> [U]``.
+
+    Heap key ``(load, units, seeded rank, bin)``: among equally loaded bins the one with fewer units
+    wins, so with ``U >= num_bins`` no bin stays empty (even with zero-token units)."""
+    perm = rng.permutation(unit_tokens.shape[0])
     order = perm[np.argsort(-unit_tokens[perm], kind="stable")]
-    assign = np.empty(u, dtype=np.int64)
-    # first num_bins units: one per bin (bin order seed-permuted), then heap
-    first = order[:num_bins]
-    bins0 = rng.permutation(num_bins)
-    assign[first] = bins0
-    heap = [(int(unit_tokens[i]), int(b)) for i, b in zip(first.tolist(), bins0.tolist())]
+    left = quota.copy() if quota is not None else None
+    heap = [(0, 0, k, int(b)) for k, b in enumerate(rng.permutation(num_bins))]
     heapq.heapify(heap)
-    rest = order[num_bins:]
-    out = np.empty(rest.shape[0], dtype=np.int64)
-    push = heapq.heapreplace
-    for k, t in enumerate(unit_tokens[rest].tolist()):
-        load, b = heap[0]
-        push(heap, (load + t, b))
-        out[k] = b
-    assign[rest] = out
+    assign = np.empty(unit_tokens.shape[0], dtype=np.int64)
+    for u, t in zip(order.tolist(), unit_tokens[order].tolist()):
+        load, n, k, b = heapq.heappop(heap)
+        assign[u] = b
+        if left is not None:
+            left[b] -= 1
+            if left[b] == 0:
+                continue  # quota reached: the bin is never offered again
+        heapq.heappush(heap, (load + t, n + 1, k, b))
     return assign
 
 
-def _count_pairs(a: np.ndarray, b: np.ndarray, nb: int) -> int:
-    """Number of distinct (a, b) pairs."""
-    return int(np.unique(a.astype(np.int64) * nb + b).shape[0])
+def assign_units(unit_tokens: np.ndarray, num_mini_batches: int, balance: str, rng: np.random.Generator) -> np.ndarray:
+    """``[U]`` tokens per unit -> ``[U]`` mini-batch of each unit (every mini-batch non-empty when U >= M).
+
+    ``"tokens"``: LPT (equal token mass). ``"units"``: quotas of ``U // M`` or ``U // M + 1`` units
+    (the larger quotas on seed-chosen mini-batches), LPT on tokens within the quotas."""
+    u, m = unit_tokens.shape[0], num_mini_batches
+    quota = None
+    if balance == "units":
+        quota = np.full(m, u // m, dtype=np.int64)
+        quota[rng.permutation(m)[: u % m]] += 1
+    return _lpt(unit_tokens.astype(np.int64), m, rng, quota)
+
+
+def padding_items(row_mini_batch: np.ndarray, num_mini_batches: int, dp_size: int) -> np.ndarray:
+    """``[P]`` mini-batch of each padding row: ``(-n_m) % dp_size`` for mini-batch ``m`` with ``n_m`` rows."""
+    n_real = np.bincount(row_mini_batch, minlength=num_mini_batches)
+    return np.repeat(np.arange(num_mini_batches, dtype=np.int64), (-n_real) % dp_size)
+
+
+@dataclass
+class _Items:
+    """The rows of the output (real rows, then new padding rows), before ordering."""
+
+    src: np.ndarray  # [N] source row, -1 for padding
+    mb: np.ndarray  # [N] mini-batch
+    tokens: np.ndarray  # [N] attended tokens
+    loss: np.ndarray  # [N] loss tokens
+    traj: np.ndarray  # [N] dense trajectory, -1 for padding
+    grp: np.ndarray  # [N] dense group, -1 for padding
+    rank: Optional[np.ndarray] = None  # [N] DP rank, after balancing
+
+    @property
+    def pad(self) -> np.ndarray:
+        return self.src < 0
+
+
+def _real_items(layout: BatchLayout, spec: PlanSpec, rng: np.random.Generator) -> tuple[_Items, int]:
+    """Stage 1: real rows with their mini-batch (units assigned whole). Returns (items, units above a fair share)."""
+    real = np.flatnonzero(~layout.is_padding.numpy())
+    tokens = layout.num_tokens.numpy()[real]
+    traj = layout.traj_index.numpy()[real]
+    grp = layout.group_index.numpy()[real]
+    unit, num_units = (grp, layout.num_groups) if spec.group_by == "group" else (traj, layout.num_trajectories)
+    m = int(spec.num_mini_batches)
+    if num_units < m:
+        what = "groups (distinct uids)" if spec.group_by == "group" else "trajectories"
+        raise PlanError(
+            f"train batch has {num_units} {what} but {m} mini-batches were configured "
+            f"(train_batch_size / ppo_mini_batch_size); each mini-batch is one optimizer step and needs at least "
+            f"one whole {'group' if spec.group_by == 'group' else 'trajectory'}, and an empty mini-batch would change "
+            "the number of optimizer steps. Fix: lower the number of mini-batches (raise ppo_mini_batch_size), "
+            "raise train_batch_size" + (", or use group_by='trajectory'" if spec.group_by == "group" else "") + "."
+        )
+    unit_tokens = np.bincount(unit, weights=tokens, minlength=num_units).astype(np.int64)
+    unit_mb = assign_units(unit_tokens, m, spec.mini_batch_balance, rng)
+    larger = int((unit_tokens > tokens.sum() / m).sum())
+    loss = layout.num_loss_tokens.numpy()[real]
+    return _Items(real.astype(np.int64), unit_mb[unit], tokens, loss, traj, grp), larger
+
+
+def _with_padding(items: _Items, spec: PlanSpec) -> _Items:
+    """Stage 2: append the fewest padding rows that give every rank the same rows per mini-batch."""
+    pad_mb = padding_items(items.mb, int(spec.num_mini_batches), int(spec.dp_size))
+    p = pad_mb.shape[0]
+    fill = np.full(p, -1, dtype=np.int64)
+    return _Items(
+        src=np.concatenate([items.src, fill]),
+        mb=np.concatenate([items.mb, pad_mb]),
+        tokens=np.concatenate([items.tokens, np.full(p, int(spec.pad_row_tokens), dtype=np.int64)]),
+        loss=np.concatenate([items.loss, np.zeros(p, dtype=np.int64)]),
+        traj=np.concatenate([items.traj, fill]),
+        grp=np.concatenate([items.grp, fill]),
+    )
+
+
+def _balance(items: _Items, spec: PlanSpec, rng: np.random.Generator) -> None:
+    """Stage 3: DP rank of every item (equal counts per mini-batch)."""
+    m, dp = int(spec.num_mini_batches), int(spec.dp_size)
+    if spec.balance_dp:
+        cost = calculate_workload(items.tokens, spec.workload)
+        items.rank = balance_equal_size(cost, items.mb, m, dp, tiebreak=rng.permutation(items.mb.shape[0]))
+    else:
+        items.rank = round_robin_equal_size(items.mb, m, dp)
+
+
+def _rank_major(items: _Items) -> np.ndarray:
+    """Stage 4: output order (rank, mini-batch, padding last, source row)."""
+    src_key = np.where(items.pad, np.arange(items.src.shape[0]), items.src)
+    return np.lexsort((src_key, items.pad, items.mb, items.rank))
 
 
 def plan_mini_batches(
@@ -208,180 +291,141 @@ def plan_mini_batches(
     num_mini_batches: int,
     dp_size: int,
     *,
-    group_by: Literal["group", "trajectory"] = "group",
-    balance_dp: bool = True,
-    workload: Literal["verl", "tokens"] = "verl",
-    micro_batch_max_tokens: Optional[int] = None,
-    seed: int = 0,
+    partitioner: Optional[Partitioner] = None,
+    **options,
 ) -> MiniBatchPlan:
-    """Plan one training batch. See the module docstring for the algorithm.
+    """Plan one training batch (stages: module docstring). ``options`` are :class:`PlanSpec` fields;
+    ``partitioner`` is an extra micro-batch candidate (:func:`~verl_traj.core.packing.min_micro_batches`).
 
-    Args:
-        layout: from :func:`~verl_traj.core.layout.build_layout`; input padding rows are dropped.
-        num_mini_batches: optimizer steps for this batch (``train_batch_size // ppo_mini_batch_size``).
-        dp_size: data-parallel ranks.
-        group_by: unit kept whole inside one mini-batch.
-        balance_dp: False = rows dealt round-robin over ranks (no workload balancing).
-        workload: cost model for DP balancing (``"verl"``: ``24576*L + L^2``; ``"tokens"``: ``L``).
-        micro_batch_max_tokens: optional per-rank per-micro-batch token cap; plans the packing.
-        seed: tie-breaks; the same inputs and seed give the same plan.
     Raises:
-        PlanError: bad config, or fewer units than mini-batches.
-        PackingError: cap below the longest row.
+        PlanError: bad spec, or fewer units than mini-batches.
+        PackingError: the micro-batch cap is below the longest row.
     """
-    if group_by not in ("group", "trajectory"):
-        raise PlanError(f"group_by={group_by!r}; choose 'group' (whole GRPO groups) or 'trajectory'.")
-    if workload not in WORKLOAD_MODELS:
-        raise PlanError(f"workload={workload!r}; choose one of {WORKLOAD_MODELS}.")
-    if int(num_mini_batches) < 1 or int(dp_size) < 1:
-        raise PlanError(f"num_mini_batches={num_mini_batches} and dp_size={dp_size} must both be >= 1.")
-    if micro_batch_max_tokens is not None and int(micro_batch_max_tokens) < 1:
-        raise PlanError(f"micro_batch_max_tokens={micro_batch_max_tokens} must be >= 1 (or None for no cap).")
-    M, dp = int(num_mini_batches), int(dp_size)
-    rng = np.random.default_rng(seed)
-    clock = [time.perf_counter()]
-    timing: dict[str, float] = {}
-
-    def lap(name: str) -> None:
-        now = time.perf_counter()
-        timing[name] = now - clock[0]
-        clock[0] = now
-
-    real_rows = np.flatnonzero(~layout.is_padding.numpy())
-    tokens_all = layout.num_tokens.numpy()
-    tokens = tokens_all[real_rows]
-    loss_tokens = layout.num_loss_tokens.numpy()[real_rows]
-    traj = layout.traj_index.numpy()[real_rows]
-    grp = layout.group_index.numpy()[real_rows]
-    T, G = layout.num_trajectories, layout.num_groups
-
-    # 1-2. units -> mini-batches
-    unit = grp if group_by == "group" else traj
-    U = G if group_by == "group" else T
-    if U < M:
-        what = "groups (distinct uids)" if group_by == "group" else "trajectories"
-        raise PlanError(
-            f"train batch has {U} {what} but {M} mini-batches were configured "
-            f"(train_batch_size / ppo_mini_batch_size); each mini-batch is one optimizer step and needs at least "
-            f"one whole {'group' if group_by == 'group' else 'trajectory'}, and an empty mini-batch would change "
-            "the number of optimizer steps. Fix: lower the number of mini-batches (raise ppo_mini_batch_size), "
-            "raise train_batch_size" + (", or use group_by='trajectory'" if group_by == "group" else "") + "."
-        )
-    unit_tokens = np.bincount(unit, weights=tokens, minlength=U).astype(np.int64)
-    unit_mb = _assign_units_lpt(unit_tokens, M, rng)
-    fair_share = tokens.sum() / M
-    units_larger = int((unit_tokens > fair_share).sum())
-    mb = unit_mb[unit]
-    lap("units_s")
-
-    # 3. padding items
-    n_real = np.bincount(mb, minlength=M).astype(np.int64)
-    n_pad = (-n_real) % dp
-    P = int(n_pad.sum())
-    item_mb = np.concatenate([mb, np.repeat(np.arange(M, dtype=np.int64), n_pad)])
-    item_src = np.concatenate([real_rows.astype(np.int64), np.full(P, -1, dtype=np.int64)])
-    item_tokens = np.concatenate([tokens, np.full(P, PAD_ROW_TOKENS, dtype=np.int64)])
-    item_loss = np.concatenate([loss_tokens, np.zeros(P, dtype=np.int64)])
-    item_cost = calculate_workload(item_tokens, workload)
-    item_pad = item_src < 0
-
-    # 4. DP balancing
-    if balance_dp:
-        tiebreak = rng.permutation(item_mb.shape[0])
-        item_rank = balance_equal_size(item_cost, item_mb, M, dp, tiebreak=tiebreak)
-    else:
-        item_rank = round_robin_equal_size(item_mb, M, dp)
-    lap("balance_s")
-
-    # 5. rank-major order: (rank, mini-batch, padding last, source row)
-    src_key = np.where(item_pad, np.arange(item_src.shape[0]), item_src)
-    out = np.lexsort((src_key, item_pad, item_mb, item_rank))
-    rows_per_rank = (n_real + n_pad) // dp
-
-    # 6. statistics
-    block = item_mb * dp + item_rank
-    # exact int sums (a float64 bincount can lose precision above 2**53)
-    rank_workload = _exact_block_sum(item_cost, block, M * dp).reshape(M, dp)
-    real_block = block[~item_pad]
-    rank_tokens = _exact_block_sum(tokens, real_block, M * dp).reshape(M, dp)
-    rank_loss = _exact_block_sum(loss_tokens, real_block, M * dp).reshape(M, dp)
-    total_w = rank_workload.sum(1)
-    max_item = np.zeros(M, dtype=np.int64)
-    np.maximum.at(max_item, item_mb, item_cost)
-    lower = np.maximum(-(-total_w // dp), max_item)
-    traj_mb_pairs = np.unique(traj * M + mb)
-    traj_per_mb = np.bincount(traj_mb_pairs % M, minlength=M)
-    grp_mb_pairs = np.unique(grp * M + mb)
-    grp_per_mb = np.bincount(grp_mb_pairs % M, minlength=M)
-    split_traj = int(traj_mb_pairs.shape[0] - T)
-    split_grp = int(grp_mb_pairs.shape[0] - G)
-    lap("stats_s")
-
-    # 7. micro-batches
-    micro_index = None
-    micro = np.zeros(M, dtype=np.int64)
-    micro_lb = np.zeros(M, dtype=np.int64)
-    max_packed = np.zeros(M, dtype=np.int64)
-    real_micro = np.zeros(M, dtype=np.int64)
-    short = np.zeros(M, dtype=np.int64)
-    if micro_batch_max_tokens is not None:
-        cap = int(micro_batch_max_tokens)
-        packing = pack_micro_batches(item_tokens, block, np.arange(M * dp) // dp, M * dp, cap)
-        micro = packing.block_count.reshape(M, dp).max(1)
-        short = packing.ranks_short_of_rows.reshape(M, dp).sum(1).astype(np.int64)
-        micro_lb = (-(-rank_tokens // cap)).max(1)
-        mkey = block * (int(packing.micro_index.max()) + 1) + packing.micro_index
-        real_key = mkey[~item_pad]
-        uniq, inv = np.unique(real_key, return_inverse=True)
-        sums = np.bincount(inv.reshape(-1), weights=tokens).astype(np.int64)
-        uniq_mb = (uniq // (int(packing.micro_index.max()) + 1)) // dp
-        np.maximum.at(max_packed, uniq_mb, sums)
-        real_micro = np.bincount(uniq_mb, minlength=M).astype(np.int64)
-        micro_index = torch.from_numpy(packing.micro_index[out])
-    lap("packing_s")
-
-    stats = MiniBatchStats(
-        real_rows=torch.from_numpy(n_real),
-        trajectories=torch.from_numpy(traj_per_mb.astype(np.int64)),
-        groups=torch.from_numpy(grp_per_mb.astype(np.int64)),
-        loss_tokens=torch.from_numpy(rank_loss.sum(1)),
-        tokens=torch.from_numpy(rank_tokens.sum(1)),
-        padding_rows=torch.from_numpy(n_pad.astype(np.int64)),
-        padding_tokens=torch.from_numpy(n_pad.astype(np.int64) * PAD_ROW_TOKENS),
-        max_rank_workload=torch.from_numpy(rank_workload.max(1)),
-        workload_lower_bound=torch.from_numpy(lower),
-        rank_workload=torch.from_numpy(rank_workload),
-        rank_tokens=torch.from_numpy(rank_tokens),
-        rank_loss_tokens=torch.from_numpy(rank_loss),
-        micro_batches=torch.from_numpy(micro),
-        micro_batches_lower_bound=torch.from_numpy(micro_lb),
-        max_packed_tokens=torch.from_numpy(max_packed),
-        real_micro_batches=torch.from_numpy(real_micro),
-        ranks_short_of_rows=torch.from_numpy(short),
-    )
+    spec = PlanSpec(int(num_mini_batches), int(dp_size), **options)
+    rng = np.random.default_rng(spec.seed)
+    clock = _Clock()
+    items, larger = _real_items(layout, spec, rng)
+    clock.lap("units_s")
+    items = _with_padding(items, spec)
+    _balance(items, spec, rng)
+    out = _rank_major(items)
+    clock.lap("balance_s")
+    stats = _statistics(items, spec)
+    split_traj, split_grp = _splits(items, layout, spec)
+    clock.lap("stats_s")
+    micro_id, micro_stats = _micro_batches(items, spec, stats["rank_tokens"], partitioner)
+    clock.lap("packing_s")
+    counts = np.bincount(items.mb, minlength=spec.num_mini_batches)
     return MiniBatchPlan(
-        order=torch.from_numpy(item_src[out]),
-        mini_batch_id=torch.from_numpy(item_mb[out]),
-        is_padding=torch.from_numpy(item_pad[out]),
-        dp_size=dp,
-        num_mini_batches=M,
-        rows_per_rank=torch.from_numpy(rows_per_rank),
-        stats=stats,
+        order=torch.from_numpy(items.src[out]),
+        mini_batch_id=torch.from_numpy(items.mb[out]),
+        micro_batch_id=torch.from_numpy(micro_id[out]),
+        traj_index=torch.from_numpy(items.traj[out]),
+        is_padding=torch.from_numpy(items.pad[out]),
+        rows_per_rank=torch.from_numpy((counts // spec.dp_size).astype(np.int64)),
+        stats=MiniBatchStats(**{k: torch.from_numpy(v) for k, v in {**stats, **micro_stats}.items()}),
+        spec=spec,
         num_source_rows=layout.num_rows,
-        group_by=group_by,
-        workload=workload,
-        seed=int(seed),
-        units_larger_than_mini_batch=units_larger,
-        micro_batch_max_tokens=None if micro_batch_max_tokens is None else int(micro_batch_max_tokens),
-        micro_batch_index=micro_index,
+        units_larger_than_mini_batch=larger,
         split_trajectories=split_traj,
         split_groups=split_grp,
-        extra={"timing_s": timing},
+        timing_s=clock.laps,
     )
 
 
-def _exact_block_sum(values: np.ndarray, block: np.ndarray, num_blocks: int) -> np.ndarray:
-    """``[num_blocks]`` int64 exact sums of ``values`` per block (``np.add.at``, no float rounding)."""
+class _Clock:
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self._t
+        self._t = now
+
+
+def _block_sum(values: np.ndarray, block: np.ndarray, num_blocks: int) -> np.ndarray:
+    """``[num_blocks]`` int64 exact sums of ``values`` per block (no float rounding above 2**53)."""
     out = np.zeros(num_blocks, dtype=np.int64)
     np.add.at(out, block, values.astype(np.int64, copy=False))
     return out
+
+
+def _statistics(items: _Items, spec: PlanSpec) -> dict[str, np.ndarray]:
+    """Stage 5a: per-mini-batch and per-(mini-batch, rank) statistics (padding excluded from real counts)."""
+    m, dp = int(spec.num_mini_batches), int(spec.dp_size)
+    block = items.mb * dp + items.rank
+    real = ~items.pad
+    cost = calculate_workload(items.tokens, spec.workload)
+    rank_workload = _block_sum(cost, block, m * dp).reshape(m, dp)
+    rank_tokens = _block_sum(items.tokens[real], block[real], m * dp).reshape(m, dp)
+    rank_loss = _block_sum(items.loss[real], block[real], m * dp).reshape(m, dp)
+    max_item = np.zeros(m, dtype=np.int64)
+    np.maximum.at(max_item, items.mb, cost)
+    n_pad = np.bincount(items.mb[items.pad], minlength=m).astype(np.int64)
+    return {
+        "real_rows": np.bincount(items.mb[real], minlength=m).astype(np.int64),
+        "trajectories": _distinct_per_mb(items.traj[real], items.mb[real], m),
+        "groups": _distinct_per_mb(items.grp[real], items.mb[real], m),
+        "loss_tokens": rank_loss.sum(1),
+        "tokens": rank_tokens.sum(1),
+        "padding_rows": n_pad,
+        "padding_tokens": n_pad * int(spec.pad_row_tokens),
+        "max_rank_workload": rank_workload.max(1),
+        "workload_lower_bound": np.maximum(-(-rank_workload.sum(1) // dp), max_item),
+        "rank_workload": rank_workload,
+        "rank_tokens": rank_tokens,
+        "rank_loss_tokens": rank_loss,
+    }
+
+
+def _distinct_per_mb(ids: np.ndarray, mb: np.ndarray, m: int) -> np.ndarray:
+    pairs = np.unique(ids * m + mb)
+    return np.bincount(pairs % m, minlength=m).astype(np.int64)
+
+
+def count_splits(traj_index: np.ndarray, group_index: np.ndarray, mini_batch: np.ndarray) -> tuple[int, int]:
+    """``(split trajectories, split groups)``: extra mini-batches the rows of a trajectory / a group are spread
+    over (distinct (unit, mini-batch) pairs minus units), over the rows given (pass real rows only)."""
+    m = int(mini_batch.max()) + 1 if mini_batch.size else 1
+    traj_pairs = np.unique(traj_index * m + mini_batch).shape[0] - np.unique(traj_index).shape[0]
+    grp_pairs = np.unique(group_index * m + mini_batch).shape[0] - np.unique(group_index).shape[0]
+    return int(traj_pairs), int(grp_pairs)
+
+
+def _splits(items: _Items, layout: BatchLayout, spec: PlanSpec) -> tuple[int, int]:
+    """Splits recomputed from the output (0 by construction)."""
+    real = ~items.pad
+    return count_splits(items.traj[real], items.grp[real], items.mb[real])
+
+
+def _micro_batches(items: _Items, spec: PlanSpec, rank_tokens: np.ndarray,
+                   partitioner: Optional[Partitioner]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Stage 5b: micro-batch of every item within its (rank, mini-batch) block, and its statistics."""
+    m, dp = int(spec.num_mini_batches), int(spec.dp_size)
+    zeros = np.zeros(m, dtype=np.int64)
+    n = items.src.shape[0]
+    if spec.micro_batch_max_tokens is None:
+        empty = {"micro_batches": zeros, "micro_batches_lower_bound": zeros, "max_packed_tokens": zeros,
+                 "padded_positions": zeros, "ranks_short_of_rows": zeros}
+        return np.zeros(n, dtype=np.int64), empty
+    block = items.mb * dp + items.rank
+    packing = pack_micro_batches(items.tokens, block, np.arange(m * dp) // dp, m * dp,
+                                 int(spec.micro_batch_max_tokens), cost=spec.micro_batch_cost, partitioner=partitioner)
+    key = block * (int(packing.micro_index.max()) + 1) + packing.micro_index
+    uniq, inv = np.unique(key, return_inverse=True)
+    inv = inv.reshape(-1)
+    sums = _block_sum(items.tokens, inv, uniq.shape[0])
+    longest = np.zeros(uniq.shape[0], dtype=np.int64)
+    np.maximum.at(longest, inv, items.tokens)
+    rows = np.bincount(inv, minlength=uniq.shape[0]).astype(np.int64)
+    uniq_mb = (uniq // (int(packing.micro_index.max()) + 1)) // dp
+    max_packed = np.zeros(m, dtype=np.int64)
+    np.maximum.at(max_packed, uniq_mb, sums)
+    return packing.micro_index, {
+        "micro_batches": packing.block_count.reshape(m, dp).max(1),
+        "micro_batches_lower_bound": packing.block_lower_bound.reshape(m, dp).max(1),
+        "max_packed_tokens": max_packed,
+        "padded_positions": _block_sum(rows * longest - sums, uniq_mb, m),
+        "ranks_short_of_rows": packing.ranks_short_of_rows.reshape(m, dp).sum(1).astype(np.int64),
+    }

@@ -1,0 +1,31 @@
+"""Names of the per-row fields verl_traj adds to a batch, in one place.
+
+Every per-row fact is computed once, where it is born, and carried forward in the batch under one of
+these names (see docs/design.md, "Where each per-row fact is born"):
+
+=====================  ======================  ==========================================================
+key                    written by              read by
+=====================  ======================  ==========================================================
+``mini_batch_id``      :func:`apply_plan`      worker iterator (one optimizer step per id), loss weights
+``micro_batch_id``     :func:`apply_plan`      worker micro-batch hook (the forward/backward passes)
+``traj_index``         :func:`apply_plan`      loss weights (``traj-mean``), step-wise advantages
+``is_padding``         :func:`apply_plan`      real-row views (metrics, advantages), loss weights
+``is_last_step``       step-wise expansion     layout validation, step-wise advantages
+``loss_weight``        trainer, per update     the loss functions (actor and critic)
+=====================  ======================  ==========================================================
+
+All of them but ``is_last_step`` (a ``non_tensor_batch`` field, as the expansion writes it) are
+tensors: verl's ``DataProto.to_tensordict`` refuses a key that is both a tensor and a non-tensor.
+"""
+
+MINI_BATCH_ID = "mini_batch_id"
+MICRO_BATCH_ID = "micro_batch_id"
+TRAJ_INDEX = "traj_index"
+IS_PADDING = "is_padding"
+IS_LAST_STEP = "is_last_step"
+LOSS_WEIGHT = "loss_weight"
+
+# Tensor fields apply_plan adds (replaced if the input already carries them).
+PLAN_KEYS = (MINI_BATCH_ID, MICRO_BATCH_ID, TRAJ_INDEX, IS_PADDING)
+
+__all__ = ["MINI_BATCH_ID", "MICRO_BATCH_ID", "TRAJ_INDEX", "IS_PADDING", "IS_LAST_STEP", "LOSS_WEIGHT", "PLAN_KEYS"]
