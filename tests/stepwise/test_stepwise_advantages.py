@@ -11,9 +11,10 @@ from verl_traj.stepwise.advantages import (
     StepwiseAdvantageError,
     broadcast_step_advantages,
     check_stepwise_estimator,
-    compute_trajectory_advantages,
-    index_trajectories,
+    last_step_rows,
 )
+
+from tests.stepwise.helpers import traj_index_of, trajectory_advantages
 
 
 def _right_padded_mask(lengths, width):
@@ -52,7 +53,7 @@ def _two_groups_batch():
 
 def test_skyrl_1492_regression_each_step_gets_advantage_on_its_own_tokens():
     rows, rewards, mask, uid, traj, last = _two_groups_batch()
-    adv, ret, traj_adv, index = compute_trajectory_advantages(
+    adv, ret, traj_adv, index = trajectory_advantages(
         rewards, mask, uid, traj, last, estimator_fn=get_adv_estimator_fn("grpo"), estimator_name="grpo"
     )
     # Per-trajectory GRPO: g0 = {A: 1, B: 0}, g1 = {C: 1, D: 0.5}; std is torch.std (unbiased).
@@ -75,7 +76,7 @@ def test_skyrl_1492_regression_each_step_gets_advantage_on_its_own_tokens():
 def test_buggy_approach_would_differ():
     """Documents the bug: copying the last row's (mask-shaped) advantage to earlier rows misplaces it."""
     rows, rewards, mask, uid, traj, last = _two_groups_batch()
-    adv, *_ = compute_trajectory_advantages(
+    adv, *_ = trajectory_advantages(
         rewards, mask, uid, traj, last, estimator_fn=get_adv_estimator_fn("grpo"), estimator_name="grpo"
     )
     last_row_of_A = 6
@@ -87,7 +88,7 @@ def test_buggy_approach_would_differ():
 def test_row_level_grpo_differs_from_trajectory_level():
     """Running GRPO over rows counts a 3-step trajectory 3 times in its group: different numbers."""
     rows, rewards, mask, uid, traj, last = _two_groups_batch()
-    adv, *_ = compute_trajectory_advantages(
+    adv, *_ = trajectory_advantages(
         rewards, mask, uid, traj, last, estimator_fn=get_adv_estimator_fn("grpo"), estimator_name="grpo"
     )
     row_adv, _ = get_adv_estimator_fn("grpo")(token_level_rewards=rewards, response_mask=mask, index=uid)
@@ -99,20 +100,20 @@ def test_matches_estimator_on_one_row_per_trajectory(name):
     """Step-wise result == the estimator run on one (merged) row per trajectory, broadcast."""
     rows, rewards, mask, uid, traj, last = _two_groups_batch()
     fn = get_adv_estimator_fn(name)
-    adv, _, traj_adv, index = compute_trajectory_advantages(
+    adv, _, traj_adv, index = trajectory_advantages(
         rewards, mask, uid, traj, last, estimator_fn=fn, estimator_name=name
     )
     # reference: one row per trajectory with its reward
     scores = torch.tensor([[1.0], [0.0], [1.0], [0.5]])  # A, B, C, D (first-appearance order)
     ref, _ = fn(token_level_rewards=scores, response_mask=torch.ones(4, 1), index=np.array(["g0", "g0", "g1", "g1"], dtype=object))
     assert torch.allclose(traj_adv, ref[:, 0], atol=1e-6)
-    assert torch.allclose(adv, broadcast_step_advantages(traj_adv, index.traj_index, mask))
+    assert torch.allclose(adv, broadcast_step_advantages(traj_adv, index, mask))
 
 
 def test_opo_uses_trajectory_loss_tokens():
     rows, rewards, mask, uid, traj, last = _two_groups_batch()
     fn = get_adv_estimator_fn("opo")
-    _, _, traj_adv, _ = compute_trajectory_advantages(rewards, mask, uid, traj, last, estimator_fn=fn, estimator_name="opo")
+    _, _, traj_adv, _ = trajectory_advantages(rewards, mask, uid, traj, last, estimator_fn=fn, estimator_name="opo")
     # loss tokens: A = 5+3+4 = 12, B = 2+6 = 8 ; baseline g0 = (12*1 + 8*0) / 20 = 0.6
     assert torch.allclose(traj_adv[:2], torch.tensor([0.4, -0.6]), atol=1e-6)
     # C = 7, D = 1+8 = 9 ; baseline g1 = (7*1 + 9*0.5)/16
@@ -125,13 +126,13 @@ def test_grpo_passk_and_remax():
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.create({"norm_adv_by_std_in_grpo": False})
-    _, _, t, _ = compute_trajectory_advantages(
+    _, _, t, _ = trajectory_advantages(
         rewards, mask, uid, traj, last, estimator_fn=get_adv_estimator_fn("grpo_passk"), estimator_name="grpo_passk",
         estimator_kwargs={"config": cfg},
     )
     assert torch.allclose(t, torch.tensor([1.0, 0.0, 0.5, 0.0]))
     baselines = torch.full((len(rows),), 0.25)
-    _, _, t, _ = compute_trajectory_advantages(
+    _, _, t, _ = trajectory_advantages(
         rewards, mask, uid, traj, last, estimator_fn=get_adv_estimator_fn("remax"), estimator_name="remax",
         reward_baselines=baselines,
     )
@@ -143,8 +144,8 @@ def test_reward_reduction_sum_vs_last_step():
     rewards = rewards.clone()
     rewards[0, 0] = 10.0  # a non-last row of A carries reward (e.g. a per-row scorer)
     fn = get_adv_estimator_fn("rloo")
-    _, _, t_last, _ = compute_trajectory_advantages(rewards, mask, uid, traj, last, estimator_fn=fn, estimator_name="rloo")
-    _, _, t_sum, _ = compute_trajectory_advantages(
+    _, _, t_last, _ = trajectory_advantages(rewards, mask, uid, traj, last, estimator_fn=fn, estimator_name="rloo")
+    _, _, t_sum, _ = trajectory_advantages(
         rewards, mask, uid, traj, last, estimator_fn=fn, estimator_name="rloo", reward_reduction="sum"
     )
     assert torch.allclose(t_last[:2], torch.tensor([1.0, -1.0]))  # ignored
@@ -154,7 +155,7 @@ def test_reward_reduction_sum_vs_last_step():
 def test_padding_rows_get_zero_and_do_not_join_groups():
     rows, rewards, mask, uid, traj, last = _two_groups_batch()
     fn = get_adv_estimator_fn("grpo")
-    ref, *_ = compute_trajectory_advantages(rewards, mask, uid, traj, last, estimator_fn=fn, estimator_name="grpo")
+    ref, *_ = trajectory_advantages(rewards, mask, uid, traj, last, estimator_fn=fn, estimator_name="grpo")
     pad_mask = torch.zeros(2, mask.shape[1])
     pad_mask[:, 0] = 1.0  # even a non-zero mask on a padding row must get zero advantage
     rewards2 = torch.cat([rewards, torch.ones(2, mask.shape[1])])
@@ -163,12 +164,12 @@ def test_padding_rows_get_zero_and_do_not_join_groups():
     traj2 = np.concatenate([traj, np.array([None, "A"], dtype=object)])
     last2 = np.concatenate([last, [True, True]])
     is_pad = np.array([False] * len(rows) + [True, True])
-    adv, _, t, index = compute_trajectory_advantages(
+    adv, _, t, index = trajectory_advantages(
         rewards2, mask2, uid2, traj2, last2, is_pad, estimator_fn=fn, estimator_name="grpo"
     )
     assert torch.allclose(adv[: len(rows)], ref)
     assert torch.count_nonzero(adv[len(rows) :]) == 0
-    assert index.num_trajectories == 4 and index.traj_index[-2:].tolist() == [-1, -1]
+    assert t.numel() == 4 and index[-2:].tolist() == [-1, -1]
 
 
 @pytest.mark.parametrize(
@@ -177,7 +178,7 @@ def test_padding_rows_get_zero_and_do_not_join_groups():
 def test_temporal_estimators_rejected(name):
     rows, rewards, mask, uid, traj, last = _two_groups_batch()
     with pytest.raises(StepwiseAdvantageError, match="step-wise"):
-        compute_trajectory_advantages(rewards, mask, uid, traj, last, estimator_fn=lambda **k: None, estimator_name=name)
+        trajectory_advantages(rewards, mask, uid, traj, last, estimator_fn=lambda **k: None, estimator_name=name)
 
 
 def test_unknown_estimator_needs_opt_in_and_scalar_output():
@@ -191,7 +192,7 @@ def test_unknown_estimator_needs_opt_in_and_scalar_output():
         return a, a
 
     with pytest.raises(StepwiseAdvantageError, match="scalar-outcome"):
-        compute_trajectory_advantages(
+        trajectory_advantages(
             rewards, mask, uid, traj, last, estimator_fn=bad, estimator_name="my_est", allow_custom=True
         )
 
@@ -201,27 +202,26 @@ def test_all_known_scalar_estimators_are_registered_in_verl():
         assert callable(get_adv_estimator_fn(name))
 
 
-def test_inconsistent_inputs_raise():
+def test_inconsistent_last_steps_raise():
+    """The layout validates trajectories before planning; a batch changed afterwards is caught here."""
     rows, rewards, mask, uid, traj, last = _two_groups_batch()
+    index = traj_index_of(traj)
     last_bad = last.copy()
     last_bad[0] = True  # A has two last steps
     with pytest.raises(StepwiseAdvantageError, match="is_last_step"):
-        index_trajectories(traj, last_bad, uid)
+        last_step_rows(index, last_bad)
     last_none = last.copy()
     last_none[3] = False  # C has none
     with pytest.raises(StepwiseAdvantageError, match="is_last_step"):
-        index_trajectories(traj, last_none, uid)
-    uid_bad = uid.copy()
-    uid_bad[0] = "g1"
-    with pytest.raises(StepwiseAdvantageError, match="uid"):
-        index_trajectories(traj, last, uid_bad)
+        last_step_rows(index, last_none)
+    assert last_step_rows(index, last).tolist() == [6, 4, 3, 7]  # A, B, C, D
 
 
 def test_integer_traj_ids_and_tensor_inputs():
     rows, rewards, mask, uid, traj, last = _two_groups_batch()
     tid = torch.tensor([{"A": 7, "B": 3, "C": 11, "D": 0}[t] for t in traj])
-    adv1, *_ = compute_trajectory_advantages(rewards, mask, uid, traj, last, estimator_fn=get_adv_estimator_fn("grpo"))
-    adv2, *_ = compute_trajectory_advantages(
+    adv1, *_ = trajectory_advantages(rewards, mask, uid, traj, last, estimator_fn=get_adv_estimator_fn("grpo"))
+    adv2, *_ = trajectory_advantages(
         rewards, mask.bool(), uid, tid, torch.as_tensor(last), estimator_fn=get_adv_estimator_fn("grpo")
     )
     assert torch.allclose(adv1, adv2)

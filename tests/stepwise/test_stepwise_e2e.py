@@ -1,6 +1,6 @@
 """Real verl CPU GRPO training (Ray, FSDP2 workers, CPU rollout server, verl's tool agent loop) with
-step-wise rows: StepwiseToolAgentLoop records every LLM call, the trainer's _balance_batch expands
-(and optionally prefix-merges) them, the planner keeps trajectories whole, advantages are per
+step-wise rows: StepwiseToolAgentLoop records every LLM call, the step rows are built (and optionally
+prefix-merged) from them -- by the v1 agent-loop worker or the v0 trainer's _balance_batch -- the planner keeps trajectories whole, advantages are per
 trajectory. Evidence that step rows are built right: the actor's recomputed log-probs on the step
 rows match the rollout's own log-probs token for token (``training/rollout_probs_diff_max``)."""
 
@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.conftest import TRAINERS
 
 pytestmark = pytest.mark.e2e
 HERE = Path(__file__).resolve().parent
@@ -27,8 +29,10 @@ def tiny(tmp_path_factory):
     return home
 
 
-@pytest.mark.parametrize("merge", [False, True])
-def test_stepwise_training_on_cpu(tiny, tmp_path, merge):
+@pytest.mark.parametrize("trainer, merge", [("v1", False), ("v1", True), ("v0", False)])
+def test_stepwise_training_on_cpu(tiny, tmp_path, trainer, merge):
+    """v1: the agent-loop worker stores each session's step rows; v0: the trainer expands them (both merge
+    with traj.merge_prefix)."""
     yaml_path = tmp_path / "agent_loops.yaml"
     # verl's tool_agent name re-pointed to the step-recording loop (the dataset routes rows to "tool_agent")
     yaml_path.write_text("- name: tool_agent\n  _target_: verl_traj.integration.stepwise_agent_loop.StepwiseToolAgentLoop\n")
@@ -46,7 +50,7 @@ def test_stepwise_training_on_cpu(tiny, tmp_path, merge):
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
         "actor_rollout_ref.rollout.multi_turn.format=hermes",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tiny}/tool_config.yaml",
-        "traj.step_wise=true", f"traj.merge_prefix={str(merge).lower()}",
+        "traj.step_wise=true", f"traj.merge_prefix={str(merge).lower()}", *TRAINERS[trainer],
     ]
     run = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=900)
     out = run.stdout + run.stderr

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
-from verl_traj.stepwise.advantages import compute_trajectory_advantages
+from tests.stepwise.helpers import trajectory_advantages
 from verl_traj.stepwise.expand import (
     StepExpansionError,
     expand_step_rows,
@@ -15,7 +15,9 @@ from verl_traj.stepwise.expand import (
     steps_from_row,
 )
 
-from _stepwise_fixtures import PAD, make_batch, make_trajectory  # noqa: E402,F401
+from verl_traj.testing import step_record_batch as make_batch, token_trajectory as make_trajectory
+
+PAD = 0
 
 
 def unpadded(out, i):
@@ -118,7 +120,7 @@ def test_stepwise_advantages_end_to_end_merged_equals_unmerged_per_loss_token():
     for merge in (False, True):
         out = expand_step_rows(tensors, non, merge_prefix=merge)
         t, nt = out.tensors, out.non_tensors
-        adv, *_ = compute_trajectory_advantages(
+        adv, *_ = trajectory_advantages(
             t["rm_scores"], t["response_mask"], nt["uid"], nt["traj_id"], nt["is_last_step"], estimator_fn=fn
         )
         assert torch.count_nonzero(adv * (1 - t["response_mask"])) == 0

@@ -1,6 +1,8 @@
-"""verl adapters: DataProto expansion, step-aware compute_advantage, agent-loop registration."""
+"""verl adapters: DataProto expansion, the step-aware compute_advantage on planned batches, agent-loop
+registration, and the trainer's expand -> plan -> advantage chain."""
 
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,22 +13,48 @@ from verl import DataProto
 from verl.trainer.ppo import ray_trainer
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
-from _stepwise_fixtures import make_batch, make_trajectory
+from tests.stepwise.helpers import trajectory_advantages
+from verl_traj.config import TrajConfig
 from verl_traj.integration import stepwise_agent_loop as sal
-from verl_traj.stepwise.advantages import StepwiseAdvantageError, compute_trajectory_advantages
+from verl_traj.integration import trainer as T
+from verl_traj.integration.stepwise_rows import expand_dataproto_step_rows, stepwise_advantage
+from verl_traj.stepwise.advantages import StepwiseAdvantageError
+from verl_traj.testing import step_record_batch as make_batch, token_trajectory as make_trajectory
+
+step_advantage = stepwise_advantage(ray_trainer.compute_advantage)
 
 
-def _dataproto(seed=0, merge=False):
+def _dataproto(seed=0):
     rng = np.random.default_rng(seed)
     trajs = [make_trajectory(rng, 3), make_trajectory(rng, 2), make_trajectory(rng, 4), make_trajectory(rng, 1)]
     tensors, non = make_batch(trajs, ["g0", "g0", "g1", "g1"], [1.0, 0.0, 0.3, 0.9])
     return DataProto.from_dict(tensors=tensors, non_tensors=non, meta_info={"k": 1}), trajs
 
 
+def _trainer(traj: TrajConfig, dp: int = 2):
+    tr = T.TrajRayPPOTrainer.__new__(T.TrajRayPPOTrainer)
+    tr.traj = traj
+    tr.plan_settings = None
+    tr.tokenizer = SimpleNamespace(pad_token_id=0)
+    tr.global_steps = 1
+    tr.config = OmegaConf.create({"data": {"train_batch_size": 2},
+                                  "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 1}}})
+    tr._dp_size = lambda: dp
+    return tr
+
+
+def _planned(seed=0, merge=False, dp=2):
+    """A step-wise batch as _balance_batch leaves it: expanded, planned, padded, with rewards."""
+    data, trajs = _dataproto(seed)
+    _trainer(TrajConfig(step_wise=True, merge_prefix=merge), dp)._balance_batch(data, {})
+    data.batch["token_level_rewards"] = data.batch["rm_scores"].clone()
+    return data, trajs
+
+
 @pytest.mark.parametrize("merge", [False, True])
 def test_expand_dataproto_in_place(merge):
     data, trajs = _dataproto()
-    metrics = sal.expand_dataproto_step_rows(data, merge_prefix=merge)
+    metrics = expand_dataproto_step_rows(data, merge_prefix=merge)
     n_steps = sum(len(t[0]) for t in trajs)
     assert len(data) == (4 if merge else n_steps)
     assert metrics["traj_stepwise/rows_before"] == n_steps
@@ -34,91 +62,54 @@ def test_expand_dataproto_in_place(merge):
     assert data.meta_info == {"k": 1}
     assert set(data.non_tensor_batch) >= {"uid", "traj_id", "step_index", "is_last_step", "data_source"}
     assert data.batch["input_ids"].shape[0] == len(data)
-    # second call is a no-op (already expanded)
-    assert sal.expand_dataproto_step_rows(data) == {} and len(data) == (4 if merge else n_steps)
-    # the core layout accepts the expanded batch
-    from verl_traj.core.layout import build_layout
+    assert expand_dataproto_step_rows(data) == {} and len(data) == (4 if merge else n_steps)  # idempotent
+    from verl_traj.core import build_layout
 
-    layout = build_layout(
-        data.batch["attention_mask"], data.batch["response_mask"], data.non_tensor_batch["uid"],
-        data.non_tensor_batch["traj_id"], data.non_tensor_batch["step_index"], data.non_tensor_batch["is_last_step"],
-    )
+    nt = data.non_tensor_batch
+    layout = build_layout(data.batch["attention_mask"], data.batch["response_mask"], nt["uid"], nt["traj_id"],
+                          nt["step_index"], nt["is_last_step"])
     assert layout.num_trajectories == 4 and layout.num_groups == 2
 
 
 @pytest.mark.parametrize("name", ["grpo", "rloo", "grpo_vectorized", "opo"])
-def test_compute_stepwise_advantage_matches_pure_function(name):
-    data, _ = _dataproto(1)
-    sal.expand_dataproto_step_rows(data)
-    data.batch["token_level_rewards"] = data.batch["rm_scores"].clone()
-    out = sal.compute_stepwise_advantage(data, name, norm_adv_by_std_in_grpo=True, config=OmegaConf.create({}))
-    nt = data.non_tensor_batch
-    ref, *_ = compute_trajectory_advantages(
-        data.batch["rm_scores"], data.batch["response_mask"], nt["uid"], nt["traj_id"], nt["is_last_step"],
+def test_step_advantage_matches_pure_function(name):
+    data, _ = _planned(1)
+    nt, pad = data.non_tensor_batch, data.batch["is_padding"].numpy()
+    ref, *_ = trajectory_advantages(
+        data.batch["rm_scores"], data.batch["response_mask"], nt["uid"], nt["traj_id"], nt["is_last_step"], pad,
         estimator_fn=get_adv_estimator_fn(name), estimator_name=name,
     )
+    out = step_advantage(data, name, norm_adv_by_std_in_grpo=True, config=OmegaConf.create({}))
     assert torch.allclose(out.batch["advantages"], ref)
-    assert torch.count_nonzero(out.batch["advantages"][~torch.as_tensor(nt["is_last_step"])]) > 0  # earlier steps too
+    earlier = ~torch.as_tensor(nt["is_last_step"]) & ~data.batch["is_padding"]
+    assert torch.count_nonzero(out.batch["advantages"][earlier]) > 0  # earlier steps carry the outcome too
+    assert torch.count_nonzero(out.batch["advantages"][data.batch["is_padding"]]) == 0
 
 
-def test_compute_stepwise_advantage_rejects_temporal_and_falls_back_for_plain_batches():
-    data, _ = _dataproto(2)
-    sal.expand_dataproto_step_rows(data)
-    data.batch["token_level_rewards"] = data.batch["rm_scores"].clone()
+def test_step_advantage_rejects_temporal_and_leaves_plain_batches_to_verl():
+    data, _ = _planned(2)
     with pytest.raises(StepwiseAdvantageError, match="gae"):
-        sal.compute_stepwise_advantage(data, "gae", config=OmegaConf.create({}))
+        step_advantage(data, "gae", config=OmegaConf.create({}))
     plain, _ = _dataproto(2)
     plain.batch["token_level_rewards"] = plain.batch["rm_scores"].clone()
     ref = ray_trainer.compute_advantage(plain, "grpo", config=OmegaConf.create({}))
     plain2, _ = _dataproto(2)
     plain2.batch["token_level_rewards"] = plain2.batch["rm_scores"].clone()
-    got = sal.compute_stepwise_advantage(plain2, "grpo", config=OmegaConf.create({}))
+    got = step_advantage(plain2, "grpo", config=OmegaConf.create({}))
     assert torch.allclose(got.batch["advantages"], ref.batch["advantages"])
 
 
 def test_kl_in_reward_uses_sum_over_steps():
-    data, _ = _dataproto(3)
-    sal.expand_dataproto_step_rows(data)
+    data, _ = _planned(3)
     tlr = data.batch["rm_scores"].clone() - 0.01 * data.batch["response_mask"].float()  # KL penalty on every row
     data.batch["token_level_rewards"] = tlr
-    out = sal.compute_stepwise_advantage(data, "rloo", config=OmegaConf.create({"use_kl_in_reward": True}))
+    out = step_advantage(data, "rloo", config=OmegaConf.create({"use_kl_in_reward": True}))
     nt = data.non_tensor_batch
-    ref, *_ = compute_trajectory_advantages(
-        tlr, data.batch["response_mask"], nt["uid"], nt["traj_id"], nt["is_last_step"],
+    ref, *_ = trajectory_advantages(
+        tlr, data.batch["response_mask"], nt["uid"], nt["traj_id"], nt["is_last_step"], data.batch["is_padding"].numpy(),
         estimator_fn=get_adv_estimator_fn("rloo"), estimator_name="rloo", reward_reduction="sum",
     )
     assert torch.allclose(out.batch["advantages"], ref)
-
-
-def test_padding_rows_from_the_planner_get_zero_advantage():
-    data, _ = _dataproto(4)
-    sal.expand_dataproto_step_rows(data)
-    n = len(data)
-    data.non_tensor_batch["is_padding"] = np.array([False] * (n - 1) + [True])
-    data.non_tensor_batch["uid"][-1] = "__verl_traj_pad__0"
-    data.non_tensor_batch["traj_id"][-1] = None
-    data.batch["token_level_rewards"] = data.batch["rm_scores"].clone()
-    data.batch["response_mask"][-1] = 0
-    # the real trajectory that lost its last row would be invalid: make the pad row a copy of nothing
-    data.non_tensor_batch["is_last_step"][-2] = True
-    out = sal.compute_stepwise_advantage(data, "grpo", config=OmegaConf.create({}))
-    assert torch.count_nonzero(out.batch["advantages"][-1]) == 0
-
-
-def test_install_compute_advantage_is_idempotent_and_reversible():
-    orig = ray_trainer.compute_advantage
-    try:
-        sal.install_compute_advantage()
-        sal.install_compute_advantage()
-        assert ray_trainer.compute_advantage is sal.compute_stepwise_advantage
-        assert ray_trainer._verl_traj_original_compute_advantage is orig
-        plain, _ = _dataproto(5)
-        plain.batch["token_level_rewards"] = plain.batch["rm_scores"].clone()
-        sal.compute_stepwise_advantage(plain, "grpo", config=OmegaConf.create({}))  # no recursion
-    finally:
-        ray_trainer.compute_advantage = orig
-        if hasattr(ray_trainer, "_verl_traj_original_compute_advantage"):
-            del ray_trainer._verl_traj_original_compute_advantage
 
 
 def test_agent_loop_registered_and_importable_by_hydra_target():
@@ -158,87 +149,42 @@ def test_recording_server_manager_records_each_call():
 
 @pytest.mark.parametrize("merge", [False, True])
 def test_expand_plan_pad_then_advantages_end_to_end(merge):
-    """The _balance_batch chain: expand -> core layout/plan/apply_plan (padding rows) -> step-aware advantages."""
-    from verl_traj.core import apply_plan, build_layout, plan_mini_batches
+    """The _balance_batch chain: expand -> plan (padding rows at dp=3) -> step-aware advantages equal those of
+    the unplanned rows, padding rows get none."""
+    from verl_traj.core import build_layout
 
     rng = np.random.default_rng(11)
     trajs = [make_trajectory(rng, int(rng.integers(1, 5))) for _ in range(8)]
-    uids = [f"g{i // 2}" for i in range(8)]
-    rewards = [float(x) for x in rng.random(8)]
-    tensors, non = make_batch(trajs, uids, rewards)
+    tensors, non = make_batch(trajs, [f"g{i // 2}" for i in range(8)], [float(x) for x in rng.random(8)])
     data = DataProto.from_dict(tensors=tensors, non_tensors=non)
-    sal.expand_dataproto_step_rows(data, merge_prefix=merge)
+    expand_dataproto_step_rows(data, merge_prefix=merge)
     nt = data.non_tensor_batch
-    # reference before planning
-    ref_data = DataProto.from_dict(tensors={k: v.clone() for k, v in data.batch.items()},
-                                   non_tensors={k: v.copy() for k, v in nt.items()})
-    ref_data.batch["token_level_rewards"] = ref_data.batch["rm_scores"].clone()
-    ref = sal.compute_stepwise_advantage(ref_data, "grpo", config=OmegaConf.create({})).batch["advantages"]
-
+    ref, *_ = trajectory_advantages(data.batch["rm_scores"], data.batch["response_mask"], nt["uid"], nt["traj_id"],
+                                    nt["is_last_step"], estimator_fn=get_adv_estimator_fn("grpo"))
     layout = build_layout(data.batch["attention_mask"], data.batch["response_mask"], nt["uid"], nt["traj_id"],
                           nt["step_index"], nt["is_last_step"])
-    plan = plan_mini_batches(layout, num_mini_batches=2, dp_size=3)
-    t, n = apply_plan({k: v for k, v in data.batch.items()}, dict(nt), plan)
-    planned = DataProto.from_dict(tensors=t, non_tensors=n)
-    planned.batch["token_level_rewards"] = planned.batch["rm_scores"].clone()
-    adv = sal.compute_stepwise_advantage(planned, "grpo", config=OmegaConf.create({})).batch["advantages"]
+    source_traj = layout.traj_index.clone()
+    tr = _trainer(TrajConfig(step_wise=True, merge_prefix=merge), dp=3)
+    tr.config.data.train_batch_size = 4
+    plan = tr.plan_and_apply(data, 3)
+    data.batch["token_level_rewards"] = data.batch["rm_scores"].clone()
+    adv = step_advantage(data, "grpo", config=OmegaConf.create({})).batch["advantages"]
     pad = plan.is_padding
-    assert int(pad.sum()) == int(plan.stats.padding_rows.sum())
+    assert int(pad.sum()) == int(plan.stats.padding_rows.sum()) > 0
     assert torch.count_nonzero(adv[pad]) == 0
     assert torch.allclose(adv[~pad], ref[plan.order[~pad]])
+    assert torch.equal(data.batch["traj_index"][~pad], source_traj[plan.order[~pad]])  # the layout's numbering
 
 
-def test_context_manager_under_the_trainers_real_rows_wrapper():
-    """Installed outside the trainer's real-rows wrapper: step batches use the step path, plain ones verl's."""
-    orig = ray_trainer.compute_advantage
-
-    def real_rows_wrapper(fn):  # stands in for the trainer's _compute_advantage_real_rows
-        def w(data, *a, **k):
-            return fn(data, *a, **k)
-
-        w.__wrapped__ = fn
-        return w
-
-    with sal.stepwise_compute_advantage_installed():
-        ray_trainer.compute_advantage = real_rows_wrapper(ray_trainer.compute_advantage)
-        step, _ = _dataproto(6)
-        sal.expand_dataproto_step_rows(step)
-        step.batch["token_level_rewards"] = step.batch["rm_scores"].clone()
-        ray_trainer.compute_advantage(step, "grpo", config=OmegaConf.create({}))
-        assert torch.count_nonzero(step.batch["advantages"][~torch.as_tensor(step.non_tensor_batch["is_last_step"])]) > 0
-        plain, _ = _dataproto(6)
-        plain.batch["token_level_rewards"] = plain.batch["rm_scores"].clone()
-        ray_trainer.compute_advantage(plain, "grpo", config=OmegaConf.create({}))  # no recursion
-        assert "advantages" in plain.batch.keys()
-    assert ray_trainer.compute_advantage is orig
-    assert not hasattr(ray_trainer, "_verl_traj_original_compute_advantage")
-
-
-def test_trainer_expands_before_planning_and_installs_advantage_in_fit():
-    """TrajRayPPOTrainer with traj.step_wise: _balance_batch expands to step rows, then plans them
-    (real planner, dp=2); fit runs with the step-aware compute_advantage, restored afterwards."""
-    from types import SimpleNamespace
-
-    from omegaconf import OmegaConf
+def test_trainer_expands_before_planning_and_patches_advantage_only_inside_fit():
+    """TrajRayPPOTrainer with traj.step_wise: _balance_batch expands to step rows, then plans them (real
+    planner, dp=2); fit runs with the step-aware compute_advantage under the real-rows wrapper, restored after."""
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
-
-    import verl_traj.integration.trainer as T
-    from verl_traj.config import TrajConfig
-
-    def trainer(traj: TrajConfig):
-        tr = T.TrajRayPPOTrainer.__new__(T.TrajRayPPOTrainer)
-        tr.traj = traj
-        tr.tokenizer = SimpleNamespace(pad_token_id=0)
-        tr.global_steps = 1
-        tr.config = OmegaConf.create({"data": {"train_batch_size": 2},
-                                      "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 1}}})
-        tr._dp_size = lambda: 2
-        return tr
 
     data, trajs = _dataproto(7)
     n_steps = sum(len(t[0]) for t in trajs)
     metrics = {}
-    trainer(TrajConfig(step_wise=True, merge_prefix=False))._balance_batch(data, metrics)
+    _trainer(TrajConfig(step_wise=True, merge_prefix=False))._balance_batch(data, metrics)
     assert metrics["traj_stepwise/rows_after"] == n_steps == metrics["traj_plan/real_rows"]
     assert metrics["traj_plan/split_trajectories"] == 0 and metrics["traj_plan/split_groups"] == 0
     real = ~data.batch["is_padding"]
@@ -246,13 +192,12 @@ def test_trainer_expands_before_planning_and_installs_advantage_in_fit():
     assert {"traj_id", "step_index", "is_last_step"} <= set(data.non_tensor_batch)
 
     seen = {}
-    original_fit = RayPPOTrainer.fit
+    original, original_fit = ray_trainer.compute_advantage, RayPPOTrainer.fit
     RayPPOTrainer.fit = lambda self: seen.setdefault("compute_advantage", ray_trainer.compute_advantage)
     try:
-        trainer(TrajConfig(step_wise=True)).fit()
+        _trainer(TrajConfig(step_wise=True)).fit()
     finally:
         RayPPOTrainer.fit = original_fit
-    # during fit: the real-rows wrapper around the step-aware function (installed outermost)
-    assert seen["compute_advantage"].__wrapped__ is sal.compute_stepwise_advantage
-    assert ray_trainer.compute_advantage is not sal.compute_stepwise_advantage  # restored after fit
-
+    step_wrapper = seen["compute_advantage"].__wrapped__  # real rows outside, the step-wise adapter inside
+    assert step_wrapper.__name__ == "compute_advantage" and step_wrapper.__wrapped__ is original
+    assert ray_trainer.compute_advantage is original

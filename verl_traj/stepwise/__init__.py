@@ -11,11 +11,10 @@ from verl_traj.stepwise.advantages import (  # noqa: F401
     SCALAR_OUTCOME_ADV_ESTIMATORS,
     UNSUPPORTED_STEPWISE_ADV_ESTIMATORS,
     StepwiseAdvantageError,
-    TrajectoryIndex,
     broadcast_step_advantages,
     check_stepwise_estimator,
     compute_trajectory_advantages,
-    index_trajectories,
+    last_step_rows,
 )
 from verl_traj.stepwise.expand import (  # noqa: F401
     DEFAULT_STEPS_KEY,

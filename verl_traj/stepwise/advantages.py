@@ -16,13 +16,15 @@ The fix (same idea as SkyRL PR 1507):
    ``response_mask`` (so each step gets it at its own token positions, and padding/observation
    tokens get 0).
 
+Trajectories are numbered once, by the core's layout; the plan carries that dense ``traj_index`` in
+the batch and this module reads it (it never re-derives trajectories from string ids).
+
 Pure module: torch, numpy and stdlib only. verl's estimator is passed in as a callable
 (``verl.trainer.ppo.core_algos.get_adv_estimator_fn(name)``), so nothing here imports verl.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -34,11 +36,9 @@ __all__ = [
     "SCALAR_OUTCOME_ADV_ESTIMATORS",
     "UNSUPPORTED_STEPWISE_ADV_ESTIMATORS",
     "StepwiseAdvantageError",
-    "TrajectoryIndex",
     "check_stepwise_estimator",
-    "index_trajectories",
+    "last_step_rows",
     "trajectory_scores",
-    "trajectory_loss_tokens",
     "run_outcome_estimator",
     "broadcast_step_advantages",
     "compute_trajectory_advantages",
@@ -104,106 +104,34 @@ def check_stepwise_estimator(adv_estimator: Any, *, allow_custom: bool = False) 
     return name
 
 
-@dataclass(frozen=True)
-class TrajectoryIndex:
-    """Dense trajectory numbering of a batch of step rows.
+def last_step_rows(traj_index: torch.Tensor, is_last_step: Any) -> torch.Tensor:
+    """``[T]`` row of each trajectory's last step, from the plan's dense ``traj_index`` (``-1`` on padding).
 
-    Attributes:
-        traj_index: LongTensor [B]: trajectory 0..T-1 of each row (first-appearance order), -1 for
-            padding rows.
-        last_row: LongTensor [T]: the row holding each trajectory's last step.
-        traj_uid: np.ndarray [T] (object): GRPO group id (``uid``) of each trajectory.
-        num_trajectories: T.
-    """
-
-    traj_index: torch.Tensor
-    last_row: torch.Tensor
-    traj_uid: np.ndarray
-    num_trajectories: int
-
-
-def _as_bool_tensor(x: Any, n: int, field: str) -> torch.Tensor:
-    if x is None:
-        return torch.zeros(n, dtype=torch.bool)
-    t = torch.as_tensor(np.asarray(x).astype(bool) if not isinstance(x, torch.Tensor) else x).reshape(-1).bool()
-    if t.numel() != n:
-        raise StepwiseAdvantageError(f"{field} has {t.numel()} entries but the batch has {n} rows.")
-    return t.cpu()
-
-
-def _dense_first_appearance(keys: np.ndarray) -> np.ndarray:
-    """Dense ids 0..K-1 in first-appearance order for a 1-D array of hashable keys (vectorised)."""
-    if keys.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    try:
-        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-    except TypeError:  # mixed / unorderable object keys
-        _, first, inverse = np.unique(keys.astype(str), return_index=True, return_inverse=True)
-    rank = np.empty(first.size, dtype=np.int64)
-    rank[np.argsort(first, kind="stable")] = np.arange(first.size, dtype=np.int64)
-    return rank[inverse.reshape(-1)]
-
-
-def index_trajectories(
-    traj_id: Sequence[Any] | np.ndarray | torch.Tensor,
-    is_last_step: Any,
-    uid: Sequence[Any] | np.ndarray,
-    is_padding: Any = None,
-) -> TrajectoryIndex:
-    """Number the trajectories of a batch and find each one's last-step row (vectorised).
-
-    Every non-padding trajectory must have exactly one ``is_last_step`` row, and all its rows must
-    share one ``uid``; violations raise ``StepwiseAdvantageError`` naming the trajectory.
-    """
-    tid = np.asarray(traj_id.cpu().numpy() if isinstance(traj_id, torch.Tensor) else traj_id, dtype=object)
-    tid = tid.reshape(-1)
-    n = tid.size
-    uid_arr = np.asarray(uid, dtype=object).reshape(-1)
-    if uid_arr.size != n:
-        raise StepwiseAdvantageError(f"uid has {uid_arr.size} entries but traj_id has {n}.")
-    last = _as_bool_tensor(is_last_step, n, "is_last_step")
-    pad = _as_bool_tensor(is_padding, n, "is_padding")
-
-    real = ~pad.numpy()
-    dense = np.full(n, -1, dtype=np.int64)
-    dense[real] = _dense_first_appearance(tid[real])
-    num_t = int(dense.max()) + 1 if real.any() else 0
-    traj_index = torch.from_numpy(dense)
-
-    last_real = last & ~pad
-    counts = torch.bincount(traj_index[last_real], minlength=num_t)
+    The layout already validated one last step per trajectory; a batch that breaks it here was changed
+    after planning, and the message says which trajectory."""
+    traj_index = torch.as_tensor(traj_index).reshape(-1).long().cpu()
+    last = torch.as_tensor(np.asarray(is_last_step, dtype=bool) if not isinstance(is_last_step, torch.Tensor)
+                           else is_last_step).reshape(-1).bool().cpu()
+    if last.numel() != traj_index.numel():
+        raise StepwiseAdvantageError(f"is_last_step has {last.numel()} entries but the batch has {traj_index.numel()} rows.")
+    real_last = torch.nonzero(last & (traj_index >= 0)).reshape(-1)
+    num_t = int(traj_index.max()) + 1 if traj_index.numel() else 0
+    counts = torch.bincount(traj_index[real_last], minlength=num_t)
     if num_t and not bool((counts == 1).all()):
         bad = int(torch.nonzero(counts != 1)[0, 0])
-        first_row = int(np.nonzero(dense == bad)[0][0])
         raise StepwiseAdvantageError(
-            f"trajectory {tid[first_row]!r} has {int(counts[bad])} rows with is_last_step=True; every "
-            "trajectory needs exactly one (the row carrying its outcome reward). Check the step-wise "
-            "agent loop / expand_step_rows output (is_last_step, traj_id)."
+            f"trajectory index {bad} has {int(counts[bad])} rows with is_last_step=True; every trajectory needs "
+            "exactly one (the row carrying its outcome reward). The batch was changed after planning: keep "
+            "is_last_step and traj_index as apply_plan wrote them."
         )
-    last_row = torch.empty(num_t, dtype=torch.long)
-    last_rows = torch.nonzero(last_real).reshape(-1)
-    last_row[traj_index[last_rows]] = last_rows
-
-    traj_uid = uid_arr[last_row.numpy()] if num_t else np.zeros(0, dtype=object)
-    if num_t:
-        row_uid_expected = traj_uid[dense[real]]
-        same = row_uid_expected == uid_arr[real]
-        if not bool(np.all(same)):
-            row = int(np.nonzero(real)[0][np.nonzero(~same)[0][0]])
-            raise StepwiseAdvantageError(
-                f"rows of trajectory {tid[row]!r} carry different uids ({uid_arr[row]!r} vs "
-                f"{row_uid_expected[np.nonzero(~same)[0][0]]!r}); all step rows of a trajectory must share "
-                "their GRPO group uid."
-            )
-    return TrajectoryIndex(traj_index=traj_index, last_row=last_row, traj_uid=traj_uid, num_trajectories=num_t)
+    out = torch.empty(num_t, dtype=torch.long)
+    out[traj_index[real_last]] = real_last
+    return out
 
 
-def trajectory_scores(
-    token_level_rewards: torch.Tensor,
-    index: TrajectoryIndex,
-    reduction: str = "last_step",
-) -> torch.Tensor:
-    """One scalar outcome per trajectory, FloatTensor [T].
+def trajectory_scores(token_level_rewards: torch.Tensor, traj_index: torch.Tensor, last_row: torch.Tensor,
+                      reduction: str = "last_step") -> torch.Tensor:
+    """One scalar outcome per trajectory, ``[T]``.
 
     ``"last_step"``: the sum of the last-step row's token rewards (rewards on earlier rows are
     ignored, so a reward function that scores every row cannot count one outcome N times).
@@ -212,21 +140,16 @@ def trajectory_scores(
     """
     row_sum = token_level_rewards.sum(dim=-1)
     if reduction == "last_step":
-        return row_sum[index.last_row.to(row_sum.device)]
+        return row_sum[last_row.to(row_sum.device)]
     if reduction == "sum":
-        out = row_sum.new_zeros(index.num_trajectories)
-        real = index.traj_index >= 0
-        idx = index.traj_index[real].to(row_sum.device)
-        return out.index_add_(0, idx, row_sum[real.to(row_sum.device)])
+        return _per_trajectory_sum(row_sum, traj_index, last_row.numel())
     raise StepwiseAdvantageError(f"reward_reduction={reduction!r} is not one of ['last_step', 'sum'].")
 
 
-def trajectory_loss_tokens(response_mask: torch.Tensor, index: TrajectoryIndex) -> torch.Tensor:
-    """Loss (response) tokens of each trajectory over all its step rows, FloatTensor [T]."""
-    per_row = response_mask.to(torch.float32).sum(dim=-1)
-    real = index.traj_index >= 0
-    out = per_row.new_zeros(index.num_trajectories)
-    return out.index_add_(0, index.traj_index[real].to(per_row.device), per_row[real.to(per_row.device)])
+def _per_trajectory_sum(per_row: torch.Tensor, traj_index: torch.Tensor, num_t: int) -> torch.Tensor:
+    real = (traj_index >= 0).to(per_row.device)
+    idx = traj_index.to(per_row.device)[real]
+    return per_row.new_zeros(num_t).index_add_(0, idx, per_row[real])
 
 
 def run_outcome_estimator(
@@ -307,10 +230,9 @@ def broadcast_step_advantages(
 def compute_trajectory_advantages(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
-    uid: Sequence[Any] | np.ndarray,
-    traj_id: Sequence[Any] | np.ndarray | torch.Tensor,
+    traj_index: torch.Tensor,
     is_last_step: Any,
-    is_padding: Any = None,
+    uid: Sequence[Any] | np.ndarray,
     *,
     estimator_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     estimator_name: str = "grpo",
@@ -318,24 +240,23 @@ def compute_trajectory_advantages(
     reward_baselines: Optional[torch.Tensor] = None,
     estimator_kwargs: Optional[Mapping[str, Any]] = None,
     allow_custom: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, TrajectoryIndex]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Step-wise outcome advantages: estimator once per trajectory, broadcast on each row's own mask.
 
     Args:
-        token_level_rewards: [B, R] per-row token rewards (the outcome sits on the last-step row).
-        response_mask: [B, R] each row's own loss mask (right-padded responses of any length).
-        uid: [B] GRPO group id per row (all rows of one trajectory share it).
-        traj_id: [B] trajectory id per row (any hashable; padding rows may carry anything).
-        is_last_step: [B] bool; exactly one True per trajectory.
-        is_padding: [B] bool or None; padding rows get zero advantage and are not trajectories.
+        token_level_rewards: ``[B, R]`` per-row token rewards (the outcome sits on the last-step row).
+        response_mask: ``[B, R]`` each row's own loss mask (right-padded responses of any length).
+        traj_index: ``[B]`` the plan's dense trajectory index (``-1`` on padding rows: zero advantage).
+        is_last_step: ``[B]`` bool; exactly one True per trajectory.
+        uid: ``[B]`` GRPO group id per row (all rows of one trajectory share it; the layout checked it).
         estimator_fn: verl's registered estimator, e.g. ``get_adv_estimator_fn("grpo")``.
         estimator_name: its name (validated: temporal estimators raise).
-        reward_reduction: ``"last_step"`` (default) or ``"sum"`` (see ``trajectory_scores``).
-        reward_baselines: [B] per row (value of the last-step row is used) for ``remax``.
+        reward_reduction: ``"last_step"`` (default) or ``"sum"`` (see :func:`trajectory_scores`).
+        reward_baselines: ``[B]`` per row (the last-step row's value is used) for ``remax``.
         estimator_kwargs: extra kwargs for the estimator (``config``, ``norm_adv_by_std_in_grpo``, ...).
 
     Returns:
-        ``(advantages [B, R], returns [B, R], traj_adv [T], index)``.
+        ``(advantages [B, R], returns [B, R], traj_adv [T])``.
     """
     name = check_stepwise_estimator(estimator_name, allow_custom=allow_custom)
     if token_level_rewards.shape != response_mask.shape:
@@ -343,21 +264,23 @@ def compute_trajectory_advantages(
             f"token_level_rewards {tuple(token_level_rewards.shape)} and response_mask "
             f"{tuple(response_mask.shape)} must have the same [B, R] shape."
         )
-    index = index_trajectories(traj_id, is_last_step, uid, is_padding)
-    scores = trajectory_scores(token_level_rewards, index, reward_reduction)
-    loss_tokens = trajectory_loss_tokens(response_mask, index) if name in _LENGTH_AWARE else None
+    traj_index = torch.as_tensor(traj_index).reshape(-1).long().cpu()
+    last_row = last_step_rows(traj_index, is_last_step)
+    loss_tokens = None
+    if name in _LENGTH_AWARE:
+        loss_tokens = _per_trajectory_sum(response_mask.to(torch.float32).sum(-1), traj_index, last_row.numel())
     baselines = None
     if reward_baselines is not None:
-        baselines = torch.as_tensor(reward_baselines).reshape(-1)[index.last_row.to(torch.as_tensor(reward_baselines).device)]
+        baselines = torch.as_tensor(reward_baselines).reshape(-1)[last_row.to(torch.as_tensor(reward_baselines).device)]
     traj_adv, traj_ret = run_outcome_estimator(
         estimator_fn,
-        scores,
-        index.traj_uid,
+        trajectory_scores(token_level_rewards, traj_index, last_row, reward_reduction),
+        np.asarray(uid, dtype=object)[last_row.numpy()],
         estimator_name=name,
         loss_tokens=loss_tokens,
         reward_baselines=baselines,
         estimator_kwargs=estimator_kwargs,
     )
-    advantages = broadcast_step_advantages(traj_adv, index.traj_index, response_mask)
-    returns = broadcast_step_advantages(traj_ret, index.traj_index, response_mask)
-    return advantages, returns, traj_adv, index
+    advantages = broadcast_step_advantages(traj_adv, traj_index, response_mask)
+    returns = broadcast_step_advantages(traj_ret, traj_index, response_mask)
+    return advantages, returns, traj_adv

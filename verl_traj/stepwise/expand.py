@@ -30,13 +30,14 @@ lengths); the Python loops run over rows and steps only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from verl_traj.core.keys import IS_LAST_STEP
 from verl_traj.stepwise.prefix_merge import MergedRow, MergeStats, merge_trajectory_steps
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "encode_step_records",
     "decode_step_records",
     "expand_step_rows",
+    "trajectory_step_rows",
     "mask_non_last_step_rewards",
 ]
 
@@ -212,6 +214,38 @@ def _response_parts(rec: Mapping[str, Any], b: int, k: int, has_lp: bool):
     return r, m, lp
 
 
+class _RowBuilder:
+    """Segments (response runs, observation tails) of the merged row under construction."""
+
+    def __init__(self, prompt: torch.Tensor, start: int, has_lp: bool):
+        self.prompt, self.start, self.has_lp = prompt, start, has_lp
+        self.ids: list[torch.Tensor] = []
+        self.masks: list[torch.Tensor] = []
+        self.lps: list[torch.Tensor] = []
+
+    def add(self, ids: torch.Tensor, mask: torch.Tensor, lp: Optional[torch.Tensor]) -> None:
+        self.ids.append(ids)
+        self.masks.append(mask)
+        if self.has_lp:
+            self.lps.append(lp)
+
+    def add_observation(self, tail: torch.Tensor, mask_dtype: torch.dtype, lp_dtype: Optional[torch.dtype]) -> None:
+        if tail.numel():
+            lp = torch.zeros(tail.numel(), dtype=lp_dtype) if self.has_lp else None
+            self.add(tail, torch.zeros(tail.numel(), dtype=mask_dtype), lp)
+
+    def full_context(self) -> torch.Tensor:
+        return torch.cat([self.prompt] + self.ids)
+
+    def close(self, end: int, step_index: int, is_last: bool) -> MergedRow:
+        def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+        return MergedRow(prompt_ids=self.prompt, response_ids=cat(self.ids), response_mask=cat(self.masks),
+                         per_token={"lp": cat(self.lps)} if self.has_lp else {},
+                         source_steps=list(range(self.start, end + 1)), step_index=step_index, is_last_step=is_last)
+
+
 def _merge_delta_encoded(steps: Sequence[Mapping[str, Any]], b: int, has_lp: bool):
     """Prefix merge straight from delta-encoded records (same result as decode + merge_trajectory_steps).
 
@@ -229,51 +263,21 @@ def _merge_delta_encoded(steps: Sequence[Mapping[str, Any]], b: int, has_lp: boo
             raise StepExpansionError(
                 f"row {b} step record {k}: prompt_prefix_len={pre[k]} exceeds the previous step's context ({limit} tokens)."
             )
-    stats = MergeStats(rows_before=n, tokens_before=int(sum(full_len)),
-                       loss_tokens_before=int(sum(int(torch.count_nonzero(m)) for _, m, _ in parts)))
     rows: list[MergedRow] = []
-    prompt = None
-    segs: list[torch.Tensor] = []
-    msegs: list[torch.Tensor] = []
-    lsegs: list[torch.Tensor] = []
-    start = 0
-
-    def close(end: int) -> None:
-        rows.append(MergedRow(
-            prompt_ids=prompt,
-            response_ids=torch.cat(segs) if len(segs) > 1 else segs[0],
-            response_mask=torch.cat(msegs) if len(msegs) > 1 else msegs[0],
-            per_token={"lp": torch.cat(lsegs) if len(lsegs) > 1 else lsegs[0]} if has_lp else {},
-            source_steps=list(range(start, end + 1)),
-            step_index=len(rows),
-            is_last_step=end == n - 1,
-        ))
-
-    for k in range(n):
-        r, m, lp = parts[k]
+    row = _RowBuilder(tails[0], 0, has_lp)
+    for k, (r, m, lp) in enumerate(parts):
         if k and pre[k] == full_len[k - 1]:  # continues the current row
-            tail = tails[k]
-            if tail.numel():
-                segs.append(tail)
-                msegs.append(torch.zeros(tail.numel(), dtype=m.dtype))
-                if has_lp:
-                    lsegs.append(torch.zeros(tail.numel(), dtype=lp.dtype))
-        else:
-            if k:
-                prev_full = torch.cat([prompt] + segs)
-                close(k - 1)
-                prompt = torch.cat([prev_full[: pre[k]], tails[k]]) if pre[k] else tails[k]
-            else:
-                prompt = tails[0]
-            segs, msegs, lsegs, start = [], [], [], k
-        segs.append(r)
-        msegs.append(m)
-        if has_lp:
-            lsegs.append(lp)
-    close(n - 1)
-    stats.rows_after = len(rows)
-    stats.tokens_after = sum(row.num_tokens for row in rows)
-    stats.loss_tokens_after = sum(int(torch.count_nonzero(row.response_mask)) for row in rows)
+            row.add_observation(tails[k], m.dtype, lp.dtype if has_lp else None)
+        elif k:
+            context = row.full_context()
+            rows.append(row.close(k - 1, len(rows), False))
+            row = _RowBuilder(torch.cat([context[: pre[k]], tails[k]]) if pre[k] else tails[k], k, has_lp)
+        row.add(r, m, lp)
+    rows.append(row.close(n - 1, len(rows), True))
+    stats = MergeStats(rows_before=n, rows_after=len(rows), tokens_before=int(sum(full_len)),
+                       tokens_after=sum(x.num_tokens for x in rows),
+                       loss_tokens_before=int(sum(int(torch.count_nonzero(m)) for _, m, _ in parts)),
+                       loss_tokens_after=sum(int(torch.count_nonzero(x.response_mask)) for x in rows))
     return rows, stats
 
 
@@ -294,50 +298,55 @@ def _right_pad(seqs: list[torch.Tensor], width: int, value) -> torch.Tensor:
     return out
 
 
-def expand_step_rows(
-    tensors: Mapping[str, torch.Tensor],
-    non_tensors: Mapping[str, np.ndarray],
-    *,
-    steps_key: str = DEFAULT_STEPS_KEY,
-    merge_prefix: bool = False,
-    pad_token_id: int = 0,
-    traj_id_key: str = "traj_id",
-    step_index_key: str = "step_index",
-    is_last_step_key: str = "is_last_step",
-    prompt_width: Optional[int] = None,
-    response_width: Optional[int] = None,
-    pad_to_multiple_of: int = 1,
-    drop_keys: Sequence[str] = (),
-) -> ExpandedBatch:
-    """Expand one-row-per-trajectory rollout output into step rows (optionally prefix-merged).
+@dataclass
+class _StepRows:
+    """Step rows collected over the source rows, before padding into verl's layout."""
 
-    Args:
-        tensors: the batch's tensors: ``prompts`` [B, P] (left-padded), ``responses`` [B, R],
-            ``attention_mask`` [B, P+R], ``response_mask`` [B, R]; optional ``rollout_log_probs``
-            and ``rm_scores`` [B, R]; other [B] / [B, k] per-row tensors are repeated.
-        non_tensors: ``non_tensor_batch``; ``steps_key`` holds each row's list of step records
-            (``None`` / missing: cut the row with :func:`steps_from_row`). ``traj_id_key`` (if
-            present and not None) names each row's trajectory, else ``"__row{b}"``.
-        merge_prefix: merge consecutive steps whose context prefixes the next (``traj.merge_prefix``).
-        pad_token_id: id written into padding positions of ``prompts`` / ``responses`` / ``input_ids``.
-        prompt_width / response_width: output widths (default: the longest step row, rounded up to
-            ``pad_to_multiple_of``); a row longer than a given width raises.
-        drop_keys: tensor / non-tensor fields to drop instead of carrying (e.g. ``routed_experts``).
+    prompts: list[torch.Tensor] = field(default_factory=list)
+    responses: list[torch.Tensor] = field(default_factory=list)
+    masks: list[torch.Tensor] = field(default_factory=list)
+    log_probs: list[torch.Tensor] = field(default_factory=list)
+    source_row: list[int] = field(default_factory=list)
+    source_steps: list[list[int]] = field(default_factory=list)
+    step_index: list[int] = field(default_factory=list)
+    is_last: list[bool] = field(default_factory=list)
+    traj_ids: list[Any] = field(default_factory=list)
+    stats: MergeStats = field(default_factory=MergeStats)
 
-    Returns:
-        :class:`ExpandedBatch`. Step rows are grouped by source row, in step order.
-    """
+    def add(self, b: int, traj_id: Any, rows: list[MergedRow], has_lp: bool) -> None:
+        for row in rows:
+            self.prompts.append(row.prompt_ids)
+            self.responses.append(row.response_ids)
+            self.masks.append(row.response_mask)
+            if has_lp:
+                self.log_probs.append(row.per_token["lp"])
+            self.source_row.append(b)
+            self.source_steps.append(row.source_steps)
+            self.step_index.append(row.step_index)
+            self.is_last.append(row.is_last_step)
+            self.traj_ids.append(traj_id)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """The one-row-per-trajectory input, on CPU."""
+
+    prompts: torch.Tensor  # [B, P]
+    responses: torch.Tensor  # [B, R]
+    attention_mask: torch.Tensor  # [B, P+R]
+    response_mask: torch.Tensor  # [B, R]
+    log_probs: Optional[torch.Tensor]  # [B, R] rollout log-probs, if any
+
+    @property
+    def has_lp(self) -> bool:
+        return self.log_probs is not None
+
+
+def _check_expandable(tensors: Mapping[str, torch.Tensor], non_tensors: Mapping[str, np.ndarray], drop: set) -> None:
     for key in ("prompts", "responses", "attention_mask", "response_mask"):
         if key not in tensors:
             raise StepExpansionError(f"tensor field {key!r} is missing; step expansion needs the rollout output's "
                                      "prompts, responses, attention_mask and response_mask.")
-    drop = set(drop_keys)
-    prompts_t = tensors["prompts"].detach().cpu()
-    responses_t = tensors["responses"].detach().cpu()
-    attn = tensors["attention_mask"].detach().cpu()
-    resp_mask_t = tensors["response_mask"].detach().cpu()
-    B, P = prompts_t.shape
-    R = responses_t.shape[1]
     if "position_ids" in tensors and tensors["position_ids"].dim() != 2:
         raise StepExpansionError(
             f"position_ids has shape {tuple(tensors['position_ids'].shape)}: multi-dimensional (VLM M-RoPE) position ids "
@@ -352,136 +361,188 @@ def expand_step_rows(
     mmi = non_tensors.get("multi_modal_inputs")
     if mmi is not None and "multi_modal_inputs" not in drop and any(x is not None and len(x) for x in mmi):
         raise StepExpansionError("multi_modal_inputs are not supported with step-wise rows yet; use traj.step_wise=false.")
-    has_lp = "rollout_log_probs" in tensors
-    lp_t = tensors["rollout_log_probs"].detach().cpu() if has_lp else None
-    has_rm = "rm_scores" in tensors
-    traj_reward = tensors["rm_scores"].detach().cpu().float().sum(-1) if has_rm else None
 
-    prompt_len = attn[:, :P].sum(-1).tolist()
-    resp_len = attn[:, P:].sum(-1).tolist()
-    records_col = non_tensors.get(steps_key)
-    traj_col = non_tensors.get(traj_id_key)
 
-    out_prompts: list[torch.Tensor] = []
-    out_resps: list[torch.Tensor] = []
-    out_masks: list[torch.Tensor] = []
-    out_lps: list[torch.Tensor] = []
-    src_row: list[int] = []
-    src_steps: list[list[int]] = []
-    step_idx: list[int] = []
-    is_last: list[bool] = []
-    traj_ids: list[Any] = []
-    stats = MergeStats()
+def _source_rows(src: _Source, b: int, raw: Any, merge_prefix: bool) -> tuple[list[MergedRow], MergeStats]:
+    """The (merged) step rows of source row ``b`` from its records, or cut from the row itself."""
+    raw_steps = raw.get("steps", []) if isinstance(raw, Mapping) else raw
+    if merge_prefix and raw_steps is not None and len(raw_steps) and all(
+        "prompt_tail_ids" in r and r.get("prompt_ids") is None for r in raw_steps
+    ):
+        # delta-encoded records decide every boundary from their prefix lengths: O(T) copies
+        return _merge_delta_encoded(raw_steps, b, src.has_lp)
+    recs = decode_step_records(raw) if raw is not None else None
+    if not recs:
+        P = src.prompts.shape[1]
+        pl, rl = int(src.attention_mask[b, :P].sum()), int(src.attention_mask[b, P:].sum())
+        lp = src.log_probs[b, :rl] if src.has_lp else None
+        recs = steps_from_row(src.prompts[b, P - pl:], src.responses[b, :rl], src.response_mask[b, :rl], lp)
+    parts = [_response_parts(rec, b, k, src.has_lp) for k, rec in enumerate(recs)]
+    return merge_trajectory_steps(
+        [_as_long(rec["prompt_ids"]) for rec in recs], [p[0] for p in parts], [p[1] for p in parts],
+        {"lp": [p[2] for p in parts]} if src.has_lp else None, enable=merge_prefix,
+    )
 
-    for b in range(B):
-        raw = records_col[b] if records_col is not None else None
-        raw_steps = raw.get("steps", []) if isinstance(raw, Mapping) else raw
-        if merge_prefix and raw_steps is not None and len(raw_steps) and all(
-            "prompt_tail_ids" in r and r.get("prompt_ids") is None for r in raw_steps
-        ):
-            # fast path: delta-encoded records decide every boundary from their prefix lengths; only
-            # the prompts that start a row are materialised (O(T) instead of O(T^2) copies)
-            rows, st = _merge_delta_encoded(raw_steps, b, has_lp)
-        else:
-            recs = decode_step_records(raw) if raw is not None else None
-            if not recs:
-                pl, rl = int(prompt_len[b]), int(resp_len[b])
-                recs = steps_from_row(
-                    prompts_t[b, P - pl :], responses_t[b, :rl], resp_mask_t[b, :rl], lp_t[b, :rl] if has_lp else None
-                )
-            prompts_b, resps_b, masks_b, lps_b = [], [], [], []
-            for k, rec in enumerate(recs):
-                prompts_b.append(_as_long(rec["prompt_ids"]))
-                r, m, lp = _response_parts(rec, b, k, has_lp)
-                resps_b.append(r)
-                masks_b.append(m)
-                if has_lp:
-                    lps_b.append(lp)
-            rows, st = merge_trajectory_steps(
-                prompts_b, resps_b, masks_b, {"lp": lps_b} if has_lp else None, enable=merge_prefix
-            )
-        stats = stats + st
-        tid = traj_col[b] if traj_col is not None and traj_col[b] is not None else f"__row{b}"
-        for row in rows:
-            out_prompts.append(row.prompt_ids)
-            out_resps.append(row.response_ids)
-            out_masks.append(row.response_mask)
-            if has_lp:
-                out_lps.append(row.per_token["lp"])
-            src_row.append(b)
-            src_steps.append(row.source_steps)
-            step_idx.append(row.step_index)
-            is_last.append(row.is_last_step)
-            traj_ids.append(tid)
 
-    n_out = len(out_prompts)
-    p_lens = torch.tensor([p.numel() for p in out_prompts], dtype=torch.long)
-    r_lens = torch.tensor([r.numel() for r in out_resps], dtype=torch.long)
+def _width(given: Optional[int], lens: torch.Tensor, name: str, multiple: int) -> int:
+    longest = int(lens.max()) if lens.numel() else 0
+    if given is None:
+        mult = max(int(multiple), 1)
+        return -(-max(longest, 1) // mult) * mult
+    if longest > given:
+        raise StepExpansionError(f"a step row has a {name} of {longest} tokens, above {name}_width={given}.")
+    return int(given)
 
-    def _width(given: Optional[int], lens: torch.Tensor, name: str) -> int:
-        longest = int(lens.max()) if lens.numel() else 0
-        if given is None:
-            w = max(longest, 1)
-            mult = max(int(pad_to_multiple_of), 1)
-            return -(-w // mult) * mult
-        if longest > given:
-            raise StepExpansionError(f"a step row has a {name} of {longest} tokens, above {name}_width={given}.")
-        return int(given)
 
-    Pw = _width(prompt_width, p_lens, "prompt")
-    Rw = _width(response_width, r_lens, "response")
-    new_prompts = _left_pad(out_prompts, Pw, pad_token_id)
-    new_resps = _right_pad(out_resps, Rw, pad_token_id) if n_out else torch.zeros(0, Rw, dtype=torch.long)
+def _layout_tensors(rows: _StepRows, src: _Source, widths: tuple[Optional[int], Optional[int]], multiple: int,
+                    pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Step rows in verl's layout: left-padded prompts, right-padded responses, masks, 1-D positions."""
+    p_lens = torch.tensor([p.numel() for p in rows.prompts], dtype=torch.long)
+    r_lens = torch.tensor([r.numel() for r in rows.responses], dtype=torch.long)
+    Pw, Rw = _width(widths[0], p_lens, "prompt", multiple), _width(widths[1], r_lens, "response", multiple)
+    n = len(rows.prompts)
+    new_prompts = _left_pad(rows.prompts, Pw, pad_token_id)
+    new_resps = _right_pad(rows.responses, Rw, pad_token_id) if n else torch.zeros(0, Rw, dtype=torch.long)
     prompt_attn = (torch.arange(Pw).unsqueeze(0) >= (Pw - p_lens).unsqueeze(1)).long()
     resp_attn = (torch.arange(Rw).unsqueeze(0) < r_lens.unsqueeze(1)).long()
-    attention_mask = torch.cat([prompt_attn, resp_attn], dim=1).to(attn.dtype)
-    mask_dtype = resp_mask_t.dtype
-    new_mask = (_right_pad([m.to(mask_dtype) for m in out_masks], Rw, 0) if n_out
-                else torch.zeros(0, Rw, dtype=mask_dtype)) * resp_attn.to(mask_dtype)
-    out_t: dict[str, torch.Tensor] = {
-        "prompts": new_prompts.to(prompts_t.dtype),
-        "responses": new_resps.to(responses_t.dtype),
-        "input_ids": torch.cat([new_prompts, new_resps], dim=1).to(prompts_t.dtype),
+    attention_mask = torch.cat([prompt_attn, resp_attn], dim=1).to(src.attention_mask.dtype)
+    mdt = src.response_mask.dtype
+    new_mask = _right_pad([m.to(mdt) for m in rows.masks], Rw, 0) if n else torch.zeros(0, Rw, dtype=mdt)
+    out = {
+        "prompts": new_prompts.to(src.prompts.dtype),
+        "responses": new_resps.to(src.responses.dtype),
+        "input_ids": torch.cat([new_prompts, new_resps], dim=1).to(src.prompts.dtype),
         "attention_mask": attention_mask,
         "position_ids": torch.clip(torch.cumsum(attention_mask.long(), dim=-1) - 1, min=0),
-        "response_mask": new_mask,
+        "response_mask": new_mask * resp_attn.to(mdt),
     }
-    if has_lp:
-        out_t["rollout_log_probs"] = (_right_pad(out_lps, Rw, 0.0) if n_out else torch.zeros(0, Rw)).to(lp_t.dtype)
-    src = torch.tensor(src_row, dtype=torch.long)
-    last_t = torch.tensor(is_last, dtype=torch.bool)
-    if has_rm:
-        rm = torch.zeros(n_out, Rw, dtype=tensors["rm_scores"].dtype)
-        pos = (r_lens - 1).clamp(min=0)
-        rows_idx = torch.arange(n_out)
-        rm[rows_idx[last_t], pos[last_t]] = traj_reward[src[last_t]].to(rm.dtype)
-        out_t["rm_scores"] = rm
+    if src.has_lp:
+        out["rollout_log_probs"] = (_right_pad(rows.log_probs, Rw, 0.0) if n else torch.zeros(0, Rw)).to(src.log_probs.dtype)
+    return out
+
+
+def _outcome_on_last_rows(rm_scores: torch.Tensor, rows: _StepRows, out: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The trajectory's reward (source row's ``rm_scores`` sum) on its last step row's last response token."""
+    n, Rw = out["responses"].shape
+    rm = torch.zeros(n, Rw, dtype=rm_scores.dtype)
+    last = torch.tensor(rows.is_last, dtype=torch.bool)
+    pos = (out["attention_mask"][:, -Rw:].sum(-1) - 1).clamp(min=0)
+    src = torch.tensor(rows.source_row, dtype=torch.long)
+    rm[torch.arange(n)[last], pos[last]] = rm_scores.detach().cpu().float().sum(-1)[src[last]].to(rm.dtype)
+    return rm
+
+
+def _carry_tensors(tensors: Mapping[str, torch.Tensor], src_index: torch.Tensor, drop: set, B: int, P: int,
+                   R: int) -> dict[str, torch.Tensor]:
+    """Per-row tensors (``[B]`` or ``[B, k]``) repeated onto every step row; per-token ones refused."""
+    out = {}
     for key, value in tensors.items():
         if key in _REBUILT or key in drop:
             continue
         if value.dim() >= 1 and value.shape[0] == B and (value.dim() == 1 or value.shape[1] not in (P, R, P + R)):
-            out_t[key] = value.detach().cpu()[src]
+            out[key] = value.detach().cpu()[src_index]
         else:
             raise StepExpansionError(
                 f"tensor field {key!r} with shape {tuple(value.shape)} looks per-token; it cannot be carried onto step rows. "
                 f"Pass drop_keys=[{key!r}] or compute it after the expansion."
             )
+    return out
 
-    out_nt: dict[str, np.ndarray] = {}
-    src_np = src.numpy()
+
+def _carry_non_tensors(non_tensors: Mapping[str, np.ndarray], rows: _StepRows, skip: set, B: int,
+                       keys: tuple[str, str]) -> dict[str, np.ndarray]:
+    """Per-row fields repeated onto every step row, plus the trajectory id, step index and last-step flag."""
+    src = np.asarray(rows.source_row, dtype=np.int64)
+    out = {}
     for key, value in non_tensors.items():
-        if key in drop or key in (steps_key, traj_id_key, step_index_key, is_last_step_key):
+        if key in skip:
             continue
         arr = np.asarray(value)
         if arr.shape[:1] != (B,):
             raise StepExpansionError(f"non_tensor field {key!r} has shape {arr.shape}, expected [{B}, ...].")
-        out_nt[key] = arr[src_np]
-    tid_arr = np.empty(n_out, dtype=object)
-    tid_arr[:] = traj_ids
-    out_nt[traj_id_key] = tid_arr
-    out_nt[step_index_key] = np.asarray(step_idx, dtype=np.int64)
-    out_nt[is_last_step_key] = np.asarray(is_last, dtype=bool)
-    return ExpandedBatch(tensors=out_t, non_tensors=out_nt, source_row=src, source_steps=src_steps, stats=stats)
+        out[key] = arr[src]
+    traj_key, step_key = keys
+    out[traj_key] = np.empty(len(rows.traj_ids), dtype=object)
+    out[traj_key][:] = rows.traj_ids
+    out[step_key] = np.asarray(rows.step_index, dtype=np.int64)
+    out[IS_LAST_STEP] = np.asarray(rows.is_last, dtype=bool)
+    return out
+
+
+def expand_step_rows(
+    tensors: Mapping[str, torch.Tensor],
+    non_tensors: Mapping[str, np.ndarray],
+    *,
+    steps_key: str = DEFAULT_STEPS_KEY,
+    merge_prefix: bool = False,
+    pad_token_id: int = 0,
+    traj_id_key: str = "traj_id",
+    step_index_key: str = "step_index",
+    prompt_width: Optional[int] = None,
+    response_width: Optional[int] = None,
+    pad_to_multiple_of: int = 1,
+    drop_keys: Sequence[str] = (),
+) -> ExpandedBatch:
+    """Expand one-row-per-trajectory rollout output into step rows (optionally prefix-merged).
+
+    Args:
+        tensors: ``prompts`` [B, P] (left-padded), ``responses`` [B, R], ``attention_mask`` [B, P+R],
+            ``response_mask`` [B, R]; optional ``rollout_log_probs`` and ``rm_scores`` [B, R]; other
+            [B] / [B, k] per-row tensors are repeated.
+        non_tensors: ``non_tensor_batch``; ``steps_key`` holds each row's step records (``None`` /
+            missing: the row is cut with :func:`steps_from_row`); ``traj_id_key`` (if present and not
+            None) names each row's trajectory, else ``"__row{b}"``.
+        merge_prefix: merge consecutive steps whose context prefixes the next (``traj.merge_prefix``).
+        pad_token_id: written into padding positions of ``prompts`` / ``responses`` / ``input_ids``.
+        prompt_width / response_width: output widths (default: the longest step row, rounded up to
+            ``pad_to_multiple_of``); a row longer than a given width raises.
+        drop_keys: tensor / non-tensor fields to drop instead of carrying (e.g. ``routed_experts``).
+
+    Returns:
+        :class:`ExpandedBatch` with ``traj_id_key``, ``step_index_key`` and ``is_last_step``
+        (:data:`~verl_traj.core.keys.IS_LAST_STEP`) per row. Step rows are grouped by source row, in step order.
+    """
+    drop = set(drop_keys)
+    _check_expandable(tensors, non_tensors, drop)
+    lp = tensors.get("rollout_log_probs")
+    src = _Source(*(tensors[k].detach().cpu() for k in ("prompts", "responses", "attention_mask", "response_mask")),
+                  lp.detach().cpu() if lp is not None else None)
+    (B, P), R = src.prompts.shape, src.responses.shape[1]
+    records, traj_col = non_tensors.get(steps_key), non_tensors.get(traj_id_key)
+    rows = _StepRows()
+    for b in range(B):
+        merged, stats = _source_rows(src, b, records[b] if records is not None else None, merge_prefix)
+        rows.stats = rows.stats + stats
+        rows.add(b, traj_col[b] if traj_col is not None and traj_col[b] is not None else f"__row{b}", merged, src.has_lp)
+    out_t = _layout_tensors(rows, src, (prompt_width, response_width), pad_to_multiple_of, pad_token_id)
+    if "rm_scores" in tensors:
+        out_t["rm_scores"] = _outcome_on_last_rows(tensors["rm_scores"], rows, out_t)
+    src_index = torch.tensor(rows.source_row, dtype=torch.long)
+    out_t.update(_carry_tensors(tensors, src_index, drop, B, P, R))
+    skip = drop | {steps_key, traj_id_key, step_index_key, IS_LAST_STEP}
+    out_nt = _carry_non_tensors(non_tensors, rows, skip, B, (traj_id_key, step_index_key))
+    return ExpandedBatch(tensors=out_t, non_tensors=out_nt, source_row=src_index, source_steps=rows.source_steps,
+                         stats=rows.stats)
+
+
+def trajectory_step_rows(
+    prompt_ids: Any,
+    response_ids: Any,
+    response_mask: Any,
+    log_probs: Optional[Any],
+    records: Any,
+    *,
+    merge_prefix: bool = False,
+) -> tuple[list[MergedRow], MergeStats]:
+    """The (merged) step rows of ONE trajectory, unpadded: its concatenated output (1-D prompt / response ids,
+    response mask, optional rollout log-probs) and its step records (as :func:`expand_step_rows` reads them;
+    ``None``: cut the output with :func:`steps_from_row`). Rows in step order; ``per_token["lp"]`` holds the
+    log-probs when given."""
+    prompt, response = _as_long(prompt_ids), _as_long(response_ids)
+    lp = None if log_probs is None else torch.as_tensor(np.asarray(log_probs, dtype=np.float32)).reshape(1, -1)
+    src = _Source(prompt[None], response[None], torch.ones(1, prompt.numel() + response.numel(), dtype=torch.long),
+                  _as_long(response_mask)[None], lp)
+    return _source_rows(src, 0, records, merge_prefix)
 
 
 def mask_non_last_step_rewards(token_level_scores: torch.Tensor, is_last_step: Any) -> torch.Tensor:

@@ -133,29 +133,10 @@ def merge_trajectory_steps(
         ``(rows, stats)``; rows in step order.
     """
     n = len(prompts)
-    if len(responses) != n:
-        raise PrefixMergeError(f"{n} prompts but {len(responses)} responses: one of each per step.")
     if response_masks is None:
         response_masks = [torch.ones(r.numel(), dtype=torch.long) for r in responses]
-    elif len(response_masks) != n:
-        raise PrefixMergeError(f"{len(response_masks)} response masks for {n} steps.")
     per_token = dict(per_token or {})
-    for name, values in per_token.items():
-        if len(values) != n:
-            raise PrefixMergeError(f"per_token[{name!r}] has {len(values)} entries for {n} steps.")
-    for i in range(n):
-        if prompts[i].dim() != 1 or responses[i].dim() != 1:
-            raise PrefixMergeError(f"step {i}: prompt and response must be 1-D token tensors (no padding).")
-        if response_masks[i].numel() != responses[i].numel():
-            raise PrefixMergeError(
-                f"step {i}: response_mask has {response_masks[i].numel()} entries, response has {responses[i].numel()}."
-            )
-        for name, values in per_token.items():
-            if values[i].numel() != responses[i].numel():
-                raise PrefixMergeError(
-                    f"step {i}: per_token[{name!r}] has {values[i].numel()} entries, response has {responses[i].numel()}."
-                )
-
+    _check_steps(prompts, responses, response_masks, per_token)
     stats = MergeStats(rows_before=n)
     stats.tokens_before = sum(int(p.numel() + r.numel()) for p, r in zip(prompts, responses))
     stats.loss_tokens_before = sum(int(torch.count_nonzero(m)) for m in response_masks)
@@ -176,6 +157,31 @@ def merge_trajectory_steps(
     stats.tokens_after = sum(r.num_tokens for r in rows)
     stats.loss_tokens_after = sum(int(torch.count_nonzero(r.response_mask)) for r in rows)
     return rows, stats
+
+
+def _check_steps(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor],
+                 masks: Sequence[torch.Tensor], per_token: Mapping[str, Sequence[torch.Tensor]]) -> None:
+    """One prompt, response and mask (and per-token value) per step; 1-D; masks aligned with responses."""
+    n = len(prompts)
+    if len(responses) != n:
+        raise PrefixMergeError(f"{n} prompts but {len(responses)} responses: one of each per step.")
+    if len(masks) != n:
+        raise PrefixMergeError(f"{len(masks)} response masks for {n} steps.")
+    for name, values in per_token.items():
+        if len(values) != n:
+            raise PrefixMergeError(f"per_token[{name!r}] has {len(values)} entries for {n} steps.")
+    for i in range(n):
+        if prompts[i].dim() != 1 or responses[i].dim() != 1:
+            raise PrefixMergeError(f"step {i}: prompt and response must be 1-D token tensors (no padding).")
+        if masks[i].numel() != responses[i].numel():
+            raise PrefixMergeError(
+                f"step {i}: response_mask has {masks[i].numel()} entries, response has {responses[i].numel()}."
+            )
+        for name, values in per_token.items():
+            if values[i].numel() != responses[i].numel():
+                raise PrefixMergeError(
+                    f"step {i}: per_token[{name!r}] has {values[i].numel()} entries, response has {responses[i].numel()}."
+                )
 
 
 def _assemble(prompts, responses, masks, per_token, start: int, end: int, step_index: int, is_last: bool) -> MergedRow:
