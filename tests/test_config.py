@@ -2,7 +2,8 @@
 
 import pytest
 
-from verl_traj.config import LOSS_AGG_MODES, TrajConfig, TrajConfigError, validate_against_verl
+from verl_traj.config import TrajConfig, TrajConfigError, validate_against_verl
+from verl_traj.core import loss_weight_modes
 
 
 def test_defaults_are_trajectory_aware():
@@ -29,6 +30,8 @@ def test_from_mapping_roundtrip_and_unknown_key():
         ({"micro_batch_max_tokens": True}, "traj.micro_batch_max_tokens=True"),
         ({"micro_batch_max_tokens": 12.5}, "traj.micro_batch_max_tokens=12.5"),
         ({"traj_id_key": ""}, "traj.traj_id_key=''"),
+        ({"mini_batch_balance": "prompts"}, "traj.mini_batch_balance='prompts'"),
+        ({"infer_micro_batch_max_tokens": -1}, "traj.infer_micro_batch_max_tokens=-1"),
         ({"step_wise": True, "enable": False}, "traj.step_wise=true needs traj.enable=true"),
     ],
 )
@@ -39,7 +42,10 @@ def test_invalid_values_name_field_and_value(kwargs, needle):
 
 
 def test_all_loss_modes_accepted():
-    for mode in LOSS_AGG_MODES:
+    """The config accepts exactly the names of the core's loss-weight registry (one list, no copy)."""
+    assert set(loss_weight_modes()) >= {"token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                          "seq-mean-token-sum-norm", "traj-mean"}
+    for mode in loss_weight_modes():
         assert TrajConfig(loss_agg_mode=mode).loss_agg_mode == mode
 
 
@@ -58,15 +64,22 @@ def test_temporal_estimators_rejected_with_step_wise_rows(adv):
     validate_against_verl(TrajConfig(step_wise=False), _verl(adv=adv))  # concatenated rows: fine
 
 
-def test_v1_trainer_rejected():
-    with pytest.raises(TrajConfigError, match="trainer.use_v1=false"):
-        validate_against_verl(TrajConfig(), _verl(use_v1=True))
+def test_both_trainers_accepted():
+    validate_against_verl(TrajConfig(), _verl(use_v1=True))
+    validate_against_verl(TrajConfig(), _verl(use_v1=False))
 
 
 def test_token_cap_below_max_length_rejected():
     with pytest.raises(TrajConfigError, match="Raise traj.micro_batch_max_tokens to at least 512"):
         validate_against_verl(TrajConfig(micro_batch_max_tokens=300), _verl())
     validate_against_verl(TrajConfig(micro_batch_max_tokens=512), _verl())
+
+
+def test_policy_loss_checked_once_with_the_config_error():
+    cfg = _verl()
+    cfg["actor_rollout_ref"] = {"actor": {"policy_loss": {"loss_mode": "geo_mean"}}}
+    with pytest.raises(TrajConfigError, match="policy_loss.loss_mode='geo_mean'"):
+        validate_against_verl(TrajConfig(), cfg)
 
 
 def test_disabled_skips_cross_checks():

@@ -1,11 +1,13 @@
 """The ``traj:`` configuration section: every knob verl_traj adds, validated at start-up.
 
-Pure module (no torch, no Ray, no verl imports) so it can be validated anywhere, including on
-the driver before any worker starts. Each error names the field, the value and what to change.
+Read once, on the driver, before any worker starts; each error names the field, the value and what to
+change, with one error class (:class:`TrajConfigError`). No verl import: the checks read verl's
+sections as plain mappings. The choices are the core's own names (one place each): the loss
+aggregation modes are the core's registry (:func:`verl_traj.core.loss_weights.loss_weight_modes`).
 
-Defaults are the right ones for multi-turn data: trajectory-aware mini-batches on, whole GRPO
-groups kept in one mini-batch, DP balancing on. ``traj.enable=false`` gives stock verl behaviour
-(the side-by-side comparison is that one override).
+Defaults are the right ones for multi-turn data: trajectory-aware mini-batches on, whole GRPO groups
+kept in one mini-batch, DP balancing on. ``traj.enable=false`` gives stock verl behaviour (the
+side-by-side comparison is that one override).
 """
 
 from __future__ import annotations
@@ -13,18 +15,28 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
-GROUP_BY_CHOICES = ("trajectory", "group")
-WORKLOAD_CHOICES = ("verl", "tokens")
-LOSS_AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-    "traj-mean",
-)
+from verl_traj.core.balancing import WORKLOAD_MODELS
+from verl_traj.core.loss_weights import loss_weight_modes
+from verl_traj.core.planning import GROUP_BY_CHOICES, MINI_BATCH_BALANCE_CHOICES
+
+__all__ = [
+    "GROUP_BY_CHOICES",
+    "MINI_BATCH_BALANCE_CHOICES",
+    "SUPPORTED_POLICY_LOSS_MODES",
+    "TEMPORAL_ADV_ESTIMATORS",
+    "TrajConfig",
+    "TrajConfigError",
+    "validate_against_verl",
+]
+
 # Advantage estimators that are per-token / temporal: they cannot be computed per trajectory and
 # broadcast to step rows (no cross-step credit on step-wise rows).
 TEMPORAL_ADV_ESTIMATORS = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+# verl 0.9.1 policy loss fns that multiply the per-token loss by ``rollout_is_weights`` and then call
+# ``agg_loss(pg_losses, response_mask, loss_agg_mode, **config.global_batch_info)``: exact with per-row
+# weights. Not supported: "sapo" (hard-codes seq-mean-token-mean), "geo_mean" (sequence-level geometric
+# mean, uses rollout_is_weights in log space), "bypass_mode" (recomputes its own IS weights).
+SUPPORTED_POLICY_LOSS_MODES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "gpg", "clip_cov", "kl_cov", "dro", "cispo")
 
 
 class TrajConfigError(ValueError):
@@ -37,29 +49,37 @@ class TrajConfig:
 
     Attributes:
         enable: master switch. ``False`` = stock verl mini-batching, balancing and loss aggregation.
-        group_by: the unit that is never split across mini-batches: ``"trajectory"`` (all step rows
-            of one trajectory) or ``"group"`` (every trajectory sharing one GRPO ``uid``).
+        group_by: the unit never split across mini-batches: ``"trajectory"`` (all step rows of one
+            trajectory) or ``"group"`` (every trajectory sharing one GRPO ``uid``).
+        mini_batch_balance: ``"tokens"``: mini-batches of equal token mass (prompts per optimizer step
+            may vary); ``"units"``: every mini-batch gets the same number of units (+-1), i.e. a fixed
+            prompt count per optimizer step, tokens balanced among those.
         balance_dp: balance each mini-batch's rows over DP ranks by workload (equal row counts).
-        workload: per-row cost model for DP balancing: ``"verl"`` (verl's attention-aware
-            ``calculate_workload``) or ``"tokens"`` (plain token count).
-        micro_batch_max_tokens: hard cap on tokens (prompt+response) in one micro-batch on one rank;
-            ``None`` keeps verl's own micro-batching settings.
+        workload: per-row cost model for DP balancing: ``"verl"`` (verl's ``calculate_workload``) or
+            ``"tokens"``.
+        micro_batch_max_tokens: tokens per GPU in one micro-batch of the actor / critic update (verl's
+            ``ppo_max_token_len_per_gpu`` meaning: the per-SP-group cap is this times the Ulysses size);
+            ``None`` derives it from verl's own settings. The plan's micro-batches are what runs.
+        infer_micro_batch_max_tokens: the same for the log-prob / reference / value passes; ``None``
+            keeps verl's own log-prob caps.
         loss_agg_mode: loss aggregation for policy, entropy and KL losses; ``None`` uses
             ``actor_rollout_ref.actor.loss_agg_mode``. Adds ``"traj-mean"``.
         critic_loss_agg_mode: the same for the value loss; ``None`` uses ``critic.loss_agg_mode``.
-        traj_id_key / step_index_key: ``non_tensor_batch`` fields carrying each row's trajectory
-            id and step index (step-wise multi-turn rows). Absent fields = one row per trajectory.
+        traj_id_key / step_index_key: ``non_tensor_batch`` fields carrying each row's trajectory id and
+            step index (step-wise rows). Absent fields = one row per trajectory.
         step_wise: rollouts arrive as one row per LLM call (turn) from the step-wise agent loop.
-        merge_prefix: with ``step_wise``, merge consecutive turns whose context is a token prefix
-            of the next turn's context into one row.
-        seed: planner seed (mini-batch assignment tie-breaks and per-epoch shuffles).
+        merge_prefix: with ``step_wise``, merge consecutive turns whose context is a token prefix of the
+            next turn's context into one row.
+        seed: planner seed (mini-batch assignment tie-breaks); the per-step seed is ``seed + step``.
     """
 
     enable: bool = True
     group_by: str = "group"
+    mini_batch_balance: str = "tokens"
     balance_dp: bool = True
     workload: str = "verl"
     micro_batch_max_tokens: Optional[int] = None
+    infer_micro_batch_max_tokens: Optional[int] = None
     loss_agg_mode: Optional[str] = None
     critic_loss_agg_mode: Optional[str] = None
     traj_id_key: str = "traj_id"
@@ -70,18 +90,18 @@ class TrajConfig:
 
     def __post_init__(self) -> None:
         _check_choice("traj.group_by", self.group_by, GROUP_BY_CHOICES)
-        _check_choice("traj.workload", self.workload, WORKLOAD_CHOICES)
+        _check_choice("traj.mini_batch_balance", self.mini_batch_balance, MINI_BATCH_BALANCE_CHOICES)
+        _check_choice("traj.workload", self.workload, WORKLOAD_MODELS)
         for name in ("loss_agg_mode", "critic_loss_agg_mode"):
-            value = getattr(self, name)
-            if value is not None:
-                _check_choice(f"traj.{name}", value, LOSS_AGG_MODES)
-        cap = self.micro_batch_max_tokens
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
-            raise TrajConfigError(
-                f"traj.micro_batch_max_tokens={cap!r} is invalid: set a positive integer number of tokens "
-                "per micro-batch per rank (at least the longest prompt+response), or null to keep verl's "
-                "micro-batching."
-            )
+            if getattr(self, name) is not None:
+                _check_choice(f"traj.{name}", getattr(self, name), loss_weight_modes())
+        for name in ("micro_batch_max_tokens", "infer_micro_batch_max_tokens"):
+            cap = getattr(self, name)
+            if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
+                raise TrajConfigError(
+                    f"traj.{name}={cap!r} is invalid: set a positive integer number of tokens per micro-batch "
+                    "per GPU (at least the longest prompt+response), or null to derive it from verl's settings."
+                )
         for name in ("traj_id_key", "step_index_key"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise TrajConfigError(f"traj.{name}={getattr(self, name)!r} must be a non-empty field name.")
@@ -112,15 +132,29 @@ def _check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
         raise TrajConfigError(f"{field}={value!r} is not one of {list(choices)}; set {field} to one of them.")
 
 
+def _get(node: Any, path: str, default: Any = None) -> Any:
+    """``a.b.c`` from nested mappings / objects; ``default`` where a level is missing or None."""
+    for key in path.split("."):
+        if node is None:
+            return default
+        node = node.get(key, None) if hasattr(node, "get") else getattr(node, key, None)
+    return default if node is None else node
+
+
 def validate_against_verl(traj: TrajConfig, config: Any) -> None:
     """Cross-check ``traj:`` against verl's own sections (an OmegaConf/dict-like ``config``).
 
-    Raises ``TrajConfigError`` naming the field, the value and the fix.
-    """
+    Raises ``TrajConfigError`` naming the field, the value and the fix."""
     if not traj.enable:
         return
-    algorithm = _get(config, "algorithm", {}) or {}
-    adv = str(_get(algorithm, "adv_estimator", "grpo"))
+    _check_estimator(traj, config)
+    _check_policy_loss(config)
+    _check_mini_batches(config)
+    _check_token_caps(traj, config)
+
+
+def _check_estimator(traj: TrajConfig, config: Any) -> None:
+    adv = str(_get(config, "algorithm.adv_estimator", "grpo"))
     if traj.step_wise and adv in TEMPORAL_ADV_ESTIMATORS:
         raise TrajConfigError(
             f"algorithm.adv_estimator={adv!r} cannot be used with traj.step_wise=true: it is a per-token, "
@@ -129,30 +163,82 @@ def validate_against_verl(traj: TrajConfig, config: Any) -> None:
             "(algorithm.adv_estimator=grpo, rloo, opo, grpo_passk, ...) or set traj.step_wise=false "
             "to train each trajectory as one concatenated row."
         )
-    trainer = _get(config, "trainer", {}) or {}
-    if bool(_get(trainer, "use_v1", False)):
+
+
+def _check_policy_loss(config: Any) -> None:
+    mode = _get(config, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla")
+    if mode not in SUPPORTED_POLICY_LOSS_MODES:
         raise TrajConfigError(
-            "trainer.use_v1=true is not supported by verl_traj: its trainer subclasses verl's "
-            "RayPPOTrainer (the v0 trainer). Set trainer.use_v1=false (the verl_traj configs do)."
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r} is not supported with traj.enable=true: "
+            "verl_traj folds the mini-batch-global loss normalisation into the per-token loss, which needs a "
+            f"policy loss fn that multiplies its token losses by rollout_is_weights. Use one of "
+            f"{list(SUPPORTED_POLICY_LOSS_MODES)}, or set traj.enable=false."
         )
+    if bool(_get(config, "actor_rollout_ref.actor.use_prefix_grouper", False)):
+        raise TrajConfigError(
+            "actor_rollout_ref.actor.use_prefix_grouper=true is not supported with traj.enable=true (it needs "
+            "verl's group-contiguous balancing). Set one of them to false."
+        )
+
+
+def parameter_sync_step(config: Any) -> int:
+    """Local updates per weight sync: 1 on v0; ``trainer.v1.<trainer_mode>.parameter_sync_step`` on v1."""
+    if not bool(_get(config, "trainer.use_v1", False)):
+        return 1
+    mode = _get(config, "trainer.v1.trainer_mode", "sync")
+    return int(_get(config, f"trainer.v1.{mode}.parameter_sync_step", 1) or 1)
+
+
+def _update_batch_size(config: Any) -> int:
+    """Prompts per planned update: ``train_batch_size``, divided by v1's ``parameter_sync_step``."""
+    train_bs = int(_get(config, "data.train_batch_size", 0) or 0)
+    sync = parameter_sync_step(config)
+    if train_bs and train_bs % sync:
+        mode = _get(config, "trainer.v1.trainer_mode", "sync")
+        raise TrajConfigError(
+            f"data.train_batch_size={train_bs} is not a multiple of trainer.v1.{mode}.parameter_sync_step={sync}: "
+            "each local update samples train_batch_size / parameter_sync_step prompts. Make it a multiple."
+        )
+    return train_bs // sync
+
+
+def _check_mini_batches(config: Any) -> None:
+    """Whole optimizer steps: the prompts of an update (``train_batch_size``; on v1 divided by
+    ``parameter_sync_step``) a multiple of the actor's (and critic's) mini-batch, and the critic's mini-batches
+    unions of the actor's (so both step on whole planned units)."""
+    train_bs = _update_batch_size(config)
+    label = "data.train_batch_size" + ("" if parameter_sync_step(config) == 1 else " / parameter_sync_step")
+    mini = int(_get(config, "actor_rollout_ref.actor.ppo_mini_batch_size", 0) or 0)
+    if train_bs and (mini <= 0 or train_bs % mini):
+        raise TrajConfigError(
+            f"{label}={train_bs} is not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size="
+            f"{mini}: the number of mini-batches (optimizer steps per training step) must be whole. "
+            "Make train_batch_size a multiple of ppo_mini_batch_size."
+        )
+    if not bool(_get(config, "critic.enable", False)) or not train_bs:
+        return
+    critic_mini = int(_get(config, "critic.ppo_mini_batch_size", mini) or mini)
+    m_actor, ok = train_bs // mini, critic_mini > 0 and train_bs % critic_mini == 0
+    if not ok or m_actor % (train_bs // critic_mini):
+        raise TrajConfigError(
+            f"critic.ppo_mini_batch_size={critic_mini} does not fit the actor's plan: with {label}="
+            f"{train_bs} and actor_rollout_ref.actor.ppo_mini_batch_size={mini} the actor steps {m_actor} "
+            "mini-batches of whole units, and each critic mini-batch must be a union of whole actor mini-batches. "
+            f"Set critic.ppo_mini_batch_size to a multiple of {mini} that divides {train_bs} (e.g. {mini})."
+        )
+
+
+def _check_token_caps(traj: TrajConfig, config: Any) -> None:
+    """An explicit training cap must hold a full-length row (per SP group: cap x Ulysses size)."""
     cap = traj.micro_batch_max_tokens
-    if cap is not None:
-        data = _get(config, "data", {}) or {}
-        max_len = int(_get(data, "max_prompt_length", 0) or 0) + int(_get(data, "max_response_length", 0) or 0)
-        if traj.merge_prefix and traj.step_wise:
-            pass  # merged rows can exceed prompt+response budgets; checked per batch by the planner
-        elif max_len and cap < max_len:
-            raise TrajConfigError(
-                f"traj.micro_batch_max_tokens={cap} is below data.max_prompt_length + data.max_response_length"
-                f" = {max_len}: a full-length row could not fit in any micro-batch. Raise "
-                f"traj.micro_batch_max_tokens to at least {max_len}."
-            )
-
-
-def _get(node: Any, key: str, default: Any = None) -> Any:
-    if node is None:
-        return default
-    if hasattr(node, "get"):
-        value = node.get(key, default)
-        return default if value is None and default is not None else value
-    return getattr(node, key, default)
+    if cap is None or (traj.step_wise and traj.merge_prefix):
+        return  # derived caps are raised to the longest row; merged rows are checked per batch by the planner
+    max_len = int(_get(config, "data.max_prompt_length", 0) or 0) + int(_get(config, "data.max_response_length", 0) or 0)
+    sp = int(_get(config, "actor_rollout_ref.actor.ulysses_sequence_parallel_size", 1) or 1)
+    if max_len and cap * sp < max_len:
+        need = -(-max_len // sp)
+        raise TrajConfigError(
+            f"traj.micro_batch_max_tokens={cap} (x ulysses_sequence_parallel_size={sp} = {cap * sp} tokens per "
+            f"sequence-parallel group) is below data.max_prompt_length + data.max_response_length = {max_len}: "
+            f"a full-length row could not fit in any micro-batch. Raise traj.micro_batch_max_tokens to at least {need}."
+        )

@@ -1,14 +1,13 @@
 """``python -m verl_traj.main_ppo``: verl's PPO/GRPO entry with verl_traj's trainer and workers.
 
-Hydra config: ``configs/traj_ppo.yaml`` (verl's ``ppo_trainer`` plus our ``traj:`` section);
-presets such as ``configs/cpu_tiny.yaml`` select with ``--config-name``. Every verl override works
+Hydra config: ``verl_traj/configs/traj_ppo.yaml`` (verl's ``ppo_trainer`` plus our ``traj:`` section);
+presets such as ``cpu_tiny`` select with ``--config-name`` (the configs ship with the package). Every verl override works
 as with ``python -m verl.trainer.main_ppo``.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import hydra
@@ -19,12 +18,19 @@ from verl.trainer.main_ppo_v0 import BaseTaskRunner
 
 from verl_traj.config import TrajConfig, validate_against_verl
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CONFIG_DIR = os.environ.get("VERL_TRAJ_CONFIG_DIR", str(REPO_ROOT / "configs"))
+CONFIG_DIR = os.environ.get("VERL_TRAJ_CONFIG_DIR", str(Path(__file__).resolve().parent / "configs"))
+
+
+def _verl_task_runner_run():
+    """verl's v0 ``TaskRunner.run`` (the function of the class ``ray.remote`` wrapped)."""
+    from verl.trainer import main_ppo_v0
+
+    return main_ppo_v0.TaskRunner.__ray_actor_class__.run
 
 
 class TrajTaskRunnerImpl(BaseTaskRunner):
-    """verl's v0 task runner with verl_traj's trainer and worker classes swapped in."""
+    """verl's v0 task runner with verl_traj's worker classes, and ``TrajRayPPOTrainer`` where verl's runner
+    builds ``RayPPOTrainer`` (:func:`verl_traj.integration.patches.task_runner_patches`)."""
 
     def add_actor_rollout_worker(self, config):
         from verl_traj.integration.workers import TrajActorRolloutRefWorker
@@ -44,56 +50,33 @@ class TrajTaskRunnerImpl(BaseTaskRunner):
         self.role_worker_mapping[Role.Critic] = ray.remote(TrajCriticWorker)
 
     def run(self, config):
-        from pprint import pprint
+        from verl_traj.integration.patches import patched, task_runner_patches
 
-        from verl.trainer.ppo.utils import create_rl_dataset, create_rl_sampler, need_critic, need_reference_policy
-        from verl.utils.config import omega_conf_to_dataclass, validate_config
-        from verl.utils.dataset.rl_dataset import collate_fn
-        from verl.workers.config import HFModelConfig
-
-        from verl_traj.integration.trainer import TrajRayPPOTrainer
-
-        print(f"verl_traj TaskRunner hostname: {socket.gethostname()}, PID: {os.getpid()}")
-        pprint(OmegaConf.to_container(config, resolve=True))
-        OmegaConf.resolve(config)
-
-        actor_rollout_cls, ray_worker_group_cls = self.add_actor_rollout_worker(config)
-        self.add_critic_worker(config)
-        self.add_reward_model_resource_pool(config)
-        self.add_teacher_model_resource_pool(config)
-        self.add_ref_policy_worker(config, actor_rollout_cls)
-        validate_config(
-            config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config)
-        )
-
-        model_config: HFModelConfig = omega_conf_to_dataclass(config.actor_rollout_ref.model)
-        resource_pool_manager = self.init_resource_pool_mgr(config)
-        data_cfg = config.data
-        train_dataset = create_rl_dataset(
-            data_cfg.train_files, data_cfg, model_config.tokenizer, model_config.processor,
-            is_train=True, max_samples=data_cfg.get("train_max_samples", -1),
-        )
-        val_dataset = create_rl_dataset(
-            data_cfg.val_files, data_cfg, model_config.tokenizer, model_config.processor,
-            is_train=False, max_samples=data_cfg.get("val_max_samples", -1),
-        )
-        trainer = TrajRayPPOTrainer(
-            config=config,
-            tokenizer=model_config.tokenizer,
-            processor=model_config.processor,
-            role_worker_mapping=self.role_worker_mapping,
-            resource_pool_manager=resource_pool_manager,
-            ray_worker_group_cls=ray_worker_group_cls,
-            train_dataset=train_dataset,
-            val_dataset=val_dataset,
-            collate_fn=collate_fn,
-            train_sampler=create_rl_sampler(data_cfg, train_dataset),
-        )
-        trainer.init_workers()
-        trainer.fit()
+        with patched(task_runner_patches()):
+            return _verl_task_runner_run()(self, config)
 
 
 TrajTaskRunner = ray.remote(num_cpus=1)(TrajTaskRunnerImpl)
+
+
+def _verl_v1_task_runner() -> type:
+    from verl.trainer.main_ppo import TaskRunnerV1
+
+    return TaskRunnerV1.__ray_actor_class__
+
+
+class TrajTaskRunnerV1Impl(_verl_v1_task_runner()):
+    """verl's v1 task runner; the trainer class of ``trainer.v1.trainer_mode`` gets verl_traj's mixin
+    (:func:`verl_traj.integration.patches.v1_task_runner_patches`), which also picks the workers."""
+
+    def run(self, config):
+        from verl_traj.integration.patches import patched, v1_task_runner_patches
+
+        with patched(v1_task_runner_patches()):
+            return super().run(config)
+
+
+TrajTaskRunnerV1 = ray.remote(num_cpus=1)(TrajTaskRunnerV1Impl)
 
 
 def run(config) -> None:
@@ -103,11 +86,15 @@ def run(config) -> None:
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
 
+    from verl_traj.integration.verl_config import check_models
+
     traj = TrajConfig.from_mapping(config.get("traj"))
     validate_against_verl(traj, config)
+    if traj.enable:
+        check_models(config)
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
-    run_ppo(config, task_runner_class=TrajTaskRunner)
+    run_ppo(config, task_runner_class=TrajTaskRunnerV1 if config.trainer.get("use_v1", False) else TrajTaskRunner)
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="traj_ppo", version_base=None)

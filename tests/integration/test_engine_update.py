@@ -1,73 +1,67 @@
 """verl's real FSDP2 engine worker on CPU (gloo): a planned update through ``TrajTrainingWorker`` +
-``traj_ppo_loss`` runs exactly one optimizer step per mini-batch, and the per-mini-batch gradient
-norms at dp=2 (padding rows, a small token cap -> several micro-batches) equal those at dp=1 with
-one micro-batch per mini-batch. Without ``mini_batch_id`` the worker is verl's."""
+``traj_ppo_loss`` runs exactly one optimizer step per mini-batch and exactly the plan's micro-batches,
+and the per-mini-batch gradient norms at dp=2 (padding rows, a small token cap -> several micro-batches)
+equal those at dp=1 with one micro-batch per mini-batch. Without ``mini_batch_id`` the worker is verl's."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import socket
-import sys
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
 
-REPO = Path(__file__).resolve().parents[2]
+from verl_traj.testing.engine import free_port
 
 pytestmark = pytest.mark.dist
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_update", REPO / "scripts" / "bench_update.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_update"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+GROUPS, N, MINI_BATCHES, P, R = 6, 3, 2, 32, 96
 
 
-ARGS = dict(groups=6, n=3, mini_batches=2, prompt_len=32, response_len=96, seed=3, threads=1)
+def _config(cap: int, mini_batches: int, extra=()):
+    from verl_traj.testing.engine import cpu_config
+
+    return cpu_config([
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={GROUPS // mini_batches}", f"actor_rollout_ref.rollout.n={N}",
+        f"data.train_batch_size={GROUPS}", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={cap}", *extra,
+    ])
 
 
-def _proc(rank, world, port, home, cap, out_path, planned, mini_batches=ARGS["mini_batches"]):
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "VERL_TRAJ_HOME": home})
-    import torch
+def _batch(vocab: int):
+    from verl_traj.testing import as_dataproto, rl_batch
+
+    return as_dataproto(*rl_batch(GROUPS, N, prompt_len=P, response_len=R, seed=3, long_tail=True, obs_spans=2,
+                                  vocab=vocab))
+
+
+def _proc(rank, world, port, home, cap, out_path, planned, mini_batches):
+    from verl_traj.testing.engine import actor_worker, init_rank, plan_for_update, rank_tensordict
+
+    init_rank(rank, world, port, home)
     import torch.distributed as dist
+    from verl.utils import tensordict_utils as tu
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     try:
-        b = _bench()
-        args = Namespace(**{**ARGS, "mini_batches": mini_batches}, cap=cap, home=home)
-        cfg = b._load_config(args)
-        variant = "traj" if planned else "stock"
-        worker = b._build_worker(cfg, variant)
-        vocab = int(worker.model_config.hf_config.vocab_size)
-        batch, _blocks, n_pad = b._prepared_batch(args, variant, vocab, world)
-        td = b._to_rank_td(batch, args, rank, world)
-        out = worker.train_mini_batch(td)
+        cfg = _config(cap, mini_batches)
+        worker = actor_worker(cfg, planned)
+        batch = _batch(int(worker.model_config.hf_config.vocab_size))
+        plan = plan_for_update(batch, cfg, world) if planned else None
+        out = worker.train_mini_batch(rank_tensordict(batch, rank, world, GROUPS // mini_batches * N))
         if rank == 0:
-            from verl.utils import tensordict_utils as tu
-
             metrics = tu.get(out, "metrics")
-            grad_norm = metrics["grad_norm"]
-            res = {"grad_norm": [float(x) for x in grad_norm], "padding_rows": n_pad,
+            res = {"grad_norm": [float(x) for x in metrics["grad_norm"]],
                    "pg_loss": [float(x) for x in metrics["actor/pg_loss"]],
-                   "num_optimizer_steps": metrics.get("num_optimizer_steps"), "rows": len(batch)}
+                   "num_optimizer_steps": metrics.get("num_optimizer_steps"),
+                   "micro_batches_run": metrics.get("micro_batches_per_epoch"),
+                   "lr": [float(x) for x in metrics.get("lr", [])],
+                   "padding_rows": int(plan.stats.padding_rows.sum()) if plan else 0,
+                   "planned_micro_batches": int(plan.stats.micro_batches.sum()) if plan else None}
             with open(out_path, "w") as f:
                 json.dump(res, f)
     finally:
         dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +74,9 @@ def tiny_home(tmp_path_factory):
     return str(build(str(tmp_path_factory.mktemp("tiny"))))
 
 
-def _run(home, world, cap, planned, tmp_path, mini_batches=ARGS["mini_batches"]):
+def _run(home, world, cap, planned, tmp_path, mini_batches=MINI_BATCHES):
     out = str(tmp_path / f"w{world}_{cap}_{planned}_{mini_batches}.json")
-    mp.spawn(_proc, args=(world, _free_port(), home, cap, out, planned, mini_batches), nprocs=world, join=True)
+    mp.spawn(_proc, args=(world, free_port(), home, cap, out, planned, mini_batches), nprocs=world, join=True)
     with open(out) as f:
         return json.load(f)
 
@@ -93,6 +87,10 @@ def test_real_engine_update_dp2_capped_equals_dp1(tiny_home, tmp_path):
     # 6 groups x 3 rows, 2 mini-batches of 3 groups = 9 rows each -> 1 padding row each at dp=2
     assert got["padding_rows"] == 2 and ref["padding_rows"] == 0
     assert ref["num_optimizer_steps"] == [2] and got["num_optimizer_steps"] == [2]
+    # the workers ran exactly the planned micro-batches (several per mini-batch under the small cap)
+    assert got["micro_batches_run"] == [float(got["planned_micro_batches"])] and got["planned_micro_batches"] > 2
+    assert ref["micro_batches_run"] == [float(ref["planned_micro_batches"])]
+    assert len(ref["lr"]) == len(got["lr"]) == 1  # the LR schedule stepped once per update
     assert len(ref["grad_norm"]) == len(got["grad_norm"]) == 2
     for a, b in zip(ref["grad_norm"], got["grad_norm"]):
         assert b == pytest.approx(a, rel=1e-4), (ref, got)
@@ -112,82 +110,41 @@ def test_real_engine_traj_update_equals_stock_on_the_same_rows(tiny_home, tmp_pa
     assert traj["padding_rows"] == 0 and len(traj["grad_norm"]) == len(stock["grad_norm"]) == 1
     assert traj["grad_norm"][0] == pytest.approx(stock["grad_norm"][0], rel=1e-4), (traj, stock)
     assert sum(traj["pg_loss"]) == pytest.approx(sum(stock["pg_loss"]), rel=1e-4, abs=1e-6), (traj, stock)
+    assert traj["lr"] == stock["lr"]
 
 
 # ---- critic: TrajCriticWorker + traj_value_loss on verl's value-model engine ----------------------
 
 
-def _sdpa_valuehead(local_path, torch_dtype, model_config, trust_remote_code):
-    """verl hard-codes flash_attention_2 for value models (CUDA-only); same load with sdpa."""
-    from transformers import AutoModelForTokenClassification
+def _critic_proc(rank, world, port, home, critic_path, cap, out_path, repeats=1):
+    from verl_traj.testing.engine import critic_worker, init_rank, plan_for_update, rank_tensordict
 
-    return AutoModelForTokenClassification.from_pretrained(
-        pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype, config=model_config,
-        attn_implementation="sdpa", trust_remote_code=trust_remote_code,
-    )
-
-
-def _critic_proc(rank, world, port, home, critic_path, cap, out_path):
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "VERL_TRAJ_HOME": home})
+    init_rank(rank, world, port, home)
     import torch
     import torch.distributed as dist
+    from verl.utils import tensordict_utils as tu
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     try:
-        from functools import partial
-
-        import verl.utils.model as vum
-        from hydra import compose, initialize_config_dir
-        from omegaconf import OmegaConf
-        from verl.utils import tensordict_utils as tu
-        from verl.utils.config import omega_conf_to_dataclass
-        from verl.workers.config import TrainingWorkerConfig
-
-        from verl_traj.config import TrajConfig
-        from verl_traj.core import compute_loss_weights
-        from verl_traj.integration.trainer import plan_batch_in_place
-        from verl_traj.integration.losses import traj_value_loss
-        from verl_traj.integration.workers import TrajCriticWorker
-
-        vum.load_valuehead_model = _sdpa_valuehead
-        b = _bench()
-        args = Namespace(**ARGS, cap=cap, home=home)
-        overrides = [
-            "critic.enable=true", "critic.strategy=fsdp2", f"critic.model.path={critic_path}",
-            "critic.model.use_remove_padding=false", "critic.model.enable_gradient_checkpointing=false",
-            "critic.fsdp.strategy=fsdp2", "critic.fsdp.dtype=float32", "critic.fsdp.use_torch_compile=false",
-            "critic.optim.lr=1e-5", "critic.use_dynamic_bsz=true", f"critic.ppo_max_token_len_per_gpu={cap}",
-        ]
-        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
-            cfg = compose(config_name="cpu_tiny", overrides=overrides)
-        OmegaConf.resolve(cfg)
-        ccfg = omega_conf_to_dataclass(cfg.critic)
-        twc = TrainingWorkerConfig(model_type="value_model", model_config=ccfg.model, engine_config=ccfg.engine,
-                                   optimizer_config=ccfg.optim, checkpoint_config=ccfg.checkpoint)
-        twc.engine_config.use_dynamic_bsz = True
-        twc.engine_config.max_token_len_per_gpu = cap
-        twc.engine_config.infer_max_token_len_per_gpu = cap
-        worker = TrajCriticWorker(config=twc)
-        worker.reset()
-        worker.set_loss_fn(partial(traj_value_loss, config=ccfg))
-
-        batch = b.make_batch(args, 100)
+        cfg = _config(cap, MINI_BATCHES, [
+            "critic.enable=true", f"critic.model.path={critic_path}", "critic.optim.lr=1e-5",
+            "critic.use_dynamic_bsz=true", f"critic.ppo_max_token_len_per_gpu={cap}",
+        ])
+        worker = critic_worker(cfg)
+        batch = _batch(100)
         g = torch.Generator().manual_seed(11)
-        B, R = batch.batch["response_mask"].shape
-        batch.batch["values"] = torch.randn(B, R, generator=g) * 0.1
-        batch.batch["returns"] = torch.randn(B, R, generator=g)
-        plan = plan_batch_in_place(batch, TrajConfig(group_by="group"), args.mini_batches, world)
-        batch.batch["loss_weight"] = compute_loss_weights(
-            "seq-mean-token-mean", batch.batch["response_mask"], batch.batch["mini_batch_id"],
-            torch.arange(len(batch)), batch.batch["is_padding"])
-        td = b._to_rank_td(batch, args, rank, world)
-        out = worker.train_mini_batch(td)
+        B, R_ = batch.batch["response_mask"].shape
+        batch.batch["values"] = torch.randn(B, R_, generator=g) * 0.1
+        batch.batch["returns"] = torch.randn(B, R_, generator=g)
+        plan = plan_for_update(batch, cfg, world, mode="seq-mean-token-mean")
+        losses = []
+        for _ in range(repeats):  # the same batch again: the value loss must fall
+            out = worker.train_mini_batch(rank_tensordict(batch, rank, world, GROUPS // MINI_BATCHES * N))
+            if rank == 0:
+                metrics = tu.get(out, "metrics")
+                losses.append(sum(float(x) for x in metrics["critic/vf_loss"]))
         if rank == 0:
-            metrics = tu.get(out, "metrics")
             with open(out_path, "w") as f:
-                json.dump({"grad_norm": [float(x) for x in metrics["grad_norm"]],
+                json.dump({"grad_norm": [float(x) for x in metrics["grad_norm"]], "vf_loss": losses,
                            "num_optimizer_steps": metrics["num_optimizer_steps"],
                            "padding_rows": int(plan.stats.padding_rows.sum())}, f)
     finally:
@@ -215,7 +172,7 @@ def test_real_engine_critic_dp2_capped_equals_dp1(tiny_home, critic_path, tmp_pa
     res = {}
     for world, cap in ((1, 4096), (2, 140)):
         out = str(tmp_path / f"critic_{world}.json")
-        mp.spawn(_critic_proc, args=(world, _free_port(), tiny_home, critic_path, cap, out), nprocs=world, join=True)
+        mp.spawn(_critic_proc, args=(world, free_port(), tiny_home, critic_path, cap, out), nprocs=world, join=True)
         with open(out) as f:
             res[world] = json.load(f)
     assert res[2]["padding_rows"] == 2
@@ -226,3 +183,12 @@ def test_real_engine_critic_dp2_capped_equals_dp1(tiny_home, critic_path, tmp_pa
     (a0, a1), (b0, b1) = res[1]["grad_norm"], res[2]["grad_norm"]
     assert b0 == pytest.approx(a0, rel=1e-4), res
     assert b1 == pytest.approx(a1, rel=1e-3), res
+
+
+def test_real_engine_critic_value_loss_falls_on_a_fixed_batch(tiny_home, critic_path, tmp_path):
+    out = str(tmp_path / "critic_fixed.json")
+    mp.spawn(_critic_proc, args=(2, free_port(), tiny_home, critic_path, 140, out, 6), nprocs=2, join=True)
+    with open(out) as f:
+        losses = json.load(f)["vf_loss"]
+    # (lr 1e-5, verl's critic default: a steady fall, every pass lower than the one before)
+    assert len(losses) == 6 and all(b < a for a, b in zip(losses, losses[1:])), losses

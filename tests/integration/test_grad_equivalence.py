@@ -1,6 +1,8 @@
-"""The gradient of one mini-batch does not depend on the DP layout, the micro-batch token cap or
-padding rows: dp=2 (gloo, 2 spawned processes) x several caps x with/without padding rows equals the
-dp=1 single-micro-batch gradient, for policy+entropy+KL loss and for value loss, in every loss mode.
+"""The gradient of one mini-batch does not depend on the DP layout, the micro-batch token cap, who cuts
+the micro-batches (verl's ``prepare_micro_batches`` or the planner's packing, token or padded cost, run
+through the worker's micro-batch hook) or padding rows: dp=2 (gloo, 2 spawned processes) x several caps x
+with/without padding rows equals the dp=1 single-micro-batch gradient, for policy+entropy+KL loss and for
+value loss, in every loss mode.
 
 Runs verl_traj's real loss functions (``traj_ppo_loss`` / ``traj_value_loss``: verl's policy loss fn,
 ``agg_loss``, ``kl_penalty``, ``compute_value_loss``) inside an emulation of verl's FSDP engine step
@@ -11,17 +13,16 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import tempfile
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tests.integration import grad_harness as H
+from verl_traj.core import loss_weight_modes
 
-import _grad_harness as H  # noqa: E402  (tests/integration is on sys.path: pytest rootdir-less import)
-from verl_traj.core.loss_weights import LOSS_WEIGHT_MODES
+LOSS_WEIGHT_MODES = loss_weight_modes()
 
 N_REAL = 8
 CAPS = (14, 25, 60)  # tokens per micro-batch per rank (14 = the longest row: ~one row per micro-batch)
@@ -29,12 +30,16 @@ KINDS = ("policy", "value")
 SCALE = 5.0  # loss_scale_factor for seq-mean-token-sum-norm
 
 
+PLANNED = ("", "tokens", "padded")  # verl's cut, the planner's token-sum packing, its padded-area packing
+
+
 def _cases():
     for mode in LOSS_WEIGHT_MODES:
         for kind in KINDS:
             for padded in (False, True):
                 for cap in CAPS:
-                    yield mode, kind, padded, cap
+                    for planned in PLANNED:
+                        yield mode, kind, padded, cap, planned
 
 
 def _batch(padded: bool):
@@ -66,15 +71,15 @@ def _worker(rank: int, world: int, port: int, out_path: str):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         results = {}
-        for mode, kind, padded, cap in _cases():
+        for mode, kind, padded, cap, planned in _cases():
             rows = H.with_loss_weight(_batch(padded), mode, SCALE)
             local = _split_for_rank(rows, rank, world)
             model = H.TinyLM()
             n_micro = H.engine_step(
-                model, local, kind, _loss_fn(kind), _config(kind), max_token_len=cap, dp_size=world,
-                dp_group=dist.group.WORLD,
+                model, local, kind, _loss_fn(kind), _config(kind), max_token_len=cap * (3 if planned == "padded" else 1),
+                dp_size=world, dp_group=dist.group.WORLD, planned=planned,
             )
-            results[(mode, kind, padded, cap)] = (H.flat_grad(model), n_micro)
+            results[(mode, kind, padded, cap, planned)] = (H.flat_grad(model), n_micro)
         if rank == 0:
             torch.save(results, out_path)
     finally:
@@ -114,10 +119,11 @@ def test_dp2_microbatched_padded_equals_dp1(dp2_results, mode, kind):
     seen_micro = set()
     for padded in (False, True):
         for cap in CAPS:
-            grad, n_micro = dp2_results[(mode, kind, padded, cap)]
-            seen_micro.add(n_micro)
-            rel = float((grad - ref).norm() / ref.norm())
-            assert rel < 1e-5, f"{mode=} {kind=} {padded=} {cap=} micro-batches={n_micro}: rel err {rel:.2e}"
+            for planned in PLANNED:
+                grad, n_micro = dp2_results[(mode, kind, padded, cap, planned)]
+                seen_micro.add(n_micro)
+                rel = float((grad - ref).norm() / ref.norm())
+                assert rel < 1e-5, f"{mode=} {kind=} {padded=} {cap=} {planned=} micro-batches={n_micro}: rel err {rel:.2e}"
     assert len(seen_micro) > 1  # the caps really cut the shard differently
 
 

@@ -1,10 +1,8 @@
-"""TrajRayPPOTrainer pieces that need no Ray: planning in place, GRPO with padding rows, fit-time
-real-row wrappers (and their restoration), config preparation, loss fallbacks, worker helpers."""
+"""TrajRayPPOTrainer pieces that need no Ray: planning in place, GRPO with padding rows, the fit-time
+patches (and their restoration), real-row views, config preparation, loss fallbacks, worker helpers."""
 
 from __future__ import annotations
 
-import os
-import sys
 from collections import defaultdict
 
 import numpy as np
@@ -12,63 +10,31 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from verl import DataProto
 from verl.trainer.ppo import ray_trainer as rt
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tests.integration import grad_harness as H
+from verl_traj.config import TrajConfig, TrajConfigError
+from verl_traj.integration import rows as R
+from verl_traj.integration import trainer as T
+from verl_traj.integration.patches import METRIC_FUNCTIONS, fit_patches, patched
+from verl_traj.integration.verl_config import PlanSettings, prepare_config
+from verl_traj.testing import as_dataproto, rl_batch
 
-from verl_traj.config import TrajConfig, TrajConfigError  # noqa: E402
-from verl_traj.integration import trainer as T  # noqa: E402
-
-P, R = 5, 6
-
-
-def make_batch(n_groups=5, n=3, seed=0, step_wise=False) -> DataProto:
-    g = torch.Generator().manual_seed(seed)
-    B = n_groups * n
-    attn = torch.zeros(B, P + R, dtype=torch.long)
-    resp_mask = torch.zeros(B, R, dtype=torch.long)
-    for i in range(B):
-        lp = int(torch.randint(1, P + 1, (1,), generator=g))
-        lr = int(torch.randint(1, R + 1, (1,), generator=g))
-        attn[i, P - lp: P + lr] = 1
-        resp_mask[i, :lr] = 1
-    input_ids = torch.randint(1, 50, (B, P + R), generator=g) * attn
-    scores = torch.zeros(B, R)
-    for i in range(B):
-        L = int(resp_mask[i].sum())
-        scores[i, L - 1] = float(torch.rand(1, generator=g) > 0.5)
-    tensors = {
-        "input_ids": input_ids,
-        "prompts": input_ids[:, :P],
-        "responses": input_ids[:, P:],
-        "attention_mask": attn,
-        "position_ids": torch.clamp(torch.cumsum(attn, -1) - 1, min=0),
-        "response_mask": resp_mask,
-        "token_level_rewards": scores,
-        "token_level_scores": scores.clone(),
-        "old_log_probs": -torch.rand(B, R, generator=g),
-        "ref_log_prob": -torch.rand(B, R, generator=g),
-    }
-    uid = np.array([f"u{i // n}" for i in range(B)], dtype=object)
-    nt = {"uid": uid, "multi_modal_inputs": np.array([{} for _ in range(B)], dtype=object)}
-    if step_wise:
-        # trajectories of 1-2 step rows: row i belongs to trajectory i // 2 within its group
-        nt["traj_id"] = np.array([f"{uid[i]}_t{(i % n) // 2}" for i in range(B)], dtype=object)
-        steps, seen = [], defaultdict(int)
-        for t in nt["traj_id"]:
-            steps.append(seen[t])
-            seen[t] += 1
-        nt["step_index"] = np.array(steps, dtype=np.int64)
-    return DataProto.from_dict(tensors=tensors, non_tensors=nt, meta_info={"global_token_num": attn.sum(-1).tolist()})
+P, R_ = 5, 6
 
 
-def fake_trainer(traj: dict | None = None, train_batch_size=4, mini=2, epochs=1):
+def make_batch(n_groups=5, n=3, seed=0, step_wise=False):
+    return as_dataproto(*rl_batch(n_groups, n, prompt_len=P, response_len=R_, seed=seed,
+                                  steps_per_traj=2 if step_wise else 0))
+
+
+def fake_trainer(traj: dict | None = None, train_batch_size=4, mini=2, epochs=1, cap=(P + R_) * 4):
     tr = T.TrajRayPPOTrainer.__new__(T.TrajRayPPOTrainer)
     tr.traj = TrajConfig.from_mapping(traj or {})
+    tr.plan_settings = PlanSettings(cap, "tokens", True)
     tr.config = OmegaConf.create(
         {
-            "data": {"train_batch_size": train_batch_size, "max_prompt_length": P, "max_response_length": R},
+            "data": {"train_batch_size": train_batch_size, "max_prompt_length": P, "max_response_length": R_},
             "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": mini, "ppo_epochs": epochs,
                                             "loss_agg_mode": "token-mean"}},
         }
@@ -90,7 +56,8 @@ def test_plan_and_apply_in_place(group_by, step_wise):
     assert batch is same
     assert len(batch) == plan.num_rows >= before_rows
     assert len(batch) % 2 == 0
-    assert "is_padding" in batch.batch.keys() and "is_padding" not in batch.non_tensor_batch
+    for key in ("is_padding", "mini_batch_id", "micro_batch_id", "traj_index"):
+        assert key in batch.batch.keys() and key not in batch.non_tensor_batch
     pad = batch.batch["is_padding"]
     mb = batch.batch["mini_batch_id"]
     assert int((~pad).sum()) == before_rows
@@ -112,6 +79,12 @@ def test_plan_and_apply_in_place(group_by, step_wise):
     pad_uids = batch.non_tensor_batch["uid"][pad.numpy()]
     assert len(set(pad_uids)) == len(pad_uids)
     assert all(int(x) == 2 for x in batch.batch["attention_mask"][pad].sum(-1))
+    # the dense trajectory index travels with the rows (-1 on padding), one id per trajectory
+    ti = batch.batch["traj_index"]
+    assert ti[pad].eq(-1).all() and ti[~pad].min() == 0
+    ids = batch.non_tensor_batch["traj_id"] if step_wise else np.arange(len(batch)).astype(str)
+    pairs = {(int(t), str(i)) for t, i, p in zip(ti.tolist(), ids, pad.tolist()) if not p}
+    assert len({t for t, _ in pairs}) == len(pairs) == len({i for _, i in pairs})
     # plan metrics logged
     assert metrics["traj_plan/num_mini_batches"] == 2
     assert metrics["traj_plan/split_trajectories"] == 0
@@ -135,7 +108,8 @@ def _padded_batch(seed=0):
 @pytest.mark.parametrize("norm", [True, False])
 def test_grpo_padding_rows_never_touch_group_statistics(norm):
     """verl's own compute_advantage on a planned batch: padding rows (unique uid, zero response_mask)
-    get zero advantages and real rows get exactly what they get without any padding row."""
+    get zero advantages and real rows get exactly what they get without any padding row; the real-rows
+    wrapper (any estimator) agrees."""
     from verl.trainer.ppo.core_algos import AdvantageEstimator
 
     batch = _padded_batch()
@@ -147,48 +121,85 @@ def test_grpo_padding_rows_never_touch_group_statistics(norm):
     out_real = rt.compute_advantage(real, **kw)
     assert torch.all(out_all.batch["advantages"][pad] == 0)
     torch.testing.assert_close(out_all.batch["advantages"][~pad], out_real.batch["advantages"])
-    # our fit-time wrapper (real rows only, any estimator) agrees
-    batch2 = _padded_batch()
-    out_wrapped = T._compute_advantage_real_rows(rt.compute_advantage.__wrapped__
-                                                 if hasattr(rt.compute_advantage, "__wrapped__")
-                                                 else rt.compute_advantage)(batch2, **kw)
+    out_wrapped = R.advantage_on_real_rows(rt.compute_advantage)(_padded_batch(), **kw)
     torch.testing.assert_close(out_wrapped.batch["advantages"], out_all.batch["advantages"])
 
 
-def test_fit_globals_swapped_only_inside_and_restored():
-    originals = {name: getattr(rt, name) for name in T.FIT_WRAPPERS}
-    with T.fit_globals_on_real_rows():
-        for name in T.FIT_WRAPPERS:
+ALL_ESTIMATORS = ("gae", "gpg", "grpo", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo",
+                  "rloo_vectorized", "optimal_token_baseline", "tir_optimal_token_baseline")
+
+
+@pytest.mark.parametrize("name", ALL_ESTIMATORS)
+def test_every_estimator_sees_real_rows_only(name):
+    """The wrapper's result on a padded batch equals the estimator on the real rows alone, for every verl
+    estimator; the whole-batch shortcut (no copy) is taken exactly for the padding-safe ones, and a
+    regression there (verl changing an estimator) fails here."""
+    def batch():
+        b = _padded_batch()
+        g = torch.Generator().manual_seed(5)
+        b.batch["reward_baselines"] = torch.rand(len(b), generator=g)
+        b.batch["sum_pi_squared"] = torch.rand(b.batch["old_log_probs"].shape, generator=g)
+        return b
+
+    kw = dict(adv_estimator=name, num_repeat=3, config=OmegaConf.create({"gamma": 1.0, "lam": 1.0}))
+    data = batch()
+    pad = data.batch["is_padding"]
+    expected = rt.compute_advantage(data.select_idxs(~pad), **kw).batch["advantages"]
+    got = R.advantage_on_real_rows(rt.compute_advantage)(batch(), **kw).batch["advantages"]
+    torch.testing.assert_close(got[~pad], expected, atol=1e-6, rtol=1e-5)
+    assert torch.all(got[pad] == 0)
+    whole = rt.compute_advantage(batch(), **kw).batch["advantages"]
+    safe = torch.allclose(whole[~pad], expected, atol=1e-6, rtol=1e-5) and bool(torch.isfinite(whole).all())
+    assert (name in R.PADDING_SAFE_ESTIMATORS) <= safe  # the shortcut list holds only really safe estimators
+
+
+def _patched_names():
+    return ("compute_advantage", "apply_kl_penalty", "extract_reward", "compute_spec_decode_metrics") + METRIC_FUNCTIONS
+
+
+@pytest.mark.parametrize("step_wise", [False, True])
+def test_fit_patches_only_inside_fit_and_restored(step_wise):
+    originals = {name: getattr(rt, name) for name in _patched_names()}
+    with patched(fit_patches(step_wise)):
+        for name in _patched_names():
             assert getattr(rt, name) is not originals[name]
-            assert getattr(rt, name).__wrapped__ is originals[name]
-    assert {name: getattr(rt, name) for name in T.FIT_WRAPPERS} == originals
+        inner = rt.compute_advantage.__wrapped__  # real rows wrap the step-wise adapter (or verl's)
+        assert (inner is not originals["compute_advantage"]) == step_wise
+        assert (getattr(inner, "__wrapped__", None) is originals["compute_advantage"]) == step_wise
+    assert {name: getattr(rt, name) for name in _patched_names()} == originals
     with pytest.raises(RuntimeError):
-        with T.fit_globals_on_real_rows():
+        with patched(fit_patches(step_wise)):
             raise RuntimeError("boom")
-    assert {name: getattr(rt, name) for name in T.FIT_WRAPPERS} == originals
+    assert {name: getattr(rt, name) for name in _patched_names()} == originals
+    assert not [a for a in vars(rt) if "verl_traj" in a]  # nothing left on verl's module
 
 
-def test_data_metrics_exclude_padding():
+def test_data_metrics_exclude_padding_and_share_one_copy():
     from verl.trainer.ppo.core_algos import AdvantageEstimator
 
     batch = _padded_batch()
     batch = rt.compute_advantage(batch, adv_estimator=AdvantageEstimator.GRPO, num_repeat=3,
                                  config=OmegaConf.create({}))
     pad = batch.batch["is_padding"]
-    with T.fit_globals_on_real_rows():
+    with patched(fit_patches(False)):
         m = rt.compute_data_metrics(batch=batch, use_critic=False)
         tp = rt.compute_throughout_metrics(batch=batch, timing_raw={"step": 1.0}, n_gpus=1)
-    ref = rt.compute_data_metrics.__wrapped__ if hasattr(rt.compute_data_metrics, "__wrapped__") else None
-    assert ref is None  # restored
     m_real = rt.compute_data_metrics(batch=batch.select_idxs(~pad), use_critic=False)
     m_all = rt.compute_data_metrics(batch=batch, use_critic=False)
     assert m["response_length/mean"] == pytest.approx(m_real["response_length/mean"])
     assert m["response_length/mean"] != pytest.approx(m_all["response_length/mean"])
     assert m["critic/score/mean"] == pytest.approx(m_real["critic/score/mean"])
-    real_tokens = int(batch.batch["attention_mask"][~pad].sum())
-    assert tp["perf/total_num_tokens"] == real_tokens
-    # the meta_info of the real batch was not modified
-    assert len(batch.meta_info["global_token_num"]) == len(batch)
+    assert tp["perf/total_num_tokens"] == int(batch.batch["attention_mask"][~pad].sum())
+    assert len(batch.meta_info["global_token_num"]) == len(batch)  # the full batch's meta_info untouched
+    seen = []
+    view = R.shared_view()
+    f1 = R.metrics_on_real_rows(lambda b: seen.append(b), view)
+    f2 = R.metrics_on_real_rows(lambda b: seen.append(b), view)
+    f1(batch), f2(batch)
+    assert seen[0] is seen[1] and len(seen[0]) == int((~pad).sum())  # one copy for both
+    batch.batch["extra"] = torch.zeros(len(batch))
+    f2(batch)
+    assert seen[2] is not seen[0]  # the batch changed: a fresh view
 
 
 def test_kl_in_reward_from_real_rows():
@@ -199,7 +210,7 @@ def test_kl_in_reward_from_real_rows():
     real = batch.select_idxs(~pad)
     real.meta_info = dict(real.meta_info)
     _, m_real = rt.apply_kl_penalty(real, FixedKLController(0.1), "kl")
-    out, m = T._apply_kl_penalty_real_rows(rt.apply_kl_penalty)(batch, FixedKLController(0.1), "kl")
+    out, m = R.kl_penalty_on_real_rows(rt.apply_kl_penalty)(batch, FixedKLController(0.1), "kl")
     assert m["actor/reward_kl_penalty"] == pytest.approx(m_real["actor/reward_kl_penalty"])
     assert torch.all(out.batch["token_level_rewards"][pad] == 0)
 
@@ -208,7 +219,9 @@ def test_loss_weights_through_trainer():
     batch = make_batch(step_wise=True)
     tr = fake_trainer({"group_by": "group"})
     tr.plan_and_apply(batch, dp_size=2)
-    w = tr.loss_weights(batch, "traj-mean")
+    with tr._planned_update(batch, "traj-mean", None):
+        w = batch.batch["loss_weight"]
+    assert "loss_weight" not in batch.batch.keys()  # attached for the update call only
     pad = batch.batch["is_padding"]
     assert torch.all(w[pad] == 0)
     tok = batch.batch["response_mask"].sum(-1).double()
@@ -240,37 +253,60 @@ def _verl_config(**over):
     return cfg
 
 
-def test_prepare_config_forces_planner_and_token_cap():
+def test_prepare_config_forces_planner_and_sets_only_training_caps():
     cfg = _verl_config()
     with pytest.warns(UserWarning, match="balance_batch"):
-        T.prepare_config(cfg, TrajConfig(micro_batch_max_tokens=100))
+        micro = prepare_config(cfg, TrajConfig(micro_batch_max_tokens=100))
     assert cfg.trainer.balance_batch is True
-    a, r, ref, c = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref, cfg.critic
+    assert micro == PlanSettings(100, "padded", derived=False)  # no use_remove_padding: padded area
+    a, r, ref = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref
     assert a.use_dynamic_bsz and a.ppo_max_token_len_per_gpu == 100
-    assert r.log_prob_use_dynamic_bsz and r.log_prob_max_token_len_per_gpu == 100
-    assert ref.log_prob_use_dynamic_bsz and ref.log_prob_max_token_len_per_gpu == 100
-    assert c.use_dynamic_bsz and c.ppo_max_token_len_per_gpu == 100 and c.forward_max_token_len_per_gpu == 100
+    # inference passes keep verl's own bound (fixed sizes -> dynamic with the same memory bound)
+    assert r.log_prob_use_dynamic_bsz and r.log_prob_max_token_len_per_gpu == 4 * 80
+    assert ref.log_prob_use_dynamic_bsz and ref.log_prob_max_token_len_per_gpu == 4 * 80
+
+
+def test_prepare_config_inference_cap_and_critic():
+    cfg = _verl_config(**{"critic.enable": True, "critic.ppo_max_token_len_per_gpu": 200,
+                          "actor_rollout_ref.model.use_remove_padding": True,
+                          "critic.model.use_remove_padding": True})
+    micro = prepare_config(cfg, TrajConfig(infer_micro_batch_max_tokens=500))
+    assert cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu == 500
+    assert cfg.critic.forward_max_token_len_per_gpu == 500
+    # the update cap: the smaller of actor (fixed 2 x 80 -> 160) and critic, token cost with remove-padding
+    assert micro == PlanSettings(160, "tokens", derived=True)
+
+
+def test_prepare_config_ulysses_cap_is_per_sequence_parallel_group():
+    cfg = _verl_config(**{"actor_rollout_ref.actor.ulysses_sequence_parallel_size": 4})
+    assert prepare_config(cfg, TrajConfig(micro_batch_max_tokens=30)).max_tokens == 120  # 30 x 4 >= 80: accepted
+    with pytest.raises(TrajConfigError, match="ulysses_sequence_parallel_size=4.*at least 20"):
+        prepare_config(_verl_config(**{"actor_rollout_ref.actor.ulysses_sequence_parallel_size": 4}),
+                       TrajConfig(micro_batch_max_tokens=10))
 
 
 def test_prepare_config_fixed_micro_batches_become_dynamic_with_same_bound():
     cfg = _verl_config(**{"trainer.balance_batch": True})
-    T.prepare_config(cfg, TrajConfig())
+    micro = prepare_config(cfg, TrajConfig())
     a, r = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
     assert a.use_dynamic_bsz and a.ppo_max_token_len_per_gpu == 2 * 80
     assert r.log_prob_use_dynamic_bsz and r.log_prob_max_token_len_per_gpu == 4 * 80
+    assert micro == PlanSettings(160, "padded", derived=True)
 
 
 def test_prepare_config_errors_name_the_fix():
     with pytest.raises(TrajConfigError, match="loss_mode"):
-        T.prepare_config(_verl_config(**{"actor_rollout_ref.actor.policy_loss.loss_mode": "sapo"}), TrajConfig())
+        prepare_config(_verl_config(**{"actor_rollout_ref.actor.policy_loss.loss_mode": "sapo"}), TrajConfig())
     with pytest.raises(TrajConfigError, match="multiple of"):
-        T.prepare_config(_verl_config(**{"data.train_batch_size": 6}), TrajConfig())
+        prepare_config(_verl_config(**{"data.train_batch_size": 6}), TrajConfig())
     with pytest.raises(TrajConfigError, match="micro_batch_max_tokens"):
-        T.prepare_config(_verl_config(), TrajConfig(micro_batch_max_tokens=10))
+        prepare_config(_verl_config(), TrajConfig(micro_batch_max_tokens=10))
+    with pytest.raises(TrajConfigError, match="critic.ppo_mini_batch_size=3"):
+        prepare_config(_verl_config(**{"critic.enable": True, "critic.ppo_mini_batch_size": 3}), TrajConfig())
+    prepare_config(_verl_config(**{"critic.enable": True, "critic.ppo_mini_batch_size": 8}), TrajConfig())  # union
 
 
 def test_losses_fall_back_to_verl_without_loss_weight():
-    import _grad_harness as H
     from verl.workers.utils.losses import ppo_loss, value_loss
 
     from verl_traj.integration.losses import traj_ppo_loss, traj_value_loss
@@ -287,29 +323,80 @@ def test_losses_fall_back_to_verl_without_loss_weight():
         torch.testing.assert_close(grads[0], grads[1])
 
 
-def test_worker_mini_batch_split_and_order():
-    from verl_traj.integration.workers import mini_batch_order, split_by_mini_batch_id
+def test_worker_iterator_steps_the_plan_in_the_same_order_on_every_rank():
+    from tensordict import TensorDict
 
-    split = split_by_mini_batch_id(torch.tensor([0, 0, 1, 2, 1, 2, 2]))
-    assert {k: v.tolist() for k, v in split.items()} == {0: [0, 1], 1: [2, 4], 2: [3, 5, 6]}
-    # same order on every rank (depends on seed and epoch only), a permutation, varies with epoch
-    orders = [mini_batch_order(8, e, 42, True).tolist() for e in range(4)]
-    assert all(sorted(o) == list(range(8)) for o in orders)
-    assert orders == [mini_batch_order(8, e, 42, True).tolist() for e in range(4)]
-    assert len({tuple(o) for o in orders}) > 1
-    assert mini_batch_order(5, 3, 0, False).tolist() == list(range(5))
+    from verl_traj.integration.workers import PlannedUpdate, mini_batch_slices
+
+    assert mini_batch_slices(torch.tensor([0, 0, 1, 2, 2, 2])) == [(0, 2), (2, 3), (3, 6)]
+    assert mini_batch_slices(torch.tensor([0, 0, 1, 2, 3, 3]), group=2) == [(0, 3), (3, 6)]
+    with pytest.raises(RuntimeError, match="expected 0, 1, 2"):
+        mini_batch_slices(torch.tensor([0, 1, 0]))
+    ranks = []
+    for rank_rows in ([0, 0, 1, 2, 2], [0, 1, 1, 1, 2]):  # two ranks: different sizes, same mini-batches
+        td = TensorDict({"mini_batch_id": torch.tensor(rank_rows), "row": torch.arange(5)}, batch_size=[5])
+        run = PlannedUpdate(seed=7)
+        it = run.make_iterator(None)(td, mini_batch_size=1, epochs=3, seed=7 + len(ranks), dataloader_kwargs={"shuffle": True})
+        ranks.append([int(mb["mini_batch_id"][0]) for mb in it])
+        assert run.steps == 9
+    assert ranks[0] == ranks[1] and len(set(map(tuple, np.array(ranks[0]).reshape(3, 3)))) > 1
+
+
+def test_worker_micro_batches_are_the_plan():
+    from tensordict import TensorDict
+
+    from verl_traj.integration.workers import PlannedUpdate
+
+    td = TensorDict({"mini_batch_id": torch.tensor([0, 0, 0, 1, 1]), "micro_batch_id": torch.tensor([1, 0, 1, 0, 0]),
+                     "row": torch.arange(5)}, batch_size=[5])
+    run = PlannedUpdate(seed=0)
+    micro, idx = run.prepare_micro_batches(lambda *a, **k: pytest.fail("verl's cut must not run"))(td)
+    assert idx == [[1], [0, 2], [3, 4]] and [m["row"].tolist() for m in micro] == idx
+    assert run.micro_batches_run == [3]
+    fallback = run.prepare_micro_batches(lambda data, **k: ("verl", data))(TensorDict({}, batch_size=[2]))
+    assert fallback[0] == "verl"
 
 
 def test_traj_disabled_is_stock():
-    """traj.enable=false: every overridden method is verl's."""
+    """traj.enable=false: verl's own _balance_batch runs and nothing is changed; verl_traj only observes what
+    stock mini-batches do to groups (``stock_plan/*`` metrics)."""
     tr = fake_trainer({"enable": False})
-    calls = []
+    tr.config.actor_rollout_ref.rollout = {"n": 3}
+    tr._get_dp_size, tr.actor_rollout_wg = (lambda wg, role: 2), None
+    calls, metrics = [], {}
     orig = rt.RayPPOTrainer._balance_batch
+    batch = make_batch(n_groups=4)
+    before = batch.batch["input_ids"].clone()
     try:
         rt.RayPPOTrainer._balance_batch = lambda self, *a, **k: calls.append("balance")
-        tr._balance_batch(make_batch(), {})
+        tr._balance_batch(batch, metrics)
     finally:
         rt.RayPPOTrainer._balance_batch = orig
-    assert calls == ["balance"]
-    batch = make_batch()
-    assert not tr._planned(batch)
+    assert calls == ["balance"] and torch.equal(batch.batch["input_ids"], before)
+    assert not any(k.startswith("traj_plan/") for k in metrics)
+    # 12 rows, 2 ranks, mini-batches of 2 x 3 rows: rank blocks [0..5], [6..11] cut in 3-row slices -> groups of 3
+    # consecutive rows fall into one slice each here, so nothing is split
+    assert metrics["stock_plan/split_groups"] == 0 and metrics["stock_plan/num_mini_batches"] == 2
+    assert not tr._planned(make_batch())
+
+
+@pytest.mark.parametrize("tp, cp, measured_minimum", [(1, 2, 2), (2, 2, 3), (2, 4, 8), (4, 4, 16), (8, 1, None)])
+def test_padding_rows_are_long_enough_for_context_parallel_packing(tp, cp, measured_minimum):
+    """verl PR 7449 measured the shortest padding rows that survive THD context-parallel packing: 2 / 3 / 8 / 16
+    tokens at TP1CP2 / TP2CP2 / TP2CP4 / TP4CP4. The derived length covers each; without CP rows stay at 2;
+    the planned padding rows really have that many attended tokens."""
+    from verl_traj.integration.verl_config import pad_row_tokens
+
+    cfg = OmegaConf.create({"actor_rollout_ref": {"actor": {"strategy": "megatron", "megatron": {
+        "tensor_model_parallel_size": tp, "context_parallel_size": cp}}}})
+    n = pad_row_tokens(cfg)
+    assert n == (tp * cp if cp > 1 else 2)
+    assert measured_minimum is None or n >= measured_minimum
+    assert pad_row_tokens(OmegaConf.create({"actor_rollout_ref": {"actor": {"strategy": "fsdp2"}}})) == 2
+    batch = make_batch(n_groups=5, n=3, seed=1)
+    tr = fake_trainer()
+    tr.plan_settings = T.PlanSettings(10_000, "tokens", True, pad_row_tokens=n)
+    tr.plan_and_apply(batch, dp_size=4)
+    pad = batch.batch["is_padding"]
+    assert pad.any() and batch.batch["attention_mask"][pad].sum(-1).eq(min(n, P + R_ - P + 1)).all()
+    assert batch.batch["response_mask"][pad].sum() == 0

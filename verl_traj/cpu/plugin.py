@@ -6,8 +6,10 @@ rollout servers). Importing it:
 * always registers the CPU rollout backend under the name ``cpu`` in verl's two rollout registries
   (``workers/rollout/base.py:_ROLLOUT_REGISTRY`` and ``workers/rollout/replica.py:RolloutReplicaRegistry``).
   A name in a registry changes nothing unless a config selects it.
-* registers the ``cpu`` platform, the FSDP engines for device ``cpu`` and a gloo-only process-group
-  init ONLY when no accelerator is present: ``torch.cuda.is_available()`` is false and none of
+* registers the ``cpu`` platform, the FSDP engines for device ``cpu`` (with an unpinned offload policy
+  for forward-only engines such as the reference model: pinning needs an accelerator), a gloo-only
+  process-group init and a value-model loader that honours the model config's attention implementation
+  (verl hard-codes ``flash_attention_2`` for critics; CUDA-only) ONLY when no accelerator is present: ``torch.cuda.is_available()`` is false and none of
   verl's own platforms (nvidia, npu, rocm) detects its hardware with its SMI check (the same probe
   verl's auto-detection uses, so a CPU-only Ray actor on a GPU node is NOT treated as CPU-only).
 
@@ -162,7 +164,7 @@ def _patch_process_group_init() -> None:
     """Scoped to the CPU platform: only called when it is registered."""
     import verl.utils.distributed as dist_mod
 
-    if getattr(dist_mod, "_verl_traj_cpu_patched", False):
+    if _state.get("process_group"):
         return
     orig_ray = dist_mod.initialize_global_process_group_ray
     orig_global = dist_mod.initialize_global_process_group
@@ -185,7 +187,7 @@ def _patch_process_group_init() -> None:
     # ``orig_ray`` builds the default string only when backend is None; we always pass one.
     dist_mod.initialize_global_process_group_ray = initialize_global_process_group_ray
     dist_mod.initialize_global_process_group = initialize_global_process_group
-    dist_mod._verl_traj_cpu_patched = True
+    _state["process_group"] = True
     # modules that imported the names before us
     for name in ("verl.workers.engine_workers", "verl.checkpoint_engine.base", "verl.trainer.sft_trainer"):
         mod = sys.modules.get(name)
@@ -197,9 +199,23 @@ def _patch_process_group_init() -> None:
             mod.initialize_global_process_group = initialize_global_process_group
 
 
+def _unpinned_offload_policy(policy_cls):
+    """verl builds forward-only engines (the reference model) with ``CPUOffloadPolicy(pin_memory=True)``;
+    pinning needs an accelerator, and on the CPU the offload is a no-op anyway: same policy, unpinned."""
+
+    def offload_policy(*args, **kwargs):
+        kwargs["pin_memory"] = False
+        return policy_cls(*args, **kwargs)
+
+    return offload_policy
+
+
 def _register_engines() -> None:
     def add_engines(module):
         from verl.workers.engine.base import EngineRegistry
+
+        if getattr(module, "CPUOffloadPolicy", None) is not None:
+            module.CPUOffloadPolicy = _unpinned_offload_policy(module.CPUOffloadPolicy)
 
         for model_type, cls_name in (("language_model", "FSDPEngineWithLMHead"), ("value_model", "FSDPEngineWithValueHead")):
             registry = EngineRegistry._engines.setdefault(model_type, {})
@@ -208,6 +224,27 @@ def _register_engines() -> None:
                     EngineRegistry.register(model_type=model_type, backend=backend, device="cpu")(getattr(module, cls_name))
 
     _hook.add("verl.workers.engine.fsdp.transformer_impl", add_engines)
+
+
+def cpu_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
+    """verl's value-model load (``AutoModelForTokenClassification``, ``num_labels=1`` set by the caller) with
+    the config's attention implementation instead of verl's hard-coded ``flash_attention_2``, and no trl."""
+    from transformers import AutoModelForTokenClassification
+
+    attn = getattr(model_config, "_attn_implementation", None) or "sdpa"
+    if str(attn).startswith("flash_attention"):  # CUDA-only kernels
+        attn = "sdpa"
+    return AutoModelForTokenClassification.from_pretrained(
+        pretrained_model_name_or_path=local_path, torch_dtype=torch_dtype, config=model_config,
+        attn_implementation=attn, trust_remote_code=trust_remote_code,
+    )
+
+
+def _register_valuehead_loader() -> None:
+    def replace(module):  # verl's FSDP engine imports it at call time, so the module attribute is enough
+        module.load_valuehead_model = cpu_valuehead_model
+
+    _hook.add("verl.utils.model", replace)
 
 
 def _register_platform() -> None:
@@ -222,6 +259,7 @@ def _register_platform() -> None:
         platform_manager._current_platform = PlatformCPU()
     _patch_process_group_init()
     _register_engines()
+    _register_valuehead_loader()
 
 
 def register() -> bool:

@@ -12,6 +12,16 @@ Three pieces, mirroring verl's vLLM/SGLang backends:
   batches (left padding, one KV cache, per-row sampling parameters and stops) on a worker thread,
   so the actor's event loop stays free for control calls; weight updates run on the same thread,
   never in the middle of a batch.
+
+  Reproducible sampling (``actor_rollout_ref.rollout.full_determinism=true``, on in the CPU presets):
+  verl's agent loops then name every request ``det-{sample index}`` (the same id for all turns of
+  a sample). Each call draws from its own generator, seeded by (``rollout.seed``, the weight version
+  ``global_steps``, the request id, the call's turn number), and runs in a batch of a fixed shape: only
+  requests whose prompts fall in the same width bucket, left-padded to that bucket's width, in batches
+  of exactly ``DETERMINISTIC_BATCH`` rows (filled up with one-token dummy rows). CPU matrix kernels
+  change their summation order with the matrix shapes, not with the other rows' contents, so a row's
+  arithmetic then depends neither on which requests share its batch nor on the order Ray delivers them:
+  the same config and seed give the same rollouts -- also after a resume (nothing is kept but the weights).
 * :class:`CPUReplica`: verl's ``RolloutReplica``: one server per replica, placed on the node of
   the replica's first trainer worker (hybrid mode), registered as ``cpu`` in
   ``RolloutReplicaRegistry``.
@@ -24,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import logging
 import os
 import time
@@ -39,6 +50,8 @@ logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
 
 SERVER_NAME_PREFIX = "verl_traj_cpu_server_"
+WIDTH_BUCKET = 64  # deterministic mode: prompts are left-padded to a multiple of this many tokens
+DETERMINISTIC_BATCH = 8  # deterministic mode: every static batch has exactly this many rows
 
 
 def _server_name(replica_rank: int, node_rank: int = 0) -> str:
@@ -96,6 +109,113 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
     return token, float(logp[token])
 
 
+def _eos_ids(local_path: str, hf_config: Any, tokenizer: Any) -> list[int]:
+    """Every end-of-sequence id the model's config, generation config and tokenizer name."""
+    eos: set[int] = set()
+
+    def add(e: Any) -> None:
+        eos.update(e if isinstance(e, (list, tuple)) else ([e] if e is not None else []))
+
+    add(getattr(hf_config, "eos_token_id", None))
+    try:
+        from transformers import GenerationConfig
+
+        add(GenerationConfig.from_pretrained(local_path).eos_token_id)
+    except Exception:  # no generation_config.json: fine
+        pass
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    return sorted(eos)
+
+
+def _load_model(config: Any, model_config: Any):
+    """``(model, hf_config, tokenizer or None, eos ids)``: the causal LM in eval mode, no grad."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from verl.utils.fs import copy_to_local
+
+    local_path = copy_to_local(_cfg_get(model_config, "local_path") or _cfg_get(model_config, "path"))
+    override = dict(_cfg_get(model_config, "override_config", {}) or {})
+    trust = bool(_cfg_get(model_config, "trust_remote_code", False))
+    dtype = _DTYPES.get(str(_cfg_get(config, "dtype", "float32")), torch.float32)
+    hf_config = AutoConfig.from_pretrained(local_path, trust_remote_code=trust)
+    model = AutoModelForCausalLM.from_pretrained(
+        local_path, dtype=dtype, attn_implementation=override.get("attn_implementation", "sdpa"), trust_remote_code=trust
+    )
+    model.eval()
+    model.requires_grad_(False)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(local_path, trust_remote_code=trust)
+    except Exception:  # a model directory without a tokenizer: ids only, no debug decoding
+        tokenizer = None
+    return model, hf_config, tokenizer, _eos_ids(local_path, hf_config, tokenizer)
+
+
+def _left_padded(requests: list[dict], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[b, W]`` left-padded prompt ids and their attention mask (``W``: the longest prompt, or the
+    requests' common bucket ``width`` in deterministic mode)."""
+    width = max(max(len(r["prompt"]), r.get("width", 0)) for r in requests)
+    input_ids = torch.full((len(requests), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(requests), width), dtype=torch.long)
+    for i, r in enumerate(requests):
+        n = len(r["prompt"])
+        input_ids[i, width - n:] = torch.tensor(r["prompt"], dtype=torch.long)
+        mask[i, width - n:] = 1
+    return input_ids, mask
+
+
+def _fixed_shape_chunks(items: list) -> list[list]:
+    """Batches of exactly ``DETERMINISTIC_BATCH`` (request, future) pairs, the last filled with dummy rows:
+    a copy of its first request that stops after one token, with a future nobody awaits."""
+    chunks = [items[i:i + DETERMINISTIC_BATCH] for i in range(0, len(items), DETERMINISTIC_BATCH)]
+    last = chunks[-1]
+    dummy = dict(last[0][0], max_tokens=1, generator=torch.Generator().manual_seed(0))
+    loop = asyncio.get_event_loop()
+    last += [(dummy, loop.create_future()) for _ in range(DETERMINISTIC_BATCH - len(last))]
+    return chunks
+
+
+class _DecodeState:
+    """Per-request sampled tokens, log-probs, stop reasons and repetition sets of one static batch."""
+
+    def __init__(self, requests: list[dict]):
+        self.requests = requests
+        n = len(requests)
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.logps: list[list[float]] = [[] for _ in range(n)]
+        self.reasons = ["length"] * n
+        self.done = [False] * n
+        self.seen = [set(r["prompt"]) if r["rep"] != 1.0 else None for r in requests]
+
+    def abort(self) -> None:
+        for i, d in enumerate(self.done):
+            if not d:
+                self.reasons[i], self.done[i] = "aborted", True
+
+    def step(self, logits: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+        """Sample one token for every live request from ``logits`` ``[b, V]``; returns the next ``[b, 1]`` ids."""
+        next_ids = torch.zeros((len(self.requests), 1), dtype=torch.long)
+        for i, r in enumerate(self.requests):
+            if self.done[i]:
+                continue
+            row = logits[i]
+            if self.seen[i]:
+                idx = torch.tensor(sorted(self.seen[i]), dtype=torch.long)
+                vals = row[idx]
+                row[idx] = torch.where(vals > 0, vals / r["rep"], vals * r["rep"])
+            token, logp = sample_token(row, r["temperature"], r["top_k"], r["top_p"], r.get("generator", generator))
+            self.tokens[i].append(token)
+            self.logps[i].append(logp)
+            next_ids[i, 0] = token
+            if self.seen[i] is not None:
+                self.seen[i].add(token)
+            if token in r["stop"]:
+                self.reasons[i], self.done[i] = "completed", True
+            elif len(self.tokens[i]) >= r["max_tokens"]:
+                self.done[i] = True
+        return next_ids
+
+
 # ----------------------------------------------------------------------------------------------
 # server
 # ----------------------------------------------------------------------------------------------
@@ -104,10 +224,6 @@ class CPUGenerationServer:
 
     def __init__(self, config: Any, model_config: Any, replica_rank: int = 0, node_rank: int = 0,
                  rollout_mode: Any = None):
-        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-        from verl.utils.fs import copy_to_local
-
         self.config = config
         self.replica_rank = replica_rank
         self.node_rank = node_rank
@@ -116,45 +232,9 @@ class CPUGenerationServer:
         self.num_weight_updates = 0
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-gen")
         self._abort = False
-        self._tokenizer = None
         self._debug = int(os.environ.get("VERL_TRAJ_CPU_ROLLOUT_DEBUG", "0") or 0)
-
-        threads = int(os.environ.get("VERL_TRAJ_CPU_ROLLOUT_THREADS", "1"))
-        torch.set_num_threads(max(1, threads))
-
-        path = _cfg_get(model_config, "local_path") or _cfg_get(model_config, "path")
-        local_path = copy_to_local(path)
-        override = dict(_cfg_get(model_config, "override_config", {}) or {})
-        attn = override.get("attn_implementation", "sdpa")
-        trust = bool(_cfg_get(model_config, "trust_remote_code", False))
-        dtype = _DTYPES.get(str(_cfg_get(config, "dtype", "float32")), torch.float32)
-        hf_config = AutoConfig.from_pretrained(local_path, trust_remote_code=trust)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            local_path, dtype=dtype, attn_implementation=attn, trust_remote_code=trust
-        )
-        self.model.eval()
-        self.model.requires_grad_(False)
-
-        eos: set[int] = set()
-        for src in (hf_config, ):
-            e = getattr(src, "eos_token_id", None)
-            eos.update(e if isinstance(e, (list, tuple)) else ([e] if e is not None else []))
-        try:
-            gen_cfg = GenerationConfig.from_pretrained(local_path)
-            e = gen_cfg.eos_token_id
-            eos.update(e if isinstance(e, (list, tuple)) else ([e] if e is not None else []))
-        except Exception:
-            pass
-        try:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(local_path, trust_remote_code=trust)
-            self._tokenizer = tok
-            if tok.eos_token_id is not None:
-                eos.add(tok.eos_token_id)
-        except Exception:
-            pass
-        self.eos_token_ids = sorted(eos)
+        torch.set_num_threads(max(1, int(os.environ.get("VERL_TRAJ_CPU_ROLLOUT_THREADS", "1"))))
+        self.model, hf_config, self._tokenizer, self.eos_token_ids = _load_model(config, model_config)
         self.max_model_len = int(_cfg_get(config, "max_model_len", None) or 0) or int(
             getattr(hf_config, "max_position_embeddings", 4096)
         )
@@ -162,6 +242,9 @@ class CPUGenerationServer:
         self.response_length = int(_cfg_get(config, "response_length", 512))
         seed = int(_cfg_get(config, "seed", 0) or 0) + 1000 * replica_rank
         self._generator = torch.Generator().manual_seed(seed)
+        self.deterministic = bool(_cfg_get(config, "full_determinism", False))
+        self._seed = int(_cfg_get(config, "seed", 0) or 0)
+        self._turns: dict[tuple, int] = {}
         self.stats = {"requests": 0, "batches": 0, "tokens": 0, "gen_seconds": 0.0}
         # Static batching of concurrent requests (verl's agent loop sends a whole rollout at once);
         # VERL_TRAJ_CPU_ROLLOUT_BATCH=1 serves requests one by one.
@@ -203,96 +286,79 @@ class CPUGenerationServer:
         from transformers import DynamicCache
 
         t0 = time.perf_counter()
-        bsz = len(requests)
-        width = max(len(r["prompt"]) for r in requests)
-        pad = 0
-        input_ids = torch.full((bsz, width), pad, dtype=torch.long)
-        mask = torch.zeros((bsz, width), dtype=torch.long)
-        for i, r in enumerate(requests):
-            n = len(r["prompt"])
-            input_ids[i, width - n :] = torch.tensor(r["prompt"], dtype=torch.long)
-            mask[i, width - n :] = 1
+        state = _DecodeState(requests)
+        input_ids, mask = _left_padded(requests)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         past = DynamicCache()
-        outs: list[list[int]] = [[] for _ in range(bsz)]
-        logps: list[list[float]] = [[] for _ in range(bsz)]
-        reasons = ["length"] * bsz
-        done = [False] * bsz
-        seen = [set(r["prompt"]) if r["rep"] != 1.0 else None for r in requests]
-        max_steps = max(r["max_tokens"] for r in requests)
-        for _ in range(max_steps):
+        for _ in range(max(r["max_tokens"] for r in requests)):
             if self._abort:
-                for i in range(bsz):
-                    if not done[i]:
-                        reasons[i], done[i] = "aborted", True
+                state.abort()
                 break
             out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                              past_key_values=past, use_cache=True)
             past = out.past_key_values
-            logits = out.logits[:, -1].float()
-            next_ids = torch.full((bsz, 1), pad, dtype=torch.long)
-            for i, r in enumerate(requests):
-                if done[i]:
-                    continue
-                row = logits[i]
-                if seen[i]:
-                    idx = torch.tensor(sorted(seen[i]), dtype=torch.long)
-                    vals = row[idx]
-                    row[idx] = torch.where(vals > 0, vals / r["rep"], vals * r["rep"])
-                token, logp = sample_token(row, r["temperature"], r["top_k"], r["top_p"], self._generator)
-                outs[i].append(token)
-                logps[i].append(logp)
-                next_ids[i, 0] = token
-                if seen[i] is not None:
-                    seen[i].add(token)
-                if token in r["stop"]:
-                    reasons[i], done[i] = "completed", True
-                elif len(outs[i]) >= r["max_tokens"]:
-                    done[i] = True
-            if all(done):
+            input_ids = state.step(out.logits[:, -1].float(), self._generator)
+            if all(state.done):
                 break
-            input_ids = next_ids
-            alive = torch.tensor([[0 if d else 1] for d in done], dtype=torch.long)
+            alive = torch.tensor([[0 if d else 1] for d in state.done], dtype=torch.long)
             mask = torch.cat([mask, alive], dim=1)
             position_ids = position_ids[:, -1:] + 1
-        if self._debug > 0 and self._tokenizer is not None:  # VERL_TRAJ_CPU_ROLLOUT_DEBUG=N: print N requests
-            for i in range(min(bsz, self._debug)):
-                print(f"[cpu rollout] prompt={self._tokenizer.decode(requests[i]['prompt'])!r} "
-                      f"response={self._tokenizer.decode(outs[i])!r} stop={reasons[i]}", flush=True)
-            self._debug -= min(bsz, self._debug)
-        self.stats["requests"] += bsz
+        self._debug_print(requests, state)
+        self.stats["requests"] += len(requests)
         self.stats["batches"] += 1
-        self.stats["tokens"] += sum(len(o) for o in outs)
+        self.stats["tokens"] += sum(len(o) for o in state.tokens)
         self.stats["gen_seconds"] += time.perf_counter() - t0
         return [
-            TokenOutput(
-                token_ids=outs[i],
-                log_probs=logps[i] if r["logprobs"] else None,
-                stop_reason=reasons[i],
-                num_preempted=0,
-                extra_fields={"global_steps": self.global_steps},
-            )
+            TokenOutput(token_ids=state.tokens[i], log_probs=state.logps[i] if r["logprobs"] else None,
+                        stop_reason=state.reasons[i], num_preempted=0, extra_fields={"global_steps": self.global_steps})
             for i, r in enumerate(requests)
         ]
 
-    async def _batch_loop(self):
+    def _debug_print(self, requests: list[dict], state: "_DecodeState") -> None:
+        """``VERL_TRAJ_CPU_ROLLOUT_DEBUG=N``: print the first N requests served."""
+        if self._debug <= 0 or self._tokenizer is None:
+            return
+        for i in range(min(len(requests), self._debug)):
+            print(f"[cpu rollout] prompt={self._tokenizer.decode(requests[i]['prompt'])!r} "
+                  f"response={self._tokenizer.decode(state.tokens[i])!r} stop={state.reasons[i]}", flush=True)
+        self._debug -= min(len(requests), self._debug)
+
+    def request_generator(self, request_id: Optional[str]) -> torch.Generator:
+        """The generator of one call: seeded by (run seed, weight version, request id, turn of that id)."""
+        key = (self.global_steps, request_id)
+        turn = self._turns.get(key, 0)
+        self._turns[key] = turn + 1
+        digest = hashlib.sha256(f"{self._seed}/{self.global_steps}/{request_id}/{turn}".encode()).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+    async def _serve(self, batch: list) -> None:
         loop = asyncio.get_running_loop()
+        try:
+            results = await loop.run_in_executor(self._executor, self._generate_batch_sync, [req for req, _ in batch])
+            for (_, fut), res in zip(batch, results):
+                if not fut.done():
+                    fut.set_result(res)
+        except Exception as e:  # pragma: no cover - surface to every caller
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(e)
+
+    async def _batch_loop(self):
         while True:
             first = await self._queue.get()
             batch = [first]
             await asyncio.sleep(self.batch_wait_s)  # let concurrent requests of one rollout arrive
             while not self._queue.empty() and len(batch) < self.max_batch_size:
                 batch.append(self._queue.get_nowait())
-            try:
-                results = await loop.run_in_executor(self._executor, self._generate_batch_sync,
-                                                     [req for req, _ in batch])
-                for (_, fut), res in zip(batch, results):
-                    if not fut.done():
-                        fut.set_result(res)
-            except Exception as e:  # pragma: no cover - surface to every caller
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(e)
+            if not self.deterministic:
+                await self._serve(batch)
+                continue
+            by_width: dict[int, list] = {}
+            for item in batch:
+                by_width.setdefault(item[0]["width"], []).append(item)
+            for width in sorted(by_width):
+                for chunk in _fixed_shape_chunks(by_width[width]):
+                    await self._serve(chunk)
 
     async def generate(self, request_id: str = None, *, prompt_ids: list[int], sampling_params: dict[str, Any],
                        image_data: Optional[list[Any]] = None, video_data: Optional[list[Any]] = None,
@@ -300,6 +366,9 @@ class CPUGenerationServer:
         if image_data or video_data or kwargs.get("audio_data"):
             raise NotImplementedError("the CPU rollout backend serves text-only models")
         req = self._parse(prompt_ids, dict(sampling_params))
+        if self.deterministic:
+            req["generator"] = self.request_generator(request_id)
+            req["width"] = -(-len(req["prompt"]) // WIDTH_BUCKET) * WIDTH_BUCKET
         loop = asyncio.get_running_loop()
         if self.max_batch_size <= 1:
             return (await loop.run_in_executor(self._executor, self._generate_batch_sync, [req]))[0]

@@ -15,7 +15,7 @@ Only verl's functions compute the losses (``get_policy_loss_fn``, ``agg_loss``, 
 ``rollout_is_weights`` argument (multiplied into the per-token loss before ``agg_loss``) and the loss
 fn gets the boolean ``response_mask``, so its metrics (clip fractions, ppo_kl) stay unweighted token
 means, as in verl. Loss fns that use ``rollout_is_weights`` differently or aggregate with a
-hard-coded mode are rejected at start-up (``check_policy_loss_mode``).
+hard-coded mode are refused at start-up (``verl_traj.config.SUPPORTED_POLICY_LOSS_MODES``).
 
 If a batch carries no ``loss_weight`` (e.g. ``traj.enable=false``), both functions defer to verl's
 ``ppo_loss`` / ``value_loss`` unchanged.
@@ -34,31 +34,7 @@ from verl.utils.torch_functional import masked_mean
 from verl.workers.utils.losses import ppo_loss, value_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
-LOSS_WEIGHT_KEY = "loss_weight"
-
-# verl 0.9.1 policy loss fns that multiply the per-token loss by ``rollout_is_weights`` and then call
-# ``agg_loss(pg_losses, response_mask, loss_agg_mode, **config.global_batch_info)``: exact here.
-# Not supported: "sapo" (hard-codes seq-mean-token-mean), "geo_mean" (sequence-level geometric mean,
-# uses rollout_is_weights in log space), "bypass_mode" (recomputes its own IS weights).
-SUPPORTED_POLICY_LOSS_MODES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "gpg", "clip_cov", "kl_cov", "dro", "cispo")
-
-
-class TrajLossConfigError(ValueError):
-    """An actor/critic setting is incompatible with verl_traj's loss aggregation."""
-
-
-def check_policy_loss_mode(config: Any) -> str:
-    policy_loss = getattr(config, "policy_loss", None)
-    mode = policy_loss.get("loss_mode", "vanilla") if policy_loss is not None else "vanilla"
-    if mode not in SUPPORTED_POLICY_LOSS_MODES:
-        raise TrajLossConfigError(
-            f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r} is not supported with traj.enable=true: "
-            "verl_traj folds the mini-batch-global loss normalisation into the per-token loss, which needs a "
-            f"policy loss fn that multiplies its token losses by rollout_is_weights. Use one of "
-            f"{list(SUPPORTED_POLICY_LOSS_MODES)}, or set traj.enable=false."
-        )
-    return mode
-
+from verl_traj.core.keys import LOSS_WEIGHT
 
 def _set_global_batch_info(config: Any, dp_size: int) -> None:
     # token-sum needs only dp_size; the other keys must not leak a stale value into agg_loss.
@@ -82,47 +58,46 @@ def weighted_policy_loss(
     ref_log_prob: Optional[torch.Tensor] = None,
     rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Policy (+ entropy + KL) loss of one micro-batch on padded [b, R] tensors (see module doc)."""
-    loss_mode = check_policy_loss_mode(config)
+    """Policy (+ entropy + KL) loss of one micro-batch on padded ``[b, R]`` tensors (see module doc)."""
     _set_global_batch_info(config, dp_size)
     mask = response_mask.to(torch.bool)
     w_row = loss_weight.to(log_prob.dtype)[:, None]  # [b, 1]
-    weighted_mask = mask.to(log_prob.dtype) * w_row  # [b, R]
     token_weights = w_row.expand_as(log_prob)
     if rollout_is_weights is not None:
         token_weights = token_weights * rollout_is_weights
-
-    metrics: dict[str, Any] = {}
-    policy_loss_fn = get_policy_loss_fn(loss_mode)
-    pg_loss, pg_metrics = policy_loss_fn(
-        old_log_prob=old_log_prob,
-        log_prob=log_prob,
-        advantages=advantages,
-        response_mask=mask,
-        loss_agg_mode="token-sum",
-        config=config,
-        rollout_is_weights=token_weights,
+    loss_mode = config.policy_loss.get("loss_mode", "vanilla") if config.policy_loss is not None else "vanilla"
+    pg_loss, pg_metrics = get_policy_loss_fn(loss_mode)(
+        old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=mask,
+        loss_agg_mode="token-sum", config=config, rollout_is_weights=token_weights,
     )
-    metrics.update(Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN))
+    metrics: dict[str, Any] = dict(Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN))
     # each micro-batch holds a partial sum of the mini-batch loss: SUM over micro-batches, mean over DP
     # (= sum over ranks / dp, and every rank's partial sum carries the * dp_size factor).
     metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=AggregationType.SUM)
-    policy_loss = pg_loss
+    weighted_mask = mask.to(log_prob.dtype) * w_row  # [b, R]
+    extra, extra_metrics = _entropy_and_kl(config, log_prob, weighted_mask, dp_size, entropy, ref_log_prob)
+    metrics.update(extra_metrics)
+    return pg_loss + extra, metrics
 
+
+def _entropy_and_kl(config: Any, log_prob: torch.Tensor, weighted_mask: torch.Tensor, dp_size: int,
+                    entropy: Optional[torch.Tensor], ref_log_prob: Optional[torch.Tensor]):
+    """``- entropy_coeff * entropy + kl_loss_coef * kl`` as weighted token sums, and their metrics."""
+    total = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
+    metrics: dict[str, Any] = {}
     if entropy is not None:
         entropy_loss = agg_loss(loss_mat=entropy, loss_mask=weighted_mask, loss_agg_mode="token-sum", dp_size=dp_size)
-        policy_loss = policy_loss - config.entropy_coeff * entropy_loss
+        total = total - config.entropy_coeff * entropy_loss
         metrics["actor/entropy_loss"] = Metric(value=entropy_loss, aggregation=AggregationType.SUM)
-
     if config.use_kl_loss:
         if ref_log_prob is None:
             raise KeyError("actor.use_kl_loss=true but the batch has no 'ref_log_prob'")
         kld = kl_penalty(logprob=log_prob, ref_logprob=ref_log_prob, kl_penalty=config.kl_loss_type)
         kl_loss = agg_loss(loss_mat=kld, loss_mask=weighted_mask, loss_agg_mode="token-sum", dp_size=dp_size)
-        policy_loss = policy_loss + kl_loss * config.kl_loss_coef
+        total = total + kl_loss * config.kl_loss_coef
         metrics["kl_loss"] = Metric(value=kl_loss, aggregation=AggregationType.SUM)
         metrics["kl_coef"] = config.kl_loss_coef
-    return policy_loss, metrics
+    return total, metrics
 
 
 def weighted_value_loss(
@@ -162,55 +137,37 @@ def weighted_value_loss(
 
 def traj_ppo_loss(config: Any, model_output, data: TensorDict, dp_group=None):
     """Drop-in for ``verl.workers.utils.losses.ppo_loss`` (same signature, engine no-padding format)."""
-    if LOSS_WEIGHT_KEY not in data.keys():
+    if LOSS_WEIGHT not in data.keys():
         return ppo_loss(config, model_output, data, dp_group)
     log_prob = no_padding_2_padding(model_output["log_probs"], data)
     entropy = model_output.get("entropy", None)
     if entropy is not None:
         entropy = no_padding_2_padding(entropy, data)
     dp_size = int(data["dp_size"])
-    fields = ["response_mask", "old_log_probs", "advantages", LOSS_WEIGHT_KEY]
+    fields = ["response_mask", "old_log_probs", "advantages", LOSS_WEIGHT]
     for optional in ("rollout_is_weights", "ref_log_prob"):
         if optional in data.keys():
             fields.append(optional)
     padded = data.select(*fields).to_padded_tensor()
     return weighted_policy_loss(
-        config,
-        log_prob=log_prob,
-        old_log_prob=padded["old_log_probs"],
-        advantages=padded["advantages"],
-        response_mask=padded["response_mask"],
-        loss_weight=padded[LOSS_WEIGHT_KEY],
-        dp_size=dp_size,
-        entropy=entropy,
-        ref_log_prob=padded.get("ref_log_prob", None),
-        rollout_is_weights=padded.get("rollout_is_weights", None),
+        config, log_prob=log_prob, old_log_prob=padded["old_log_probs"], advantages=padded["advantages"],
+        response_mask=padded["response_mask"], loss_weight=padded[LOSS_WEIGHT], dp_size=dp_size, entropy=entropy,
+        ref_log_prob=padded.get("ref_log_prob", None), rollout_is_weights=padded.get("rollout_is_weights", None),
     )
 
 
 def traj_value_loss(config: Any, model_output, data: TensorDict, dp_group=None):
     """Drop-in for ``verl.workers.utils.losses.value_loss`` (same signature)."""
-    if LOSS_WEIGHT_KEY not in data.keys():
+    if LOSS_WEIGHT not in data.keys():
         return value_loss(config, model_output, data, dp_group)
     vpreds = no_padding_2_padding(model_output["values"], data)
     dp_size = int(data["dp_size"])
-    padded = data.select("values", "returns", "response_mask", LOSS_WEIGHT_KEY).to_padded_tensor()
-    return weighted_value_loss(
-        config,
-        vpreds=vpreds,
-        values=padded["values"],
-        returns=padded["returns"],
-        response_mask=padded["response_mask"],
-        loss_weight=padded[LOSS_WEIGHT_KEY],
-        dp_size=dp_size,
-    )
+    padded = data.select("values", "returns", "response_mask", LOSS_WEIGHT).to_padded_tensor()
+    return weighted_value_loss(config, vpreds=vpreds, values=padded["values"], returns=padded["returns"],
+                               response_mask=padded["response_mask"], loss_weight=padded[LOSS_WEIGHT], dp_size=dp_size)
 
 
 __all__ = [
-    "LOSS_WEIGHT_KEY",
-    "SUPPORTED_POLICY_LOSS_MODES",
-    "TrajLossConfigError",
-    "check_policy_loss_mode",
     "traj_ppo_loss",
     "traj_value_loss",
     "weighted_policy_loss",

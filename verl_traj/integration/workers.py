@@ -1,158 +1,150 @@
-"""verl_traj's actor and critic workers (thin subclasses of verl's engine workers).
+"""verl_traj's actor and critic workers: verl's engine workers, told which mini-batches and micro-batches to run.
 
-``TrajTrainingWorker.train_mini_batch`` replaces verl's fixed-size slicing with the trainer's plan:
-each rank's shard is split by the per-row ``mini_batch_id`` (variable sizes), one ``train_batch``
-(= one optimizer step) per mini-batch and epoch, in the same (seeded, optionally shuffled) mini-batch
-ORDER on every rank, ``update_lr_scheduler`` only on the very last step. Batches without
-``mini_batch_id`` (``traj.enable=false``) take verl's own path unchanged.
+A planned batch (it carries ``mini_batch_id``) runs through verl's own ``TrainingWorker.train_mini_batch``
+with two names swapped for the duration of the call (:func:`verl_traj.integration.patches.update_patches`):
 
-The loss: ``TrajActorRolloutRefWorker.init_model`` installs ``traj_ppo_loss`` (verl's ``ppo_loss``
-when a batch carries no ``loss_weight``); the critic's ``traj_value_loss`` is set by the trainer
-through ``set_loss_fn``, as verl does for ``value_loss``.
+* ``make_iterator`` yields the plan's mini-batches -- the contiguous blocks of each rank's rows with one
+  ``mini_batch_id`` (the rank-major layout guarantees contiguity), in a seeded per-epoch order that
+  is the same on every rank -- instead of verl's fixed-size slices (whose shuffle differs per rank);
+* ``prepare_micro_batches`` of the FSDP engine returns the plan's micro-batches (``micro_batch_id``)
+  instead of re-cutting them.
+
+Everything else (the loss, the token gathering for MFU, the metrics, the profiler) is verl's. verl's
+learning-rate schedule steps on its last fixed-size iteration; the planned update has fewer iterations,
+so :class:`PlannedUpdate` steps it once after the last optimizer step instead (verl's own step when the
+counts happen to agree). Batches without ``mini_batch_id`` (``traj.enable=false``) take verl's path.
+
+The loss: ``TrajActorRolloutRefWorker.init_model`` installs ``traj_ppo_loss`` (verl's ``ppo_loss`` when a
+batch carries no ``loss_weight``); the critic's ``traj_value_loss`` is set by the trainer through
+``set_loss_fn``, as verl does for ``value_loss``.
 """
 
 from __future__ import annotations
 
-import logging
-import os
+from dataclasses import dataclass, field
 from functools import partial
-from itertools import chain
+from typing import Any, Callable, Optional
 
 import torch
-from codetiming import Timer
-from tensordict import NonTensorData, TensorDict
+from tensordict import TensorDict
 
 from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 from verl.utils import tensordict_utils as tu
-from verl.utils.metric.utils import Metric
-from verl.utils.py_functional import append_to_dict
-from verl.utils.tensordict_utils import maybe_fix_3d_position_ids
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
-logger = logging.getLogger(__file__)
-logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
+from verl_traj.core import mini_batch_order
+from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID
+from verl_traj.integration.patches import patched, update_patches
 
-MINI_BATCH_ID_KEY = "mini_batch_id"
+__all__ = ["PlannedUpdate", "TrajActorMixin", "TrajActorRolloutRefWorker", "TrajCriticWorker", "TrajTrainingWorker",
+           "mini_batch_slices", "traj_actor_worker"]
 
-
-def mini_batch_order(num_mini_batches: int, epoch: int, seed: int, shuffle: bool) -> torch.Tensor:
-    """The plan's per-epoch mini-batch order (identical on every rank: depends only on its args)."""
-    from verl_traj.core import mini_batch_order as core_order
-
-    return core_order(num_mini_batches, epoch, seed, shuffle)
+# non-tensor key the trainer sets when the critic steps on unions of the actor's mini-batches
+MINI_BATCH_GROUP_KEY = "traj_mini_batch_group"
 
 
-def split_by_mini_batch_id(mini_batch_id: torch.Tensor) -> dict[int, torch.Tensor]:
-    """``{id: local row indices}`` in ascending id order (ids are the plan's 0..M-1)."""
-    ids = mini_batch_id.detach().cpu().long()
-    out = {}
-    for m in torch.unique(ids).tolist():
-        out[int(m)] = torch.nonzero(ids == m, as_tuple=False).reshape(-1)
-    return out
+def mini_batch_slices(mini_batch_id: torch.Tensor, group: int = 1) -> list[tuple[int, int]]:
+    """``[(start, end)]`` of each mini-batch ``0..M'-1`` in one rank's rows (``id // group``).
+
+    The plan lays each rank's rows out mini-batch after mini-batch, so every mini-batch is one contiguous
+    block; anything else means the batch did not come unmodified from the planner."""
+    ids = mini_batch_id.detach().cpu().long() // int(group)
+    values, counts = torch.unique_consecutive(ids, return_counts=True)
+    if not torch.equal(values, torch.arange(values.numel())):
+        raise RuntimeError(
+            f"this rank's mini_batch_id blocks are {values.tolist()[:16]}, expected 0, 1, 2, ... in order: the "
+            "batch must come from TrajRayPPOTrainer._balance_batch (rank-major plan), unmodified."
+        )
+    ends = torch.cumsum(counts, 0).tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+def _micro_batch_parts(data: TensorDict) -> list[torch.Tensor]:
+    """Row positions of each planned micro-batch of a mini-batch (``(mini_batch_id, micro_batch_id)`` pairs,
+    so a union of mini-batches keeps each one's micro-batches)."""
+    micro = data[MICRO_BATCH_ID].detach().cpu().long()
+    key = data[MINI_BATCH_ID].detach().cpu().long() * (int(micro.max()) + 1) + micro
+    _, inverse = torch.unique(key, return_inverse=True)
+    order = torch.argsort(inverse, stable=True)
+    return list(torch.split(order, torch.bincount(inverse).tolist()))
+
+
+@dataclass
+class PlannedUpdate:
+    """One planned ``train_mini_batch``: the iterator and micro-batches it runs, and what they did."""
+
+    seed: int
+    group: int = 1
+    micro_batches_run: list[int] = field(default_factory=list)
+    steps: int = 0
+
+    def make_iterator(self, _verl_make_iterator: Callable) -> Callable:
+        def make_iterator(tensordict: TensorDict, mini_batch_size: Any = None, epochs: int = 1, seed: Any = None,
+                          dataloader_kwargs: Optional[dict] = None):
+            blocks = mini_batch_slices(tensordict[MINI_BATCH_ID], self.group)
+            shuffle = bool((dataloader_kwargs or {}).get("shuffle", False))
+            orders = [mini_batch_order(len(blocks), e, self.seed, shuffle).tolist() for e in range(int(epochs))]
+            self.steps = len(blocks) * int(epochs)
+            return (tu.index_select_tensor_dict(tensordict, torch.arange(*blocks[m])) for o in orders for m in o)
+
+        return make_iterator
+
+    def prepare_micro_batches(self, verl_prepare: Callable) -> Callable:
+        def prepare_micro_batches(data: TensorDict, *args: Any, **kwargs: Any):
+            if MICRO_BATCH_ID not in data.keys():
+                return verl_prepare(data, *args, **kwargs)
+            parts = _micro_batch_parts(data)
+            self.micro_batches_run.append(len(parts))
+            return [tu.index_select_tensor_dict(data, idx) for idx in parts], [idx.tolist() for idx in parts]
+
+        return prepare_micro_batches
+
+    def metrics(self, epochs: int) -> dict[str, list]:
+        runs = self.micro_batches_run
+        return {"num_optimizer_steps": [self.steps], "num_mini_batches": [self.steps // max(epochs, 1)],
+                "micro_batches_per_epoch": [sum(runs) / max(epochs, 1)],
+                "micro_batches_per_mini_batch_max": [max(runs) if runs else 0]}
+
+
+def _fixed_size_arithmetic(data: TensorDict, dp_size: int) -> int:
+    """Make verl's fixed-size bookkeeping pass (one row per rank per iteration); returns verl's iteration count
+    per epoch (rows per rank), which decides whether verl steps the LR schedule itself."""
+    tu.pop(data, key="num_mini_batch", default=None)
+    tu.pop(data, key="mini_batch_size", default=None)
+    tu.assign_non_tensor(data, mini_batch_size=dp_size)
+    return int(data.shape[0])
 
 
 class TrajTrainingWorker(TrainingWorker):
-    """verl's ``TrainingWorker`` whose ``train_mini_batch`` follows the trainer's ``mini_batch_id``."""
-
-    def _plan_mini_batches(self, data: TensorDict) -> tuple[int, dict[int, torch.Tensor]]:
-        """Local rows of every mini-batch; checks every DP rank holds rows of the same mini-batches."""
-        local = split_by_mini_batch_id(data[MINI_BATCH_ID_KEY])
-        local_max = max(local) if local else -1
-        group = self.engine.get_data_parallel_group()
-        dp = self.engine.get_data_parallel_size()
-        counts = [int(local[m].numel()) if m in local else 0 for m in range(local_max + 1)]
-        if dp > 1 and torch.distributed.is_initialized():
-            gathered = [None] * dp
-            torch.distributed.all_gather_object(gathered, counts, group=group)
-        else:
-            gathered = [counts]
-        num_mb = max(len(c) for c in gathered)
-        for m in range(num_mb):
-            per_rank = [c[m] if m < len(c) else 0 for c in gathered]
-            if 0 in per_rank:
-                raise RuntimeError(
-                    f"mini-batch {m} has rows on some DP ranks but not on others (rows per rank: {per_rank}). "
-                    "Every rank must hold rows of every mini-batch: the batch must come from "
-                    "TrajRayPPOTrainer._balance_batch (rank-major plan with padding rows), unmodified."
-                )
-        return num_mb, local
+    """verl's ``TrainingWorker`` that runs the trainer's planned mini-batches and micro-batches."""
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
     def train_mini_batch(self, data: TensorDict) -> TensorDict:
-        if MINI_BATCH_ID_KEY not in data.keys():
+        if MINI_BATCH_ID not in data.keys():
             return super().train_mini_batch(data)
-
-        maybe_fix_3d_position_ids(data)
-        disable_auto_offload = tu.pop(data, key="disable_auto_offload", default=False)
-        # verl's fixed-size keys are meaningless for a planned batch: drop them
-        tu.pop(data, key="mini_batch_size", default=None)
-        tu.pop(data, key="num_mini_batch", default=None)
-        epochs = int(tu.pop(data, key="epochs", default=1))
-        seed = int(tu.pop(data, key="seed", default=42))
-        dataloader_kwargs = tu.pop(data, key="dataloader_kwargs", default={}) or {}
-        shuffle = bool(dataloader_kwargs.get("shuffle", False))
-
-        num_mb, local_rows = self._plan_mini_batches(data)
-        total_steps = num_mb * epochs
-        dp_group = self.engine.get_data_parallel_group()
-
-        with (
-            self.engine.train_mode(disable_auto_offload=disable_auto_offload),
-            Timer(name="train_batch", logger=None),
-        ):
-            output_lst = []
-            step = 0
-            for epoch in range(epochs):
-                # the same order on every rank (seeded by seed and epoch only, never by rank)
-                for m in mini_batch_order(num_mb, epoch, seed, shuffle).tolist():
-                    mini_batch_td = tu.index_select_tensor_dict(data, local_rows[m])
-                    maybe_fix_3d_position_ids(mini_batch_td)
-                    if "input_ids" in mini_batch_td:
-                        global_token_num = mini_batch_td["input_ids"].offsets().diff().tolist()
-                        gathered = [None] * torch.distributed.get_world_size(dp_group)
-                        torch.distributed.all_gather_object(gathered, global_token_num, dp_group)
-                        global_token_num = [x for xs in gathered for x in xs]
-                    else:
-                        global_token_num = None
-                    tu.assign_non_tensor(
-                        mini_batch_td,
-                        global_token_num=NonTensorData(global_token_num),
-                        update_lr_scheduler=step == total_steps - 1,
-                        disable_auto_offload=True,
-                    )
-                    with torch.profiler.record_function(f"mini_batch{step}"):
-                        output = self.train_batch(mini_batch_td)
-                    self.profiler.step()
-                    output_lst.append(output)
-                    step += 1
-
-            if self.engine.is_mp_src_rank_with_outputs():
-                metrics = {}
-                for output in [tu.get(o, "metrics") for o in output_lst]:
-                    for key, val in output.items():
-                        if isinstance(val, list):
-                            output[key] = (
-                                Metric.aggregate_dp(val) if isinstance(val[0], Metric) else list(chain.from_iterable(val))
-                            )
-                    append_to_dict(metrics, output)
-                rows = [int(local_rows[m].numel()) for m in range(num_mb)]
-                metrics["num_optimizer_steps"] = [step]
-                metrics["num_mini_batches"] = [num_mb]
-                metrics["local_rows_per_mini_batch_min"] = [min(rows)]
-                metrics["local_rows_per_mini_batch_max"] = [max(rows)]
-                output = tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics}).cpu()
-            else:
-                output = None
-        return output
+        epochs = int(tu.get(data, key="epochs", default=1))
+        run = PlannedUpdate(seed=int(tu.get(data, key="seed", default=42)),
+                            group=int(tu.pop(data, key=MINI_BATCH_GROUP_KEY, default=1)))
+        verl_iterations = _fixed_size_arithmetic(data, self.engine.get_data_parallel_size()) * epochs
+        with patched(update_patches(run.make_iterator, run.prepare_micro_batches)):
+            output = super().train_mini_batch(data)
+        lr = self.engine.lr_scheduler_step() if run.steps < verl_iterations else None  # verl did not step it
+        if output is None:
+            return output
+        metrics = dict(tu.get(output, "metrics"))
+        metrics.update(run.metrics(epochs))
+        if lr is not None:
+            metrics["lr"] = [lr]
+        return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics}).cpu()
 
 
 class TrajCriticWorker(TrajTrainingWorker):
-    """The critic: verl's ``TrainingWorker`` (value model) with mini-batch-id aware training."""
+    """The critic: verl's ``TrainingWorker`` (value model) running the planned mini-batches."""
 
 
-class TrajActorRolloutRefWorker(ActorRolloutRefWorker):
-    """verl's hybrid actor/rollout/ref worker with ``TrajTrainingWorker`` as the actor and
-    ``traj_ppo_loss`` as the actor loss."""
+class TrajActorMixin:
+    """The actor side of verl_traj for any of verl's actor workers: ``TrajTrainingWorker`` as the actor and
+    ``traj_ppo_loss`` as its loss (first base: ``class W(TrajActorMixin, SomeActorWorker)``)."""
 
     actor_worker_cls = TrajTrainingWorker
 
@@ -168,4 +160,23 @@ class TrajActorRolloutRefWorker(ActorRolloutRefWorker):
             self.actor.set_loss_fn(self.loss_fn)
 
 
-__all__ = ["TrajActorRolloutRefWorker", "TrajCriticWorker", "TrajTrainingWorker", "split_by_mini_batch_id"]
+class TrajActorRolloutRefWorker(TrajActorMixin, ActorRolloutRefWorker):
+    """verl's hybrid actor/rollout/ref worker with verl_traj's actor (:class:`TrajActorMixin`)."""
+
+
+def traj_actor_worker(verl_cls: type) -> type:
+    """verl_traj's version of the actor worker class a trainer chose: ``TrajActorRolloutRefWorker`` for verl's
+    ``ActorRolloutRefWorker``, ``Traj<Name>`` for a subclass of it (v1 ``separate_async``'s
+    ``DetachActorWorker``). Cached, so Ray sees one class per name."""
+    if verl_cls is ActorRolloutRefWorker or issubclass(verl_cls, TrajActorMixin):
+        return TrajActorRolloutRefWorker if verl_cls is ActorRolloutRefWorker else verl_cls
+    if not issubclass(verl_cls, ActorRolloutRefWorker):
+        raise TypeError(f"{verl_cls.__name__} is not one of verl's ActorRolloutRefWorker classes; verl_traj cannot "
+                        "install its actor into it. Set traj.enable=false for this worker class.")
+    if verl_cls not in _TRAJ_ACTOR_CLASSES:
+        _TRAJ_ACTOR_CLASSES[verl_cls] = type(f"Traj{verl_cls.__name__}", (TrajActorMixin, verl_cls),
+                                             {"__module__": __name__})
+    return _TRAJ_ACTOR_CLASSES[verl_cls]
+
+
+_TRAJ_ACTOR_CLASSES: dict[type, type] = {}

@@ -128,6 +128,18 @@ def select_rows(rows: dict[str, torch.Tensor], idx) -> dict[str, torch.Tensor]:
     return {k: v[idx] for k, v in rows.items()}
 
 
+def planned_micro_batch_ids(rows: dict[str, torch.Tensor], cap: int, cost: str = "tokens") -> torch.Tensor:
+    """This rank's micro-batch ids as the planner packs them (one block: one mini-batch on one rank)."""
+    import numpy as np
+
+    from verl_traj.core import pack_micro_batches
+
+    tokens = rows["attention_mask"].sum(-1).numpy()
+    packing = pack_micro_batches(tokens, np.zeros(len(tokens), dtype=np.int64), np.zeros(1, dtype=np.int64), 1, cap,
+                                 cost=cost)
+    return torch.from_numpy(packing.micro_index)
+
+
 def engine_step(
     model: TinyLM,
     rows: dict[str, torch.Tensor],
@@ -138,18 +150,26 @@ def engine_step(
     max_token_len: int,
     dp_size: int,
     dp_group=None,
+    planned: str = "",
 ) -> int:
     """One verl FSDP-engine ``forward_backward_batch`` on this rank's rows (grads accumulate in
-    ``model``), then the DP gradient average. Returns the number of micro-batches."""
+    ``model``), then the DP gradient average. Returns the number of micro-batches. ``planned``: cut the
+    micro-batches with the planner (``"tokens"`` / ``"padded"`` cost) and run them through the worker's
+    micro-batch hook instead of verl's ``prepare_micro_batches``."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.engine.utils import prepare_micro_batches
 
+    from verl_traj.integration.workers import PlannedUpdate
+
+    if planned:
+        rows = {**rows, "micro_batch_id": planned_micro_batch_ids(rows, max_token_len, planned)}
     td = _to_engine_td(rows)
     tu.assign_non_tensor(
         td, dp_size=dp_size, batch_num_tokens=None, global_batch_size=None, use_dynamic_bsz=True,
         max_token_len_per_gpu=max_token_len, sp_size=1,
     )
-    micro_batches, _ = prepare_micro_batches(td, dp_group=dp_group, same_micro_num_in_dp=True)
+    cut = PlannedUpdate(seed=0).prepare_micro_batches(prepare_micro_batches) if planned else prepare_micro_batches
+    micro_batches, _ = cut(td, dp_group=dp_group, same_micro_num_in_dp=True)
     for mb in micro_batches:
         ids = mb["input_ids"]
         out = model.forward_flat(ids.values(), ids.offsets())

@@ -1,0 +1,90 @@
+"""Checkpoints a crash cannot corrupt: a completion marker per checkpoint, an atomic tracker, and a resume
+that only ever picks a complete checkpoint.
+
+verl writes ``global_step_N/{actor,critic,data.pt}`` and then ``latest_checkpointed_iteration.txt`` (the
+tracker) by truncating and rewriting it. A process killed in the middle of a save leaves a partial
+``global_step_N``; one killed while the tracker is rewritten leaves it empty, and verl's resume then fails
+on ``int(b"")``. So:
+
+* after verl's save, ``global_step_N/verl_traj_complete`` is written (atomically: temp file + rename) and
+  the tracker is rewritten atomically;
+* before verl's resume, :func:`repair_tracker` points the tracker at the newest COMPLETE checkpoint (marker
+  present; for a directory saved without markers, ``data.pt`` present), whatever the tracker said, or
+  removes it when there is none (training then starts from scratch, as verl does without a tracker).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CompleteCheckpoints", "COMPLETE_MARKER", "TRACKER", "latest_complete_step", "mark_complete", "repair_tracker"]
+
+COMPLETE_MARKER = "verl_traj_complete"
+TRACKER = "latest_checkpointed_iteration.txt"  # verl's tracker file name
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def mark_complete(root: str, step: int) -> None:
+    """After verl saved ``global_step_{step}``: its completion marker, then the tracker, both atomically."""
+    _atomic_write(os.path.join(root, f"global_step_{step}", COMPLETE_MARKER), str(step))
+    _atomic_write(os.path.join(root, TRACKER), str(step))
+
+
+def latest_complete_step(root: str) -> Optional[int]:
+    """The newest ``global_step_N`` under ``root`` that finished saving, or None."""
+    if not os.path.isdir(root):
+        return None
+    steps = {int(m.group(1)): os.path.join(root, name) for name in os.listdir(root) if (m := _STEP_DIR.match(name))}
+    marked = [s for s, d in steps.items() if os.path.isfile(os.path.join(d, COMPLETE_MARKER))]
+    if marked:
+        return max(marked)
+    legacy = [s for s, d in steps.items() if os.path.isfile(os.path.join(d, "data.pt"))]  # saved without markers
+    return max(legacy) if legacy else None
+
+
+def repair_tracker(root: str) -> Optional[int]:
+    """Point verl's tracker at the newest complete checkpoint (or remove it when there is none); returns it."""
+    step = latest_complete_step(root)
+    tracker = os.path.join(root, TRACKER)
+    if step is None:
+        if os.path.exists(tracker):
+            os.remove(tracker)
+        return None
+    _atomic_write(tracker, str(step))
+    return step
+
+
+class CompleteCheckpoints:
+    """Mixin for verl's trainers (v0 and v1: the same ``_save_checkpoint`` / ``_load_checkpoint`` contract and
+    directory layout): mark each finished save complete; resume (``trainer.resume_mode=auto``) only from a
+    complete checkpoint. Inactive with ``traj.enable=false`` (``self.traj``)."""
+
+    def _checkpoint_root(self) -> str:
+        root = self.config.trainer.default_local_dir
+        return root if os.path.isabs(root) else os.path.join(os.getcwd(), root)
+
+    def _save_checkpoint(self):
+        super()._save_checkpoint()
+        if self.traj.enable and not self.config.actor_rollout_ref.actor.checkpoint.get("async_save", False):
+            mark_complete(self._checkpoint_root(), self.global_steps)
+
+    def _load_checkpoint(self):
+        trainer = self.config.trainer
+        if self.traj.enable and trainer.resume_mode == "auto" and trainer.get("default_hdfs_dir") is None:
+            step = repair_tracker(self._checkpoint_root())
+            logger.info("verl_traj: resuming from the newest complete checkpoint: %s", step)
+        return super()._load_checkpoint()

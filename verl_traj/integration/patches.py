@@ -1,0 +1,147 @@
+"""Everything verl_traj replaces inside verl's modules, in one place, with the order written out.
+
+verl looks some functions up as module globals at call time (``ray_trainer.compute_advantage``, the
+metric functions, ``main_ppo_v0.RayPPOTrainer``, ``tensordict_utils.make_iterator``, the engines'
+``prepare_micro_batches``). Where a subclass cannot reach a decision, verl_traj swaps such a global for
+the duration of one call and restores it on exit (also on error), with :func:`patched`. Nothing stays
+behind on a verl module: no attribute is added, every replaced name gets its original back.
+
+The patch sets, each in the order it is installed (a later patch of the same name wraps the earlier):
+
+* :func:`fit_patches` -- driver, during ``TrajRayPPOTrainer.fit``:
+  1. ``ray_trainer.compute_advantage`` <- step-wise outcome advantages (``traj.step_wise`` only):
+     estimator once per trajectory, broadcast to each step row (innermost: it needs the real rows);
+  2. ``ray_trainer.compute_advantage`` <- real rows only (wraps 1, or verl's own);
+  3. ``ray_trainer.apply_kl_penalty`` <- real rows only;
+  4. ``ray_trainer.extract_reward`` <- padding rows' rewards 0;
+  5. ``ray_trainer.compute_data_metrics``, ``compute_timing_metrics``, ``compute_throughout_metrics``,
+     ``compute_variance_proxy_metrics`` <- real rows only, one shared copy per step;
+  6. ``ray_trainer.compute_spec_decode_metrics`` <- the current batch's real-row mask.
+* :func:`task_runner_patches` -- task runner, during ``TrajTaskRunner.run``:
+  ``main_ppo_v0.RayPPOTrainer`` <- ``TrajRayPPOTrainer`` (verl's runner wiring runs unchanged).
+* :func:`v1_task_runner_patches` -- task runner, during ``TrajTaskRunnerV1.run`` (``trainer.use_v1=true``):
+  ``verl.trainer.ppo.v1.get_trainer_cls`` <- the registered class with :class:`~verl_traj.integration.v1.TrajV1Mixin`
+  first (every mode, under its own name: v1 reads meaning from the mode name).
+* :func:`v1_advantage_patches` -- driver, during one ``TrajV1Mixin._compute_advantage``:
+  ``trainer_base.compute_advantage_for_multi_trajectories`` <- the planned batch's advantage (real rows, one
+  outcome per trajectory).
+* :func:`v1_metric_patches` -- driver, during one ``TrajV1Mixin._compute_metrics``:
+  ``trainer_base.compute_timing_metrics``, ``compute_throughout_metrics`` <- real rows only.
+* :func:`update_patches` -- actor / critic worker, during one planned ``train_mini_batch``:
+  1. ``tensordict_utils.make_iterator`` <- the plan's mini-batches (same order on every rank);
+  2. ``prepare_micro_batches`` of every loaded FSDP engine module <- the plan's micro-batches.
+
+Not here, on purpose: the CPU platform plugin (:mod:`verl_traj.cpu.plugin`) registers a platform, engines,
+a rollout backend, a gloo-only process-group init and a value-model loader with verl's registries and
+modules for the whole life of a process, and only in processes without an accelerator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+__all__ = ["Patch", "patched", "fit_patches", "task_runner_patches", "update_patches", "v1_advantage_patches",
+           "v1_metric_patches", "v1_task_runner_patches", "ENGINE_MODULES"]
+
+RAY_TRAINER = "verl.trainer.ppo.ray_trainer"
+V1_TRAINER = "verl.trainer.ppo.v1.trainer_base"
+METRIC_FUNCTIONS = ("compute_data_metrics", "compute_timing_metrics", "compute_throughout_metrics",
+                    "compute_variance_proxy_metrics")
+# Engines whose forward_backward_batch cuts micro-batches with a module-level prepare_micro_batches and
+# runs them as a plain loop (Megatron's pipeline schedule is not one of them).
+ENGINE_MODULES = ("verl.workers.engine.fsdp.transformer_impl",)
+
+
+@dataclass(frozen=True)
+class Patch:
+    """Replace ``module.name`` by ``wrap(original)``; ``why`` is for the reader and error messages."""
+
+    module: str
+    name: str
+    wrap: Callable[[Any], Any]
+    why: str = ""
+
+
+@contextlib.contextmanager
+def patched(patches: Sequence[Patch]) -> Iterator[None]:
+    """Install ``patches`` in order; on exit restore every name, in reverse order, to what it was."""
+    undo: list[tuple[Any, str, Any]] = []
+    try:
+        for p in patches:
+            module = importlib.import_module(p.module)
+            if not hasattr(module, p.name):
+                raise AttributeError(f"{p.module}.{p.name} does not exist in this verl version; cannot {p.why}")
+            original = getattr(module, p.name)
+            undo.append((module, p.name, original))
+            setattr(module, p.name, p.wrap(original))
+        yield
+    finally:
+        for module, name, original in reversed(undo):
+            setattr(module, name, original)
+
+
+def fit_patches(step_wise: bool, real_row_mask: Callable[[], Any] = lambda: None) -> list[Patch]:
+    """Driver patches for one ``fit`` (order: module docstring). ``real_row_mask()``: the real-row mask of the
+    batch the trainer planned last (for functions that get arrays, not the batch)."""
+    from verl_traj.integration import rows
+
+    out = []
+    if step_wise:
+        from verl_traj.integration.stepwise_rows import stepwise_advantage
+
+        out.append(Patch(RAY_TRAINER, "compute_advantage", stepwise_advantage,
+                         "run outcome estimators once per trajectory on step-wise rows"))
+    out += [
+        Patch(RAY_TRAINER, "compute_advantage", rows.advantage_on_real_rows, "compute advantages on real rows only"),
+        Patch(RAY_TRAINER, "apply_kl_penalty", rows.kl_penalty_on_real_rows, "apply the KL penalty on real rows only"),
+        Patch(RAY_TRAINER, "extract_reward", rows.reward_on_real_rows, "zero the rewards of padding rows"),
+    ]
+    view = rows.shared_view()
+    out += [Patch(RAY_TRAINER, name, functools.partial(rows.metrics_on_real_rows, view=view), "log metrics of real rows")
+            for name in METRIC_FUNCTIONS]
+    out.append(Patch(RAY_TRAINER, "compute_spec_decode_metrics",
+                     functools.partial(rows.spec_decode_on_real_rows, real_row_mask=real_row_mask),
+                     "drop padding rows from the speculative-decoding metrics"))
+    return out
+
+
+def task_runner_patches() -> list[Patch]:
+    from verl_traj.integration.trainer import TrajRayPPOTrainer
+
+    return [Patch("verl.trainer.main_ppo_v0", "RayPPOTrainer", lambda _original: TrajRayPPOTrainer,
+                  "run verl's task runner with TrajRayPPOTrainer")]
+
+
+def v1_task_runner_patches() -> list[Patch]:
+    from verl_traj.integration.v1 import traj_trainer_class
+
+    def wrap(get_trainer_cls: Callable[[str], type]) -> Callable[[str], type]:
+        return lambda name: traj_trainer_class(get_trainer_cls(name))
+
+    return [Patch("verl.trainer.ppo.v1", "get_trainer_cls", wrap, "run verl's v1 trainers with TrajV1Mixin")]
+
+
+def v1_advantage_patches(compute: Callable) -> list[Patch]:
+    return [Patch(V1_TRAINER, "compute_advantage_for_multi_trajectories", lambda _original: compute,
+                  "compute the planned batch's advantages")]
+
+
+def v1_metric_patches(real_row_mask: Callable[[], Any]) -> list[Patch]:
+    from verl_traj.integration import rows
+
+    return [Patch(V1_TRAINER, name, functools.partial(rows.metrics_on_masked_rows, real_row_mask=real_row_mask),
+                  "log timing and throughput of real rows") for name in ("compute_timing_metrics",
+                                                                         "compute_throughout_metrics")]
+
+
+def update_patches(make_iterator: Callable[[Any], Any], prepare_micro_batches: Callable[[Any], Any]) -> list[Patch]:
+    """Worker patches for one planned update; engine modules not loaded in this process are skipped."""
+    out = [Patch("verl.utils.tensordict_utils", "make_iterator", make_iterator, "step the plan's mini-batches")]
+    out += [Patch(name, "prepare_micro_batches", prepare_micro_batches, "run the plan's micro-batches")
+            for name in ENGINE_MODULES if name in sys.modules]
+    return out

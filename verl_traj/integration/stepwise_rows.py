@@ -1,0 +1,100 @@
+"""Step-wise rows inside verl's v0 trainer: expansion before planning, outcome advantages after.
+
+* :func:`expand_dataproto_step_rows`: called by ``TrajRayPPOTrainer._balance_batch`` before planning;
+  replaces the batch, in place, by one row per LLM call (or prefix-merged rows), reward on the last
+  step row only (:func:`verl_traj.stepwise.expand.expand_step_rows`).
+* :func:`stepwise_advantage`: wraps verl's ``compute_advantage`` (installed by
+  :func:`verl_traj.integration.patches.fit_patches`). On a planned step-wise batch the outcome
+  estimator runs once per trajectory -- the plan's ``traj_index`` names them -- and each row gets its
+  trajectory's scalar on its own ``response_mask``; any other batch goes to verl's function unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Optional
+
+from verl_traj.core.keys import IS_LAST_STEP, TRAJ_INDEX
+from verl_traj.stepwise.advantages import check_stepwise_estimator, compute_trajectory_advantages
+from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, expand_step_rows
+
+__all__ = ["expand_dataproto_step_rows", "is_stepwise_batch", "stepwise_advantage"]
+
+
+def is_stepwise_batch(data: Any) -> bool:
+    """A planned batch of step rows: it carries the plan's ``traj_index`` and the expansion's ``is_last_step``."""
+    td = getattr(data, "batch", None)
+    return td is not None and TRAJ_INDEX in td.keys() and IS_LAST_STEP in data.non_tensor_batch
+
+
+def expand_dataproto_step_rows(
+    data: Any,
+    *,
+    merge_prefix: bool = False,
+    pad_token_id: int = 0,
+    steps_key: str = DEFAULT_STEPS_KEY,
+    traj_id_key: str = "traj_id",
+    step_index_key: str = "step_index",
+    drop_keys: tuple[str, ...] = (),
+) -> dict[str, float]:
+    """Replace ``data`` (a verl ``DataProto``, one row per trajectory) IN PLACE by its step rows.
+
+    Returns the expansion's metrics (``traj_stepwise/rows_before``, ``rows_after``, ``tokens_before``, ...).
+    A batch that is already expanded (has ``step_index_key`` and ``is_last_step``) is left unchanged.
+    """
+    from tensordict import TensorDict
+
+    if step_index_key in data.non_tensor_batch and IS_LAST_STEP in data.non_tensor_batch:
+        return {}
+    out = expand_step_rows(
+        {k: data.batch[k] for k in data.batch.keys()}, dict(data.non_tensor_batch), steps_key=steps_key,
+        merge_prefix=merge_prefix, pad_token_id=pad_token_id, traj_id_key=traj_id_key,
+        step_index_key=step_index_key, drop_keys=drop_keys,
+    )
+    device = data.batch.device if hasattr(data.batch, "device") else None
+    data.batch = TensorDict(dict(out.tensors), batch_size=[int(out.source_row.numel())], device=device)
+    data.non_tensor_batch = out.non_tensors
+    return out.metrics()
+
+
+def _estimator(name: str, norm_adv_by_std_in_grpo: bool, config: Any) -> tuple[Callable, dict]:
+    """verl's registered estimator and the keyword arguments it accepts among ours."""
+    from verl.trainer.ppo import core_algos
+
+    check_stepwise_estimator(name, allow_custom=True)
+    fn = core_algos.get_adv_estimator_fn(name)
+    params = inspect.signature(fn).parameters
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    extra = {"norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo, "config": config}
+    return fn, {k: v for k, v in extra.items() if k in params or (var_kw and k == "config")}
+
+
+def stepwise_advantage(verl_compute_advantage: Callable) -> Callable:
+    """Wrap verl's ``compute_advantage(data, adv_estimator, gamma, lam, num_repeat,
+    norm_adv_by_std_in_grpo, config)`` (same signature) for step-wise rows.
+
+    ``reward_reduction``: ``"sum"`` when ``config.use_kl_in_reward`` (KL penalties sit on every step
+    row), else ``"last_step"``. Temporal estimators (``gae``, ...) raise on step rows."""
+
+    @functools.wraps(verl_compute_advantage)
+    def compute_advantage(data: Any, adv_estimator: Any, gamma: float = 1.0, lam: float = 1.0, num_repeat: int = 1,
+                          norm_adv_by_std_in_grpo: bool = True, config: Optional[Any] = None) -> Any:
+        if not is_stepwise_batch(data):
+            return verl_compute_advantage(data, adv_estimator, gamma=gamma, lam=lam, num_repeat=num_repeat,
+                                          norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=config)
+        name = str(getattr(adv_estimator, "value", adv_estimator))
+        fn, extra = _estimator(name, norm_adv_by_std_in_grpo, config)
+        use_kl = bool(config.get("use_kl_in_reward", False)) if config is not None and hasattr(config, "get") else False
+        td = data.batch
+        adv, ret, _ = compute_trajectory_advantages(
+            td["token_level_rewards"], td["response_mask"], td[TRAJ_INDEX], data.non_tensor_batch[IS_LAST_STEP],
+            data.non_tensor_batch["uid"], estimator_fn=fn, estimator_name=name,
+            reward_reduction="sum" if use_kl else "last_step",
+            reward_baselines=td["reward_baselines"] if "reward_baselines" in td.keys() else None,
+            estimator_kwargs=extra, allow_custom=True,
+        )
+        td["advantages"], td["returns"] = adv, ret
+        return data
+
+    return compute_advantage

@@ -1,0 +1,270 @@
+"""Start-up: check ``traj:`` against verl's config and set the verl settings the plan depends on (read once).
+
+:func:`prepare_config` runs in ``TrajRayPPOTrainer.__init__``, before any worker is built, and returns
+:class:`PlanSettings`: the cap and cost model the planner packs the update's micro-batches with, and the
+length of padding rows.
+
+* Update (actor and critic): the plan's micro-batches are what runs. Cap per sequence-parallel group =
+  ``traj.micro_batch_max_tokens`` (per GPU, verl's ``ppo_max_token_len_per_gpu`` meaning) or, when unset,
+  verl's own ``ppo_max_token_len_per_gpu`` (the critic's too, the smaller wins), times the Ulysses size.
+  The cost follows the attention path: ``use_remove_padding`` -> token sums, else padded area.
+* Inference passes (log-prob, reference, values) keep verl's own caps unless
+  ``traj.infer_micro_batch_max_tokens`` is set. Planned batches have variable rows per rank, which fixed
+  micro-batch sizes (``*_micro_batch_size_per_gpu``) cannot divide, so a pass on fixed sizes switches to
+  verl's dynamic micro-batching with the same worst-case memory bound (``micro_batch_size_per_gpu x
+  (max_prompt_length + max_response_length)`` tokens): logged, and the gradient does not depend on it.
+* Padding rows are ``max(2, TP x CP)`` tokens long for Megatron engines with context parallelism (THD
+  packing hands every CP rank a slice of each row; verl PR 7449 measured the shortest rows that survive
+  as 2 / 3 / 8 / 16 tokens at TP1CP2 / TP2CP2 / TP2CP4 / TP4CP4, each at most TP x CP), else 2.
+* v0: ``trainer.balance_batch`` is forced on (the planner runs in ``_balance_batch``), with a warning.
+* v1: verl_traj's agent-loop manager is selected (:mod:`.v1_agent_loop`: step rows, deterministic request ids).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from omegaconf import OmegaConf, open_dict
+
+from verl_traj.config import TrajConfig, TrajConfigError, validate_against_verl
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PlanSettings", "check_models", "pad_row_tokens", "prepare_config", "fixed_to_dynamic_micro_batches"]
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What the planner takes from verl's config: the update's micro-batch cap (per SP group) and cost model
+    (``derived``: the cap came from verl's settings, so a longer row gets a micro-batch of its own instead of
+    an error) and the attended tokens of a padding row."""
+
+    max_tokens: int
+    cost: str
+    derived: bool
+    pad_row_tokens: int = 2
+
+
+def _max_row_tokens(config: Any) -> int:
+    return int(config.data.get("max_prompt_length", 0) or 0) + int(config.data.get("max_response_length", 0) or 0)
+
+
+def _sp_size(section: Any) -> int:
+    """Ulysses size the engine of an actor / critic section runs with: the engine config's
+    (``fsdp_config`` / ``fsdp``), where verl copies the actor's deprecated top-level key when it is > 1."""
+    engine = section.get("fsdp_config", None) or section.get("fsdp", None) or {}
+    legacy = int(section.get("ulysses_sequence_parallel_size", 1) or 1)
+    if "fsdp" not in section and legacy > 1:  # the actor (verl copies it into fsdp_config); the critic ignores it
+        return legacy
+    return int(engine.get("ulysses_sequence_parallel_size", 1) or 1)
+
+
+def _convert_pass(section: Any, prefix: str, flag: str, mbs_key: str, len_keys: tuple[str, ...],
+                  fallback_mbs: int, max_len: int) -> Optional[str]:
+    """Switch one pass from fixed micro-batch sizes to dynamic ones with the same memory bound."""
+    if section is None or bool(section.get(flag, False)):
+        return None
+    cap = int(section.get(mbs_key, None) or fallback_mbs) * max_len
+    section[flag] = True
+    for key in len_keys:
+        section[key] = cap
+    return f"{prefix}.{flag}=true, {prefix}.{len_keys[0]}={cap}"
+
+
+def fixed_to_dynamic_micro_batches(config: Any) -> list[str]:
+    """Every pass still on fixed micro-batch sizes -> verl's dynamic micro-batching, same memory bound; a pass
+    already dynamic keeps its cap. Returns what changed. (verl requires the actor's and the rollout log-prob
+    pass's ``use_dynamic_bsz`` to agree: afterwards both are true.)"""
+    max_len = _max_row_tokens(config)
+    if max_len <= 0:
+        return []
+    arr = config.actor_rollout_ref
+    mbs = int(arr.rollout.get("log_prob_micro_batch_size_per_gpu", None)
+              or arr.actor.get("ppo_micro_batch_size_per_gpu", None) or 1)
+    changed = []
+    with open_dict(config):
+        changed.append(_convert_pass(arr.actor, "actor_rollout_ref.actor", "use_dynamic_bsz",
+                                     "ppo_micro_batch_size_per_gpu", ("ppo_max_token_len_per_gpu",), mbs, max_len))
+        changed.append(_convert_pass(arr.rollout, "actor_rollout_ref.rollout", "log_prob_use_dynamic_bsz",
+                                     "log_prob_micro_batch_size_per_gpu", ("log_prob_max_token_len_per_gpu",), mbs,
+                                     max_len))
+        if "ref" in arr and arr.ref is not None:
+            changed.append(_convert_pass(arr.ref, "actor_rollout_ref.ref", "log_prob_use_dynamic_bsz",
+                                         "log_prob_micro_batch_size_per_gpu", ("log_prob_max_token_len_per_gpu",), mbs,
+                                         max_len))
+        critic = config.get("critic", None)
+        if critic is not None and bool(critic.get("enable", False)):
+            keys = tuple(k for k in ("ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu",
+                                     "ppo_infer_max_token_len_per_gpu") if k in critic)
+            changed.append(_convert_pass(critic, "critic", "use_dynamic_bsz", "ppo_micro_batch_size_per_gpu", keys, mbs,
+                                         max_len))
+    return [c for c in changed if c]
+
+
+def _apply_infer_cap(config: Any, cap: int) -> None:
+    arr = config.actor_rollout_ref
+    with open_dict(config):
+        arr.rollout.log_prob_max_token_len_per_gpu = cap
+        if "ref" in arr and arr.ref is not None:
+            arr.ref.log_prob_max_token_len_per_gpu = cap
+        critic = config.get("critic", None)
+        if critic is not None:
+            for key in ("forward_max_token_len_per_gpu", "ppo_infer_max_token_len_per_gpu"):
+                if key in critic:
+                    critic[key] = cap
+
+
+def pad_row_tokens(config: Any) -> int:
+    """``max(2, TP x CP)`` over the Megatron sections (actor, reference, critic) that use context parallelism."""
+    need = 2
+    for path in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"):
+        section = OmegaConf.select(config, path, default=None)
+        if section is None or section.get("strategy", None) != "megatron":
+            continue
+        megatron = section.get("megatron", None) or {}
+        tp = int(megatron.get("tensor_model_parallel_size", 1) or 1)
+        cp = int(megatron.get("context_parallel_size", 1) or 1)
+        if cp > 1:
+            need = max(need, tp * cp)
+    return need
+
+
+def _plan_settings(config: Any, traj: TrajConfig) -> PlanSettings:
+    """The update's cap per SP group and cost model; an explicit ``traj`` cap is written into verl's keys."""
+    arr, critic = config.actor_rollout_ref, config.get("critic", None)
+    use_critic = critic is not None and bool(critic.get("enable", False))
+    sections = [arr.actor] + ([critic] if use_critic else [])
+    with open_dict(config):
+        if traj.micro_batch_max_tokens is not None:
+            for section in sections:
+                section.ppo_max_token_len_per_gpu = int(traj.micro_batch_max_tokens)
+    cap = min(int(s.ppo_max_token_len_per_gpu) * _sp_size(s) for s in sections)
+    rmpad = bool((arr.get("model", None) or {}).get("use_remove_padding", False)) and (
+        not use_critic or bool((critic.get("model", None) or {}).get("use_remove_padding", False)))
+    return PlanSettings(cap, "tokens" if rmpad else "padded", traj.micro_batch_max_tokens is None,
+                        pad_row_tokens(config))
+
+
+def _force_balance_batch(config: Any) -> None:
+    """v0 calls ``_balance_batch`` only with ``trainer.balance_batch=true`` (v1 always calls it)."""
+    if not config.trainer.get("balance_batch", True):
+        warnings.warn(
+            "trainer.balance_batch=false is overridden to true: with traj.enable=true the mini-batch planner "
+            "runs in _balance_batch on every step (it also assigns mini-batches and padding). "
+            "To skip only DP workload balancing set traj.balance_dp=false.",
+            stacklevel=3,
+        )
+    with open_dict(config):
+        config.trainer.balance_batch = True
+
+
+def _prepare_v1(config: Any, traj: TrajConfig) -> None:
+    """v1: verl_traj's agent-loop manager (:mod:`.v1_agent_loop`: step rows for ``traj.step_wise``, one request
+    priority per session for ``rollout.full_determinism``), unless the user chose a manager of their own (then
+    ``traj.step_wise`` needs it to subclass verl_traj's)."""
+    from verl_traj.integration.v1_agent_loop import MANAGER_FQN
+
+    agent = config.actor_rollout_ref.rollout.agent
+    given = agent.get("agent_loop_manager_class", None)
+    if given not in (None, "", MANAGER_FQN):
+        if traj.step_wise and not _is_traj_manager(given):
+            raise TrajConfigError(
+                f"actor_rollout_ref.rollout.agent.agent_loop_manager_class={given!r} cannot be combined with "
+                "traj.step_wise=true on the v1 trainer: verl_traj's manager stores each trajectory as its step rows. "
+                f"Leave it unset (verl_traj then uses {MANAGER_FQN}) or point it at a subclass of that class."
+            )
+        return
+    with open_dict(config):
+        agent.agent_loop_manager_class = MANAGER_FQN
+
+
+def _is_traj_manager(fqn: str) -> bool:
+    from verl.utils.import_utils import load_class_from_fqn
+
+    from verl_traj.integration.v1_agent_loop import TrajAgentLoopManagerTQ
+
+    cls = load_class_from_fqn(fqn, "AgentLoopManager")
+    return isinstance(cls, type) and issubclass(cls, TrajAgentLoopManagerTQ)
+
+
+def prepare_config(config: Any, traj: TrajConfig) -> PlanSettings:
+    """Validate ``traj:`` against verl's sections and adapt the verl settings it depends on (see module doc)."""
+    validate_against_verl(traj, config)
+    if config.get("distillation") is not None:
+        from verl.trainer.distillation.losses import is_distillation_enabled
+
+        if is_distillation_enabled(config.get("distillation")):
+            raise TrajConfigError(
+                "distillation is enabled but verl_traj's loss aggregation does not cover verl's distillation loss. "
+                "Set traj.enable=false or disable distillation."
+            )
+    if bool(config.trainer.get("use_v1", False)):
+        _prepare_v1(config, traj)
+    else:
+        _force_balance_batch(config)
+    changed = fixed_to_dynamic_micro_batches(config)
+    if changed:
+        logger.warning("verl_traj: planned batches have variable rows per rank, so fixed micro-batch sizes were "
+                       "replaced by dynamic micro-batching with the same memory bound: %s", "; ".join(changed))
+    if traj.infer_micro_batch_max_tokens is not None:
+        _apply_infer_cap(config, int(traj.infer_micro_batch_max_tokens))
+    return _plan_settings(config, traj)
+
+
+def _check_model_dir(key: str, path: Any) -> Optional[str]:
+    """A local model directory without ``config.json`` (or a local path that does not exist) is refused;
+    hub ids and remote paths are left to verl. Returns the directory when it is local and valid."""
+    import os
+
+    if not isinstance(path, str) or not path:
+        raise TrajConfigError(f"{key}={path!r} is not set: give the model directory (or hub id) to load.")
+    local = os.path.expanduser(path)
+    if os.path.isdir(local):
+        if not os.path.isfile(os.path.join(local, "config.json")):
+            raise TrajConfigError(
+                f"{key}={path!r} is a directory without config.json: point it at a Hugging Face model directory "
+                "(the folder holding config.json and the weights)."
+            )
+        return local
+    if path.startswith(("/", "./", "../", "~")):
+        raise TrajConfigError(f"{key}={path!r} does not exist. Fix the path (or build the model first).")
+    return None
+
+
+def _check_value_head(key: str, local: str) -> None:
+    """verl builds value models as ``AutoModelForTokenClassification`` (trl's value head as a fallback)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING
+
+    from verl.utils.import_utils import is_trl_available
+
+    hf_config = AutoConfig.from_pretrained(local, trust_remote_code=True)
+    if type(hf_config) not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING and not is_trl_available():
+        raise TrajConfigError(
+            f"{key}={local!r} is a {hf_config.model_type!r} model, which has no token-classification class in "
+            "transformers: verl cannot build a value head on it (and trl is not installed). Use a critic model "
+            "with one (Qwen2, Llama, Mistral, ...) or install trl."
+        )
+
+
+def check_models(config: Any) -> None:
+    """Driver-side, before Ray starts: the actor's and (when on) the critic's model paths, the critic's value
+    head, and equal actor / critic data-parallel sizes (one rank-major plan serves both)."""
+    from verl.trainer.ppo.utils import need_critic
+
+    _check_model_dir("actor_rollout_ref.model.path", config.actor_rollout_ref.model.get("path"))
+    if not need_critic(config):
+        return
+    local = _check_model_dir("critic.model.path", config.critic.model.get("path"))
+    if local is not None:
+        _check_value_head("critic.model.path", local)
+    actor_sp, critic_sp = _sp_size(config.actor_rollout_ref.actor), _sp_size(config.critic)
+    if actor_sp != critic_sp:
+        raise TrajConfigError(
+            f"critic.fsdp.ulysses_sequence_parallel_size={critic_sp} differs from the actor's ({actor_sp}): the critic's "
+            "data-parallel size would differ from the actor's, and verl_traj plans one rank-major layout for both. "
+            f"Set critic.fsdp.ulysses_sequence_parallel_size={actor_sp} (or the actor's to {critic_sp})."
+        )

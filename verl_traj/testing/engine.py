@@ -1,0 +1,127 @@
+"""verl's real engine workers on CPU without Ray, for the engine tests and ``scripts/bench_update.py``.
+
+One process per DP rank (``torch.multiprocessing`` spawn, gloo). The workers are built exactly as
+``ActorRolloutRefWorker.init_model`` / the trainer's critic builds them, from ``configs/cpu_tiny.yaml``
+and the tiny model of :mod:`verl_traj.cpu.build_tiny`; a planned batch is dispatched as verl's trainer
+does (``left_right_2_no_padding``, the update's non-tensor keys, rank ``r`` gets the contiguous block r).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from functools import partial
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+
+__all__ = ["free_port", "init_rank", "cpu_config", "actor_worker", "critic_worker", "rank_tensordict", "plan_for_update"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_rank(rank: int, world: int, port: int, home: str, threads: int = 1) -> None:
+    """Environment and gloo process group of one spawned rank (verl reads RANK / WORLD_SIZE / ...)."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "VERL_TRAJ_HOME": home})
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, threads))
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+
+
+def cpu_config(overrides: Sequence[str] = ()) -> Any:
+    """``configs/cpu_tiny.yaml`` with hydra overrides, resolved."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from verl_traj.configs import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cfg = compose(config_name="cpu_tiny", overrides=list(overrides))
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+def _worker(cls: type, model_type: str, model_config: Any, section_config: Any, cap: int, loss_fn: Any) -> Any:
+    from verl.workers.config import TrainingWorkerConfig
+
+    twc = TrainingWorkerConfig(model_type=model_type, model_config=model_config, engine_config=section_config.engine,
+                               optimizer_config=section_config.optim, checkpoint_config=section_config.checkpoint)
+    twc.engine_config.use_dynamic_bsz = True
+    twc.engine_config.max_token_len_per_gpu = cap
+    twc.engine_config.infer_max_token_len_per_gpu = cap
+    twc.engine_config.use_remove_padding = model_config.get("use_remove_padding", False)
+    worker = cls(config=twc)
+    worker.reset()
+    worker.set_loss_fn(partial(loss_fn, config=section_config))
+    return worker
+
+
+def actor_worker(cfg: Any, planned: bool) -> Any:
+    """The actor's engine worker: ``TrajTrainingWorker`` + ``traj_ppo_loss`` or verl's own pair."""
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.engine_workers import TrainingWorker
+    from verl.workers.utils.losses import ppo_loss
+
+    from verl_traj.integration.losses import traj_ppo_loss
+    from verl_traj.integration.workers import TrajTrainingWorker
+
+    model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
+    actor_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    actor_config.model_config = model_config
+    return _worker(TrajTrainingWorker if planned else TrainingWorker, "language_model", model_config, actor_config,
+                   int(cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu),
+                   traj_ppo_loss if planned else ppo_loss)
+
+
+def critic_worker(cfg: Any) -> Any:
+    """The critic's engine worker (value model): ``TrajCriticWorker`` + ``traj_value_loss``."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from verl_traj.integration.losses import traj_value_loss
+    from verl_traj.integration.workers import TrajCriticWorker
+
+    critic_config = omega_conf_to_dataclass(cfg.critic)
+    return _worker(TrajCriticWorker, "value_model", critic_config.model, critic_config,
+                   int(cfg.critic.ppo_max_token_len_per_gpu), traj_value_loss)
+
+
+def plan_for_update(batch: Any, cfg: Any, dp: int, *, mode: str = "token-mean", group_by: str = "group",
+                    seed: int = 0) -> Any:
+    """What ``TrajRayPPOTrainer`` does to a batch before ``_update_actor``: prepare the config, plan in place,
+    attach the loss weights. Returns the plan."""
+    from verl_traj.config import TrajConfig
+    from verl_traj.core import compute_loss_weights
+    from verl_traj.integration.trainer import plan_batch_in_place
+    from verl_traj.integration.verl_config import prepare_config
+
+    traj = TrajConfig(group_by=group_by)
+    micro = prepare_config(cfg, traj)
+    num_mb = int(cfg.data.train_batch_size) // int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
+    plan = plan_batch_in_place(batch, traj, num_mb, dp, micro=micro, seed=seed)
+    td = batch.batch
+    td["loss_weight"] = compute_loss_weights(mode, td["response_mask"], td["mini_batch_id"], td["traj_index"],
+                                             td["is_padding"])
+    return plan
+
+
+def rank_tensordict(batch: Any, rank: int, dp: int, mini_batch_rows: int, *, epochs: int = 1, shuffle: bool = False,
+                    extra: Optional[dict] = None) -> Any:
+    """Rank ``rank``'s block of ``batch`` as verl's ``_update_actor`` dispatches it."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    td = left_right_2_no_padding(batch.to_tensordict())
+    tu.assign_non_tensor(
+        td, calculate_entropy=False, global_batch_size=mini_batch_rows, mini_batch_size=mini_batch_rows,
+        epochs=epochs, seed=0, dataloader_kwargs={"shuffle": shuffle}, compute_loss=True, temperature=1.0,
+        **(extra or {}),
+    )
+    per = len(batch) // dp
+    return tu.index_select_tensor_dict(td, list(range(rank * per, (rank + 1) * per)))
