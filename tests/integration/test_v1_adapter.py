@@ -1,0 +1,249 @@
+"""The v1 trainer adapter's pure parts (:mod:`verl_traj.integration.v1`): keys -> layout, the planned advantage
+(v1's reward-on-every-step-row convention gives exactly v0's step-wise advantages), padding rows with the source's
+schema, the trainer classes every registered mode gets, and the start-up checks for ``trainer.use_v1=true``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from verl.trainer.ppo import ray_trainer
+
+from tests.stepwise.test_stepwise_integration import _planned
+from verl_traj.config import TrajConfig, TrajConfigError, validate_against_verl
+from verl_traj.core import build_layout_from_counts, plan_mini_batches
+from verl_traj.integration import v1 as V1
+from verl_traj.integration.stepwise_rows import stepwise_advantage
+from verl_traj.testing import as_dataproto, rl_batch
+
+
+def test_split_keys_reads_group_trajectory_and_step():
+    uid, traj, step = V1.split_keys(["a-1_0_0", "a-1_0_1", "a-1_1_0", "pad9_0_0"])
+    assert uid.tolist() == ["a-1", "a-1", "a-1", "pad9"]
+    assert traj.tolist() == ["a-1_0", "a-1_0", "a-1_1", "pad9_0"]
+    assert step.tolist() == [0, 1, 0, 0]
+    with pytest.raises(TrajConfigError, match="'plainkey'.*uid.*session.*index"):
+        V1.split_keys(["a_0_0", "plainkey"])
+
+
+def test_row_loss_tokens_dense_and_jagged_agree():
+    rows = [torch.tensor([1, 0, 1, 1]), torch.tensor([0]), torch.tensor([1, 1])]
+    nested = torch.nested.nested_tensor(rows, layout=torch.jagged)
+    dense = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    assert V1.row_loss_tokens(nested).tolist() == V1.row_loss_tokens(dense).tolist() == [3, 0, 2]
+
+
+def _v1_view(data):
+    """The rows of a planned v0 step-wise batch as v1 stores them: keys ``{uid}_{traj}_{step}``, and the
+    trajectory's reward copied onto every step row (v1's agent-loop worker does that)."""
+    nt, td = data.non_tensor_batch, data.batch
+    pad = td["is_padding"]
+    keys = [f"pad{i}_0_0" if p else f"{u}_{t}_{s}" for i, (u, t, s, p) in
+            enumerate(zip(nt["uid"], nt["traj_id"], nt["step_index"], pad.tolist()))]
+    reward = torch.zeros(len(keys))
+    last = torch.as_tensor(np.asarray(nt["is_last_step"], dtype=bool)) & ~pad
+    for i in torch.nonzero(last).flatten().tolist():
+        reward[td["traj_index"] == td["traj_index"][i]] = td["rm_scores"][i].sum()
+    scores = torch.zeros_like(td["rm_scores"])
+    ends = td["response_mask"].shape[1] - 1 - torch.argmax(td["attention_mask"][:, -scores.shape[1]:].flip(-1), -1)
+    scores[torch.arange(len(keys)), ends] = reward * (~pad).float()
+    rows = V1.PlannedRows(tuple(keys), V1.split_keys(keys)[0], td["traj_index"].clone(), last,
+                          pad.clone(), td["mini_batch_id"].clone(), multi_row=True)
+    return keys, scores, rows
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "opo"])
+@pytest.mark.parametrize("kl_in_reward", [False, True])
+def test_planned_advantage_counts_the_copied_reward_once(name, kl_in_reward):
+    """v0 (reward on the last step row only) and v1 (the same reward on every step row) give the same
+    advantages, on each row's own tokens; padding rows get zeros; with KL-in-reward the per-step penalties are
+    summed and the reward still counted once."""
+    data, _ = _planned(1, dp=2)
+    penalty = 0.01 * data.batch["response_mask"].float() if kl_in_reward else 0.0
+    data.batch["token_level_rewards"] = data.batch["rm_scores"] - penalty
+    config = OmegaConf.create({"use_kl_in_reward": kl_in_reward})
+    expected = stepwise_advantage(ray_trainer.compute_advantage)(data, name, config=config).batch["advantages"]
+
+    keys, scores, rows = _v1_view(data)
+    v1 = as_dataproto({"token_level_scores": scores, "token_level_rewards": scores - penalty,
+                       "response_mask": data.batch["response_mask"], "attention_mask": data.batch["attention_mask"],
+                       "responses": data.batch["responses"]}, {"uid": rows.uid})
+    got = V1.planned_advantage(rows)(v1, keys, name, config=config).batch["advantages"]
+    torch.testing.assert_close(got, expected)
+    assert torch.count_nonzero(got[rows.is_padding]) == 0
+    assert torch.all((got != 0) <= (data.batch["response_mask"] != 0))  # only on each row's own loss tokens
+
+
+def test_planned_advantage_on_one_row_trajectories_is_verl_on_real_rows():
+    tensors, non = rl_batch(groups=3, n=4, seed=2)
+    B = len(non["uid"])
+    pad = torch.zeros(B + 2, dtype=torch.bool)
+    pad[-2:] = True
+    keys = [f"{u}_{i % 4}_0" for i, u in enumerate(non["uid"])] + ["pad0_0_0", "pad1_0_0"]
+    grow = {k: torch.cat([v, torch.zeros((2,) + v.shape[1:], dtype=v.dtype)]) for k, v in tensors.items()}
+    rows = V1.PlannedRows(tuple(keys), V1.split_keys(keys)[0], torch.cat([torch.arange(B), torch.tensor([-1, -1])]),
+                          ~pad, pad, torch.zeros(B + 2, dtype=torch.long), multi_row=False)
+    data = as_dataproto(grow, {"uid": rows.uid})
+    got = V1.planned_advantage(rows)(data, keys, "grpo", num_repeat=4, config=OmegaConf.create({}))
+    ref = ray_trainer.compute_advantage(as_dataproto(tensors, dict(non)), "grpo", num_repeat=4,
+                                        config=OmegaConf.create({}))
+    torch.testing.assert_close(got.batch["advantages"][:B], ref.batch["advantages"])
+    assert torch.count_nonzero(got.batch["advantages"][B:]) == 0
+    with pytest.raises(RuntimeError, match="not the ones _balance_batch planned"):
+        V1.planned_advantage(rows)(data, list(reversed(keys)), "grpo", config=OmegaConf.create({}))
+
+
+def test_planned_rows_follow_the_plan_order():
+    keys = ["g0_0_0", "g0_0_1", "g0_1_0", "g1_0_0", "g1_1_0", "g1_1_1", "g1_1_2"]
+    uid, traj, step = V1.split_keys(keys)
+    layout = build_layout_from_counts(torch.tensor([5, 6, 7, 4, 3, 8, 2]), torch.tensor([2, 2, 3, 1, 1, 4, 1]), uid,
+                                      traj_id=traj, step_index=step)
+    plan = plan_mini_batches(layout, 2, 2)
+    out_keys = [keys[i] if i >= 0 else f"pad{j}_0_0" for j, i in enumerate(plan.order.tolist())]
+    rows = V1.planned_rows(out_keys, plan, layout)
+    last_key = {"g0_0": "g0_0_1", "g0_1": "g0_1_0", "g1_0": "g1_0_0", "g1_1": "g1_1_2"}
+    expected = [not k.startswith("pad") and last_key[k.rsplit("_", 1)[0]] == k for k in out_keys]
+    assert rows.is_last_step.tolist() == expected
+    assert rows.is_padding.tolist() == [k.startswith("pad") for k in out_keys]
+    assert rows.multi_row and rows.mini_batch_id.tolist() == plan.mini_batch_id.tolist()
+
+
+def test_padding_row_has_the_source_schema_and_no_loss():
+    source = {"prompts": torch.arange(5), "responses": torch.arange(3), "input_ids": torch.arange(8),
+              "attention_mask": torch.ones(8, dtype=torch.long), "position_ids": torch.arange(8),
+              "response_mask": torch.ones(3, dtype=torch.long), "loss_mask": torch.ones(3, dtype=torch.long),
+              "rm_scores": torch.tensor([0.0, 0.0, 1.0]), "rollout_log_probs": -torch.ones(3), "uid": "g",
+              "session_id": 1, "num_turns": 3, "data_source": "d"}
+    tag = {"status": "success", "seq_len": 8, "min_global_steps": 2, "max_global_steps": 3}
+    row, pad_tag = V1.padding_row(source, tag, eos_token_id=7, length=2)
+    assert set(row) == set(source)
+    assert row["input_ids"].tolist() == [7, 7] and row["attention_mask"].tolist() == [1, 1]
+    assert row["response_mask"].tolist() == [0] and float(row["rm_scores"].abs().sum()) == 0
+    assert pad_tag["is_padding"] and pad_tag["seq_len"] == 2 and pad_tag["min_global_steps"] == 2
+    assert source["response_mask"].tolist() == [1, 1, 1]  # the source is untouched
+
+
+def test_stock_plan_metrics_count_what_fixed_slices_split():
+    from verl_traj.integration.plan import stock_plan_metrics
+
+    keys = [f"g{g}_{s}_{k}" for g in range(2) for s in range(2) for k in range(3)]  # 2 groups x 2 sessions x 3 steps
+    uid, traj, _ = V1.split_keys(keys)
+    m = stock_plan_metrics(uid, traj, None, dp_size=1, rows_per_mini_batch=4, epochs=1)
+    assert m["stock_plan/num_mini_batches"] == 3
+    assert m["stock_plan/split_trajectories"] == 2 and m["stock_plan/split_groups"] == 2
+
+
+def test_stepwise_metrics_sum_the_session_tags():
+    from verl_traj.integration.v1_agent_loop import MERGE_TAG
+
+    one = {"rows_before": 3, "rows_after": 1, "tokens_before": 30, "tokens_after": 14, "loss_tokens_before": 6,
+           "loss_tokens_after": 6}
+    tags = [{MERGE_TAG: one}, {}, {MERGE_TAG: dict(one, rows_after=2, tokens_after=20)}]
+    m = V1.stepwise_metrics(tags)
+    assert m["traj_stepwise/rows_before"] == 6 and m["traj_stepwise/rows_after"] == 3
+    assert m["traj_stepwise/token_ratio"] == pytest.approx(60 / 34) and m["traj_stepwise/trajectories"] == 2
+    assert V1.stepwise_metrics([{}, {}]) == {}
+
+
+def test_every_registered_mode_gets_the_mixin_and_the_registry_is_restored():
+    import verl.trainer.ppo.v1 as v1_pkg
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+
+    from verl_traj.integration.patches import patched, v1_task_runner_patches
+
+    original = v1_pkg.get_trainer_cls
+    with patched(v1_task_runner_patches()):
+        for name, cls in TRAINER_REGISTRY.items():
+            traj_cls = v1_pkg.get_trainer_cls(name)
+            assert traj_cls.__mro__[1] is V1.TrajV1Mixin and issubclass(traj_cls, cls)
+            assert v1_pkg.get_trainer_cls(name) is traj_cls  # one class per mode
+    assert v1_pkg.get_trainer_cls is original
+    assert set(TRAINER_REGISTRY) >= {"sync", "colocate_async", "separate_async"}
+
+
+def test_separate_async_actor_worker_gets_the_traj_actor():
+    from verl.experimental.separation.engine_workers import DetachActorWorker
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    from verl_traj.integration.workers import TrajActorMixin, TrajActorRolloutRefWorker, traj_actor_worker
+
+    detach = traj_actor_worker(DetachActorWorker)
+    assert issubclass(detach, TrajActorMixin) and issubclass(detach, DetachActorWorker)
+    assert traj_actor_worker(DetachActorWorker) is detach
+    assert traj_actor_worker(ActorRolloutRefWorker) is TrajActorRolloutRefWorker
+    with pytest.raises(TypeError, match="ActorRolloutRefWorker"):
+        traj_actor_worker(dict)
+
+
+def _v1_config(**over):
+    base = {"trainer": {"use_v1": True, "v1": {"trainer_mode": "sync", "separate_async": {"parameter_sync_step": 4}}},
+            "data": {"train_batch_size": 8},
+            "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 2, "policy_loss": {"loss_mode": "vanilla"}}},
+            "algorithm": {"adv_estimator": "grpo"}}
+    cfg = OmegaConf.create(base)
+    for key, value in over.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    return cfg
+
+
+def test_v1_is_accepted_and_updates_are_counted_per_local_update():
+    validate_against_verl(TrajConfig(), _v1_config())
+    validate_against_verl(TrajConfig(), _v1_config(**{"trainer.v1.trainer_mode": "separate_async"}))  # 8/4 = 2 prompts
+    with pytest.raises(TrajConfigError, match=r"train_batch_size / parameter_sync_step=2 .*ppo_mini_batch_size=4"):
+        validate_against_verl(TrajConfig(), _v1_config(**{"trainer.v1.trainer_mode": "separate_async",
+                                                           "actor_rollout_ref.actor.ppo_mini_batch_size": 4}))
+    with pytest.raises(TrajConfigError, match="parameter_sync_step=3"):
+        validate_against_verl(TrajConfig(), _v1_config(**{"trainer.v1.sync.parameter_sync_step": 3}))
+
+
+def test_v1_selects_the_traj_agent_loop_manager_and_keeps_the_users_own():
+    from verl_traj.integration.v1_agent_loop import MANAGER_FQN
+    from verl_traj.integration.verl_config import _prepare_v1
+
+    key = "actor_rollout_ref.rollout.agent.agent_loop_manager_class"
+    cfg = _v1_config(**{key: None})
+    _prepare_v1(cfg, TrajConfig())
+    assert OmegaConf.select(cfg, key) == MANAGER_FQN
+    own = "verl.trainer.ppo.v1.agent_loop_tq.AgentLoopManagerTQ"
+    cfg = _v1_config(**{key: own})
+    _prepare_v1(cfg, TrajConfig())
+    assert OmegaConf.select(cfg, key) == own  # kept without step-wise rows
+    with pytest.raises(TrajConfigError, match="agent_loop_manager_class=.*AgentLoopManagerTQ.*step_wise"):
+        _prepare_v1(cfg, TrajConfig(step_wise=True))
+
+
+def test_session_priorities_are_unique_and_run_independent():
+    from verl_traj.integration.v1_agent_loop import session_priority
+
+    ids = {session_priority(i, s, 4) for i in range(50) for s in range(4)}
+    assert len(ids) == 200 and session_priority(7, 2, 4) == 30
+    assert session_priority("row-a", 1, 4) == session_priority("row-a", 1, 4) != session_priority("row-b", 1, 4)
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_a_scored_trajectory_becomes_its_step_rows(merge):
+    """What the v1 agent-loop worker stores for one step-wise session: each LLM call's own context and tokens
+    (or the prefix-merged rows), the reward on the last row only, the records dropped, every loss token kept."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+
+    from verl_traj.integration.v1_agent_loop import step_outputs
+    from verl_traj.stepwise.expand import encode_step_records
+    from verl_traj.testing import token_trajectory
+
+    records, prompt, response, mask, lps = token_trajectory(np.random.default_rng(0), 3, break_at=2)
+    out = AgentLoopOutput(prompt_ids=prompt.tolist(), response_ids=response.tolist(), response_mask=mask.tolist(),
+                          response_logprobs=lps.tolist(), reward_score=0.7, num_turns=6, metrics=AgentLoopMetrics(),
+                          extra_fields={"traj_steps": encode_step_records(records), "tool": 1})
+    rows, stats = step_outputs(out, merge)
+    assert len(rows) == (2 if merge else 3)  # the context is rewritten before call 2: calls 0 and 1 merge
+    assert [r.reward_score for r in rows] == [None] * (len(rows) - 1) + [0.7]
+    assert all(r.extra_fields == {"tool": 1} for r in rows)
+    assert sum(sum(r.response_mask) for r in rows) == int(mask.sum())
+    assert stats["rows_before"] == 3 and stats["rows_after"] == len(rows)
+    last = records[-1]
+    assert rows[-1].prompt_ids == list(last["prompt_ids"]) and rows[-1].response_ids == list(last["response_ids"])
+    assert rows[-1].response_logprobs == pytest.approx(list(last["response_logprobs"]))
+    if not merge:
+        assert [r.prompt_ids for r in rows] == [list(rec["prompt_ids"]) for rec in records]

@@ -1,0 +1,420 @@
+"""verl_traj on verl's v1 trainer (``trainer.use_v1=true``, verl 0.9's default): the same core planner, workers
+and losses as on v0, behind one mixin.
+
+v1 keeps a batch in TransferQueue (TQ): the trainer holds a ``KVBatchMeta`` (row keys and per-row tags), the
+workers pull the stored fields common to every row dispatched to them. A row key is ``{uid}_{session}_{index}``:
+``uid`` is the prompt (the GRPO group), ``{uid}_{session}`` one trajectory (``rollout.n`` sessions per prompt),
+``index`` the position of the row among the session's agent-loop outputs -- its step (several outputs per session
+come from verl_traj's step-wise rows, :mod:`verl_traj.integration.v1_agent_loop`, or from any v1 agent loop that
+returns ``list[AgentLoopOutput]``). The adapter works from those keys and the tags v1 already keeps.
+
+With ``traj.enable=true`` every mode's trainer (``sync``, ``colocate_async``, ``separate_async`` and any mode
+registered later) runs as ``Traj<Class>(TrajV1Mixin, Class)`` (:func:`traj_trainer_class`, installed by the task
+runner for its lifetime):
+
+* ``_balance_batch`` (replaces verl's LCM upsampling + Karmarkar-Karp): layout from the keys and the ``seq_len``
+  tags plus one fetch of ``response_mask`` (loss tokens); the core plans (whole units per mini-batch, DP balance,
+  at most dp-1 padding rows per mini-batch, micro-batches under the token cap); padding rows are written to TQ
+  (``pad_row_tokens`` long, each its own group, tagged ``is_padding`` as verl's own); the keys come back in the
+  plan's rank-major order (dispatch hands rank r the r-th contiguous block), with ``mini_batch_id`` and
+  ``micro_batch_id`` stored as fields of every row. The plan's other per-row facts (trajectory index, last step,
+  padding) stay on the trainer (:class:`PlannedRows`) for the advantage and the loss weights.
+* ``_compute_advantage``: verl's, with ``compute_advantage_for_multi_trajectories`` replaced for the call by
+  :func:`planned_advantage` (real rows only; a trajectory of several rows gets its outcome estimator once).
+* ``_update_critic`` / ``_update_actor``: a ``loss_weight`` field (from the final ``response_mask`` and the plan)
+  is written before verl's dispatch; the workers step once per ``mini_batch_id`` and run the planned
+  micro-batches (:mod:`verl_traj.integration.workers`), the losses aggregate globally (:mod:`.losses`).
+* ``_compute_metrics``: timing and throughput on real rows too (verl already drops ``is_padding`` rows elsewhere).
+* Workers and losses: the actor role(s) run :func:`~verl_traj.integration.workers.traj_actor_worker` of verl's
+  class (``DetachActorWorker`` in ``separate_async`` included), the critic ``TrajCriticWorker`` with
+  ``traj_value_loss``. Prompt uids are deterministic (seed, step, position) and rows are planned in key order,
+  so a seeded run plans the same batches again.
+
+With ``traj.enable=false`` the trainer is verl's own class (the mixin is not applied); ``stock_plan/*`` metrics
+then observe what verl's fixed-size mini-batches do to groups.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from verl_traj.config import TrajConfig, TrajConfigError
+from verl_traj.core import MiniBatchPlan, build_layout_from_counts, compute_loss_weights
+from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID, LOSS_WEIGHT
+from verl_traj.integration.checkpoints import CompleteCheckpoints
+from verl_traj.integration.patches import patched
+from verl_traj.integration.plan import debug_dump, plan_layout, stock_plan_metrics
+from verl_traj.integration.verl_config import prepare_config
+from verl_traj.integration.workers import MINI_BATCH_GROUP_KEY
+
+__all__ = ["PlannedRows", "TrajV1Mixin", "padding_row", "planned_advantage", "planned_rows", "row_loss_tokens",
+           "split_keys", "traj_trainer_class"]
+
+logger = logging.getLogger(__name__)
+
+_UID_NAMESPACE = uuid.UUID("5f3c1d52-6a1e-4c8e-9a57-1c0a3e5b7d11")
+
+
+def split_keys(keys: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(uid, trajectory id, step)`` ``[B]`` of v1 row keys ``{uid}_{session}_{index}``."""
+    parts = [k.rsplit("_", 2) for k in keys]
+    bad = next((k for k, p in zip(keys, parts) if len(p) != 3 or not p[2].isdigit()), None)
+    if bad is not None:
+        raise TrajConfigError(
+            f"row key {bad!r} is not '{{uid}}_{{session}}_{{index}}' (verl's AgentLoopWorkerTQ key): verl_traj reads "
+            "the prompt group, trajectory and step from it. Store rows with verl's v1 agent loop worker, or set "
+            "traj.enable=false."
+        )
+    uid = np.array([p[0] for p in parts], dtype=object)
+    traj = np.array([f"{p[0]}_{p[1]}" for p in parts], dtype=object)
+    return uid, traj, np.array([int(p[2]) for p in parts], dtype=np.int64)
+
+
+def row_loss_tokens(mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` int64 non-zero entries per row of a ``[B, R]`` mask, dense or jagged (TQ's nested layout)."""
+    if mask.is_nested:
+        lengths = mask.offsets().diff()
+        rows = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        return torch.zeros(lengths.numel(), dtype=torch.int64).index_add_(0, rows, (mask.values() != 0).long())
+    return (mask != 0).sum(-1).long()
+
+
+@dataclass(frozen=True)
+class PlannedRows:
+    """The plan's per-row facts of the batch planned last, in dispatch order (``[B]`` each)."""
+
+    keys: tuple[str, ...]
+    uid: np.ndarray  # object
+    traj_index: torch.Tensor  # int64, -1 on padding
+    is_last_step: torch.Tensor  # bool
+    is_padding: torch.Tensor  # bool
+    mini_batch_id: torch.Tensor  # int64
+    multi_row: bool  # some trajectory has several rows (steps)
+
+    def check(self, keys: list[str]) -> None:
+        if tuple(keys) != self.keys:
+            raise RuntimeError(
+                "the batch's keys are not the ones _balance_batch planned (same rows, same order): something between "
+                "balancing and this step reordered or replaced rows. verl_traj needs the planned order."
+            )
+
+
+def padding_row(source: dict, tag: dict, eos_token_id: int, length: int) -> tuple[dict, dict]:
+    """One padding row of ``length`` attended tokens (``length - 1`` prompt EOS + one response EOS, masks and
+    rewards 0) with ``source``'s schema: verl's ``construct_minimal_padding_template`` (128 tokens), shortened."""
+    from verl.trainer.ppo.padding_utils import (build_padding_position_ids, build_padding_routed_experts,
+                                                construct_minimal_padding_template)
+
+    sample, pad_tag = construct_minimal_padding_template(source, tag, eos_token_id)
+    prompts = torch.full((length - 1,), eos_token_id, dtype=torch.int64)
+    responses = torch.full((1,), eos_token_id, dtype=torch.int64)
+    input_ids = torch.cat([prompts, responses])
+    attention_mask = torch.ones_like(input_ids)
+    sample.update(prompts=prompts, responses=responses, input_ids=input_ids, attention_mask=attention_mask,
+                  position_ids=build_padding_position_ids(source.get("position_ids"), attention_mask))
+    if "routed_experts" in sample:
+        sample["routed_experts"] = build_padding_routed_experts(source.get("routed_experts"), length)
+    pad_tag.update(is_padding=True, prompt_len=length - 1, response_len=1, seq_len=length)
+    return sample, pad_tag
+
+
+def _write_padding_rows(batch: Any, count: int, eos_token_id: int, length: int) -> tuple[list[str], list[dict]]:
+    """``count`` padding rows in TQ, each its own uid (a group of one: no group statistic sees it)."""
+    import transfer_queue as tq
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    if count == 0:
+        return [], []
+    source = tq.kv_batch_get(keys=[batch.keys[0]], partition_id=batch.partition_id)[0]
+    template, tag = padding_row(source, batch.tags[0], eos_token_id, length)
+    keys, fields = [], []
+    for _ in range(count):
+        uid = f"pad{uuid.uuid4().hex}"
+        row = copy.deepcopy(template)
+        row["uid"] = uid
+        if "session_id" in row:
+            row["session_id"] = 0
+        keys.append(f"{uid}_0_0")
+        fields.append(row)
+    tags = [copy.deepcopy(tag) for _ in range(count)]
+    tq.kv_batch_put(keys=keys, partition_id=batch.partition_id, fields=list_of_dict_to_tensordict(fields), tags=tags)
+    return keys, tags
+
+
+def _dispatch_dp_size(worker_group: Any, mesh: str) -> int:
+    """Data-parallel size of a worker group's mesh, as verl's v1 ``_balance_batch`` reads it."""
+    if mesh not in worker_group._dispatch_info:
+        worker_group._dispatch_info[mesh] = worker_group._query_dispatch_info(mesh)
+    return max(worker_group._dispatch_info[mesh]) + 1
+
+
+def stepwise_metrics(tags: list[dict]) -> dict[str, float]:
+    """``traj_stepwise/*`` (as on v0) from the merge statistics the step-wise agent-loop worker tags each session
+    with; nothing for a batch without step-wise sessions."""
+    from verl_traj.integration.v1_agent_loop import MERGE_TAG
+    from verl_traj.stepwise.prefix_merge import MergeStats
+
+    stats = [t[MERGE_TAG] for t in tags if MERGE_TAG in t]
+    if not stats:
+        return {}
+    out = sum((MergeStats(**s) for s in stats), MergeStats()).metrics("traj_stepwise")
+    out["traj_stepwise/trajectories"] = float(len(stats))
+    return out
+
+
+def _key_order(key: str) -> tuple:
+    uid, session, index = key.rsplit("_", 2)
+    return uid, int(session) if session.isdigit() else session, int(index) if index.isdigit() else index
+
+
+def _ordered_batch(batch: Any, plan: MiniBatchPlan, pad_keys: list[str], pad_tags: list[dict]) -> Any:
+    """The batch's keys and tags (padding rows appended) in the plan's rank-major order."""
+    from transfer_queue import KVBatchMeta
+
+    keys, tags = batch.keys + pad_keys, batch.tags + pad_tags
+    order = plan.order.numpy().copy()
+    pads = np.flatnonzero(order < 0)
+    order[pads] = len(batch) + np.arange(pads.size)
+    return KVBatchMeta(keys=[keys[i] for i in order], tags=[tags[i] for i in order], partition_id=batch.partition_id,
+                       fields=batch.fields, extra_info=batch.extra_info)
+
+
+def planned_rows(keys: list[str], plan: MiniBatchPlan, layout: Any) -> PlannedRows:
+    """The plan's per-row facts in dispatch order (``keys``: the planned batch's keys, padding included)."""
+    src = plan.order.clamp(min=0)
+    return PlannedRows(
+        keys=tuple(keys), uid=split_keys(keys)[0], traj_index=plan.traj_index.clone(),
+        is_last_step=layout.is_last_step[src] & ~plan.is_padding, is_padding=plan.is_padding.clone(),
+        mini_batch_id=plan.mini_batch_id.clone(), multi_row=bool((layout.traj_num_steps > 1).any()),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def traj_trainer_class(verl_cls: type) -> type:
+    """``Traj<Name>(TrajV1Mixin, verl_cls)`` for a registered v1 trainer class (one class per input)."""
+    return type(f"Traj{verl_cls.__name__}", (TrajV1Mixin, verl_cls), {"__module__": __name__})
+
+
+def planned_advantage(rows: PlannedRows) -> Any:
+    """Replacement for v1's ``compute_advantage_for_multi_trajectories(data, batch_keys, adv_estimator, ...)`` on a
+    planned batch: padding rows get zeros and move nothing; a batch whose trajectories have several rows (steps) runs
+    the outcome estimator once per trajectory on its last step's reward (v1 copies the reward onto every step row:
+    it is counted once, also in KL-in-reward's sum) and puts each trajectory's scalar on each row's own tokens
+    (:func:`~verl_traj.stepwise.advantages.compute_trajectory_advantages`; temporal estimators are refused there);
+    otherwise verl's ``compute_advantage`` runs on the real rows, as on v0."""
+    from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, TRAJ_INDEX
+    from verl_traj.integration.rows import advantage_on_real_rows
+    from verl_traj.integration.stepwise_rows import stepwise_advantage
+
+    def compute(data: Any, batch_keys: list[str], adv_estimator: Any, gamma: float = 1.0, lam: float = 1.0,
+                num_repeat: int = 1, norm_adv_by_std_in_grpo: bool = True, config: Optional[Any] = None) -> Any:
+        from verl.trainer.ppo import ray_trainer
+
+        rows.check(batch_keys)
+        td = data.batch
+        td[IS_PADDING] = rows.is_padding.to(td.device)
+        kwargs = dict(gamma=gamma, lam=lam, num_repeat=num_repeat, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+                      config=config)
+        if not rows.multi_row:
+            return advantage_on_real_rows(ray_trainer.compute_advantage)(data, adv_estimator, **kwargs)
+        not_last = (~rows.is_last_step).to(device=td.device, dtype=td["token_level_scores"].dtype)
+        td["token_level_rewards"] = td["token_level_rewards"] - td["token_level_scores"] * not_last[:, None]
+        td[TRAJ_INDEX] = rows.traj_index.to(td.device)
+        data.non_tensor_batch[IS_LAST_STEP] = rows.is_last_step.numpy()
+        return stepwise_advantage(ray_trainer.compute_advantage)(data, adv_estimator, **kwargs)
+
+    return compute
+
+
+class TrajV1Mixin(CompleteCheckpoints):
+    """verl_traj's part of a v1 trainer (first base; see the module docstring). Inactive with ``traj.enable=false``
+    but for the ``stock_plan/*`` observer metrics."""
+
+    def __init__(self, config: Any):
+        self.traj = TrajConfig.from_mapping(config.get("traj"))
+        self.plan_settings = prepare_config(config, self.traj) if self.traj.enable else None
+        self._planned: Optional[PlannedRows] = None
+        self._uid_draws = (-1, 0)  # (global step, prompts drawn in it): deterministic uids
+        super().__init__(config)
+
+    # ---- set-up ------------------------------------------------------------------------------------
+
+    def _init_resource_pool_mgr(self):
+        super()._init_resource_pool_mgr()
+        if not self.traj.enable:
+            return
+        import ray
+
+        from verl.trainer.ppo.utils import Role
+
+        from verl_traj.integration.workers import TrajCriticWorker, traj_actor_worker
+
+        for role, cls in list(self.role_worker_mapping.items()):
+            if role == Role.Critic:
+                self.role_worker_mapping[role] = ray.remote(TrajCriticWorker)
+            elif role in (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef):
+                self.role_worker_mapping[role] = ray.remote(traj_actor_worker(cls.__ray_actor_class__))
+
+    def _setup(self):
+        super()._setup()
+        if self.traj.enable and self.use_critic:
+            from verl.utils.config import omega_conf_to_dataclass
+
+            from verl_traj.integration.losses import traj_value_loss
+
+            self.critic_wg.set_loss_fn(functools.partial(traj_value_loss,
+                                                         config=omega_conf_to_dataclass(self.config.critic)))
+
+    def _fetch_one_gen_batch(self):
+        """verl's, with prompt uids from (``data.seed``, step, position) instead of ``uuid4``: a seeded run plans
+        the same batches again (rows are planned in key order)."""
+        batch = super()._fetch_one_gen_batch()
+        if not self.traj.enable:
+            return batch
+        from verl.utils import tensordict_utils as tu
+
+        step, drawn = self._uid_draws if self._uid_draws[0] == self.global_steps else (self.global_steps, 0)
+        seed = self.config.data.get("seed", None)
+        uids = [str(uuid.uuid5(_UID_NAMESPACE, f"{seed}/{step}/{drawn + i}")) for i in range(len(batch))]
+        tu.assign_non_tensor_stack(batch, "uid", uids)
+        self._uid_draws = (step, drawn + len(uids))
+        return batch
+
+    # ---- planning ----------------------------------------------------------------------------------
+
+    def _traj_dp_size(self) -> int:
+        dp = _dispatch_dp_size(self.actor_rollout_wg, "actor")
+        if self.use_critic and _dispatch_dp_size(self.critic_wg, "train") != dp:
+            raise TrajConfigError(
+                f"actor DP size {dp} != critic DP size {_dispatch_dp_size(self.critic_wg, 'train')}: verl_traj plans "
+                "one rank-major layout for both. Use the same data-parallel size for actor and critic."
+            )
+        return dp
+
+    def _prompts_per_update(self) -> int:
+        return int(self.config.data.train_batch_size) // int(self.parameter_sync_step)
+
+    def _balance_batch(self, batch: Any, metrics: dict, logging_prefix: str = "global_seqlen",
+                       keep_minibatch: bool = False) -> Any:
+        if not self.traj.enable:
+            batch = super()._balance_batch(batch, metrics, logging_prefix=logging_prefix,
+                                           keep_minibatch=keep_minibatch)
+            metrics.update(self._stock_plan_metrics(batch))
+            return batch
+        import transfer_queue as tq
+
+        batch.reorder(sorted(range(len(batch)), key=lambda i: _key_order(batch.keys[i])))
+        metrics.update(stepwise_metrics(batch.tags))
+        plan, layout = self._plan(batch)
+        pad_keys, pad_tags = _write_padding_rows(batch, int(plan.is_padding.sum()), self.tokenizer.eos_token_id,
+                                                 self.plan_settings.pad_row_tokens)
+        out = _ordered_batch(batch, plan, pad_keys, pad_tags)
+        tq.kv_batch_put(keys=out.keys, partition_id=out.partition_id, fields=TensorDict(
+            {MINI_BATCH_ID: plan.mini_batch_id, MICRO_BATCH_ID: plan.micro_batch_id}, batch_size=[plan.num_rows]))
+        self._planned = planned_rows(out.keys, plan, layout)
+        metrics.update(plan.metrics("traj_plan"))
+        ppo_epochs = int(self.config.actor_rollout_ref.actor.get("ppo_epochs", 1))
+        metrics["traj_plan/expected_optimizer_steps"] = float(plan.num_mini_batches * ppo_epochs)
+        self._debug_dump(out, plan, layout)
+        return out
+
+    def _plan(self, batch: Any) -> tuple[MiniBatchPlan, Any]:
+        import transfer_queue as tq
+
+        uid, traj_id, step = split_keys(batch.keys)
+        seq_len = torch.tensor([int(t["seq_len"]) for t in batch.tags], dtype=torch.int64)
+        mask = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["response_mask"])
+        layout = build_layout_from_counts(seq_len, row_loss_tokens(mask["response_mask"]), uid, traj_id=traj_id,
+                                          step_index=step)
+        mini = int(self.config.actor_rollout_ref.actor.ppo_mini_batch_size)
+        seed = self.traj.seed + int(self.global_steps) * int(self.parameter_sync_step) + int(self.local_trigger_step)
+        plan = plan_layout(layout, self.traj, self._prompts_per_update() // mini, self._traj_dp_size(),
+                           micro=self.plan_settings, seed=seed)
+        return plan, layout
+
+    def _stock_plan_metrics(self, batch: Any) -> dict[str, float]:
+        uid, traj_id, _ = split_keys(batch.keys)
+        arr = self.config.actor_rollout_ref
+        pad = np.array([bool(t.get("is_padding", False)) for t in batch.tags])
+        return stock_plan_metrics(uid, traj_id, pad, _dispatch_dp_size(self.actor_rollout_wg, "actor"),
+                                  int(arr.actor.ppo_mini_batch_size) * int(arr.rollout.n),
+                                  int(arr.actor.get("ppo_epochs", 1)))
+
+    def _debug_dump(self, batch: Any, plan: MiniBatchPlan, layout: Any) -> None:
+        src = plan.order.clamp(min=0)
+        loss_tokens = torch.where(plan.is_padding, 0, layout.num_loss_tokens[src])
+        uid, traj_id, _ = split_keys(batch.keys)
+        debug_dump(int(self.global_steps), plan, {
+            "uid": uid.tolist(), "traj_id": traj_id.tolist(), "loss_tokens": loss_tokens.tolist(),
+            "response_length": [int(t["response_len"]) for t in batch.tags],
+            "attention_length": [int(t["seq_len"]) for t in batch.tags],
+        })
+
+    # ---- after planning ----------------------------------------------------------------------------
+
+    def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
+        if not self.traj.enable:
+            return super()._compute_advantage(batch, metrics)
+        from verl_traj.integration.patches import v1_advantage_patches
+
+        self._planned.check(batch.keys)
+        with patched(v1_advantage_patches(planned_advantage(self._planned))):
+            return super()._compute_advantage(batch, metrics)
+
+    def _put_loss_weights(self, batch: Any, mode: str, loss_scale_factor: Any) -> None:
+        """``loss_weight`` of every row for one update, from the final ``response_mask`` (rollout correction may
+        have changed it) and the plan. ``seq-mean-token-sum-norm``'s default scale is ``data.max_response_length``
+        (the response width v0 pads to)."""
+        import transfer_queue as tq
+
+        rows = self._planned
+        rows.check(batch.keys)
+        mask = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                               select_fields=["response_mask"])["response_mask"]
+        dense = mask.to_padded_tensor(0) if mask.is_nested else mask
+        scale = loss_scale_factor if loss_scale_factor is not None else int(self.config.data.max_response_length)
+        weights = compute_loss_weights(mode, dense, rows.mini_batch_id, rows.traj_index, rows.is_padding,
+                                       loss_scale_factor=scale)
+        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                        fields=TensorDict({LOSS_WEIGHT: weights}, batch_size=[len(batch)]))
+
+    def _update_critic(self, batch: Any, metrics: dict) -> Any:
+        if not self.traj.enable:
+            return super()._update_critic(batch, metrics)
+        critic, mini = self.config.critic, int(self.config.actor_rollout_ref.actor.ppo_mini_batch_size)
+        self._put_loss_weights(batch, self.traj.critic_loss_agg_mode or critic.loss_agg_mode,
+                               critic.get("loss_scale_factor", None))
+        critic_mini = int(critic.get("ppo_mini_batch_size", 0) or mini)
+        group = (self._prompts_per_update() // mini) // (self._prompts_per_update() // critic_mini)
+        if group > 1:
+            batch.extra_info[MINI_BATCH_GROUP_KEY] = group
+        try:
+            return super()._update_critic(batch, metrics)
+        finally:
+            batch.extra_info.pop(MINI_BATCH_GROUP_KEY, None)
+
+    def _update_actor(self, batch: Any, metrics: dict) -> Any:
+        if not self.traj.enable:
+            return super()._update_actor(batch, metrics)
+        actor = self.config.actor_rollout_ref.actor
+        self._put_loss_weights(batch, self.traj.loss_agg_mode or actor.loss_agg_mode,
+                               actor.get("loss_scale_factor", None))
+        return super()._update_actor(batch, metrics)
+
+    def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
+        if not self.traj.enable:
+            return super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
+        from verl_traj.integration.patches import v1_metric_patches
+
+        real = np.array([not t.get("is_padding", False) for t in batch.tags], dtype=bool)
+        with patched(v1_metric_patches(lambda: real)):
+            return super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)

@@ -1,0 +1,117 @@
+"""Step-wise rows on verl's v1 trainer: one stored row per (prefix-merged) LLM call, cut where the session ends.
+
+v1's ``AgentLoopWorkerTQ`` stores every ``AgentLoopOutput`` of a session as its own TransferQueue row
+(``{uid}_{session}_{index}``). verl_traj's step-wise loops (:class:`~verl_traj.integration.stepwise_agent_loop.
+StepRecordingMixin`) return the usual concatenated multi-turn output plus the calls they recorded.
+:class:`TrajAgentLoopWorkerTQ` scores that output ONCE -- the whole trajectory, exactly what verl's reward
+functions see on v0 -- and then hands verl its step rows instead (prefix-merged with ``traj.merge_prefix``), so:
+
+* trajectory = session, step = output index, last step = the session's last output (the trainer reads all three
+  from the keys: :mod:`verl_traj.integration.v1`);
+* the trajectory's reward sits on every step row (v1 copies it there); verl_traj's advantage reads it from the
+  last step row only, so it is counted once per trajectory (also in KL-in-reward's sum);
+* validation rows stay whole (one row per trajectory, as verl's validation metrics expect);
+* the merge statistics travel as a tag of each session's first row (``traj_merge``), for ``traj_stepwise/*``.
+
+This runs in the agent-loop workers, as each session finishes: no extra pass over the batch on the trainer.
+The same worker numbers each session's requests for ``rollout.full_determinism`` (:func:`session_priority`).
+``prepare_config`` selects :class:`TrajAgentLoopManagerTQ` (``actor_rollout_ref.rollout.agent.
+agent_loop_manager_class``) on v1 with ``traj.enable=true``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Any
+
+import ray
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
+from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
+
+from verl_traj.config import TrajConfig
+from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, trajectory_step_rows
+
+__all__ = ["MANAGER_FQN", "MERGE_TAG", "TrajAgentLoopManagerTQ", "TrajAgentLoopWorkerTQ", "session_priority",
+           "step_outputs"]
+
+MANAGER_FQN = "verl_traj.integration.v1_agent_loop.TrajAgentLoopManagerTQ"
+MERGE_TAG = "traj_merge"  # tag of a session's first row: its MergeStats as a dict
+
+
+def step_outputs(output: AgentLoopOutput, merge_prefix: bool,
+                 steps_key: str = DEFAULT_STEPS_KEY) -> tuple[list[AgentLoopOutput], dict[str, int]]:
+    """The step rows of one scored trajectory output, as agent-loop outputs (the last carries the reward; extra
+    fields but the step records are kept on every row), and the merge statistics."""
+    extra = {k: v for k, v in output.extra_fields.items() if k != steps_key}
+    rows, stats = trajectory_step_rows(output.prompt_ids, output.response_ids, output.response_mask,
+                                       output.response_logprobs, output.extra_fields.get(steps_key),
+                                       merge_prefix=merge_prefix)
+    outputs = [
+        AgentLoopOutput(
+            prompt_ids=row.prompt_ids.tolist(), response_ids=row.response_ids.tolist(),
+            response_mask=row.response_mask.tolist(),
+            response_logprobs=row.per_token["lp"].tolist() if "lp" in row.per_token else None,
+            reward_score=output.reward_score if row.is_last_step else None,
+            num_turns=output.num_turns, metrics=output.metrics, extra_fields=dict(extra),
+        )
+        for row in rows
+    ]
+    return outputs, dataclasses.asdict(stats)
+
+
+def _actor_base(actor_class: Any) -> type:
+    """The class to subclass for a ``@ray.remote`` class: Ray's modified class (a subclass of the original that an
+    actor process resolves consistently; subclassing ``__ray_actor_class__`` breaks verl's zero-argument
+    ``super()`` calls in the actor process)."""
+    meta = getattr(actor_class, "__ray_metadata__", None)
+    return getattr(meta, "modified_class", None) or actor_class.__ray_actor_class__
+
+
+def session_priority(sample_index: Any, session_id: int, n: int) -> int:
+    """A request priority unique per (prompt, session) and the same in every run: ``sample_index * n + session``
+    (``sample_index``: the dataset's ``index`` column; a non-integer index is hashed)."""
+    try:
+        base = int(sample_index)
+    except (TypeError, ValueError):
+        base = zlib.crc32(str(sample_index).encode())
+    return base * max(int(n), 1) + int(session_id)
+
+
+class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
+    """verl's v1 agent-loop worker that stores a step-wise session as its step rows (module docstring), and
+    gives each session its own request priority under ``rollout.full_determinism`` (v0 numbers its samples;
+    v1 leaves every request at priority 0, and verl's agent loops name deterministic requests ``det-{priority}``,
+    so all sessions would share one id and their sampling seeds would follow arrival order)."""
+
+    async def _run_agent_loop(self, sampling_params: dict, trajectory: dict, **kwargs: Any) -> Any:
+        rollout = self.config.actor_rollout_ref.rollout
+        if rollout.get("full_determinism", False) and "priority" not in kwargs:
+            n = rollout.val_kwargs.n if trajectory.get("validate") else rollout.n
+            kwargs["priority"] = session_priority(trajectory["sample_index"], kwargs.get("session_id", 0), n)
+        return await super()._run_agent_loop(sampling_params, trajectory, **kwargs)
+
+    async def _agent_loop_postprocess(self, output: Any, validate: bool, **kwargs: Any) -> None:
+        traj = TrajConfig.from_mapping(self.config.get("traj"))
+        if isinstance(output, list) or DEFAULT_STEPS_KEY not in output.extra_fields:
+            return await super()._agent_loop_postprocess(output, validate, **kwargs)
+        if validate:
+            output.extra_fields.pop(DEFAULT_STEPS_KEY)
+            return await super()._agent_loop_postprocess(output, validate, **kwargs)
+        await self._compute_score([output], kwargs=kwargs)
+        outputs, stats = step_outputs(output, traj.merge_prefix)
+        outputs[-1].extra_fields["reward_extra_info"] = output.extra_fields.get("reward_extra_info", {})
+        await super()._agent_loop_postprocess(outputs, validate, **kwargs)
+        import transfer_queue as tq
+
+        await tq.async_kv_put(key=f"{kwargs['uid']}_{kwargs['session_id']}_0", partition_id="train",
+                              tag={MERGE_TAG: stats})
+
+
+class TrajAgentLoopManagerTQ(AgentLoopManagerTQ):
+    """verl's v1 agent-loop manager with :class:`TrajAgentLoopWorkerTQ` workers."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.agent_loop_workers_class = ray.remote(TrajAgentLoopWorkerTQ)
