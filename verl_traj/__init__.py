@@ -13,18 +13,19 @@ __version__ = "0.1.0"
 
 
 def _register_config_resolvers() -> None:
-    """``${verl_traj_repo:}`` in configs = this checkout's root (absolute recipe paths; Ray workers
-    do not run in the launch directory). Registered on any ``import verl_traj...``, so it exists in
-    the driver and in the task-runner process alike."""
+    """Absolute paths in configs (Ray workers do not run in the launch directory): ``${verl_traj_pkg:}`` =
+    the installed ``verl_traj`` package directory, ``${verl_traj_repo:}`` = the directory holding it (the
+    checkout). Registered on any ``import verl_traj...``, so they exist in the driver and the task runner."""
     try:
         from omegaconf import OmegaConf
     except ImportError:  # pragma: no cover - omegaconf comes with verl
         return
-    if not OmegaConf.has_resolver("verl_traj_repo"):
-        from pathlib import Path
+    from pathlib import Path
 
-        root = str(Path(__file__).resolve().parent.parent)
-        OmegaConf.register_new_resolver("verl_traj_repo", lambda: root)
+    pkg = Path(__file__).resolve().parent
+    for name, path in (("verl_traj_pkg", str(pkg)), ("verl_traj_repo", str(pkg.parent))):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, lambda path=path: path)
 
 
 _register_config_resolvers()

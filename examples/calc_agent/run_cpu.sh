@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash scripts/install.sh
 . "${VENV:-.venv}/bin/activate"
-python examples/calc_agent/prepare.py
+python -m verl_traj.recipes.calc_agent.prepare
 exec python -m verl_traj.main_ppo --config-name calc_agent_cpu "$@"

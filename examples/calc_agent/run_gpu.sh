@@ -4,5 +4,5 @@
 #   bash examples/calc_agent/run_gpu.sh actor_rollout_ref.model.path=/models/Qwen2.5-1.5B-Instruct
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-python examples/calc_agent/prepare.py --data-only   # the model comes from the override
+python -m verl_traj.recipes.calc_agent.prepare --data-only   # the model comes from the override
 exec python -m verl_traj.main_ppo --config-name calc_agent_gpu "$@"

@@ -257,8 +257,7 @@ def test_cpu_multiturn_tool_agent(run_training, tiny_home):
         assert m["training/rollout_probs_diff_max"] < 1e-4
         # user + assistant = 2 turns; a tool round trip adds a tool turn and another assistant turn
         turns = {k: v for k, v in m.items() if k.startswith("num_turns")}
-        assert m["num_turns/max"] >= 4, turns
-        assert m["timing_s/agent_loop/tool_calls/max"] > 0
+        assert m["num_turns/max"] >= 4, turns  # (v1 logs no agent-loop timings: the turn count is the evidence)
     assert run.metrics[0]["num_turns/mean"] > 2.5, run.metrics[0]["num_turns/mean"]
     assert any(m["actor/grad_norm"] > 0 for m in run.metrics)
     print("\n[cpu multi-turn]", json.dumps({k: run.metrics[-1][k] for k in (

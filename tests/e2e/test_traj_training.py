@@ -1,12 +1,14 @@
 """End-to-end CPU training through ``python -m verl_traj.main_ppo`` (real verl: Ray, FSDP2 engine
-workers, CPU rollout server) with verl_traj's trainer and workers.
+workers, CPU rollout server) with verl_traj's trainer and workers, on both of verl's trainers (v1, the default,
+and v0): the same checks hold on each.
 
 Observed through verl's file logger (metrics per step) and the trainer's debug dump
 (``VERL_TRAJ_DEBUG_DUMP``: per step, every row's uid, mini_batch_id, is_padding, lengths):
 
 * every GRPO group's (and trajectory's) rows carry one ``mini_batch_id``;
 * the workers ran exactly ``train_batch_size // ppo_mini_batch_size * ppo_epochs`` optimizer steps
-  per training step (``actor/num_optimizer_steps``, counted in ``TrajTrainingWorker``);
+  per training step (``actor/num_optimizer_steps``, counted in ``TrajTrainingWorker``) and exactly the
+  planned micro-batches (``actor/micro_batches_per_epoch`` == ``traj_plan/micro_batches``);
 * the data metrics exclude padding rows (``response_length/mean`` equals the mean over real rows
   and differs from the mean over all rows when the plan added padding).
 """
@@ -18,7 +20,7 @@ from collections import defaultdict
 
 import pytest
 
-from conftest import tail
+from tests.e2e.conftest import TRAINERS, TRAINERS_V0_OPT_IN, tail
 
 pytestmark = pytest.mark.e2e
 
@@ -42,6 +44,10 @@ def _check_run(run, dump_path, *, mini_batches: int, epochs: int = 1, expect_pad
         assert m["traj_plan/expected_optimizer_steps"] == mini_batches * epochs
         assert m["traj_plan/num_mini_batches"] == mini_batches
         assert m["traj_plan/split_groups"] == 0 and m["traj_plan/split_trajectories"] == 0
+        # the workers ran exactly the planned micro-batches (per rank, summed over mini-batches, per epoch)
+        assert m["actor/micro_batches_per_epoch"] == m["traj_plan/micro_batches"]
+        planned = {(mb, mi) for mb, mi, pad in zip(rec["mini_batch_id"], rec["micro_batch_id"], rec["is_padding"])}
+        assert len(planned) >= mini_batches
         # every group / trajectory in one mini-batch (checked on the rows actually sent)
         ids_of = defaultdict(set)
         for uid, tid, mb, pad in zip(rec["uid"], rec["traj_id"] or rec["uid"], rec["mini_batch_id"], rec["is_padding"]):
@@ -65,10 +71,11 @@ def _check_run(run, dump_path, *, mini_batches: int, epochs: int = 1, expect_pad
         assert saw_padding, "the plan was expected to add padding rows"
 
 
-def test_traj_training_one_rank(run_training, tmp_path):
+@pytest.mark.parametrize("trainer", TRAINERS_V0_OPT_IN)
+def test_traj_training_one_rank(run_training, tmp_path, trainer):
     dump = tmp_path / "dump"
     run = run_training(
-        [f"trainer.total_training_steps={STEPS}", "actor_rollout_ref.actor.ppo_epochs=2"],
+        [*TRAINERS[trainer], f"trainer.total_training_steps={STEPS}", "actor_rollout_ref.actor.ppo_epochs=2"],
         timeout=420,
         extra_env={"VERL_TRAJ_DEBUG_DUMP": str(dump)},
     )
@@ -76,12 +83,14 @@ def test_traj_training_one_rank(run_training, tmp_path):
     _check_run(run, dump / "plan.jsonl", mini_batches=2, epochs=2, expect_padding=False)
 
 
-def test_traj_training_two_ranks_padding_token_cap(run_training, tmp_path):
+@pytest.mark.parametrize("trainer", sorted(TRAINERS))
+def test_traj_training_two_ranks_padding_token_cap(run_training, tmp_path, trainer):
     """dp=2, groups of 3 rows, 3 groups per mini-batch -> 9 rows per mini-batch -> a padding row each;
-    the token cap drives verl's dynamic micro-batching."""
+    the token cap (padded area without remove-padding on CPU) cuts several micro-batches per rank."""
     dump = tmp_path / "dump"
     run = run_training(
         [
+            *TRAINERS[trainer],
             f"trainer.total_training_steps={STEPS}",
             "trainer.n_gpus_per_node=2",
             "data.train_batch_size=6",
@@ -96,14 +105,16 @@ def test_traj_training_two_ranks_padding_token_cap(run_training, tmp_path):
     for m in run.metrics:
         if "traj_plan/micro_batches" in m:
             assert m["traj_plan/max_packed_tokens"] <= 160
+            assert m["traj_plan/micro_batches"] > 2 and m["actor/micro_batches_per_epoch"] == m["traj_plan/micro_batches"]
 
 
-def test_traj_disabled_is_stock_verl(run_training, tmp_path):
+@pytest.mark.parametrize("trainer", TRAINERS_V0_OPT_IN)
+def test_traj_disabled_is_stock_verl(run_training, tmp_path, trainer):
     """traj.enable=false through the same entry point: verl's own balancing and fixed-size
-    mini-batches (no plan, no padding, no verl_traj worker metrics)."""
+    mini-batches (no plan, no verl_traj worker metrics); ``stock_plan/*`` observes them."""
     dump = tmp_path / "dump"
     run = run_training(
-        [f"trainer.total_training_steps={STEPS}", "traj.enable=false"],
+        [*TRAINERS[trainer], f"trainer.total_training_steps={STEPS}", "traj.enable=false"],
         timeout=420,
         extra_env={"VERL_TRAJ_DEBUG_DUMP": str(dump)},
     )
@@ -113,5 +124,6 @@ def test_traj_disabled_is_stock_verl(run_training, tmp_path):
     for m in steps:
         assert "global_seqlen/min" in m  # verl's stock _balance_batch ran
         assert not any(k.startswith("traj_plan/") for k in m)
+        assert m["stock_plan/num_mini_batches"] == 2  # cpu_tiny: 8 prompts / 4 per mini-batch
         assert "actor/num_optimizer_steps" not in m
     assert not (dump / "plan.jsonl").exists()

@@ -1,4 +1,4 @@
-"""The recipe's offline evaluator (``examples/calc_agent/evaluate.py``): tool calls run as verl's loop
+"""The recipe's offline evaluator (``verl_traj.recipes.calc_agent.evaluate``): tool calls run as verl's loop
 runs them, and the episode loop on verl's hermes parser and the real calculator tool. ``play`` is
 driven by an oracle model that answers each turn with the correct next message of the episode (read off the prompt it is given), and by the tiny random model through real
 Hugging Face ``generate``."""
@@ -6,22 +6,19 @@ Hugging Face ``generate``."""
 import asyncio
 import json
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "calc_agent"))
-import evaluate  # noqa: E402
-import task  # noqa: E402
+from verl_traj.recipes.calc_agent import evaluate
+from verl_traj.recipes.calc_agent import task
 
 CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")
 def tools():
-    from prepare import calc_tools
+    from verl_traj.recipes.calc_agent.prepare import calc_tools
 
     return {tool.name: tool for tool in calc_tools()}
 
@@ -123,7 +120,7 @@ def test_evaluate_cli_rejects_bad_input_by_name(tmp_path, capsys, args, named):
 
 @pytest.mark.parametrize("args, named", [(["--sft-steps", "0"], "--sft-steps 0"), (["--eval-samples", "-1"], "--eval-samples -1")])
 def test_prepare_cli_rejects_bad_input_by_name(tmp_path, capsys, args, named):
-    import prepare
+    from verl_traj.recipes.calc_agent import prepare
 
     with pytest.raises(SystemExit) as exc:
         prepare.main(["--home", str(tmp_path), *args])

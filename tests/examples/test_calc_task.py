@@ -1,15 +1,12 @@
 """The calculator-agent recipe's task: safe evaluation, problem generation, reward."""
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "calc_agent"))
-import task  # noqa: E402
+from verl_traj.recipes.calc_agent import task
 
 
 @given(seed=st.integers(0, 10_000), num_ops=st.integers(1, 4))

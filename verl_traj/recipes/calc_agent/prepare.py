@@ -1,6 +1,6 @@
 """Prepare the calculator-agent recipe offline: data, tiny model, supervised warm start.
 
-    python examples/calc_agent/prepare.py [--home DIR] [--sft-steps 300]
+    python -m verl_traj.recipes.calc_agent.prepare [--home DIR] [--sft-steps 300]
 
 Writes under ``$VERL_TRAJ_HOME/calc_agent`` (default ``~/.cache/verl_traj/calc_agent``):
 * ``data/{train,test}.parquet``: verl's RL format (``prompt`` chat, ``agent_name: tool_agent``,
@@ -12,7 +12,7 @@ Writes under ``$VERL_TRAJ_HOME/calc_agent`` (default ``~/.cache/verl_traj/calc_a
   call, and nothing can be downloaded here. The warm start is stopped early on purpose (300 steps:
   it has just learned to copy operands and tool results; about 75% greedy but only about 30%
   accurate when sampled at temperature 1), so GRPO has a visible way to go. Its figures, including
-  that accuracy measured by ``evaluate.py``, land in ``model/WARM_START.json``.
+  that accuracy measured by ``verl_traj.recipes.calc_agent.evaluate``, land in ``model/WARM_START.json``.
 Pass ``--data-only`` on a GPU machine: a real instruct model needs no tiny model and no warm start.
 """
 
@@ -26,9 +26,9 @@ import sys
 import time
 from pathlib import Path
 
+from verl_traj.recipes.calc_agent import task
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import task  # noqa: E402
 
 
 def calc_tools() -> list:
@@ -37,7 +37,7 @@ def calc_tools() -> list:
     process shares one registration."""
     from verl.tools.function_tool import load_function_tools_from_path
 
-    return load_function_tools_from_path(str(HERE / "calc_tool.py"))
+    return load_function_tools_from_path(str(HERE / "tool.py"))
 
 
 def tool_schemas() -> list[dict]:
@@ -162,7 +162,7 @@ def main(argv=None) -> None:
         tokenizer = build_tokenizer(home / "model", vocab_size=1024, seed=args.seed, extra_corpus=corpus)
         build_model(home / "model", tokenizer, seed=args.seed, hidden=args.hidden, layers=args.layers, kv_heads=4)
         figures = warm_start(home / "model", args.sft_steps, args.seed, args.max_operand)
-        from evaluate import evaluate_model
+        from verl_traj.recipes.calc_agent.evaluate import evaluate_model
 
         for name, temperature in (("greedy", 0.0), ("sampled", 1.0)) if args.eval_samples > 0 else ():
             result = evaluate_model(home / "model", samples=args.eval_samples, temperature=temperature, seed=args.seed,

@@ -1,13 +1,9 @@
-"""The calculator tool, loaded by verl's agent loop via
-``actor_rollout_ref.rollout.multi_turn.function_tool_path=examples/calc_agent/calc_tool.py``."""
-
-import os
-import sys
+"""The calculator tool, loaded by verl's agent loop from its file path
+(``actor_rollout_ref.rollout.multi_turn.function_tool_path=${verl_traj_pkg:}/recipes/calc_agent/tool.py``)."""
 
 from verl.tools.function_tool import function_tool
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from task import CalculatorError, evaluate  # noqa: E402
+from verl_traj.recipes.calc_agent.task import CalculatorError, evaluate
 
 
 @function_tool

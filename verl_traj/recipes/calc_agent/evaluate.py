@@ -1,6 +1,6 @@
 """Offline evaluation of a calculator agent with Hugging Face ``generate`` (no Ray, no trainer).
 
-    python examples/calc_agent/evaluate.py --model ~/.cache/verl_traj/calc_agent/model [--samples 64] [--temperature 1.0]
+    python -m verl_traj.recipes.calc_agent.evaluate --model ~/.cache/verl_traj/calc_agent/model [--samples 64] [--temperature 1.0]
 
 Plays each episode the way verl's ``tool_agent`` loop does, with verl's own pieces: its hermes
 ``ToolParser``, the calculator loaded by ``load_function_tools_from_path`` and run with the loop's
@@ -19,9 +19,9 @@ import random
 import sys
 from pathlib import Path
 
+from verl_traj.recipes.calc_agent import task
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import task  # noqa: E402
 
 
 async def call_tool(tools: dict, call) -> str:
@@ -52,6 +52,21 @@ def _assistant_message(content: str, call) -> dict:
     return {"role": "assistant", "content": content, "tool_calls": [{"type": "function", "function": function}]}
 
 
+def _generate_turn(model, tokenizer, texts: list[str], sampling: dict, max_new_tokens: int) -> list[list[int]]:
+    """One assistant turn for each chat text: the new ids up to (not including) the first end-of-turn token."""
+    import torch
+
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id, **sampling)
+    new = out[:, enc["input_ids"].shape[1]:]
+    ended = (new == tokenizer.eos_token_id) | (new == tokenizer.pad_token_id)
+    full = torch.full_like(ended[:, 0], new.shape[1], dtype=torch.long)
+    lengths = torch.where(ended.any(1), ended.int().argmax(1), full)
+    return [new[r, :n].tolist() for r, n in enumerate(lengths.tolist())]
+
+
 def play(model, tokenizer, problems: list[task.Problem], tools: dict, *, temperature: float,
          max_turns: int, max_new_tokens: int = 64, seed: int = 0) -> list[dict]:
     """Play ``problems`` as a batch, one assistant turn per ``generate`` call; one result dict per problem.
@@ -66,55 +81,45 @@ def play(model, tokenizer, problems: list[task.Problem], tools: dict, *, tempera
     parser = ToolParser.get_tool_parser("hermes", tokenizer)
     schemas = [tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in tools.values()]
 
-    async def parse_and_call(ids: list[int]):
-        content, calls = await parser.extract_tool_calls(ids)
-        return content, (calls[0] if calls else None), (await call_tool(tools, calls[0]) if calls else None)
-
     async def turn(rows: list[list[int]]):
-        return await asyncio.gather(*(parse_and_call(ids) for ids in rows))
+        async def one(ids):
+            content, calls = await parser.extract_tool_calls(ids)
+            return content, (calls[0] if calls else None), (await call_tool(tools, calls[0]) if calls else None)
+
+        return await asyncio.gather(*(one(ids) for ids in rows))
 
     torch.manual_seed(seed)
     chats = [[{"role": "system", "content": task.SYSTEM_PROMPT}, {"role": "user", "content": p.question}] for p in problems]
-    responses = [""] * len(problems)
-    calls = [0] * len(problems)
-    live = list(range(len(problems)))
+    responses, calls, live = [""] * len(problems), [0] * len(problems), list(range(len(problems)))
     tokenizer.padding_side = "left"
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
     for _ in range(max_turns):
         if not live:
             break
-        texts = [tokenizer.apply_chat_template(chats[i], tools=schemas, add_generation_prompt=True, tokenize=False) for i in live]
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id, **sampling)
-        new = out[:, enc["input_ids"].shape[1]:]
-        # the turn ends at the first end-of-turn token (kept out of the text, as verl's response text)
-        ended = (new == tokenizer.eos_token_id) | (new == tokenizer.pad_token_id)
-        lengths = torch.where(ended.any(1), ended.int().argmax(1), torch.full_like(ended[:, 0], new.shape[1], dtype=torch.long))
-        rows = [new[r, :n].tolist() for r, n in enumerate(lengths.tolist())]
+        texts = [tokenizer.apply_chat_template(chats[i], tools=schemas, add_generation_prompt=True, tokenize=False)
+                 for i in live]
+        rows = _generate_turn(model, tokenizer, texts, sampling, max_new_tokens)
         still = []
         for i, ids, (content, call, result) in zip(live, rows, asyncio.run(turn(rows))):
             responses[i] += tokenizer.decode(ids)
             # The chat is re-rendered by the template every turn (verl's loop appends token ids instead):
             # strip the whitespace the template itself puts around a tool call, so that a well-formed turn
             # re-renders to exactly the tokens the model produced.
-            content = content.strip()
             if call is None:
-                chats[i].append({"role": "assistant", "content": content})
+                chats[i].append({"role": "assistant", "content": content.strip()})
                 continue
             calls[i] += 1
-            chats[i].append(_assistant_message(content, call))
-            chats[i].append({"role": "tool", "content": result})
+            chats[i] += [_assistant_message(content.strip(), call), {"role": "tool", "content": result}]
             responses[i] += f"\n<tool_response>\n{result}\n</tool_response>\n"
             still.append(i)
         live = still
-    results = []
-    for i, p in enumerate(problems):
-        score = task.compute_score("calc_agent", responses[i], str(p.answer), {"intermediates": [v for _, v in p.steps]})
-        results.append({"score": score, "correct": score == 1.0, "calls": calls[i], "response": responses[i],
-                        "messages": chats[i]})
-    return results
+    return [_result(p, responses[i], calls[i], chats[i]) for i, p in enumerate(problems)]
+
+
+def _result(problem: task.Problem, response: str, calls: int, messages: list[dict]) -> dict:
+    score = task.compute_score("calc_agent", response, str(problem.answer),
+                               {"intermediates": [v for _, v in problem.steps]})
+    return {"score": score, "correct": score == 1.0, "calls": calls, "response": response, "messages": messages}
 
 
 def evaluate_model(model_dir: Path, *, samples: int, temperature: float, seed: int, max_operand: int = 9,
@@ -123,7 +128,7 @@ def evaluate_model(model_dir: Path, *, samples: int, temperature: float, seed: i
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from prepare import calc_tools
+    from verl_traj.recipes.calc_agent.prepare import calc_tools
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

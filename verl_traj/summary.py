@@ -1,0 +1,81 @@
+"""What verl_traj did in a run, in words, from verl's logged metrics: ``python -m verl_traj.summary METRICS``.
+
+Reads the ``file`` logger's JSONL (``trainer.logger=[console,file]``, ``VERL_FILE_LOGGER_PATH``) or a console log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from verl_traj.metrics_log import load_metrics
+
+__all__ = ["summarize"]
+
+
+def _values(rows: list[dict], key: str) -> list[float]:
+    return [float(r[key]) for r in rows if key in r]
+
+
+def _total(rows: list[dict], key: str) -> float:
+    return sum(_values(rows, key))
+
+
+def _line_units(rows: list[dict]) -> str:
+    trajs, groups = _total(rows, "traj_plan/trajectories"), _total(rows, "traj_plan/groups")
+    split = _total(rows, "traj_plan/split_trajectories") + _total(rows, "traj_plan/split_groups")
+    whole = "every one kept whole in one mini-batch" if split == 0 else f"{split:.0f} split (group_by=trajectory?)"
+    return f"- {trajs:.0f} trajectories in {groups:.0f} GRPO groups: {whole}"
+
+
+def _line_steps(rows: list[dict]) -> str:
+    steps, expected = _values(rows, "actor/num_optimizer_steps"), _values(rows, "traj_plan/expected_optimizer_steps")
+    if not steps:
+        return "- optimizer steps: not logged"
+    same = "as configured" if steps == expected else f"configured {sorted(set(expected))}"
+    return f"- optimizer steps per training step: {sorted(set(int(s) for s in steps))} ({same}, whatever the turn count)"
+
+
+def _line_merge(rows: list[dict]) -> Optional[str]:
+    before, after = _total(rows, "traj_stepwise/tokens_before"), _total(rows, "traj_stepwise/tokens_after")
+    if not before:
+        return None
+    calls, merged = _total(rows, "traj_stepwise/rows_before"), _total(rows, "traj_stepwise/rows_after")
+    return (f"- step-wise rows: {calls:.0f} LLM calls became {merged:.0f} training rows by prefix merging; "
+            f"{before:.0f} -> {after:.0f} training tokens ({before / max(after, 1):.2f}x fewer), loss tokens unchanged")
+
+
+def summarize(rows: list[dict], metrics_path: str = "", plot_path: str = "") -> str:
+    """A short human-readable account of the run (see the module docstring)."""
+    if not rows:
+        return "no metrics logged (use trainer.logger=[console,file])"
+    reward = _values(rows, "critic/score/mean")
+    lines = [f"verl_traj summary: {len(rows)} training steps"]
+    if reward:
+        lines.append(f"- mean reward: {reward[0]:.3f} (step 1) -> {reward[-1]:.3f} (step {len(reward)})")
+    lines += [_line_units(rows), _line_steps(rows)]
+    merge = _line_merge(rows)
+    if merge:
+        lines.append(merge)
+    worst = max(_values(rows, "traj_plan/balance_ratio_worst") or [float("nan")])
+    lines.append(f"- padding rows added: {_total(rows, 'traj_plan/padding_rows'):.0f}; DP balance (slowest rank / "
+                 f"lower bound, worst mini-batch): {worst:.3f}")
+    planned, run = _total(rows, "traj_plan/micro_batches"), _total(rows, "actor/micro_batches_per_epoch")
+    if planned:
+        lines.append(f"- micro-batches: {run:.0f} run by the workers, {planned:.0f} planned")
+    if metrics_path:
+        lines.append(f"- metrics: {metrics_path}" + (f"; plot: {plot_path}" if plot_path else ""))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("metrics")
+    args = ap.parse_args(argv)
+    print(summarize(load_metrics(args.metrics), args.metrics))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
