@@ -37,12 +37,10 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
-from verl_traj.core import build_layout_from_counts, calculate_workload, plan_mini_batches  # noqa: E402
+from verl_traj.core import build_layout_from_counts, calculate_workload, plan_mini_batches
 
-from swebench_data import DATA_FILE, load_step_rows  # noqa: E402
+from verl_traj.testing.swebench import DATA_FILE, load_step_rows
 
 
 # ----------------------------------------------------------------------------------------- workloads
@@ -147,15 +145,37 @@ def run_ours(wl: dict, M: int, dp: int, cap: int, group_by: str) -> dict:
         method=f"verl_traj (group_by={group_by})",
         plan_s=t2 - t0,
         layout_s=t1 - t0,
-        packing_s=plan.extra["timing_s"].get("packing_s", 0.0),
-        balance_s=plan.extra["timing_s"].get("balance_s", 0.0),
+        packing_s=plan.timing_s.get("packing_s", 0.0),
+        balance_s=plan.timing_s.get("balance_s", 0.0),
         rows=int(lay.num_rows),
         dropped_rows=0,
         plan_balance_worst=m["p/balance_ratio_worst"],
         units_larger_than_mini_batch=plan.units_larger_than_mini_batch,
         micro_lower_bound=int(plan.stats.micro_batches_lower_bound.sum()),
+        verl_micro_on_ours=verl_count_on_plan(wl["tokens"], plan, cap) if lay.num_rows <= 30_000 else None,
     )
     return res
+
+
+def verl_count_on_plan(tokens: np.ndarray, plan, cap: int) -> int:
+    """Micro-batches per rank, summed over mini-batches, that verl's ``rearrange_micro_batches`` would cut on
+    the plan's own (rank, mini-batch) blocks (its count synced as the max over ranks): what ran before
+    the workers ran the plan's micro-batches."""
+    import torch
+    from verl.utils.seqlen_balancing import calculate_workload as verl_workload
+    from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions
+
+    order, mb, rank = plan.order.numpy(), plan.mini_batch_id.numpy(), plan.rank.numpy()
+    lens = np.where(order >= 0, tokens[np.maximum(order, 0)], plan.spec.pad_row_tokens)
+    total = 0
+    for m in range(plan.num_mini_batches):
+        blocks = [lens[(mb == m) & (rank == r)] for r in range(plan.dp_size)]
+        k = max(min(len(x), -(-int(x.sum()) // cap)) for x in blocks)
+        while not all(all(int(x[q].sum()) <= cap for q in get_seqlen_balanced_partitions(
+                verl_workload(torch.from_numpy(x)).tolist(), k, equal_size=False)) for x in blocks):
+            k += 1
+        total += k
+    return total
 
 
 def _verl_child(path_in: str, path_out: str, dp: int, M: int, cap: int, do_micro: bool) -> None:
@@ -266,7 +286,9 @@ def fmt_row(wl_name: str, r: dict) -> str:
 
     if "skipped" in r:
         return f"| {wl_name} | {r['rows']:,} | {r['method']} | {r['skipped']} | - | - | - | - | - | - |"
-    micro = "-" if r.get("micro_batches") is None else f"{r['micro_batches']:,} / {r['micro_lower_bound']:,}"
+    theirs = r.get("verl_micro_on_ours")
+    micro = "-" if r.get("micro_batches") is None else (
+        f"{r['micro_batches']:,} / {'-' if theirs is None else format(theirs, ',')} / {r['micro_lower_bound']:,}")
     if r.get("micro_note") and r.get("micro_batches") is None:
         micro = r["micro_note"]
     plan_time = f"{r['plan_s']:.3f}"
@@ -291,7 +313,13 @@ EXPLANATION = """
 - **verl_traj**: `build_layout_from_counts` + `plan_mini_batches(..., micro_batch_max_tokens=cap)`: whole
   units (GRPO groups on the synthetic and M=4 real rows; trajectories for M=16 on the real data, which has only
   12 repository groups) per mini-batch, DP balancing with equal rows per rank, minimal padding, best-fit
-  decreasing micro-batch packing with synced counts. Its time includes the packing (shown in brackets).
+  token-sum micro-batch packing (lower bound, LPT, best-fit decreasing, verl's own Karmarkar-Karp as a candidate,
+  exact search on small blocks) with synced counts: the micro-batches the workers run. Its time includes the
+  packing (shown in brackets).
+- Micro-batches: per rank, summed over mini-batches. For verl_traj: the planned count (what runs), the count
+  verl's `rearrange_micro_batches` would re-cut the SAME blocks into (what ran before verl_traj ran its own
+  plan; up to 30K rows), and the lower bound max over ranks of ceil(rank tokens / cap). For stock verl: its count
+  on its own blocks / - / the lower bound of its blocks.
 - Balance = slowest rank's workload / max(ceil(total/dp), largest row) per mini-batch (1.0 is optimal).
 - Split trajectories / groups = (distinct (unit, mini-batch) pairs) - (units): how many extra mini-batches
   the steps of a trajectory / the members of a group were scattered over.
@@ -299,7 +327,7 @@ EXPLANATION = """
 
 HEADER = (
     "| workload | rows | method | plan time (s), ours incl. micro-batch packing | slowest rank / lower bound (mean / worst mini-batch) | "
-    "split trajectories | split groups | padding rows / tokens | micro-batches / sum ceil(tokens/cap) |\n"
+    "split trajectories | split groups | padding rows / tokens | micro-batches run / verl's re-cut of the same blocks / lower bound |\n"
     "|---|---|---|---|---|---|---|---|---|"
 )
 
@@ -359,6 +387,8 @@ def main(argv=None) -> int:
         "- lower bound per mini-batch = max(ceil(total workload / dp), largest row workload); micro-batches are per rank, "
         "summed over mini-batches (verl syncs the count as the max over ranks).",
         "- verl stock drops the last B mod (dp*M) rows (it would assert on them); it never pads.",
+        "- micro-batch column: run / verl's re-cut of the same (rank, mini-batch) blocks / lower bound (max over ranks "
+        "of ceil(rank tokens / cap)), per rank, summed over mini-batches.",
         "- verl's micro-batch count is computed up to 100K rows only (it reruns KK per rank and mini-batch): '-' above.",
     ]
     table = "\n".join(lines)

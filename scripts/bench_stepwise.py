@@ -36,8 +36,7 @@ import torch
 
 from verl_traj.stepwise.prefix_merge import MergeStats, merge_trajectory_steps
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from swebench_data import DATA_FILE, load_trajectories  # noqa: E402
+from verl_traj.testing.swebench import DATA_FILE, load_trajectories
 
 DEFAULT_DATA = str(DATA_FILE)
 
