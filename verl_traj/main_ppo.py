@@ -93,6 +93,11 @@ def run(config) -> None:
     if traj.enable:
         check_models(config)
     auto_set_device(config)
+    if config.trainer.get("device") == "cpu":
+        # Ray prestarts one idle Python worker per logical CPU when the driver connects; the CPU presets declare
+        # 16 logical CPUs for placement (configs/platform/cpu.yaml), and 16 processes importing verl on a 2-core
+        # machine delay start-up. Workers start on demand instead (set the variable to 1 to restore Ray's default).
+        os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     run_ppo(config, task_runner_class=TrajTaskRunnerV1 if config.trainer.get("use_v1", False) else TrajTaskRunner)
 
