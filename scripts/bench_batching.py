@@ -397,7 +397,7 @@ def main(argv=None) -> int:
     else:
         print(table)
     if args.write:
-        cmd = "python scripts/bench_batching.py" + (" --quick" if args.quick else "") + f" --dp {dp} --sizes {args.sizes}"
+        cmd = "python scripts/bench_batching.py" + (" --quick" if args.quick else f" --sizes {args.sizes}") + f" --dp {dp}"
         cmd += f" --verl-timeout {args.verl_timeout:.0f} --write docs/bench_batching.md"
         Path(args.write).write_text(
             "# Batching benchmark: verl_traj vs verl 0.9.1 stock `_balance_batch`\n\n"
