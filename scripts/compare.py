@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """verl_traj vs stock verl in one command: the same preset, seed and data, ``traj.enable=true`` vs ``false``.
 
-Both runs go through ``python -m verl_traj.main_ppo`` one after the other (verl's file logger on); each run is
-reproducible with the CPU presets, but on v1 the two are not paired: verl_traj draws seeded prompt uids and
-gives each session its own request id, stock v1 does neither, so the CPU server samples differently from the
-first step (measured: 2,152 vs 2,164 tokens at step 1 of cpu_tiny). Compare means over steps, not single steps. Writes
+Both runs go through ``python -m verl_traj.main_ppo`` one after the other (verl's file logger on); with the CPU
+presets' reproducible sampling (seeded prompt uids and one request priority per session, on v1 also with
+``traj.enable=false``) the first step's rollouts are identical in both runs, so the runs are paired at step 1 and
+differ afterwards only through how each trained its batches. Writes
 
 * ``OUT/compare.md``: a summary table (per metric: mean over the steps for each run) and a per-step table,
 * ``OUT/compare.png``: per-step curves of both runs, one panel per metric,

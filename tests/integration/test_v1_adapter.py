@@ -200,18 +200,18 @@ def test_v1_is_accepted_and_updates_are_counted_per_local_update():
 
 def test_v1_selects_the_traj_agent_loop_manager_and_keeps_the_users_own():
     from verl_traj.integration.v1_agent_loop import MANAGER_FQN
-    from verl_traj.integration.verl_config import _prepare_v1
+    from verl_traj.integration.verl_config import prepare_v1_agent_loop
 
     key = "actor_rollout_ref.rollout.agent.agent_loop_manager_class"
     cfg = _v1_config(**{key: None})
-    _prepare_v1(cfg, TrajConfig())
+    prepare_v1_agent_loop(cfg, TrajConfig())
     assert OmegaConf.select(cfg, key) == MANAGER_FQN
     own = "verl.trainer.ppo.v1.agent_loop_tq.AgentLoopManagerTQ"
     cfg = _v1_config(**{key: own})
-    _prepare_v1(cfg, TrajConfig())
+    prepare_v1_agent_loop(cfg, TrajConfig())
     assert OmegaConf.select(cfg, key) == own  # kept without step-wise rows
     with pytest.raises(TrajConfigError, match="agent_loop_manager_class=.*AgentLoopManagerTQ.*step_wise"):
-        _prepare_v1(cfg, TrajConfig(step_wise=True))
+        prepare_v1_agent_loop(cfg, TrajConfig(step_wise=True))
 
 
 def test_session_priorities_are_unique_and_run_independent():

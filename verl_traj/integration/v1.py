@@ -53,7 +53,7 @@ from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID, LOSS_WEIGHT
 from verl_traj.integration.checkpoints import CompleteCheckpoints
 from verl_traj.integration.patches import patched
 from verl_traj.integration.plan import debug_dump, plan_layout, stock_plan_metrics
-from verl_traj.integration.verl_config import prepare_config
+from verl_traj.integration.verl_config import prepare_v1_agent_loop, prepare_config
 from verl_traj.integration.workers import MINI_BATCH_GROUP_KEY
 
 __all__ = ["PlannedRows", "TrajV1Mixin", "padding_row", "planned_advantage", "planned_rows", "row_loss_tokens",
@@ -237,11 +237,14 @@ def planned_advantage(rows: PlannedRows) -> Any:
 
 class TrajV1Mixin(CompleteCheckpoints):
     """verl_traj's part of a v1 trainer (first base; see the module docstring). Inactive with ``traj.enable=false``
-    but for the ``stock_plan/*`` observer metrics."""
+    but for the ``stock_plan/*`` observer metrics and what pairs a stock run with a verl_traj run of the same seed:
+    seeded prompt uids and one request priority per session (neither changes what is trained)."""
 
     def __init__(self, config: Any):
         self.traj = TrajConfig.from_mapping(config.get("traj"))
         self.plan_settings = prepare_config(config, self.traj) if self.traj.enable else None
+        if not self.traj.enable:
+            prepare_v1_agent_loop(config, self.traj)  # the agent-loop manager that gives each session its request priority
         self._planned: Optional[PlannedRows] = None
         self._uid_draws = (-1, 0)  # (global step, prompts drawn in it): deterministic uids
         super().__init__(config)
@@ -278,8 +281,6 @@ class TrajV1Mixin(CompleteCheckpoints):
         """verl's, with prompt uids from (``data.seed``, step, position) instead of ``uuid4``: a seeded run plans
         the same batches again (rows are planned in key order)."""
         batch = super()._fetch_one_gen_batch()
-        if not self.traj.enable:
-            return batch
         from verl.utils import tensordict_utils as tu
 
         step, drawn = self._uid_draws if self._uid_draws[0] == self.global_steps else (self.global_steps, 0)

@@ -16,7 +16,7 @@ functions see on v0 -- and then hands verl its step rows instead (prefix-merged 
 This runs in the agent-loop workers, as each session finishes: no extra pass over the batch on the trainer.
 The same worker numbers each session's requests for ``rollout.full_determinism`` (:func:`session_priority`).
 ``prepare_config`` selects :class:`TrajAgentLoopManagerTQ` (``actor_rollout_ref.rollout.agent.
-agent_loop_manager_class``) on v1 with ``traj.enable=true``.
+agent_loop_manager_class``) on v1; with ``traj.enable=false`` it only numbers the requests (stock rows otherwise).
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ def _force_balance_batch(config: Any) -> None:
         config.trainer.balance_batch = True
 
 
-def _prepare_v1(config: Any, traj: TrajConfig) -> None:
+def prepare_v1_agent_loop(config: Any, traj: TrajConfig) -> None:
     """v1: verl_traj's agent-loop manager (:mod:`.v1_agent_loop`: step rows for ``traj.step_wise``, one request
     priority per session for ``rollout.full_determinism``), unless the user chose a manager of their own (then
     ``traj.step_wise`` needs it to subclass verl_traj's)."""
@@ -202,7 +202,7 @@ def prepare_config(config: Any, traj: TrajConfig) -> PlanSettings:
                 "Set traj.enable=false or disable distillation."
             )
     if bool(config.trainer.get("use_v1", False)):
-        _prepare_v1(config, traj)
+        prepare_v1_agent_loop(config, traj)
     else:
         _force_balance_batch(config)
     changed = fixed_to_dynamic_micro_batches(config)
