@@ -141,6 +141,15 @@ def _get(node: Any, path: str, default: Any = None) -> Any:
     return default if node is None else node
 
 
+def uses_critic(config: Any) -> bool:
+    """verl's ``need_critic`` (``verl/trainer/ppo/utils.py``) on plain mappings, without its warning:
+    ``critic.enable`` where set, else on exactly for ``algorithm.adv_estimator=gae`` (verl's default is null)."""
+    enable = _get(config, "critic.enable", None)
+    if enable is not None:
+        return bool(enable)
+    return _get(config, "algorithm.adv_estimator", None) == "gae"
+
+
 def validate_against_verl(traj: TrajConfig, config: Any) -> None:
     """Cross-check ``traj:`` against verl's own sections (an OmegaConf/dict-like ``config``).
 
@@ -215,7 +224,7 @@ def _check_mini_batches(config: Any) -> None:
             f"{mini}: the number of mini-batches (optimizer steps per training step) must be whole. "
             "Make train_batch_size a multiple of ppo_mini_batch_size."
         )
-    if not bool(_get(config, "critic.enable", False)) or not train_bs:
+    if not uses_critic(config) or not train_bs:
         return
     critic_mini = int(_get(config, "critic.ppo_mini_batch_size", mini) or mini)
     m_actor, ok = train_bs // mini, critic_mini > 0 and train_bs % critic_mini == 0

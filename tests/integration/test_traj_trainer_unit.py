@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 import numpy as np
+import warnings
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -275,6 +277,24 @@ def test_prepare_config_inference_cap_and_critic():
     assert cfg.critic.forward_max_token_len_per_gpu == 500
     # the update cap: the smaller of actor (fixed 2 x 80 -> 160) and critic, token cost with remove-padding
     assert micro == PlanSettings(160, "tokens", derived=True)
+
+
+@pytest.mark.parametrize("enable, estimator", [(None, "gae"), (None, "grpo"), (True, "grpo"), (False, "gae")])
+def test_critic_is_on_exactly_when_verl_says_so(enable, estimator):
+    """Regression: verl's critic.enable defaults to null and need_critic turns the critic on for gae; verl_traj read
+    ``critic.enable`` as false there, left the critic's fixed micro-batches in place and skipped its checks."""
+    from verl.trainer.ppo.utils import need_critic
+
+    from verl_traj.config import uses_critic
+
+    cfg = _verl_config(**{"algorithm.adv_estimator": estimator, "critic.enable": enable,
+                          "critic.ppo_max_token_len_per_gpu": 200})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = need_critic(cfg)
+        prepare_config(cfg, TrajConfig())
+    assert uses_critic(cfg) == expected
+    assert bool(cfg.critic.use_dynamic_bsz) == expected  # the critic's fixed micro-batches became dynamic iff on
 
 
 def test_prepare_config_ulysses_cap_is_per_sequence_parallel_group():

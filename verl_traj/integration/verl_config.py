@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf, open_dict
 
-from verl_traj.config import TrajConfig, TrajConfigError, validate_against_verl
+from verl_traj.config import TrajConfig, TrajConfigError, uses_critic, validate_against_verl
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def fixed_to_dynamic_micro_batches(config: Any) -> list[str]:
                                          "log_prob_micro_batch_size_per_gpu", ("log_prob_max_token_len_per_gpu",), mbs,
                                          max_len))
         critic = config.get("critic", None)
-        if critic is not None and bool(critic.get("enable", False)):
+        if critic is not None and uses_critic(config):
             keys = tuple(k for k in ("ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu",
                                      "ppo_infer_max_token_len_per_gpu") if k in critic)
             changed.append(_convert_pass(critic, "critic", "use_dynamic_bsz", "ppo_micro_batch_size_per_gpu", keys, mbs,
@@ -135,7 +135,7 @@ def pad_row_tokens(config: Any) -> int:
 def _plan_settings(config: Any, traj: TrajConfig) -> PlanSettings:
     """The update's cap per SP group and cost model; an explicit ``traj`` cap is written into verl's keys."""
     arr, critic = config.actor_rollout_ref, config.get("critic", None)
-    use_critic = critic is not None and bool(critic.get("enable", False))
+    use_critic = critic is not None and uses_critic(config)
     sections = [arr.actor] + ([critic] if use_critic else [])
     with open_dict(config):
         if traj.micro_batch_max_tokens is not None:
