@@ -84,3 +84,18 @@ def test_policy_loss_checked_once_with_the_config_error():
 
 def test_disabled_skips_cross_checks():
     validate_against_verl(TrajConfig(enable=False, micro_batch_max_tokens=1), _verl(use_v1=True))
+
+
+def test_shipped_traj_section_names_every_knob_with_its_default():
+    """Regression: a TrajConfig field missing from configs/traj/default.yaml cannot be overridden on the command
+    line (hydra: "Could not override ... use +traj.x"), so the README's knobs must all be in the shipped file."""
+    import dataclasses
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    import verl_traj
+
+    shipped = OmegaConf.to_container(OmegaConf.load(Path(verl_traj.__file__).parent / "configs/traj/default.yaml"))
+    defaults = {f.name: f.default for f in dataclasses.fields(TrajConfig)}
+    assert shipped == defaults

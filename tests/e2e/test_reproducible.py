@@ -81,6 +81,8 @@ def test_same_seed_same_metrics_and_exact_resume_after_sigkill(tiny_home, tmp_pa
     _kill_tree(proc.pid)
     proc.communicate()
     killed = read_metrics(first)
+    # the step-2 checkpoint was complete, so steps 1 and 2 were logged: never an empty comparison
+    assert [m["step"] for m in killed][:2] == [1, 2], killed
     _assert_same_steps(reference, killed, [m["step"] for m in killed])  # same seed -> same metrics
     resumed_path = tmp_path / "resumed.jsonl"
     _finish(_start(tiny_home, tmp_path / "resumed", resumed_path, ckpt, save))
