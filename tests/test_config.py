@@ -99,3 +99,13 @@ def test_shipped_traj_section_names_every_knob_with_its_default():
     shipped = OmegaConf.to_container(OmegaConf.load(Path(verl_traj.__file__).parent / "configs/traj/default.yaml"))
     defaults = {f.name: f.default for f in dataclasses.fields(TrajConfig)}
     assert shipped == defaults
+
+
+def test_token_cap_check_reads_ulysses_from_the_engine_config():
+    """Regression: the start-up cap check read only the deprecated top-level actor key, so a cap valid per SP group
+    set via ``fsdp_config.ulysses_sequence_parallel_size`` was refused."""
+    cfg = {"data": {"max_prompt_length": 64, "max_response_length": 16},
+           "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 4, "fsdp_config": {"ulysses_sequence_parallel_size": 4}}}}
+    validate_against_verl(TrajConfig(micro_batch_max_tokens=20), {**cfg, "data": {**cfg["data"], "train_batch_size": 8}})
+    with pytest.raises(TrajConfigError, match="ulysses_sequence_parallel_size=4.*at least 20"):
+        validate_against_verl(TrajConfig(micro_batch_max_tokens=19), {**cfg, "data": {**cfg["data"], "train_batch_size": 8}})

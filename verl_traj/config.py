@@ -237,13 +237,23 @@ def _check_mini_batches(config: Any) -> None:
         )
 
 
+def ulysses_size(section: Any) -> int:
+    """Ulysses size the engine of an actor / critic section runs with: the engine config's
+    (``fsdp_config`` / ``fsdp``), where verl copies the actor's deprecated top-level key when it is > 1."""
+    engine = section.get("fsdp_config", None) or section.get("fsdp", None) or {}
+    legacy = int(section.get("ulysses_sequence_parallel_size", 1) or 1)
+    if "fsdp" not in section and legacy > 1:  # the actor (verl copies it into fsdp_config); the critic ignores it
+        return legacy
+    return int(engine.get("ulysses_sequence_parallel_size", 1) or 1)
+
+
 def _check_token_caps(traj: TrajConfig, config: Any) -> None:
     """An explicit training cap must hold a full-length row (per SP group: cap x Ulysses size)."""
     cap = traj.micro_batch_max_tokens
     if cap is None or (traj.step_wise and traj.merge_prefix):
         return  # derived caps are raised to the longest row; merged rows are checked per batch by the planner
     max_len = int(_get(config, "data.max_prompt_length", 0) or 0) + int(_get(config, "data.max_response_length", 0) or 0)
-    sp = int(_get(config, "actor_rollout_ref.actor.ulysses_sequence_parallel_size", 1) or 1)
+    sp = ulysses_size(_get(config, "actor_rollout_ref.actor", {}))
     if max_len and cap * sp < max_len:
         need = -(-max_len // sp)
         raise TrajConfigError(

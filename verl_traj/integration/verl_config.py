@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf, open_dict
 
-from verl_traj.config import TrajConfig, TrajConfigError, uses_critic, validate_against_verl
+from verl_traj.config import TrajConfig, TrajConfigError, ulysses_size, uses_critic, validate_against_verl
 
 logger = logging.getLogger(__name__)
 
@@ -50,16 +50,6 @@ class PlanSettings:
 
 def _max_row_tokens(config: Any) -> int:
     return int(config.data.get("max_prompt_length", 0) or 0) + int(config.data.get("max_response_length", 0) or 0)
-
-
-def _sp_size(section: Any) -> int:
-    """Ulysses size the engine of an actor / critic section runs with: the engine config's
-    (``fsdp_config`` / ``fsdp``), where verl copies the actor's deprecated top-level key when it is > 1."""
-    engine = section.get("fsdp_config", None) or section.get("fsdp", None) or {}
-    legacy = int(section.get("ulysses_sequence_parallel_size", 1) or 1)
-    if "fsdp" not in section and legacy > 1:  # the actor (verl copies it into fsdp_config); the critic ignores it
-        return legacy
-    return int(engine.get("ulysses_sequence_parallel_size", 1) or 1)
 
 
 def _convert_pass(section: Any, prefix: str, flag: str, mbs_key: str, len_keys: tuple[str, ...],
@@ -141,7 +131,7 @@ def _plan_settings(config: Any, traj: TrajConfig) -> PlanSettings:
         if traj.micro_batch_max_tokens is not None:
             for section in sections:
                 section.ppo_max_token_len_per_gpu = int(traj.micro_batch_max_tokens)
-    cap = min(int(s.ppo_max_token_len_per_gpu) * _sp_size(s) for s in sections)
+    cap = min(int(s.ppo_max_token_len_per_gpu) * ulysses_size(s) for s in sections)
     rmpad = bool((arr.get("model", None) or {}).get("use_remove_padding", False)) and (
         not use_critic or bool((critic.get("model", None) or {}).get("use_remove_padding", False)))
     return PlanSettings(cap, "tokens" if rmpad else "padded", traj.micro_batch_max_tokens is None,
@@ -261,7 +251,7 @@ def check_models(config: Any) -> None:
     local = _check_model_dir("critic.model.path", config.critic.model.get("path"))
     if local is not None:
         _check_value_head("critic.model.path", local)
-    actor_sp, critic_sp = _sp_size(config.actor_rollout_ref.actor), _sp_size(config.critic)
+    actor_sp, critic_sp = ulysses_size(config.actor_rollout_ref.actor), ulysses_size(config.critic)
     if actor_sp != critic_sp:
         raise TrajConfigError(
             f"critic.fsdp.ulysses_sequence_parallel_size={critic_sp} differs from the actor's ({actor_sp}): the critic's "
