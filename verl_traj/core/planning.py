@@ -311,9 +311,9 @@ def plan_mini_batches(
     out = _rank_major(items)
     clock.lap("balance_s")
     stats = _statistics(items, spec)
-    split_traj, split_grp = _splits(items, layout, spec)
+    split_traj, split_grp = _splits(items)
     clock.lap("stats_s")
-    micro_id, micro_stats = _micro_batches(items, spec, stats["rank_tokens"], partitioner)
+    micro_id, micro_stats = _micro_batches(items, spec, partitioner)
     clock.lap("packing_s")
     counts = np.bincount(items.mb, minlength=spec.num_mini_batches)
     return MiniBatchPlan(
@@ -393,13 +393,14 @@ def count_splits(traj_index: np.ndarray, group_index: np.ndarray, mini_batch: np
     return int(traj_pairs), int(grp_pairs)
 
 
-def _splits(items: _Items, layout: BatchLayout, spec: PlanSpec) -> tuple[int, int]:
-    """Splits recomputed from the output (0 by construction)."""
+def _splits(items: _Items) -> tuple[int, int]:
+    """Splits measured on the output: trajectories 0 by construction; groups 0 with ``group_by=group`` and
+    counted with ``group_by=trajectory`` (a group's trajectories may then land in several mini-batches)."""
     real = ~items.pad
     return count_splits(items.traj[real], items.grp[real], items.mb[real])
 
 
-def _micro_batches(items: _Items, spec: PlanSpec, rank_tokens: np.ndarray,
+def _micro_batches(items: _Items, spec: PlanSpec,
                    partitioner: Optional[Partitioner]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Stage 5b: micro-batch of every item within its (rank, mini-batch) block, and its statistics."""
     m, dp = int(spec.num_mini_batches), int(spec.dp_size)
