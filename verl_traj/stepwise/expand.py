@@ -38,6 +38,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from verl_traj.core.keys import IS_LAST_STEP
+from verl_traj.core.padding import pad_position_ids
 from verl_traj.stepwise.prefix_merge import MergedRow, MergeStats, merge_trajectory_steps
 
 __all__ = [
@@ -413,7 +414,7 @@ def _layout_tensors(rows: _StepRows, src: _Source, widths: tuple[Optional[int], 
         "responses": new_resps.to(src.responses.dtype),
         "input_ids": torch.cat([new_prompts, new_resps], dim=1).to(src.prompts.dtype),
         "attention_mask": attention_mask,
-        "position_ids": torch.clip(torch.cumsum(attention_mask.long(), dim=-1) - 1, min=0),
+        "position_ids": pad_position_ids(attention_mask),
         "response_mask": new_mask * resp_attn.to(mdt),
     }
     if src.has_lp:
