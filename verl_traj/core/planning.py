@@ -388,9 +388,11 @@ def count_splits(traj_index: np.ndarray, group_index: np.ndarray, mini_batch: np
     """``(split trajectories, split groups)``: extra mini-batches the rows of a trajectory / a group are spread
     over (distinct (unit, mini-batch) pairs minus units), over the rows given (pass real rows only)."""
     m = int(mini_batch.max()) + 1 if mini_batch.size else 1
-    traj_pairs = np.unique(traj_index * m + mini_batch).shape[0] - np.unique(traj_index).shape[0]
-    grp_pairs = np.unique(group_index * m + mini_batch).shape[0] - np.unique(group_index).shape[0]
-    return int(traj_pairs), int(grp_pairs)
+
+    def extra(ids: np.ndarray) -> int:
+        return int(_distinct_per_mb(ids, mini_batch, m).sum()) - int(np.unique(ids).size)
+
+    return extra(traj_index), extra(group_index)
 
 
 def _splits(items: _Items) -> tuple[int, int]:
