@@ -86,7 +86,7 @@ def run(config) -> None:
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
 
-    from verl_traj.integration.verl_config import check_models
+    from verl_traj.integration.verl_config import check_models, ray_init_address
 
     traj = TrajConfig.from_mapping(config.get("traj"))
     validate_against_verl(traj, config)
@@ -99,6 +99,7 @@ def run(config) -> None:
         # machine delay start-up. Workers start on demand instead (set the variable to 1 to restore Ray's default).
         os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    ray_init_address(config)
     run_ppo(config, task_runner_class=TrajTaskRunnerV1 if config.trainer.get("use_v1", False) else TrajTaskRunner)
 
 

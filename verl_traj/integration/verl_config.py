@@ -23,6 +23,7 @@ length of padding rows.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -258,3 +259,31 @@ def check_models(config: Any) -> None:
             "data-parallel size would differ from the actor's, and verl_traj plans one rank-major layout for both. "
             f"Set critic.fsdp.ulysses_sequence_parallel_size={actor_sp} (or the actor's to {critic_sp})."
         )
+
+
+def ray_init_address(config: Any, environ: Optional[dict] = None) -> Optional[str]:
+    """Pin where ``ray.init`` goes when the config sizes its own cluster (``ray_kwargs.ray_init.num_cpus`` or
+    ``num_gpus`` set, as the CPU presets do): to a new local instance (``address="local"``), returned and written
+    into the config. Without it, Ray connects to whatever cluster ``/tmp/ray/ray_current_cluster`` names (one left
+    by an earlier ``ray start`` or a killed job on the same machine) and then refuses the sizes deep inside
+    ``ray.init``. With no sizes set (verl's default) nothing changes: an existing cluster is joined as before.
+
+    A cluster address given explicitly (``ray_kwargs.ray_init.address`` or ``RAY_ADDRESS``) together with sizes is
+    refused here, naming the fix: a running cluster brings its own resources.
+    """
+    environ = os.environ if environ is None else environ
+    ray_init = config.ray_kwargs.get("ray_init") or {}
+    sizes = {k: ray_init.get(k) for k in ("num_cpus", "num_gpus") if ray_init.get(k) is not None}
+    if not sizes:
+        return None
+    address = ray_init.get("address") or environ.get("RAY_ADDRESS") or None
+    if address not in (None, "local"):
+        given = ", ".join(f"ray_kwargs.ray_init.{k}={v}" for k, v in sizes.items())
+        source = "ray_kwargs.ray_init.address" if ray_init.get("address") else "the RAY_ADDRESS environment variable"
+        raise TrajConfigError(
+            f"{given} sizes a new local Ray cluster, but {source} points at a running one ({address!r}), whose "
+            f"resources are its own. To join it, add " + " ".join(f"ray_kwargs.ray_init.{k}=null" for k in sizes)
+            + "; to start a local cluster instead, unset RAY_ADDRESS or ray_kwargs.ray_init.address.")
+    with open_dict(config):
+        config.ray_kwargs.ray_init.address = "local"
+    return "local"
