@@ -5,7 +5,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh || exit 1
 . "${VENV:-.venv}/bin/activate"
-python -m pytest -ra "$@" tests
+python -m pytest -ra --durations=25 "$@" tests
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "[test] pytest collected no tests: failing (exit 5 must not pass silently)" >&2

@@ -29,6 +29,16 @@ TRAINERS = {"v1": ["trainer.use_v1=true"], "v0": ["trainer.use_v1=false"]}
 V0_OPT_IN = pytest.mark.skipif(os.environ.get("VERL_TRAJ_TEST_V0") != "1",
                                reason="v0 repeat of a v1 e2e run: set VERL_TRAJ_TEST_V0=1")
 TRAINERS_V0_OPT_IN = ["v1", pytest.param("v0", marks=V0_OPT_IN)]
+# One rank, GRPO on cpu_tiny (train_batch_size 8 / ppo_mini_batch_size 4 = 2 mini-batches), 2 epochs, the trained
+# actor exported as HF weights at the end
+def one_rank_grpo(trainer: str, steps: int = 2) -> list[str]:
+    return [*TRAINERS[trainer], f"trainer.total_training_steps={steps}", "actor_rollout_ref.actor.ppo_epochs=2",
+            f"trainer.save_freq={steps}", "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]"]
+
+
+# Two ranks, two mini-batches of 3 GRPO groups x 3 rows: 9 rows per mini-batch, so each needs a padding row.
+DP2_PADDED = ["trainer.n_gpus_per_node=2", "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+              "actor_rollout_ref.rollout.n=3"]
 
 
 @pytest.fixture(scope="session")
@@ -93,6 +103,7 @@ class TrainingRun:
     metrics: list[dict] = field(default_factory=list)  # one dict per step
     peak_rss_bytes: int = 0
     wall_seconds: float = 0.0
+    workdir: Path = None  # metrics.jsonl, train.log, ckpt/ (and dump/ for shared runs)
 
     def tail(self, n: int = 80) -> str:
         return "\n".join(self.output.splitlines()[-n:])
@@ -113,41 +124,72 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
-@pytest.fixture
-def run_training(tiny_home, tmp_path):
+def _skip_on_accelerator() -> None:
     from verl_traj.cpu.plugin import accelerator_present
 
     if accelerator_present():
         pytest.skip("the CPU e2e tests target machines without an accelerator")
 
-    def _run(overrides: list[str], timeout: float = 300, extra_roots: list[int] = (), extra_env: dict = None,
-             config_name: str = "cpu_tiny") -> TrainingRun:
-        metrics_path = tmp_path / "metrics.jsonl"
-        env = dict(os.environ)
-        env.update({
-            "VERL_TRAJ_HOME": str(tiny_home),
-            "VERL_FILE_LOGGER_PATH": str(metrics_path),
-            "VERL_TRAJ_CKPT_DIR": str(tmp_path / "ckpt"),
-            "PYTHONUNBUFFERED": "1",
-            "RAY_DEDUP_LOGS": "0",
-        })
-        env.update(extra_env or {})
-        cmd = [sys.executable, "-m", "verl_traj.main_ppo", "--config-name", config_name,
-               "trainer.logger=[console,file]", *overrides]
-        t0 = time.time()
-        proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
-        with MemorySampler([proc.pid, *extra_roots], exclude={os.getpid()}) as sampler:
-            try:
-                out, _ = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                _kill_tree(proc.pid)
-                out, _ = proc.communicate()
-                out += f"\n[test] TIMEOUT after {timeout}s"
-        (tmp_path / "train.log").write_text(out)
-        return TrainingRun(proc.returncode, out, read_metrics(metrics_path), sampler.peak, time.time() - t0)
+
+def launch(home: Path, workdir: Path, overrides: list[str], timeout: float = 300, extra_roots: list[int] = (),
+           extra_env: dict = None, config_name: str = "cpu_tiny") -> TrainingRun:
+    """``python -m verl_traj.main_ppo --config-name <config_name> <overrides>`` in ``workdir``, with verl's file logger
+    writing ``workdir/metrics.jsonl``; killed (whole process tree) after ``timeout`` seconds."""
+    metrics_path = workdir / "metrics.jsonl"
+    env = dict(os.environ)
+    env.update({
+        "VERL_TRAJ_HOME": str(home),
+        "VERL_FILE_LOGGER_PATH": str(metrics_path),
+        "VERL_TRAJ_CKPT_DIR": str(workdir / "ckpt"),
+        "PYTHONUNBUFFERED": "1",
+        "RAY_DEDUP_LOGS": "0",
+    })
+    env.update(extra_env or {})
+    cmd = [sys.executable, "-m", "verl_traj.main_ppo", "--config-name", config_name,
+           "trainer.logger=[console,file]", *overrides]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=str(workdir), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    with MemorySampler([proc.pid, *extra_roots], exclude={os.getpid()}) as sampler:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc.pid)
+            out, _ = proc.communicate()
+            out += f"\n[test] TIMEOUT after {timeout}s"
+    (workdir / "train.log").write_text(out)
+    return TrainingRun(proc.returncode, out, read_metrics(metrics_path), sampler.peak, time.time() - t0, workdir)
+
+
+@pytest.fixture
+def run_training(tiny_home, tmp_path):
+    """A training run of this test's own (see :func:`launch`), in the test's ``tmp_path``."""
+    _skip_on_accelerator()
+
+    def _run(overrides: list[str], **kwargs) -> TrainingRun:
+        return launch(tiny_home, tmp_path, overrides, **kwargs)
 
     return _run
+
+
+@pytest.fixture(scope="session")
+def shared_run(tiny_home, tmp_path_factory):
+    """A training run shared by every test that asks for the same config and overrides: each run costs a minute
+    or more of start-up on CI's two cores, so tests that observe the same run (e.g. reproducibility and gradient
+    equivalence on the same dp=2 batch) launch it once. Tests must only read the returned run. The trainer's debug
+    dump (``VERL_TRAJ_DEBUG_DUMP``: every row's ids per step) is written to ``run.workdir / "dump"``."""
+    cache: dict = {}
+
+    def _get(overrides: list[str], config_name: str = "cpu_tiny", timeout: float = 480) -> TrainingRun:
+        _skip_on_accelerator()
+        key = (config_name, tuple(overrides))
+        if key not in cache:
+            workdir = tmp_path_factory.mktemp("shared_run")
+            cache[key] = launch(tiny_home, workdir, list(overrides), timeout=timeout, config_name=config_name,
+                                extra_env={"VERL_TRAJ_DEBUG_DUMP": str(workdir / "dump")})
+        return cache[key]
+
+    return _get
 
 
 def _kill_tree(pid: int) -> None:

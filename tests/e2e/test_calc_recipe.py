@@ -3,6 +3,7 @@ model, short warm start), then real GRPO steps through ``verl_traj.main_ppo --co
 calc_agent_cpu``: verl's tool_agent loop calling the calculator, the recipe's reward, verl_traj's
 planner and workers."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -65,4 +66,16 @@ def test_quickstart_runs_the_multi_turn_agent_with_step_rows(recipe_home, tmp_pa
     assert f"{STEPS} training steps" in summary and "every one kept whole in one mini-batch" in summary
     assert "LLM calls became" in summary and "by prefix merging" in summary
     assert "optimizer steps per training step: [2] (as configured" in summary
-    assert (tmp_path / "out" / "metrics.jsonl").exists() and (tmp_path / "out" / "run.png").exists()
+    assert (tmp_path / "out" / "run.png").exists()
+    metrics = [json.loads(line)["data"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+               if line.strip()]
+    assert len(metrics) == STEPS
+    for m in metrics:
+        # step rows, prefix-merged on the v1 agent-loop worker, reproduce what the rollout generated token for token
+        assert m["training/rollout_probs_diff_max"] < 1e-4
+        assert m["traj_stepwise/rows_after"] <= m["traj_stepwise/rows_before"]
+        assert m["traj_stepwise/tokens_after"] <= m["traj_stepwise/tokens_before"]
+        assert m["traj_plan/real_rows"] == m["traj_stepwise/rows_after"]
+        assert m["traj_stepwise/loss_tokens"] == m["traj_plan/loss_tokens"]
+        assert m["traj_plan/split_trajectories"] == 0 and m["traj_plan/split_groups"] == 0
+    assert any(m["traj_stepwise/rows_after"] < m["traj_stepwise/rows_before"] for m in metrics)  # merging happened

@@ -1,8 +1,8 @@
 """End-to-end: real verl GRPO training on CPU through ``python -m verl_traj.main_ppo --config-name cpu_tiny``.
 
-The e2e tests run the whole stack (Ray, verl's v0 trainer through verl_traj's trainer subclass, FSDP2
-on gloo, the CPU rollout server behind verl's agent loop, weight sync after every update) and check
-it did real work. The first tests are fast unit checks of the CPU pieces (no Ray).
+The e2e test runs the whole stack (Ray, verl's trainer with verl_traj's mixin, FSDP2 on gloo, the CPU
+rollout server behind verl's agent loop, weight sync after every update) and checks it did real work
+(multi-turn tool agents: tests/stepwise/test_stepwise_e2e.py and the calculator recipe). The first tests are fast unit checks of the CPU pieces (no Ray).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import math
 
 import pytest
 import torch
+
+from tests.e2e.conftest import one_rank_grpo
 
 
 GiB = 1024**3
@@ -172,16 +174,10 @@ def test_server_batched_generation_matches_teacher_forcing(tiny_home):
 # end to end
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.e2e
-def test_cpu_grpo_end_to_end(run_training, tiny_home, tmp_path):
-    steps = 3
-    run = run_training(
-        [
-            f"trainer.total_training_steps={steps}",
-            f"trainer.save_freq={steps}",
-            "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]",
-        ],
-        timeout=420,
-    )
+def test_cpu_grpo_end_to_end(shared_run, tiny_home):
+    """GRPO on one rank did real work: the run test_traj_training's one-rank test checks the plan of."""
+    steps = 2
+    run = shared_run(one_rank_grpo("v1", steps))
     assert run.returncode == 0, run.tail()
     assert [m["step"] for m in run.metrics] == list(range(1, steps + 1)), run.tail()
 
@@ -200,7 +196,7 @@ def test_cpu_grpo_end_to_end(run_training, tiny_home, tmp_path):
     # weights changed: the HF export of the trained actor differs from the initial random model
     from safetensors.torch import load_file
 
-    ckpt = tmp_path / "ckpt" / "verl_traj_cpu" / "cpu_tiny" / f"global_step_{steps}" / "actor" / "huggingface"
+    ckpt = run.workdir / "ckpt" / "verl_traj_cpu" / "cpu_tiny" / f"global_step_{steps}" / "actor" / "huggingface"
     trained = load_file(str(next(ckpt.glob("*.safetensors"))))
     initial = load_file(str(tiny_home / "model" / "model.safetensors"))
     common = sorted(set(trained) & set(initial))
@@ -218,47 +214,6 @@ def test_cpu_grpo_end_to_end(run_training, tiny_home, tmp_path):
         "score_mean": [round(m["critic/score/mean"], 4) for m in run.metrics],
         "max_weight_change": max_change,
     }
-    (tmp_path / "figures.json").write_text(json.dumps(figures, indent=1))
+    (run.workdir / "figures.json").write_text(json.dumps(figures, indent=1))
     print("\n[cpu e2e figures]", json.dumps(figures))
     assert run.peak_rss_bytes < 16 * GiB
-
-
-@pytest.mark.e2e
-def test_cpu_multiturn_tool_agent(run_training, tiny_home):
-    """verl's tool_agent loop on the CPU server: a tiny model fine-tuned (offline, seconds) to call the
-    ``digits`` tool emits <tool_call>, verl's hermes parser runs the tool, the tool response is
-    appended (response_mask 0) and the model answers in a further turn; GRPO trains on it."""
-    from verl_traj.cpu.build_tiny import build_tool_caller
-
-    model_dir = build_tool_caller(str(tiny_home), steps=80)
-    steps = 2
-    run = run_training(
-        [
-            f"trainer.total_training_steps={steps}",
-            f"actor_rollout_ref.model.path={model_dir}",
-            f"data.train_files={tiny_home}/data/tool_train.parquet",
-            f"data.val_files={tiny_home}/data/tool_test.parquet",
-            "data.max_prompt_length=192",
-            "data.max_response_length=64",
-            "actor_rollout_ref.rollout.multi_turn.enable=true",
-            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
-            "actor_rollout_ref.rollout.multi_turn.format=hermes",
-            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tiny_home}/tool_config.yaml",
-            # the 80-step SFT model writes a well-formed call in ~45% of samples at T=1, ~100% at T=0.5;
-            # a small lr keeps that behaviour through the update between the two steps
-            "actor_rollout_ref.rollout.temperature=0.7",
-            "actor_rollout_ref.actor.optim.lr=2e-4",
-        ],
-        timeout=420,
-    )
-    assert run.returncode == 0, run.tail()
-    assert len(run.metrics) == steps, run.tail()
-    for m in run.metrics:
-        assert m["training/rollout_probs_diff_max"] < 1e-4
-        # user + assistant = 2 turns; a tool round trip adds a tool turn and another assistant turn
-        turns = {k: v for k, v in m.items() if k.startswith("num_turns")}
-        assert m["num_turns/max"] >= 4, turns  # (v1 logs no agent-loop timings: the turn count is the evidence)
-    assert run.metrics[0]["num_turns/mean"] > 2.5, run.metrics[0]["num_turns/mean"]
-    assert any(m["actor/grad_norm"] > 0 for m in run.metrics)
-    print("\n[cpu multi-turn]", json.dumps({k: run.metrics[-1][k] for k in (
-        "num_turns/mean", "num_turns/max", "response_length/mean", "critic/score/mean")}))

@@ -1,5 +1,5 @@
 """PPO with a critic (GAE) and a reference model (KL loss) end to end through ``python -m verl_traj.main_ppo
---config-name cpu_tiny_ppo`` on a machine without a GPU, at dp=1 and dp=2 (padding rows): critic metrics
+--config-name cpu_tiny_ppo`` on a machine without a GPU, at dp=2 (padding rows): critic metrics
 every step, the critic stepping on the planned mini-batches with verl_traj's weighted value loss, its own
 mini-batch size honoured, and bad critic set-ups refused at start-up by name."""
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.e2e.conftest import TRAINERS, TRAINERS_V0_OPT_IN, tail
+from tests.e2e.conftest import DP2_PADDED, TRAINERS, TRAINERS_V0_OPT_IN, tail
 
 pytestmark = pytest.mark.e2e
 
@@ -32,21 +32,13 @@ def _check(run, *, actor_steps: int, critic_steps: int):
     return steps
 
 
-def test_ppo_one_rank_with_a_larger_critic_mini_batch(run_training):
-    """cpu_tiny_ppo: train_batch_size 8, actor mini-batch 4 (2 optimizer steps); the critic's mini-batch of 8
-    prompts is honoured (1 step: the union of the actor's two)."""
-    run = run_training([f"trainer.total_training_steps={STEPS}", "critic.ppo_mini_batch_size=8"],
-                       config_name="cpu_tiny_ppo", timeout=480)
-    _check(run, actor_steps=2, critic_steps=1)  # (the value loss falling: the engine test on a fixed batch)
-
-
 @pytest.mark.parametrize("trainer", TRAINERS_V0_OPT_IN)
-def test_ppo_two_ranks_with_padding(run_training, trainer):
-    """dp=2, groups of 3 rows, 3 groups per mini-batch -> 9 rows -> a padding row per mini-batch."""
-    run = run_training([*TRAINERS[trainer], f"trainer.total_training_steps={STEPS}", "trainer.n_gpus_per_node=2", "data.train_batch_size=6",
-                        "actor_rollout_ref.actor.ppo_mini_batch_size=3", "critic.ppo_mini_batch_size=3",
-                        "actor_rollout_ref.rollout.n=3"], config_name="cpu_tiny_ppo", timeout=600)
-    steps = _check(run, actor_steps=2, critic_steps=2)
+def test_ppo_two_ranks_with_padding_and_a_larger_critic_mini_batch(run_training, trainer):
+    """dp=2, groups of 3 rows, 3 groups per actor mini-batch -> 9 rows -> a padding row per mini-batch (2 actor
+    optimizer steps); the critic's mini-batch of 6 prompts is honoured (1 step: the union of the actor's two)."""
+    run = run_training([*TRAINERS[trainer], *DP2_PADDED, f"trainer.total_training_steps={STEPS}",
+                        "critic.ppo_mini_batch_size=6"], config_name="cpu_tiny_ppo", timeout=600)
+    steps = _check(run, actor_steps=2, critic_steps=1)  # (the value loss falling: the engine test on a fixed batch)
     assert any(m["traj_plan/padding_rows"] > 0 for m in steps)
 
 

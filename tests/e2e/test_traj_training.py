@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.e2e.conftest import TRAINERS, TRAINERS_V0_OPT_IN, tail
+from tests.e2e.conftest import TRAINERS, TRAINERS_V0_OPT_IN, one_rank_grpo, tail
 
 pytestmark = pytest.mark.e2e
 
@@ -72,15 +72,11 @@ def _check_run(run, dump_path, *, mini_batches: int, epochs: int = 1, expect_pad
 
 
 @pytest.mark.parametrize("trainer", TRAINERS_V0_OPT_IN)
-def test_traj_training_one_rank(run_training, tmp_path, trainer):
-    dump = tmp_path / "dump"
-    run = run_training(
-        [*TRAINERS[trainer], f"trainer.total_training_steps={STEPS}", "actor_rollout_ref.actor.ppo_epochs=2"],
-        timeout=420,
-        extra_env={"VERL_TRAJ_DEBUG_DUMP": str(dump)},
-    )
+def test_traj_training_one_rank(shared_run, trainer):
+    """The run test_cpu_training's GRPO test also reads (one launch for both)."""
+    run = shared_run(one_rank_grpo(trainer, STEPS))
     # cpu_tiny: train_batch_size 8 / ppo_mini_batch_size 4 = 2 mini-batches, 2 epochs
-    _check_run(run, dump / "plan.jsonl", mini_batches=2, epochs=2, expect_padding=False)
+    _check_run(run, run.workdir / "dump" / "plan.jsonl", mini_batches=2, epochs=2, expect_padding=False)
 
 
 @pytest.mark.parametrize("trainer", sorted(TRAINERS))
