@@ -10,10 +10,12 @@ through
   ``TrainingWorker.train_mini_batch`` (fixed-size mini-batch slices), verl's dynamic micro-batching
   (``rearrange_micro_batches`` under the cap), verl's ``ppo_loss`` (token-mean);
 * ``traj``: the verl_traj plan (whole GRPO groups per mini-batch, DP balancing, padding, micro-batches packed
-  for the attention path), ``TrajTrainingWorker`` running exactly the planned micro-batches, ``traj_ppo_loss``.
+  for the attention path: here, without remove-padding, the token cap as verl reads it and the least padded
+  area at that count), ``TrajTrainingWorker`` running exactly the planned micro-batches, ``traj_ppo_loss``;
+* ``traj_area``: the same with ``traj.padded_cap=area`` (the cap bounds each micro-batch's padded area).
 
-Both do the same number of optimizer steps under the same per-micro-batch cap. The variants alternate
-(stock, traj, stock, traj, ...) after one warm-up each; the table shows medians and the traj/stock ratio.
+All do the same number of optimizer steps under the same per-micro-batch cap. The variants alternate
+(stock, traj, traj_area, stock, ...) after one warm-up each; the table shows medians and the ratio to stock.
 
 Cases (``--cases``): ``default`` (16 prompts x 4, long-tailed responses up to 448 tokens with masked tool
 spans), ``swebench`` (step rows of SWE-bench trajectories, lengths scaled by 1/32 to fit a CPU, GRPO groups
@@ -37,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 CASES = {
     "default": dict(groups=16, n=4, mini_batches=4, prompt_len=64, response_len=448, cap=2048, source="synthetic"),
@@ -141,16 +144,25 @@ def micro_batch_report(batch, dp: int, num_mb: int, cap: int, planned: bool) -> 
             "padded_positions": 1.0 - real / max(area, 1)}
 
 
-def prepare(case: dict, variant: str, cfg, vocab: int, dp: int, seed: int):
+def variants(pass_costs: list[Optional[int]]) -> dict[str, Optional[dict]]:
+    """Variant name -> ``traj:`` options (None: stock verl): ``traj`` with each pass cost, then ``traj_area``."""
+    out: dict[str, Optional[dict]] = {"stock": None}
+    for i, cost in enumerate(pass_costs):
+        out["traj" if i == 0 else f"traj pass_cost={cost}"] = {"padded_cap": "tokens", "pass_cost_tokens": cost}
+    out["traj_area"] = {"padded_cap": "area"}
+    return out
+
+
+def prepare(case: dict, options: Optional[dict], cfg, vocab: int, dp: int, seed: int):
     from verl_traj.testing.engine import plan_for_update
 
     batch = make_batch(case, vocab, seed, dp)
     source_rows, n_pad = len(batch), 0
-    if variant == "stock":
+    if options is None:
         stock_order(batch, dp)
     else:
-        n_pad = int(plan_for_update(batch, cfg, dp).stats.padding_rows.sum())
-    report = micro_batch_report(batch, dp, case["mini_batches"], case["cap"], variant == "traj")
+        n_pad = int(plan_for_update(batch, cfg, dp, **options).stats.padding_rows.sum())
+    report = micro_batch_report(batch, dp, case["mini_batches"], case["cap"], options is not None)
     return batch, {"padding_rows": n_pad, "rows": len(batch), "source_rows": source_rows, **report}
 
 
@@ -189,13 +201,13 @@ def _proc(rank: int, dp: int, port: int, args, out_path: str):
     for name in args.cases:
         case = CASES[name]
         runs = {}
-        for variant in ("stock", "traj"):
+        for variant, options in variants(args.pass_cost).items():
             cfg = _config(case)
-            worker = actor_worker(cfg, variant == "traj")
-            batch, info = prepare(case, variant, cfg, int(worker.model_config.hf_config.vocab_size), dp, args.seed)
+            worker = actor_worker(cfg, options is not None)
+            batch, info = prepare(case, options, cfg, int(worker.model_config.hf_config.vocab_size), dp, args.seed)
             runs[variant] = {"worker": worker, "batch": batch, "info": info, "times": [], "metrics": None}
         for it in range(args.repeats + 1):
-            for variant in ("stock", "traj"):
+            for variant in runs:
                 r = runs[variant]
                 # stock: fixed-size mini-batches of rows / M (the same optimizer steps as the plan)
                 dt, metrics = _time_update(r["worker"], r["batch"], rank, dp, r["info"]["source_rows"] // case["mini_batches"])
@@ -220,13 +232,13 @@ def _summary(run: dict) -> dict:
 
 
 def _table(report: dict) -> str:
-    lines = ["| case | variant | s/update | traj / stock | optimizer steps | micro-batches/rank: planned / run / verl's cut of these rows | padded positions | rows (padding) |",
+    lines = ["| case | variant | s/update | vs stock | optimizer steps | micro-batches/rank: planned / run / verl's cut of these rows | padded positions | rows (padding) |",
              "|---|---|---|---|---|---|---|---|"]
     for name, res in report["results"].items():
         base = res["stock"]["seconds_per_update"]
         for variant, r in res.items():
             micro = (f"{r['micro_batches_planned']} / {r['micro_batches_run']:.0f} / {r['micro_batches_verl']}"
-                     if variant == "traj" else f"- / - / {r['micro_batches_verl']}")
+                     if variant != "stock" else f"- / - / {r['micro_batches_verl']}")
             lines.append(f"| {name} | {variant} | {r['seconds_per_update']:.3f} | {r['seconds_per_update'] / base:.2f}x | "
                          f"{r['optimizer_steps']} | {micro} | {r['padded_positions']:.1%} | {r['rows']} ({r['padding_rows']}) |")
     return "\n".join(lines)
@@ -239,6 +251,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pass-cost", nargs="+", type=lambda v: None if v == "null" else int(v), default=[1024],
+                    help="traj.pass_cost_tokens of the traj variant; more values add variants (null: the fewest passes)")
     ap.add_argument("--home", default=os.environ.get("VERL_TRAJ_HOME", os.path.join(tempfile.gettempdir(), "verl_traj_tiny_bench")))
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = ap.parse_args(argv)

@@ -32,6 +32,9 @@ def test_from_mapping_roundtrip_and_unknown_key():
         ({"traj_id_key": ""}, "traj.traj_id_key=''"),
         ({"mini_batch_balance": "prompts"}, "traj.mini_batch_balance='prompts'"),
         ({"infer_micro_batch_max_tokens": -1}, "traj.infer_micro_batch_max_tokens=-1"),
+        ({"padded_cap": "rows"}, "traj.padded_cap='rows'"),
+        ({"pass_cost_tokens": -5}, "traj.pass_cost_tokens=-5"),
+        ({"pass_cost_tokens": 1.5}, "traj.pass_cost_tokens=1.5"),
         ({"step_wise": True, "enable": False}, "traj.step_wise=true needs traj.enable=true"),
     ],
 )

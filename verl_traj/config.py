@@ -22,6 +22,7 @@ from verl_traj.core.planning import GROUP_BY_CHOICES, MINI_BATCH_BALANCE_CHOICES
 __all__ = [
     "GROUP_BY_CHOICES",
     "MINI_BATCH_BALANCE_CHOICES",
+    "PADDED_CAP_CHOICES",
     "SUPPORTED_POLICY_LOSS_MODES",
     "TEMPORAL_ADV_ESTIMATORS",
     "TrajConfig",
@@ -36,6 +37,8 @@ TEMPORAL_ADV_ESTIMATORS = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_ba
 # ``agg_loss(pg_losses, response_mask, loss_agg_mode, **config.global_batch_info)``: exact with per-row
 # weights. Not supported: "sapo" (hard-codes seq-mean-token-mean), "geo_mean" (sequence-level geometric
 # mean, uses rollout_is_weights in log space), "bypass_mode" (recomputes its own IS weights).
+# traj.padded_cap: what the micro-batch cap bounds without remove-padding (core.packing cost "padded" / "padded_area")
+PADDED_CAP_CHOICES = ("tokens", "area")
 SUPPORTED_POLICY_LOSS_MODES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "gpg", "clip_cov", "kl_cov", "dro", "cispo")
 
 
@@ -62,6 +65,13 @@ class TrajConfig:
             ``None`` derives it from verl's own settings. The plan's micro-batches are what runs.
         infer_micro_batch_max_tokens: the same for the log-prob / reference / value passes; ``None``
             keeps verl's own log-prob caps.
+        padded_cap: without remove-padding (every micro-batch padded to its longest row), what the cap
+            bounds: ``"tokens"``, the rows' token sum as in verl (at most verl's number of passes, cut for
+            the least padded area), or ``"area"``, rows x longest row (a strict bound on the padded activation
+            memory; more, smaller passes). With remove-padding the cap always bounds tokens.
+        pass_cost_tokens: with ``padded_cap="tokens"`` and no remove-padding: the fixed cost of one forward /
+            backward pass, in padded positions. From verl's count upward, the planner cuts another micro-batch
+            only where the padded positions it saves exceed this. ``None``: never more passes than the fewest.
         loss_agg_mode: loss aggregation for policy, entropy and KL losses; ``None`` uses
             ``actor_rollout_ref.actor.loss_agg_mode``. Adds ``"traj-mean"``.
         critic_loss_agg_mode: the same for the value loss; ``None`` uses ``critic.loss_agg_mode``.
@@ -80,6 +90,8 @@ class TrajConfig:
     workload: str = "verl"
     micro_batch_max_tokens: Optional[int] = None
     infer_micro_batch_max_tokens: Optional[int] = None
+    padded_cap: str = "tokens"
+    pass_cost_tokens: Optional[int] = 1024
     loss_agg_mode: Optional[str] = None
     critic_loss_agg_mode: Optional[str] = None
     traj_id_key: str = "traj_id"
@@ -92,6 +104,7 @@ class TrajConfig:
         _check_choice("traj.group_by", self.group_by, GROUP_BY_CHOICES)
         _check_choice("traj.mini_batch_balance", self.mini_batch_balance, MINI_BATCH_BALANCE_CHOICES)
         _check_choice("traj.workload", self.workload, WORKLOAD_MODELS)
+        _check_choice("traj.padded_cap", self.padded_cap, PADDED_CAP_CHOICES)
         for name in ("loss_agg_mode", "critic_loss_agg_mode"):
             if getattr(self, name) is not None:
                 _check_choice(f"traj.{name}", getattr(self, name), loss_weight_modes())
@@ -102,6 +115,12 @@ class TrajConfig:
                     f"traj.{name}={cap!r} is invalid: set a positive integer number of tokens per micro-batch "
                     "per GPU (at least the longest prompt+response), or null to derive it from verl's settings."
                 )
+        cost = self.pass_cost_tokens
+        if cost is not None and (isinstance(cost, bool) or not isinstance(cost, int) or cost < 0):
+            raise TrajConfigError(
+                f"traj.pass_cost_tokens={cost!r} is invalid: set the fixed cost of one forward/backward pass as a "
+                "non-negative number of padded positions (default 1024), or null for the fewest passes."
+            )
         for name in ("traj_id_key", "step_index_key"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise TrajConfigError(f"traj.{name}={getattr(self, name)!r} must be a non-empty field name.")

@@ -1,5 +1,6 @@
-"""Micro-batch packing: the token cost reaches the exact optimum on small blocks, the padded cost's greedy
-cut is optimal, counts are synced over the ranks of a mini-batch, and every micro-batch fits the cap."""
+"""Micro-batch packing: the token cost reaches the exact optimum on small blocks; the padded cost runs the token
+cost's count with the least padded area (never more than verl's cut of the same rows); the padded-area cost's
+greedy cut is optimal; counts are synced over the ranks of a mini-batch, and every micro-batch fits the cap."""
 
 from __future__ import annotations
 
@@ -64,10 +65,10 @@ def test_token_cost_reaches_the_optimum_on_small_blocks(sizes, extra):
 
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.integers(1, 30), min_size=1, max_size=7), st.integers(0, 60))
-def test_padded_cost_greedy_cut_is_optimal(sizes, extra):
+def test_padded_area_cost_greedy_cut_is_optimal(sizes, extra):
     cap = max(sizes) + extra
     p = pack_micro_batches(np.array(sizes), np.zeros(len(sizes), dtype=np.int64), np.zeros(1, dtype=np.int64), 1, cap,
-                           cost="padded")
+                           cost="padded_area")
     mi = p.micro_index
     for k in np.unique(mi):
         part = np.array(sizes)[mi == k]
@@ -75,41 +76,90 @@ def test_padded_cost_greedy_cut_is_optimal(sizes, extra):
     assert int(p.block_count[0]) == _optimum_padded(sizes, cap)
 
 
-def _contiguous_least_area(sizes: list[int], cap: int, k: int):
-    """Least total padded area over every cut of length-sorted ``sizes`` into exactly k consecutive runs."""
+def _load(run: list[int], bound: str) -> int:
+    return len(run) * run[0] if bound == "area" else sum(run)
+
+
+def _contiguous_least_area(sizes: list[int], cap: int, k: int, bound: str):
+    """Least total padded area over every cut of length-sorted ``sizes`` into exactly k consecutive runs whose
+    area or token sum (``bound``) fits ``cap``."""
     best = None
     for cuts in itertools.combinations(range(1, len(sizes)), k - 1):
         bounds = (0, *cuts, len(sizes))
         runs = [sizes[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-        if all(len(r) * r[0] <= cap for r in runs):
+        if all(_load(r, bound) <= cap for r in runs):
             area = sum(len(r) * r[0] for r in runs)
             best = area if best is None else min(best, area)
     return best
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.integers(1, 30), min_size=1, max_size=8), st.integers(0, 60), st.integers(1, 8))
-def test_padded_cost_least_area_runs(sizes, extra, k):
+@given(st.lists(st.integers(1, 30), min_size=1, max_size=8), st.integers(0, 60), st.integers(1, 8),
+       st.sampled_from(["area", "tokens"]))
+def test_least_area_runs(sizes, extra, k, bound):
     """The dynamic program finds the least-area cut into k runs (brute force), never above the greedy
-    cut's area at its count, and every run fits the cap."""
-    from verl_traj.core.packing import _padded_least_area, _padded_runs
+    cut's area at its count, and every run fits the cap (by area or by token sum)."""
+    from verl_traj.core.packing import _least_area_runs, _padded_runs
 
     cap = max(sizes) + extra
     sizes = sorted(sizes, reverse=True)
-    bins = _padded_least_area(sizes, cap, k)
-    expected = _contiguous_least_area(sizes, cap, k) if k <= len(sizes) else None
+    bins = _least_area_runs(sizes, cap, k, bound)
+    expected = _contiguous_least_area(sizes, cap, k, bound) if k <= len(sizes) else None
     if expected is None:
         assert bins is None
         return
     assert len(bins) == k and sorted(i for b in bins for i in b) == list(range(len(sizes)))
-    assert all(len(b) * sizes[b[0]] <= cap for b in bins)
+    assert all(_load([sizes[i] for i in b], bound) <= cap for b in bins)
     assert sum(len(b) * sizes[b[0]] for b in bins) == expected
     greedy = _padded_runs(sizes, cap)
-    if len(greedy) == k:
+    if len(greedy) == k and bound == "area":
         assert expected <= sum(len(b) * sizes[b[0]] for b in greedy)
 
 
-def test_padded_cost_takes_the_partitioners_count_when_larger():
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=24), st.integers(0, 80), st.integers(0, 2**31 - 1))
+def test_padded_cost_runs_verls_count_with_no_more_padding(sizes, extra, seed):
+    """``cost="padded"``: token sums fit the cap (verl's meaning of it), the count is the token cost's (so never
+    above verl's cut of the same rows), and the padded area is never above verl's cut at that count."""
+    from verl_traj.integration.plan import verl_partitioner
+
+    cap = max(sizes) + extra
+    rows = np.random.default_rng(seed).permutation(np.array(sizes))
+    one = np.zeros(len(rows), dtype=np.int64), np.zeros(1, dtype=np.int64)
+    p = pack_micro_batches(rows, *one, 1, cap, cost="padded", partitioner=verl_partitioner)
+    tok = pack_micro_batches(rows, *one, 1, cap, cost="tokens", partitioner=verl_partitioner)
+    assert p.block_count[0] == tok.block_count[0]
+    parts = [rows[p.micro_index == m] for m in range(int(p.block_count[0]))]
+    assert all(part.size and part.sum() <= cap for part in parts)
+    ordered = sorted(sizes, reverse=True)
+    theirs = [list(b) for b in verl_partitioner(ordered, int(p.block_count[0])) if len(b)]
+    if all(sum(ordered[i] for i in b) <= cap for b in theirs):
+        assert sum(part.size * part.max() for part in parts) <= sum(len(b) * max(ordered[i] for i in b) for b in theirs)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=8), st.integers(0, 60), st.integers(0, 120))
+def test_padded_cost_trades_passes_for_padding_at_the_pass_cost(sizes, extra, pass_cost):
+    """With a pass cost, ``cost="padded"`` takes at least the token cost's count and the least ``padded area +
+    count x pass_cost`` over every cut of the length-sorted rows into consecutive token-fitting runs (brute
+    force over all counts), never worse than the token cost's own packing."""
+    cap = max(sizes) + extra
+    ordered = sorted(sizes, reverse=True)
+    one = np.zeros(len(sizes), dtype=np.int64), np.zeros(1, dtype=np.int64)
+    p = pack_micro_batches(np.array(sizes), *one, 1, cap, cost="padded", pass_cost=pass_cost)
+    k = int(p.block_count[0])
+    parts = [np.array(sizes)[p.micro_index == m] for m in range(k)]
+    assert all(part.size and part.sum() <= cap for part in parts)
+    objective = sum(part.size * part.max() for part in parts) + k * pass_cost
+    fewest = min_micro_batches(ordered, cap)
+    assert k >= len(fewest)
+    assert objective <= sum(len(b) * max(ordered[i] for i in b) for b in fewest) + len(fewest) * pass_cost
+    brute = [_contiguous_least_area(ordered, cap, j, "tokens") for j in range(len(fewest), len(sizes) + 1)]
+    assert objective <= min(a + j * pass_cost for j, a in zip(range(len(fewest), len(sizes) + 1), brute)
+                            if a is not None)
+
+
+def test_padded_area_cost_takes_the_partitioners_count_when_larger():
     """With verl's own cut as the partitioner, the padded packing uses as many micro-batches as verl would
     (when more than the fewest that fit) and spends them on less padding."""
     sizes = np.array([100, 90, 40, 35, 30, 10, 8, 5])
@@ -118,21 +168,23 @@ def test_padded_cost_takes_the_partitioners_count_when_larger():
         return [[i] for i in range(len(sizes_))] if k >= len(sizes_) else [list(range(len(sizes_)))]
 
     block, sync = np.zeros(8, dtype=np.int64), np.zeros(1, dtype=np.int64)
-    fewest = pack_micro_batches(sizes, block, sync, 1, 200, cost="padded")
-    many = pack_micro_batches(sizes, block, sync, 1, 200, cost="padded", partitioner=one_row_each)
+    fewest = pack_micro_batches(sizes, block, sync, 1, 200, cost="padded_area")
+    many = pack_micro_batches(sizes, block, sync, 1, 200, cost="padded_area", partitioner=one_row_each)
     assert fewest.block_count[0] < many.block_count[0] == 8  # one row each: no padded position at all
 
 
-def test_padded_cost_groups_rows_of_similar_length():
+@pytest.mark.parametrize("cost", ["padded", "padded_area"])
+def test_padded_costs_group_rows_of_similar_length(cost):
     # 4 long rows and 4 short ones: the long rows share micro-batches, the short ones theirs
     sizes = np.array([100, 5, 100, 5, 100, 5, 100, 5])
-    p = pack_micro_batches(sizes, np.zeros(8, dtype=np.int64), np.zeros(1, dtype=np.int64), 1, 200, cost="padded")
+    p = pack_micro_batches(sizes, np.zeros(8, dtype=np.int64), np.zeros(1, dtype=np.int64), 1, 200, cost=cost)
     for k in np.unique(p.micro_index):
         assert len(set(sizes[p.micro_index == k].tolist())) == 1
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.integers(1, 4), st.integers(1, 5), st.sampled_from(["tokens", "padded"]))
+@given(st.integers(0, 2**31 - 1), st.integers(1, 4), st.integers(1, 5),
+       st.sampled_from(["tokens", "padded", "padded_area"]))
 def test_counts_are_synced_per_mini_batch(seed, dp, rows_per_rank, cost):
     rng = np.random.default_rng(seed)
     n = dp * rows_per_rank
@@ -146,7 +198,7 @@ def test_counts_are_synced_per_mini_batch(seed, dp, rows_per_rank, cost):
     for r in range(dp):
         for k in np.unique(p.micro_index[block == r]):
             part = tokens[(block == r) & (p.micro_index == k)]
-            assert (part.size * part.max() if cost == "padded" else part.sum()) <= cap
+            assert (part.size * part.max() if cost == "padded_area" else part.sum()) <= cap
 
 
 def test_extra_partitioner_is_a_candidate():

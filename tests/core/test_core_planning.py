@@ -37,7 +37,7 @@ def check_micro_batches(plan, tokens, cap):
     """Every micro-batch fits the cap under the plan's cost; ids dense per block; counts synced; stats."""
     mi = plan.micro_batch_id.numpy()
     s = plan.stats
-    padded = plan.spec.micro_batch_cost == "padded"
+    area = plan.spec.micro_batch_cost == "padded_area"  # the cap bounds rows x longest, else the token sum
     for m in range(plan.num_mini_batches):
         counts, waste, longest_sum = [], 0, 0
         for r in range(plan.dp_size):
@@ -45,7 +45,7 @@ def check_micro_batches(plan, tokens, cap):
             mis = mi[sel]
             for k in np.unique(mis):
                 part = t[mis == k]
-                assert (part.size * part.max() if padded else part.sum()) <= cap
+                assert (part.size * part.max() if area else part.sum()) <= cap
                 waste += int(part.size * part.max() - part.sum())
                 longest_sum = max(longest_sum, int(part.sum()))
             assert sorted(np.unique(mis).tolist()) == list(range(int(np.unique(mis).shape[0])))
@@ -146,7 +146,7 @@ def check_plan(b, lay, plan, M, dp, group_by, workload="verl", cap=None):
     tail=st.floats(0.2, 2.0),
     pad_rows=st.integers(0, 2),
     use_cap=st.booleans(),
-    cost=st.sampled_from(["tokens", "padded"]),
+    cost=st.sampled_from(["tokens", "padded", "padded_area"]),
     mb_balance=st.sampled_from(["tokens", "units"]),
 )
 def test_plan_invariants(seed, groups, tpg, steps, dp, M, group_by, balance, workload, tail, pad_rows, use_cap, cost,

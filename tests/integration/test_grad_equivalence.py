@@ -30,7 +30,8 @@ KINDS = ("policy", "value")
 SCALE = 5.0  # loss_scale_factor for seq-mean-token-sum-norm
 
 
-PLANNED = ("", "tokens", "padded")  # verl's cut, the planner's token-sum packing, its padded-area packing
+# verl's cut, the planner's packings: token sums, least padded area under a token cap, padded area under an area cap
+PLANNED = ("", "tokens", "padded", "padded_area")
 
 
 def _cases():
@@ -76,7 +77,7 @@ def _worker(rank: int, world: int, port: int, out_path: str):
             local = _split_for_rank(rows, rank, world)
             model = H.TinyLM()
             n_micro = H.engine_step(
-                model, local, kind, _loss_fn(kind), _config(kind), max_token_len=cap * (3 if planned == "padded" else 1),
+                model, local, kind, _loss_fn(kind), _config(kind), max_token_len=cap * (3 if planned == "padded_area" else 1),
                 dp_size=world, dp_group=dist.group.WORLD, planned=planned,
             )
             results[(mode, kind, padded, cap, planned)] = (H.flat_grad(model), n_micro)

@@ -255,12 +255,22 @@ def _verl_config(**over):
     return cfg
 
 
+@pytest.mark.parametrize("rmpad, padded_cap, cost", [
+    (False, "tokens", "padded"), (False, "area", "padded_area"), (True, "area", "tokens"), (True, "tokens", "tokens"),
+])
+def test_the_packing_cost_follows_the_attention_path_and_padded_cap(rmpad, padded_cap, cost):
+    cfg = _verl_config(**{"actor_rollout_ref.model.use_remove_padding": rmpad})
+    with pytest.warns(UserWarning, match="balance_batch"):
+        micro = prepare_config(cfg, TrajConfig(micro_batch_max_tokens=100, padded_cap=padded_cap))
+    assert micro.cost == cost
+
+
 def test_prepare_config_forces_planner_and_sets_only_training_caps():
     cfg = _verl_config()
     with pytest.warns(UserWarning, match="balance_batch"):
         micro = prepare_config(cfg, TrajConfig(micro_batch_max_tokens=100))
     assert cfg.trainer.balance_batch is True
-    assert micro == PlanSettings(100, "padded", derived=False)  # no use_remove_padding: padded area
+    assert micro == PlanSettings(100, "padded", derived=False)  # no use_remove_padding: least padded area
     a, r, ref = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref
     assert a.use_dynamic_bsz and a.ppo_max_token_len_per_gpu == 100
     # inference passes keep verl's own bound (fixed sizes -> dynamic with the same memory bound)

@@ -12,11 +12,17 @@ weights). The cost of a micro-batch depends on the attention path:
   ``rearrange_micro_batches`` on the same rows), and, for blocks of at most ``EXACT_MAX_ROWS`` rows,
   an exact depth-first search with a node budget (the optimum wherever that search is cheap).
 * ``cost="padded"`` (no remove-padding, e.g. sdpa on CPU): every micro-batch is padded to its longest
-  row, so it costs ``rows x longest row`` positions and that area must fit ``cap``. The count is the
-  fewest runs of length-sorted rows that fit (a greedy cut finds it), or, when a partitioner is given,
-  as many micro-batches as it would cut if that is more (verl's own count: never more passes than
-  stock). The rows are then cut into that many consecutive runs in length order with the least total
-  padded area (a dynamic program; consecutive runs are optimal for this cost).
+  row, so its compute is ``rows x longest row`` positions, and every pass also has a fixed cost
+  (``pass_cost``, in positions: kernel launches, FSDP's parameter gathers). The cap keeps verl's meaning
+  (the rows' token sum). From the token cost's count (never above verl's on the same rows) upward, the
+  block takes the cut with the least ``padded area + count x pass_cost`` among: consecutive runs of
+  length-sorted rows whose token sums fit (a dynamic program; consecutive runs are optimal for this area)
+  and, at the token cost's count, that packing and the partitioner's (verl's) own cut -- so at verl's count
+  its padded positions are never above verl's. ``pass_cost=None`` keeps the token cost's count.
+* ``cost="padded_area"``: as ``"padded"`` but the cap bounds the padded area itself (a strict memory
+  bound): the count is the fewest consecutive length-sorted runs whose area fits (a greedy cut finds it),
+  or the partitioner's count if that is more; the runs are the least-area ones at that count. More,
+  smaller passes than verl where verl's micro-batches would exceed the cap once padded.
 
 Then, as verl's engines expect the same number of micro-batches on every DP rank of a mini-batch
 (FSDP's gradient sync runs on the last one), every block of a sync set is brought to the set's
@@ -45,10 +51,10 @@ __all__ = [
     "pack_micro_batches",
 ]
 
-MICRO_BATCH_COSTS = ("tokens", "padded")
+MICRO_BATCH_COSTS = ("tokens", "padded", "padded_area")
 EXACT_MAX_ROWS = 24  # blocks up to this many rows get the exact search
 EXACT_NODE_BUDGET = 20_000
-Cost = Literal["tokens", "padded"]
+Cost = Literal["tokens", "padded", "padded_area"]
 # (row lengths, number of parts) -> parts as lists of row positions (may return parts over the cap)
 Partitioner = Callable[[list[int], int], Sequence[Sequence[int]]]
 
@@ -187,30 +193,39 @@ def _padded_runs(sizes: list[int], cap: int) -> list[list[int]]:
     return bins
 
 
-def _padded_least_area(sizes: list[int], cap: int, k: int) -> Optional[list[list[int]]]:
-    """Exactly ``k`` consecutive runs of ``sizes`` (sorted descending) with the least total padded area
-    ``sum(len(run) * run[0])``, each run's area ``<= cap``; None when ``k`` runs cannot fit.
+def _least_area_runs(sizes: list[int], cap: int, k: int, bound: Literal["tokens", "area"], *,
+                     k_max: Optional[int] = None, pass_cost: float = 0.0) -> Optional[list[list[int]]]:
+    """Consecutive runs of ``sizes`` (sorted descending), each run's token sum (``bound="tokens"``) or area
+    (``"area"``) ``<= cap``, with the least padded area ``sum(len(run) * run[0])`` -- exactly ``k`` runs, or,
+    with ``k_max``, the count in ``[k, k_max]`` with the least ``area + count * pass_cost``. None when no count
+    in range covers the rows.
 
-    For this cost, runs of consecutive rows in length order are optimal, so a dynamic program over
-    (runs, rows covered) finds the optimum: ``O(k n^2)``, vectorised over the run's start."""
+    Runs of consecutive rows in length order are optimal for this area, so a dynamic program over (runs, rows
+    covered) finds the optimum: ``O(count n^2)``, vectorised over the run's start. Its cost satisfies the
+    quadrangle inequality, so the least area is convex in the count and the scan stops once the objective rises."""
     n = len(sizes)
-    if k > n:
-        return None
+    k_max = min(k if k_max is None else k_max, n)
     length = np.asarray(sizes, dtype=np.float64)
     start, end = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
     area = (end - start) * np.concatenate([length, [0.0]])[:, None]  # run rows start..end-1 costs (end-start)*L[start]
-    area = np.where((end > start) & (area <= cap), area, np.inf)
-    best = np.full(n + 1, np.inf)
+    prefix = np.concatenate([[0.0], np.cumsum(length)])
+    load = area if bound == "area" else prefix[None, :] - prefix[:, None]
+    area = np.where((end > start) & (load <= cap), area, np.inf)
+    best, back, chosen, chosen_cost = np.full(n + 1, np.inf), [], None, np.inf
     best[0] = 0.0
-    back = []
-    for _ in range(k):
+    for count in range(1, k_max + 1):
         cand = best[:, None] + area
         back.append(cand.argmin(0))
         best = cand.min(0)
-    if not np.isfinite(best[n]):
+        objective = best[n] + count * pass_cost
+        if count >= k and objective < chosen_cost:
+            chosen, chosen_cost = count, objective
+        elif chosen is not None and objective > chosen_cost:
+            break
+    if chosen is None:
         return None
     bounds, i = [n], n
-    for arg in reversed(back):
+    for arg in reversed(back[:chosen]):
         i = int(arg[i])
         bounds.append(i)
     bounds.reverse()
@@ -218,12 +233,16 @@ def _padded_least_area(sizes: list[int], cap: int, k: int) -> Optional[list[list
 
 
 def _bin_cost(b: Sequence[int], sizes: list[int], cost: Cost) -> int:
-    return len(b) * max(sizes[i] for i in b) if cost == "padded" else sum(sizes[i] for i in b)
+    return sum(sizes[i] for i in b) if cost == "tokens" else len(b) * max(sizes[i] for i in b)
+
+
+def _area(bins: Sequence[Sequence[int]], sizes: list[int]) -> int:
+    return sum(_bin_cost(b, sizes, "padded") for b in bins)
 
 
 def _split_to(bins: list[list[int]], want: int, sizes: list[int], cost: Cost) -> list[list[int]]:
     """Split the costliest multi-row bin in two (rows alternate, so both halves stay under the cap
-    and, for the padded cost, each half keeps rows of similar length) until ``want`` bins."""
+    and, for the padded costs, each half keeps rows of similar length) until ``want`` bins."""
     bins = [sorted(b) for b in bins]
     while len(bins) < want:
         splittable = [j for j, b in enumerate(bins) if len(b) > 1]
@@ -231,7 +250,7 @@ def _split_to(bins: list[list[int]], want: int, sizes: list[int], cost: Cost) ->
             break
         j = max(splittable, key=lambda j: (_bin_cost(bins[j], sizes, cost), len(bins[j])))
         rows = bins[j]
-        if cost == "padded":  # keep runs contiguous in length order: first half / second half
+        if cost != "tokens":  # keep runs contiguous in length order: first half / second half
             half = len(rows) // 2
             bins[j], new = rows[:half], rows[half:]
         else:
@@ -240,25 +259,50 @@ def _split_to(bins: list[list[int]], want: int, sizes: list[int], cost: Cost) ->
     return bins
 
 
-def _pack_block(sizes: list[int], cap: int, cost: Cost, partitioner: Optional[Partitioner]) -> list[list[int]]:
-    """The fewest micro-batches of one block under its cost model (the padded cost also takes as many as
-    the partitioner -- verl's own cut -- would run, when that is more: fewer padded positions, no more passes)."""
+def _partitioner_count(sizes: list[int], cap: int, partitioner: Partitioner) -> int:
+    """The fewest parts the partitioner (verl's own cut) needs for its token sums to fit ``cap``."""
+    return next(k for k in range(max(1, -(-sum(sizes) // cap)), len(sizes) + 1)
+                if _fits([p for p in partitioner(sizes, k) if len(p)], sizes, cap))
+
+
+def _pack_padded(sizes: list[int], cap: int, partitioner: Optional[Partitioner],
+                 pass_cost: Optional[float]) -> list[list[int]]:
+    """``cost="padded"``: from the token cost's count up, the cut with the least ``padded area + count x
+    pass_cost`` (``pass_cost=None``: the token cost's count only; see the module docstring)."""
+    fewest = min_micro_batches(sizes, cap, partitioner)
+    k = len(fewest)
+    candidates = [fewest]
+    if partitioner is not None:
+        theirs = [list(p) for p in partitioner(sizes, k) if len(p)]
+        candidates.append(theirs if len(theirs) <= k and _fits(theirs, sizes, cap) else None)
+    k_max = k if pass_cost is None else len(sizes)
+    candidates.append(_least_area_runs(sizes, cap, k, "tokens", k_max=k_max, pass_cost=pass_cost or 0.0))
+    return min((c for c in candidates if c is not None), key=lambda c: _area(c, sizes) + len(c) * (pass_cost or 0.0))
+
+
+def _pack_block(sizes: list[int], cap: int, cost: Cost, partitioner: Optional[Partitioner],
+                pass_cost: Optional[float]) -> list[list[int]]:
+    """One block's micro-batches under its cost model, before the DP sync (see the module docstring)."""
     if not sizes:
         return []
     if cost == "tokens":
         return min_micro_batches(sizes, cap, partitioner)
+    if cost == "padded":
+        return _pack_padded(sizes, cap, partitioner, pass_cost)
     bins = _padded_runs(sizes, cap)
     if partitioner is not None:
-        k_theirs = next(k for k in range(max(1, -(-sum(sizes) // cap)), len(sizes) + 1)
-                        if _fits([p for p in partitioner(sizes, k) if len(p)], sizes, cap))
-        bins = _padded_least_area(sizes, cap, max(k_theirs, len(bins))) or bins
+        k = max(_partitioner_count(sizes, cap, partitioner), len(bins))
+        bins = _least_area_runs(sizes, cap, k, "area") or bins
     return bins
 
 
 def _final_bins(bins: list[list[int]], want: int, sizes: list[int], cap: int, cost: Cost) -> list[list[int]]:
-    """A block's micro-batches at its sync set's count: the least-area runs (padded cost) or splits."""
-    if cost == "padded" and sizes:
-        best = _padded_least_area(sizes, cap, min(want, len(sizes)))
+    """A block's micro-batches at its sync set's count: its own where that is the count, else the least-area
+    runs at the count (padded costs) or splits."""
+    if len(bins) >= want:
+        return bins
+    if cost != "tokens":
+        best = _least_area_runs(sizes, cap, min(want, len(sizes)), "area" if cost == "padded_area" else "tokens")
         if best is not None:
             return best
     return _split_to(bins, want, sizes, cost)
@@ -273,6 +317,7 @@ def pack_micro_batches(
     *,
     cost: Cost = "tokens",
     partitioner: Optional[Partitioner] = None,
+    pass_cost: Optional[float] = None,
 ) -> MicroBatchPacking:
     """Pack every block's rows into micro-batches under ``cap`` with synced counts per sync set.
 
@@ -281,8 +326,12 @@ def pack_micro_batches(
         block: ``[N]`` int block of each row (block = mini_batch * dp + rank).
         block_sync: ``[num_blocks]`` int sync set of each block (its mini-batch): all blocks of one
             sync set end with the same micro-batch count (where they have enough rows).
-        cap: per micro-batch: tokens (``cost="tokens"``) or padded positions (``cost="padded"``).
-        partitioner: optional extra candidate for ``cost="tokens"`` (see :func:`min_micro_batches`).
+        cap: per micro-batch: tokens (``cost="tokens"`` and ``"padded"``) or padded positions
+            (``cost="padded_area"``).
+        partitioner: optional extra candidate, verl's own cut (see :func:`min_micro_batches`).
+        pass_cost: ``cost="padded"`` only: the fixed cost of one forward/backward pass in padded positions;
+            more micro-batches than the token cost's count are cut where the padded area they save exceeds
+            it. ``None``: the token cost's count (at most verl's).
     Raises:
         PackingError: a row is longer than ``cap``.
     """
@@ -294,7 +343,7 @@ def pack_micro_batches(
     sizes_all = np.bincount(block, minlength=num_blocks)
     starts = np.cumsum(sizes_all) - sizes_all
     sorted_tokens = tokens[order].tolist()
-    packed = [_pack_block(sorted_tokens[s:s + n], cap, cost, partitioner)
+    packed = [_pack_block(sorted_tokens[s:s + n], cap, cost, partitioner, pass_cost)
               for s, n in zip(starts.tolist(), sizes_all.tolist())]
     unsynced = np.array([len(p) for p in packed], dtype=np.int64)
     target = np.zeros(int(block_sync.max()) + 1 if num_blocks else 0, dtype=np.int64)

@@ -64,8 +64,9 @@ class PlanError(ValueError):
 @dataclass(frozen=True)
 class PlanSpec:
     """What to plan. ``micro_batch_max_tokens=None`` plans no micro-batches (one per rank and mini-batch
-    is then left to the engine); ``micro_batch_cost`` is the attention path's cost model
-    (:mod:`verl_traj.core.packing`); ``pad_row_tokens`` the attended tokens of a padding row."""
+    is then left to the engine); ``micro_batch_cost`` is the attention path's cost model and
+    ``micro_batch_pass_cost`` the fixed cost of a pass in padded positions (:mod:`verl_traj.core.packing`);
+    ``pad_row_tokens`` the attended tokens of a padding row."""
 
     num_mini_batches: int
     dp_size: int
@@ -74,7 +75,8 @@ class PlanSpec:
     balance_dp: bool = True
     workload: Literal["verl", "tokens"] = "verl"
     micro_batch_max_tokens: Optional[int] = None
-    micro_batch_cost: Literal["tokens", "padded"] = "tokens"
+    micro_batch_cost: Literal["tokens", "padded", "padded_area"] = "tokens"
+    micro_batch_pass_cost: Optional[int] = None
     pad_row_tokens: int = PAD_ROW_TOKENS
     seed: int = 0
 
@@ -414,7 +416,8 @@ def _micro_batches(items: _Items, spec: PlanSpec,
         return np.zeros(n, dtype=np.int64), empty
     block = items.mb * dp + items.rank
     packing = pack_micro_batches(items.tokens, block, np.arange(m * dp) // dp, m * dp,
-                                 int(spec.micro_batch_max_tokens), cost=spec.micro_batch_cost, partitioner=partitioner)
+                                 int(spec.micro_batch_max_tokens), cost=spec.micro_batch_cost, partitioner=partitioner,
+                                 pass_cost=spec.micro_batch_pass_cost)
     key = block * (int(packing.micro_index.max()) + 1) + packing.micro_index
     uniq, inv = np.unique(key, return_inverse=True)
     inv = inv.reshape(-1)

@@ -42,7 +42,8 @@ def plan_layout(layout: BatchLayout, traj: TrajConfig, num_mini_batches: int, dp
     return plan_mini_batches(
         layout, num_mini_batches, dp_size, group_by=traj.group_by, mini_batch_balance=traj.mini_batch_balance,
         balance_dp=traj.balance_dp, workload=traj.workload, micro_batch_max_tokens=cap,
-        micro_batch_cost=micro.cost if micro is not None else "tokens", seed=traj.seed if seed is None else seed,
+        micro_batch_cost=micro.cost if micro is not None else "tokens", micro_batch_pass_cost=traj.pass_cost_tokens,
+        seed=traj.seed if seed is None else seed,
         pad_row_tokens=micro.pad_row_tokens if micro is not None else 2,
         partitioner=verl_partitioner if micro is not None else None,
     )

@@ -7,7 +7,8 @@ length of padding rows.
 * Update (actor and critic): the plan's micro-batches are what runs. Cap per sequence-parallel group =
   ``traj.micro_batch_max_tokens`` (per GPU, verl's ``ppo_max_token_len_per_gpu`` meaning) or, when unset,
   verl's own ``ppo_max_token_len_per_gpu`` (the critic's too, the smaller wins), times the Ulysses size.
-  The cost follows the attention path: ``use_remove_padding`` -> token sums, else padded area.
+  The cost follows the attention path: ``use_remove_padding`` -> fewest micro-batches by token sums, else the
+  least padded area (the cap bounds token sums as in verl, or the padded area with ``traj.padded_cap=area``).
 * Inference passes (log-prob, reference, values) keep verl's own caps unless
   ``traj.infer_micro_batch_max_tokens`` is set. Planned batches have variable rows per rank, which fixed
   micro-batch sizes (``*_micro_batch_size_per_gpu``) cannot divide, so a pass on fixed sizes switches to
@@ -135,7 +136,8 @@ def _plan_settings(config: Any, traj: TrajConfig) -> PlanSettings:
     cap = min(int(s.ppo_max_token_len_per_gpu) * ulysses_size(s) for s in sections)
     rmpad = bool((arr.get("model", None) or {}).get("use_remove_padding", False)) and (
         not use_critic or bool((critic.get("model", None) or {}).get("use_remove_padding", False)))
-    return PlanSettings(cap, "tokens" if rmpad else "padded", traj.micro_batch_max_tokens is None,
+    cost = "tokens" if rmpad else "padded" if traj.padded_cap == "tokens" else "padded_area"
+    return PlanSettings(cap, cost, traj.micro_batch_max_tokens is None,
                         pad_row_tokens(config))
 
 

@@ -93,15 +93,15 @@ def critic_worker(cfg: Any) -> Any:
 
 
 def plan_for_update(batch: Any, cfg: Any, dp: int, *, mode: str = "token-mean", group_by: str = "group",
-                    seed: int = 0) -> Any:
+                    seed: int = 0, **traj_options: Any) -> Any:
     """What ``TrajRayPPOTrainer`` does to a batch before ``_update_actor``: prepare the config, plan in place,
-    attach the loss weights. Returns the plan."""
+    attach the loss weights. ``traj_options``: further ``traj:`` settings. Returns the plan."""
     from verl_traj.config import TrajConfig
     from verl_traj.core import compute_loss_weights
     from verl_traj.integration.trainer import plan_batch_in_place
     from verl_traj.integration.verl_config import prepare_config
 
-    traj = TrajConfig(group_by=group_by)
+    traj = TrajConfig(group_by=group_by, **traj_options)
     micro = prepare_config(cfg, traj)
     num_mb = int(cfg.data.train_batch_size) // int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
     plan = plan_batch_in_place(batch, traj, num_mb, dp, micro=micro, seed=seed)
