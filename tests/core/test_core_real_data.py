@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.core.test_core_planning import check_plan
+from tests.core.plan_checks import check_plan
 from verl_traj.core import plan_mini_batches
 from verl_traj.testing import swebench_batch
 from verl_traj.testing.swebench import DATA_FILE

@@ -13,9 +13,10 @@ from omegaconf import OmegaConf
 
 from verl.trainer.ppo import ray_trainer as rt
 
+from tests.integration.trainers import fake_trainer
+
 from verl_traj.integration import rows as R
 from verl_traj.integration.patches import fit_patches, patched
-from tests.integration.test_traj_trainer_unit import fake_trainer
 from verl_traj.testing import as_dataproto, rl_batch
 
 SEEN = []

@@ -22,28 +22,12 @@ from verl_traj.integration.patches import METRIC_FUNCTIONS, fit_patches, patched
 from verl_traj.integration.verl_config import PlanSettings, prepare_config
 from verl_traj.testing import as_dataproto, rl_batch
 
-P, R_ = 5, 6
+from tests.integration.trainers import P, R_, fake_trainer
 
 
 def make_batch(n_groups=5, n=3, seed=0, step_wise=False):
     return as_dataproto(*rl_batch(n_groups, n, prompt_len=P, response_len=R_, seed=seed,
                                   steps_per_traj=2 if step_wise else 0))
-
-
-def fake_trainer(traj: dict | None = None, train_batch_size=4, mini=2, epochs=1, cap=(P + R_) * 4):
-    tr = T.TrajRayPPOTrainer.__new__(T.TrajRayPPOTrainer)
-    tr.traj = TrajConfig.from_mapping(traj or {})
-    tr.plan_settings = PlanSettings(cap, "tokens", True)
-    tr.config = OmegaConf.create(
-        {
-            "data": {"train_batch_size": train_batch_size, "max_prompt_length": P, "max_response_length": R_},
-            "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": mini, "ppo_epochs": epochs,
-                                            "loss_agg_mode": "token-mean"}},
-        }
-    )
-    tr.tokenizer = None
-    tr.global_steps = 1
-    return tr
 
 
 @pytest.mark.parametrize("group_by", ["group", "trajectory"])

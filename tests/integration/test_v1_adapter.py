@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from verl.trainer.ppo import ray_trainer
 
-from tests.stepwise.test_stepwise_integration import _planned
+from tests.stepwise.verl_batches import planned_stepwise_batch
 from verl_traj.config import TrajConfig, TrajConfigError, validate_against_verl
 from verl_traj.core import build_layout_from_counts, plan_mini_batches
 from verl_traj.integration import v1 as V1
@@ -62,7 +62,7 @@ def test_planned_advantage_counts_the_copied_reward_once(name, kl_in_reward):
     """v0 (reward on the last step row only) and v1 (the same reward on every step row) give the same
     advantages, on each row's own tokens; padding rows get zeros; with KL-in-reward the per-step penalties are
     summed and the reward still counted once."""
-    data, _ = _planned(1, dp=2)
+    data, _ = planned_stepwise_batch(1, dp=2)
     penalty = 0.01 * data.batch["response_mask"].float() if kl_in_reward else 0.0
     data.batch["token_level_rewards"] = data.batch["rm_scores"] - penalty
     config = OmegaConf.create({"use_kl_in_reward": kl_in_reward})

@@ -2,7 +2,6 @@
 registration, and the trainer's expand -> plan -> advantage chain."""
 
 import asyncio
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,9 +13,9 @@ from verl.trainer.ppo import ray_trainer
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
 from tests.stepwise.helpers import trajectory_advantages
+from tests.stepwise.verl_batches import planned_stepwise_batch, stepwise_dataproto, stepwise_trainer
 from verl_traj.config import TrajConfig
 from verl_traj.integration import stepwise_agent_loop as sal
-from verl_traj.integration import trainer as T
 from verl_traj.integration.stepwise_rows import expand_dataproto_step_rows, stepwise_advantage
 from verl_traj.stepwise.advantages import StepwiseAdvantageError
 from verl_traj.testing import step_record_batch as make_batch, token_trajectory as make_trajectory
@@ -24,36 +23,9 @@ from verl_traj.testing import step_record_batch as make_batch, token_trajectory 
 step_advantage = stepwise_advantage(ray_trainer.compute_advantage)
 
 
-def _dataproto(seed=0):
-    rng = np.random.default_rng(seed)
-    trajs = [make_trajectory(rng, 3), make_trajectory(rng, 2), make_trajectory(rng, 4), make_trajectory(rng, 1)]
-    tensors, non = make_batch(trajs, ["g0", "g0", "g1", "g1"], [1.0, 0.0, 0.3, 0.9])
-    return DataProto.from_dict(tensors=tensors, non_tensors=non, meta_info={"k": 1}), trajs
-
-
-def _trainer(traj: TrajConfig, dp: int = 2):
-    tr = T.TrajRayPPOTrainer.__new__(T.TrajRayPPOTrainer)
-    tr.traj = traj
-    tr.plan_settings = None
-    tr.tokenizer = SimpleNamespace(pad_token_id=0)
-    tr.global_steps = 1
-    tr.config = OmegaConf.create({"data": {"train_batch_size": 2},
-                                  "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 1}}})
-    tr._dp_size = lambda: dp
-    return tr
-
-
-def _planned(seed=0, merge=False, dp=2):
-    """A step-wise batch as _balance_batch leaves it: expanded, planned, padded, with rewards."""
-    data, trajs = _dataproto(seed)
-    _trainer(TrajConfig(step_wise=True, merge_prefix=merge), dp)._balance_batch(data, {})
-    data.batch["token_level_rewards"] = data.batch["rm_scores"].clone()
-    return data, trajs
-
-
 @pytest.mark.parametrize("merge", [False, True])
 def test_expand_dataproto_in_place(merge):
-    data, trajs = _dataproto()
+    data, trajs = stepwise_dataproto()
     metrics = expand_dataproto_step_rows(data, merge_prefix=merge)
     n_steps = sum(len(t[0]) for t in trajs)
     assert len(data) == (4 if merge else n_steps)
@@ -73,7 +45,7 @@ def test_expand_dataproto_in_place(merge):
 
 @pytest.mark.parametrize("name", ["grpo", "rloo", "grpo_vectorized", "opo"])
 def test_step_advantage_matches_pure_function(name):
-    data, _ = _planned(1)
+    data, _ = planned_stepwise_batch(1)
     nt, pad = data.non_tensor_batch, data.batch["is_padding"].numpy()
     ref, *_ = trajectory_advantages(
         data.batch["rm_scores"], data.batch["response_mask"], nt["uid"], nt["traj_id"], nt["is_last_step"], pad,
@@ -87,20 +59,20 @@ def test_step_advantage_matches_pure_function(name):
 
 
 def test_step_advantage_rejects_temporal_and_leaves_plain_batches_to_verl():
-    data, _ = _planned(2)
+    data, _ = planned_stepwise_batch(2)
     with pytest.raises(StepwiseAdvantageError, match="gae"):
         step_advantage(data, "gae", config=OmegaConf.create({}))
-    plain, _ = _dataproto(2)
+    plain, _ = stepwise_dataproto(2)
     plain.batch["token_level_rewards"] = plain.batch["rm_scores"].clone()
     ref = ray_trainer.compute_advantage(plain, "grpo", config=OmegaConf.create({}))
-    plain2, _ = _dataproto(2)
+    plain2, _ = stepwise_dataproto(2)
     plain2.batch["token_level_rewards"] = plain2.batch["rm_scores"].clone()
     got = step_advantage(plain2, "grpo", config=OmegaConf.create({}))
     assert torch.allclose(got.batch["advantages"], ref.batch["advantages"])
 
 
 def test_kl_in_reward_uses_sum_over_steps():
-    data, _ = _planned(3)
+    data, _ = planned_stepwise_batch(3)
     tlr = data.batch["rm_scores"].clone() - 0.01 * data.batch["response_mask"].float()  # KL penalty on every row
     data.batch["token_level_rewards"] = tlr
     out = step_advantage(data, "rloo", config=OmegaConf.create({"use_kl_in_reward": True}))
@@ -164,7 +136,7 @@ def test_expand_plan_pad_then_advantages_end_to_end(merge):
     layout = build_layout(data.batch["attention_mask"], data.batch["response_mask"], nt["uid"], nt["traj_id"],
                           nt["step_index"], nt["is_last_step"])
     source_traj = layout.traj_index.clone()
-    tr = _trainer(TrajConfig(step_wise=True, merge_prefix=merge), dp=3)
+    tr = stepwise_trainer(TrajConfig(step_wise=True, merge_prefix=merge), dp=3)
     tr.config.data.train_batch_size = 4
     plan = tr.plan_and_apply(data, 3)
     data.batch["token_level_rewards"] = data.batch["rm_scores"].clone()
@@ -181,10 +153,10 @@ def test_trainer_expands_before_planning_and_patches_advantage_only_inside_fit()
     planner, dp=2); fit runs with the step-aware compute_advantage under the real-rows wrapper, restored after."""
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
-    data, trajs = _dataproto(7)
+    data, trajs = stepwise_dataproto(7)
     n_steps = sum(len(t[0]) for t in trajs)
     metrics = {}
-    _trainer(TrajConfig(step_wise=True, merge_prefix=False))._balance_batch(data, metrics)
+    stepwise_trainer(TrajConfig(step_wise=True, merge_prefix=False))._balance_batch(data, metrics)
     assert metrics["traj_stepwise/rows_after"] == n_steps == metrics["traj_plan/real_rows"]
     assert metrics["traj_plan/split_trajectories"] == 0 and metrics["traj_plan/split_groups"] == 0
     real = ~data.batch["is_padding"]
@@ -195,7 +167,7 @@ def test_trainer_expands_before_planning_and_patches_advantage_only_inside_fit()
     original, original_fit = ray_trainer.compute_advantage, RayPPOTrainer.fit
     RayPPOTrainer.fit = lambda self: seen.setdefault("compute_advantage", ray_trainer.compute_advantage)
     try:
-        _trainer(TrajConfig(step_wise=True)).fit()
+        stepwise_trainer(TrajConfig(step_wise=True)).fit()
     finally:
         RayPPOTrainer.fit = original_fit
     step_wrapper = seen["compute_advantage"].__wrapped__  # real rows outside, the step-wise adapter inside

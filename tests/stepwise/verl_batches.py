@@ -1,0 +1,42 @@
+"""Step-wise batches as verl's ``DataProto`` and a ``TrajRayPPOTrainer`` without Ray to plan them (shared by the
+step-wise adapter tests and the v1 adapter tests)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+from omegaconf import OmegaConf
+
+from verl import DataProto
+
+from verl_traj.config import TrajConfig
+from verl_traj.integration import trainer as T
+from verl_traj.testing import step_record_batch as make_batch, token_trajectory as make_trajectory
+
+
+def stepwise_dataproto(seed=0):
+    rng = np.random.default_rng(seed)
+    trajs = [make_trajectory(rng, 3), make_trajectory(rng, 2), make_trajectory(rng, 4), make_trajectory(rng, 1)]
+    tensors, non = make_batch(trajs, ["g0", "g0", "g1", "g1"], [1.0, 0.0, 0.3, 0.9])
+    return DataProto.from_dict(tensors=tensors, non_tensors=non, meta_info={"k": 1}), trajs
+
+
+def stepwise_trainer(traj: TrajConfig, dp: int = 2):
+    tr = T.TrajRayPPOTrainer.__new__(T.TrajRayPPOTrainer)
+    tr.traj = traj
+    tr.plan_settings = None
+    tr.tokenizer = SimpleNamespace(pad_token_id=0)
+    tr.global_steps = 1
+    tr.config = OmegaConf.create({"data": {"train_batch_size": 2},
+                                  "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 1}}})
+    tr._dp_size = lambda: dp
+    return tr
+
+
+def planned_stepwise_batch(seed=0, merge=False, dp=2):
+    """A step-wise batch as _balance_batch leaves it: expanded, planned, padded, with rewards."""
+    data, trajs = stepwise_dataproto(seed)
+    stepwise_trainer(TrajConfig(step_wise=True, merge_prefix=merge), dp)._balance_batch(data, {})
+    data.batch["token_level_rewards"] = data.batch["rm_scores"].clone()
+    return data, trajs
