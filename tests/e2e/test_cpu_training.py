@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tests.e2e.conftest import one_rank_grpo
+from tests.e2e.runs import one_rank_grpo
 
 
 GiB = 1024**3

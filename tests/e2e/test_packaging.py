@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import read_metrics, tail
+from tests.e2e.runs import read_metrics, tail
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.e2e.conftest import DP2_PADDED, TRAINERS, TRAINERS_V0_OPT_IN, tail
+from tests.e2e.runs import DP2_PADDED, TRAINERS, TRAINERS_V0_OPT_IN, tail
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import DP2_PADDED, TRAINERS, TRAINERS_V0_OPT_IN, _kill_tree, read_metrics, tail
+from tests.e2e.runs import DP2_PADDED, TRAINERS, TRAINERS_V0_OPT_IN, kill_tree, read_metrics, tail
 
 pytestmark = pytest.mark.e2e
 
@@ -41,7 +41,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 420) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_tree(proc.pid)
+        kill_tree(proc.pid)
         out, _ = proc.communicate()
     assert proc.returncode == 0, tail(out, 80)
     return out
@@ -87,7 +87,7 @@ def test_same_seed_same_metrics_and_exact_resume_after_sigkill(shared_run, tiny_
         time.sleep(0.05)
     assert step_2_done, "the run never completed its step-2 checkpoint and metrics"
     os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started, in the middle of step 3
-    _kill_tree(proc.pid)
+    kill_tree(proc.pid)
     proc.communicate()
     killed = read_metrics(first)
     assert [m["step"] for m in killed][:2] == [1, 2], killed  # never an empty comparison

@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.e2e.conftest import TRAINERS, TRAINERS_V0_OPT_IN, one_rank_grpo, tail
+from tests.e2e.runs import TRAINERS, TRAINERS_V0_OPT_IN, one_rank_grpo, tail
 
 pytestmark = pytest.mark.e2e
 

@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.e2e.conftest import DP2_PADDED, TRAINERS, tail
+from tests.e2e.runs import DP2_PADDED, TRAINERS, tail
 
 pytestmark = pytest.mark.e2e
 

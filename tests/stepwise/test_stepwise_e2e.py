@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import TRAINERS
+from tests.e2e.runs import TRAINERS
 
 pytestmark = pytest.mark.e2e
 HERE = Path(__file__).resolve().parent
