@@ -35,6 +35,16 @@ def one_rank_grpo(trainer: str, steps: int = 2) -> list[str]:
 # Two ranks, two mini-batches of 3 GRPO groups x 3 rows: 9 rows per mini-batch, so each needs a padding row.
 DP2_PADDED = ["trainer.n_gpus_per_node=2", "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=3",
               "actor_rollout_ref.rollout.n=3"]
+# ... under a token cap that cuts several micro-batches per rank
+DP2_CAP = 160
+
+
+def dp2_reference(trainer: str, dp: int = 2) -> list[str]:
+    """The 3-step two-rank run with padding rows and a token cap that the plan checks (test_traj_training), the
+    reproducibility test (its uninterrupted run) and the dp1-vs-dp2 gradient test all read (one launch per
+    trainer through the ``shared_run`` fixture). ``dp=1``: the same run on one rank."""
+    layout = DP2_PADDED if dp == 2 else [o for o in DP2_PADDED if not o.startswith("trainer.n_gpus_per_node")]
+    return [*TRAINERS[trainer], *layout, f"traj.micro_batch_max_tokens={DP2_CAP}", "trainer.total_training_steps=3"]
 
 
 def tree_rss_bytes(root_pids: list[int], exclude: set[int] = frozenset()) -> int:

@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.e2e.runs import TRAINERS, TRAINERS_V0_OPT_IN, one_rank_grpo, tail
+from tests.e2e.runs import DP2_CAP, TRAINERS, TRAINERS_V0_OPT_IN, dp2_reference, one_rank_grpo, tail
 
 pytestmark = pytest.mark.e2e
 
@@ -31,12 +31,12 @@ def _dump(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _check_run(run, dump_path, *, mini_batches: int, epochs: int = 1, expect_padding: bool):
+def _check_run(run, dump_path, *, mini_batches: int, epochs: int = 1, expect_padding: bool, steps: int = STEPS):
     assert run.returncode == 0, tail(run.output, 80)
     metrics = [m for m in run.metrics if "actor/num_optimizer_steps" in m]
-    assert len(metrics) == STEPS, f"expected {STEPS} logged steps, got {len(metrics)}: {tail(run.output)}"
+    assert len(metrics) == steps, f"expected {steps} logged steps, got {len(metrics)}: {tail(run.output)}"
     records = _dump(dump_path)
-    assert len(records) == STEPS
+    assert len(records) == steps
     saw_padding = False
     for m, rec in zip(metrics, records):
         # one optimizer step per configured mini-batch (and epoch), whatever the rows
@@ -80,27 +80,14 @@ def test_traj_training_one_rank(shared_run, trainer):
 
 
 @pytest.mark.parametrize("trainer", sorted(TRAINERS))
-def test_traj_training_two_ranks_padding_token_cap(run_training, tmp_path, trainer):
+def test_traj_training_two_ranks_padding_token_cap(shared_run, trainer):
     """dp=2, groups of 3 rows, 3 groups per mini-batch -> 9 rows per mini-batch -> a padding row each;
-    the token cap (padded area without remove-padding on CPU) cuts several micro-batches per rank."""
-    dump = tmp_path / "dump"
-    run = run_training(
-        [
-            *TRAINERS[trainer],
-            f"trainer.total_training_steps={STEPS}",
-            "trainer.n_gpus_per_node=2",
-            "data.train_batch_size=6",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=3",
-            "actor_rollout_ref.rollout.n=3",
-            "traj.micro_batch_max_tokens=160",
-        ],
-        timeout=480,
-        extra_env={"VERL_TRAJ_DEBUG_DUMP": str(dump)},
-    )
-    _check_run(run, dump / "plan.jsonl", mini_batches=2, expect_padding=True)
+    the token cap cuts several micro-batches per rank (the shared ``dp2_reference`` run)."""
+    run = shared_run(dp2_reference(trainer))
+    _check_run(run, run.workdir / "dump" / "plan.jsonl", mini_batches=2, expect_padding=True, steps=3)
     for m in run.metrics:
         if "traj_plan/micro_batches" in m:
-            assert m["traj_plan/max_packed_tokens"] <= 160
+            assert m["traj_plan/max_packed_tokens"] <= DP2_CAP
             assert m["traj_plan/micro_batches"] > 2 and m["actor/micro_batches_per_epoch"] == m["traj_plan/micro_batches"]
 
 
