@@ -25,11 +25,17 @@ TRAINERS = {"v1": ["trainer.use_v1=true"], "v0": ["trainer.use_v1=false"]}
 V0_OPT_IN = pytest.mark.skipif(os.environ.get("VERL_TRAJ_TEST_V0") != "1",
                                reason="v0 repeat of a v1 e2e run: set VERL_TRAJ_TEST_V0=1")
 TRAINERS_V0_OPT_IN = ["v1", pytest.param("v0", marks=V0_OPT_IN)]
-# One rank, GRPO on cpu_tiny (train_batch_size 8 / ppo_mini_batch_size 4 = 2 mini-batches), 2 epochs, the trained
-# actor exported as HF weights at the end
-def one_rank_grpo(trainer: str, steps: int = 2) -> list[str]:
+# One rank, PPO on cpu_tiny_ppo (GAE, a critic, a reference model with KL loss): train_batch_size 8 / actor
+# ppo_mini_batch_size 4 = 2 mini-batches, 2 actor epochs; the critic's mini-batch of 8 prompts (1 step: the union
+# of the actor's two); the trained actor exported as HF weights at the end. Shared by the plan checks
+# (test_traj_training), the PPO checks (test_ppo_training) and the real-work checks (test_cpu_training).
+ONE_RANK_CONFIG = "cpu_tiny_ppo"
+
+
+def one_rank_ppo(trainer: str, steps: int = 2) -> list[str]:
     return [*TRAINERS[trainer], f"trainer.total_training_steps={steps}", "actor_rollout_ref.actor.ppo_epochs=2",
-            f"trainer.save_freq={steps}", "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]"]
+            "critic.ppo_mini_batch_size=8", f"trainer.save_freq={steps}",
+            "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]"]
 
 
 # Two ranks, two mini-batches of 3 GRPO groups x 3 rows: 9 rows per mini-batch, so each needs a padding row.

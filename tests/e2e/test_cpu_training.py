@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tests.e2e.runs import one_rank_grpo
+from tests.e2e.runs import ONE_RANK_CONFIG, one_rank_ppo
 
 
 GiB = 1024**3
@@ -174,10 +174,12 @@ def test_server_batched_generation_matches_teacher_forcing(tiny_home):
 # end to end
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.e2e
-def test_cpu_grpo_end_to_end(shared_run, tiny_home):
-    """GRPO on one rank did real work: the run test_traj_training's one-rank test checks the plan of."""
+def test_cpu_training_end_to_end(shared_run, tiny_home):
+    """The shared one-rank PPO run (``one_rank_ppo``) did real work: real gradients, the rollout server and the
+    actor on the same weights, trained weights exported. (GRPO end to end: the calculator recipe, the step-wise
+    runs and the two-rank runs.)"""
     steps = 2
-    run = shared_run(one_rank_grpo("v1", steps))
+    run = shared_run(one_rank_ppo("v1", steps), config_name=ONE_RANK_CONFIG)
     assert run.returncode == 0, run.tail()
     assert [m["step"] for m in run.metrics] == list(range(1, steps + 1)), run.tail()
 
@@ -196,7 +198,7 @@ def test_cpu_grpo_end_to_end(shared_run, tiny_home):
     # weights changed: the HF export of the trained actor differs from the initial random model
     from safetensors.torch import load_file
 
-    ckpt = run.workdir / "ckpt" / "verl_traj_cpu" / "cpu_tiny" / f"global_step_{steps}" / "actor" / "huggingface"
+    ckpt = run.workdir / "ckpt" / "verl_traj_cpu" / ONE_RANK_CONFIG / f"global_step_{steps}" / "actor" / "huggingface"
     trained = load_file(str(next(ckpt.glob("*.safetensors"))))
     initial = load_file(str(tiny_home / "model" / "model.safetensors"))
     common = sorted(set(trained) & set(initial))

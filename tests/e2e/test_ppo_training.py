@@ -1,5 +1,5 @@
 """PPO with a critic (GAE) and a reference model (KL loss) end to end through ``python -m verl_traj.main_ppo
---config-name cpu_tiny_ppo`` on a machine without a GPU, at dp=2 (padding rows): critic metrics
+--config-name cpu_tiny_ppo`` on a machine without a GPU, at dp=1 and dp=2 (padding rows): critic metrics
 every step, the critic stepping on the planned mini-batches with verl_traj's weighted value loss, its own
 mini-batch size honoured, and bad critic set-ups refused at start-up by name."""
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.e2e.runs import DP2_PADDED, TRAINERS, TRAINERS_V0_OPT_IN, tail
+from tests.e2e.runs import DP2_PADDED, ONE_RANK_CONFIG, TRAINERS, TRAINERS_V0_OPT_IN, one_rank_ppo, tail
 
 pytestmark = pytest.mark.e2e
 
@@ -19,10 +19,10 @@ CRITIC_KEYS = ("critic/vf_loss", "critic/vf_explained_var", "critic/vf_clipfrac"
                "critic/grad_norm", "actor/kl_loss")
 
 
-def _check(run, *, actor_steps: int, critic_steps: int):
+def _check(run, *, actor_steps: int, critic_steps: int, n_steps: int = STEPS):
     assert run.returncode == 0, tail(run.output, 80)
     steps = [m for m in run.metrics if "critic/vf_loss" in m]
-    assert len(steps) == STEPS, tail(run.output)
+    assert len(steps) == n_steps, tail(run.output)
     for m in steps:
         assert all(k in m for k in CRITIC_KEYS), sorted(k for k in m if k.startswith("critic/"))
         # the planned path: the critic worker stepped its own mini-batches, each a union of whole groups
@@ -30,6 +30,13 @@ def _check(run, *, actor_steps: int, critic_steps: int):
         assert m["critic/micro_batches_per_epoch"] >= 1 and m["traj_plan/split_groups"] == 0
         assert m["critic/grad_norm"] > 0
     return steps
+
+
+def test_ppo_one_rank_with_a_larger_critic_mini_batch(shared_run):
+    """The shared one-rank run (``one_rank_ppo``): actor mini-batch 4 of 8 prompts, 2 epochs (4 optimizer steps);
+    the critic's mini-batch of 8 prompts and 1 epoch are honoured (1 step: the union of the actor's two)."""
+    run = shared_run(one_rank_ppo("v1"), config_name=ONE_RANK_CONFIG)
+    _check(run, actor_steps=4, critic_steps=1, n_steps=2)
 
 
 @pytest.mark.parametrize("trainer", TRAINERS_V0_OPT_IN)

@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.e2e.runs import DP2_CAP, TRAINERS, TRAINERS_V0_OPT_IN, dp2_reference, one_rank_grpo, tail
+from tests.e2e.runs import DP2_CAP, TRAINERS, TRAINERS_V0_OPT_IN, dp2_reference, ONE_RANK_CONFIG, one_rank_ppo, tail
 
 pytestmark = pytest.mark.e2e
 
@@ -73,9 +73,9 @@ def _check_run(run, dump_path, *, mini_batches: int, epochs: int = 1, expect_pad
 
 @pytest.mark.parametrize("trainer", TRAINERS_V0_OPT_IN)
 def test_traj_training_one_rank(shared_run, trainer):
-    """The run test_cpu_training's GRPO test also reads (one launch for both)."""
-    run = shared_run(one_rank_grpo(trainer, STEPS))
-    # cpu_tiny: train_batch_size 8 / ppo_mini_batch_size 4 = 2 mini-batches, 2 epochs
+    """The shared one-rank PPO run (``one_rank_ppo``): the plan's invariants with a critic and 2 actor epochs."""
+    run = shared_run(one_rank_ppo(trainer, STEPS), config_name=ONE_RANK_CONFIG)
+    # cpu_tiny_ppo: train_batch_size 8 / ppo_mini_batch_size 4 = 2 mini-batches, 2 epochs
     _check_run(run, run.workdir / "dump" / "plan.jsonl", mini_batches=2, epochs=2, expect_padding=False)
 
 
