@@ -36,6 +36,7 @@ cannot (kept as a guard metric; it stays 0 for verl_traj plans).
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Sequence
 
@@ -213,10 +214,11 @@ def _least_area_runs(sizes: list[int], cap: int, k: int, bound: Literal["tokens"
     area = np.where((end > start) & (load <= cap), area, np.inf)
     best, back, chosen, chosen_cost = np.full(n + 1, np.inf), [], None, np.inf
     best[0] = 0.0
+    columns = np.arange(n + 1)
     for count in range(1, k_max + 1):
         cand = best[:, None] + area
         back.append(cand.argmin(0))
-        best = cand.min(0)
+        best = cand[back[-1], columns]
         objective = best[n] + count * pass_cost
         if count >= k and objective < chosen_cost:
             chosen, chosen_cost = count, objective
@@ -268,16 +270,22 @@ def _partitioner_count(sizes: list[int], cap: int, partitioner: Partitioner) -> 
 def _pack_padded(sizes: list[int], cap: int, partitioner: Optional[Partitioner],
                  pass_cost: Optional[float]) -> list[list[int]]:
     """``cost="padded"``: from the token cost's count up, the cut with the least ``padded area + count x
-    pass_cost`` (``pass_cost=None``: the token cost's count only; see the module docstring)."""
+    pass_cost`` (``pass_cost=None``: the token cost's count only; see the module docstring). verl's own cut (an
+    O(n log n) Python heap per call) is tried only when it could pad less than the consecutive runs found:
+    no cut into ``k`` parts pads less than the unconstrained least-area runs at ``k``."""
     fewest = min_micro_batches(sizes, cap, partitioner)
-    k = len(fewest)
-    candidates = [fewest]
-    if partitioner is not None:
-        theirs = [list(p) for p in partitioner(sizes, k) if len(p)]
-        candidates.append(theirs if len(theirs) <= k and _fits(theirs, sizes, cap) else None)
+    k, cost = len(fewest), pass_cost or 0.0
     k_max = k if pass_cost is None else len(sizes)
-    candidates.append(_least_area_runs(sizes, cap, k, "tokens", k_max=k_max, pass_cost=pass_cost or 0.0))
-    return min((c for c in candidates if c is not None), key=lambda c: _area(c, sizes) + len(c) * (pass_cost or 0.0))
+    candidates = [fewest, _least_area_runs(sizes, cap, k, "tokens", k_max=k_max, pass_cost=cost)]
+    best = min((c for c in candidates if c is not None), key=lambda c: _area(c, sizes) + len(c) * cost)
+    if partitioner is not None:
+        floor = _least_area_runs(sizes, math.inf, k, "area")
+        if floor is not None and _area(best, sizes) + len(best) * cost > _area(floor, sizes) + k * cost:
+            theirs = [list(p) for p in partitioner(sizes, k) if len(p)]
+            if len(theirs) <= k and _fits(theirs, sizes, cap) and _area(theirs, sizes) < _area(best, sizes) + (
+                    len(best) - len(theirs)) * cost:
+                best = theirs
+    return best
 
 
 def _pack_block(sizes: list[int], cap: int, cost: Cost, partitioner: Optional[Partitioner],
