@@ -1,8 +1,8 @@
-"""Reproducible runs on the CPU backend (``rollout.full_determinism``, on in the CPU presets), on two ranks with
-padding rows: the same config and seed give bitwise-identical per-step metrics; a run SIGKILLed in the middle of a
-step and restarted with ``trainer.resume_mode=auto`` continues from its last complete checkpoint and reproduces
-the uninterrupted run's later steps exactly (rollout seeds, dataloader position, planner seed, LR schedule, both
-ranks' state)."""
+"""Reproducible runs on the CPU backend (``rollout.full_determinism``, on in the CPU presets): the same config and
+seed give bitwise-identical per-step metrics on one rank (PPO with a critic and a reference model) and on two ranks
+with padding rows; a run SIGKILLed in the middle of a step and restarted with ``trainer.resume_mode=auto``
+continues from its last complete checkpoint and reproduces the uninterrupted run's later steps exactly (rollout
+seeds, dataloader position, planner seed, LR schedule, both ranks' state)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.runs import TRAINERS_V0_OPT_IN, dp2_reference, kill_tree, read_metrics, tail
+from tests.e2e.runs import ONE_RANK_CONFIG, TRAINERS_V0_OPT_IN, dp2_reference, kill_tree, one_rank_ppo, read_metrics, tail
 
 pytestmark = pytest.mark.e2e
 
@@ -99,3 +99,13 @@ def test_same_seed_same_metrics_and_exact_resume_after_sigkill(shared_run, tiny_
     assert resumed[0]["step"] >= 2 and [m["step"] for m in resumed] == list(range(resumed[0]["step"], 4))
     assert last_complete == 3
     _assert_same_steps(reference, resumed, [m["step"] for m in resumed])  # exact resume
+
+
+def test_same_seed_same_metrics_on_one_rank(shared_run, run_training):
+    """The shared one-rank PPO run launched a second time: every comparable metric of every step is identical."""
+    overrides = one_rank_ppo("v1")
+    first = shared_run(overrides, config_name=ONE_RANK_CONFIG)
+    again = run_training(overrides, config_name=ONE_RANK_CONFIG, timeout=480)
+    assert first.returncode == 0 and again.returncode == 0, tail(again.output, 80)
+    assert [m["step"] for m in first.metrics] == [m["step"] for m in again.metrics] == [1, 2]
+    _assert_same_steps(first.metrics, again.metrics, [1, 2])

@@ -139,7 +139,16 @@ class TrajTrainingWorker(TrainingWorker):
 
 
 class TrajCriticWorker(TrajTrainingWorker):
-    """The critic: verl's ``TrainingWorker`` (value model) running the planned mini-batches."""
+    """The critic: verl's ``TrainingWorker`` (value model) running the planned mini-batches.
+
+    A value model built from a policy checkpoint gets a new, randomly initialised value head; verl draws it from
+    the process's unseeded RNG, so two runs of one config started with different critics. The head is drawn
+    from the engine config's ``seed`` instead (regression: tests/e2e/test_reproducible.py, PPO on one rank)."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def reset(self):
+        torch.manual_seed(int(getattr(self.engine_config, "seed", 42)))
+        return super().reset()
 
 
 class TrajActorMixin:
