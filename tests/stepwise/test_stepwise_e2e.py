@@ -52,6 +52,8 @@ def test_stepwise_training_on_cpu(tiny, tmp_path, trainer, merge):
         "actor_rollout_ref.rollout.multi_turn.format=hermes",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tiny}/tool_config.yaml",
         "traj.step_wise=true", f"traj.merge_prefix={str(merge).lower()}", *TRAINERS[trainer],
+        # v0 on two ranks: its _balance_batch expands, plans and pads for dp=2 (v0's two-rank plan test is opt-in)
+        *(["trainer.n_gpus_per_node=2"] if trainer == "v0" else []),
     ]
     run = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=900)
     out = run.stdout + run.stderr
