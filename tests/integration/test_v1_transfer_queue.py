@@ -27,7 +27,8 @@ def tq():
     import ray
     import transfer_queue
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # address="local": never join a cluster some earlier job left recorded on the machine (see test_ray_start.py)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     transfer_queue.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1,
                                                                         "total_storage_size": 10000}}}))
     yield transfer_queue
