@@ -66,8 +66,8 @@ class TrajConfig:
         infer_micro_batch_max_tokens: the same for the log-prob / reference / value passes; ``None``
             keeps verl's own log-prob caps.
         padded_cap: without remove-padding (every micro-batch padded to its longest row), what the cap
-            bounds: ``"tokens"``, the rows' token sum as in verl (at most verl's number of passes, cut for
-            the least padded area), or ``"area"``, rows x longest row (a strict bound on the padded activation
+            bounds: ``"tokens"``, the rows' token sum as in verl (from verl's number of passes up, padding
+            weighed against ``pass_cost_tokens``), or ``"area"``, rows x longest row (a strict bound on the padded activation
             memory; more, smaller passes). With remove-padding the cap always bounds tokens.
         pass_cost_tokens: with ``padded_cap="tokens"`` and no remove-padding: the fixed cost of one forward /
             backward pass, in padded positions. From verl's count upward, the planner cuts another micro-batch
