@@ -103,6 +103,9 @@ def test_fewer_units_than_mini_batches_message():
         (dict(mini_batch_balance="rows"), "mini_batch_balance"),
         (dict(micro_batch_cost="area"), "micro_batch_cost"),
         (dict(pad_row_tokens=1), "pad_row_tokens"),
+        (dict(micro_batch_pass_cost=-1), "micro_batch_pass_cost=-1 must be a finite number >= 0"),
+        (dict(micro_batch_pass_cost=float("nan")), "micro_batch_pass_cost=nan"),
+        (dict(micro_batch_pass_cost="1024"), "micro_batch_pass_cost='1024'"),
     ],
 )
 def test_bad_config(kw, match):

@@ -91,6 +91,11 @@ class PlanSpec:
         cap = self.micro_batch_max_tokens
         if cap is not None and int(cap) < 1:
             raise PlanError(f"micro_batch_max_tokens={cap} must be >= 1 (or None for no cap).")
+        pass_cost = self.micro_batch_pass_cost
+        if pass_cost is not None and (isinstance(pass_cost, bool) or not isinstance(pass_cost, (int, float))
+                                      or not 0 <= pass_cost < float("inf")):
+            raise PlanError(f"micro_batch_pass_cost={pass_cost!r} must be a finite number >= 0 (padded positions "
+                            "per forward/backward pass), or None for the token cost's micro-batch count.")
         if int(self.pad_row_tokens) < 2:
             raise PlanError(f"pad_row_tokens={self.pad_row_tokens} must be >= 2 (one prompt and one response position).")
 
