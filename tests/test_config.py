@@ -19,6 +19,19 @@ def test_from_mapping_roundtrip_and_unknown_key():
         TrajConfig.from_mapping({"micro_batch_max_token": 4096})
 
 
+def test_of_parses_a_whole_config_once_per_object():
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.create({"traj": {"traj_id_key": "episode"}, "data": {}})
+    first = TrajConfig.of(config)
+    assert first.traj_id_key == "episode" and TrajConfig.of(config) is first
+    assert TrajConfig.of(OmegaConf.create({"traj": {"traj_id_key": "other"}})).traj_id_key == "other"
+    assert TrajConfig.of({"traj": {"group_by": "trajectory"}}).group_by == "trajectory"  # plain dict: no cache
+    assert TrajConfig.of(None) == TrajConfig()
+    with pytest.raises(TrajConfigError, match="unknown key"):
+        TrajConfig.of(OmegaConf.create({"traj": {"nope": 1}}))
+
+
 @pytest.mark.parametrize(
     "kwargs, needle",
     [

@@ -12,6 +12,7 @@ side-by-side comparison is that one override).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
@@ -144,6 +145,23 @@ class TrajConfig:
                 "Check the spelling in your overrides (e.g. traj.micro_batch_max_tokens=8192)."
             )
         return cls(**data)
+
+    @classmethod
+    def of(cls, config: Any) -> "TrajConfig":
+        """The ``traj:`` section of verl's whole config, parsed once per config object (agent loops run per
+        trajectory and read it there; the cache holds the config weakly)."""
+        try:
+            return _PARSED[config]
+        except (KeyError, TypeError):
+            parsed = cls.from_mapping(config.get("traj") if config is not None else None)
+        try:
+            _PARSED[config] = parsed
+        except TypeError:  # not weak-referenceable (a plain dict): parse each time
+            pass
+        return parsed
+
+
+_PARSED: "weakref.WeakKeyDictionary[Any, TrajConfig]" = weakref.WeakKeyDictionary()
 
 
 def _check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:

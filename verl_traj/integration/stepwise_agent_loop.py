@@ -97,7 +97,7 @@ class StepRecordingMixin:
             response_length = self.rollout_config.response_length
         budget = len(output.prompt_ids) + int(response_length)
         output.extra_fields[self.steps_key] = encode_step_records(truncate_calls(calls, budget))
-        traj_cfg = TrajConfig.from_mapping(self.config.get("traj") if hasattr(self, "config") else None)
+        traj_cfg = TrajConfig.of(getattr(self, "config", None))
         output.extra_fields[traj_cfg.traj_id_key] = uuid4().hex
         return output
 

@@ -93,7 +93,7 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
         return await super()._run_agent_loop(sampling_params, trajectory, **kwargs)
 
     async def _agent_loop_postprocess(self, output: Any, validate: bool, **kwargs: Any) -> None:
-        traj = TrajConfig.from_mapping(self.config.get("traj"))
+        traj = TrajConfig.of(self.config)
         if isinstance(output, list) or DEFAULT_STEPS_KEY not in output.extra_fields:
             return await super()._agent_loop_postprocess(output, validate, **kwargs)
         if validate:
