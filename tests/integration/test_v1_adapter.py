@@ -137,6 +137,18 @@ def test_stock_plan_metrics_count_what_fixed_slices_split():
     assert m["stock_plan/split_trajectories"] == 2 and m["stock_plan/split_groups"] == 2
 
 
+def test_critic_grouping_and_dp_check_shared_by_both_trainers():
+    from verl_traj.integration.plan import check_same_dp_size, critic_mini_batch_group
+
+    cfg = OmegaConf.create({"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 2}}, "critic": {}})
+    assert critic_mini_batch_group(cfg, 8) == 1  # critic mini-batch unset: the actor's
+    cfg.critic.ppo_mini_batch_size = 8
+    assert critic_mini_batch_group(cfg, 8) == 4  # one critic step takes all four actor mini-batches
+    assert check_same_dp_size(2, None) == 2 and check_same_dp_size(2, 2) == 2
+    with pytest.raises(TrajConfigError, match="actor DP size 2 != critic DP size 4"):
+        check_same_dp_size(2, 4)
+
+
 def test_stepwise_metrics_sum_the_session_tags():
     from verl_traj.integration.v1_agent_loop import MERGE_TAG
 

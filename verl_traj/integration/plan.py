@@ -11,11 +11,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from verl_traj.config import TrajConfig
+from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core import BatchLayout, MiniBatchPlan, build_layout_from_counts, count_splits, plan_mini_batches
 from verl_traj.integration.verl_config import PlanSettings
 
-__all__ = ["DEBUG_DUMP_ENV", "debug_dump", "plan_layout", "stock_plan_metrics", "verl_partitioner"]
+__all__ = ["DEBUG_DUMP_ENV", "check_same_dp_size", "critic_mini_batch_group", "debug_dump", "plan_layout",
+           "plan_step_metrics", "stock_plan_metrics", "stock_plan_metrics_of", "verl_partitioner"]
 
 DEBUG_DUMP_ENV = "VERL_TRAJ_DEBUG_DUMP"  # a directory: one JSON line per step with the plan per row
 
@@ -47,6 +48,41 @@ def plan_layout(layout: BatchLayout, traj: TrajConfig, num_mini_batches: int, dp
         pad_row_tokens=micro.pad_row_tokens if micro is not None else 2,
         partitioner=verl_partitioner if micro is not None else None,
     )
+
+
+def plan_step_metrics(plan: MiniBatchPlan, config: Any) -> dict[str, float]:
+    """The ``traj_plan/*`` metrics of one step, with the optimizer steps verl's config promises
+    (mini-batches x ``actor.ppo_epochs``)."""
+    epochs = int(config.actor_rollout_ref.actor.get("ppo_epochs", 1))
+    return {**plan.metrics("traj_plan"),
+            "traj_plan/expected_optimizer_steps": float(plan.num_mini_batches * epochs)}
+
+
+def critic_mini_batch_group(config: Any, prompts_per_update: int) -> int:
+    """How many of the plan's (actor) mini-batches one critic optimizer step takes: the actor's mini-batch
+    count over the critic's (``critic.ppo_mini_batch_size``, the actor's when unset; start-up checks that
+    it divides)."""
+    actor_mini = int(config.actor_rollout_ref.actor.ppo_mini_batch_size)
+    critic_mini = int(config.critic.get("ppo_mini_batch_size", 0) or actor_mini)
+    return (prompts_per_update // actor_mini) // (prompts_per_update // critic_mini)
+
+
+def check_same_dp_size(actor_dp: int, critic_dp: Optional[int]) -> int:
+    """``actor_dp``; a :class:`TrajConfigError` when a critic (``critic_dp`` not None) has another DP size."""
+    if critic_dp is not None and critic_dp != actor_dp:
+        raise TrajConfigError(
+            f"actor DP size {actor_dp} != critic DP size {critic_dp}: verl_traj plans one rank-major layout for "
+            "both. Use the same data-parallel size for actor and critic."
+        )
+    return actor_dp
+
+
+def stock_plan_metrics_of(config: Any, uid: Any, traj_id: Optional[Any], is_padding: Optional[Any],
+                          dp_size: int) -> dict[str, float]:
+    """:func:`stock_plan_metrics` with the mini-batch size and epochs read from verl's ``config``."""
+    arr = config.actor_rollout_ref
+    return stock_plan_metrics(uid, traj_id, is_padding, dp_size, int(arr.actor.ppo_mini_batch_size) * int(arr.rollout.n),
+                              int(arr.actor.get("ppo_epochs", 1)))
 
 
 def stock_plan_metrics(uid: Any, traj_id: Optional[Any], is_padding: Optional[Any], dp_size: int,

@@ -33,12 +33,13 @@ from tensordict import TensorDict
 from verl import DataProto
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
-from verl_traj.config import TrajConfig, TrajConfigError
+from verl_traj.config import TrajConfig
 from verl_traj.core import MiniBatchPlan, apply_plan, build_layout, compute_loss_weights
 from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MINI_BATCH_ID, TRAJ_INDEX
 from verl_traj.integration.checkpoints import CompleteCheckpoints
 from verl_traj.integration.patches import fit_patches, patched
-from verl_traj.integration.plan import debug_dump, plan_layout, stock_plan_metrics
+from verl_traj.integration.plan import (check_same_dp_size, critic_mini_batch_group, debug_dump, plan_layout,
+                                       plan_step_metrics, stock_plan_metrics_of)
 from verl_traj.integration.rows import is_padding, real_rows
 from verl_traj.integration.verl_config import PlanSettings, prepare_config
 from verl_traj.integration.workers import MINI_BATCH_GROUP_KEY
@@ -100,13 +101,8 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
         return int(self.config.data.train_batch_size) // int(self.config.actor_rollout_ref.actor.ppo_mini_batch_size)
 
     def _dp_size(self) -> int:
-        dp = self._get_dp_size(self.actor_rollout_wg, "actor")
-        if self.use_critic and self._get_dp_size(self.critic_wg, "train") != dp:
-            raise TrajConfigError(
-                f"actor DP size {dp} != critic DP size {self._get_dp_size(self.critic_wg, 'train')}: verl_traj plans "
-                "one rank-major layout for both. Use the same data-parallel size for actor and critic."
-            )
-        return dp
+        return check_same_dp_size(self._get_dp_size(self.actor_rollout_wg, "actor"),
+                                  self._get_dp_size(self.critic_wg, "train") if self.use_critic else None)
 
     def _pad_token_id(self) -> int:
         pad = getattr(getattr(self, "tokenizer", None), "pad_token_id", None)
@@ -130,9 +126,8 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
         self.plan_and_apply(batch, self._dp_size(), metrics)
 
     def _stock_plan_metrics(self, batch: DataProto) -> dict[str, float]:
-        arr = self.config.actor_rollout_ref
-        return stock_plan_metrics(batch.non_tensor_batch["uid"], None, None, self._get_dp_size(self.actor_rollout_wg, "actor"),
-                                  int(arr.actor.ppo_mini_batch_size) * int(arr.rollout.n), int(arr.actor.get("ppo_epochs", 1)))
+        return stock_plan_metrics_of(self.config, batch.non_tensor_batch["uid"], None, None,
+                                     self._get_dp_size(self.actor_rollout_wg, "actor"))
 
     def plan_and_apply(self, batch: DataProto, dp_size: int, metrics: Optional[dict] = None) -> MiniBatchPlan:
         """Plan ``batch`` and apply the plan in place (rows reordered, padding rows appended)."""
@@ -142,9 +137,7 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
         )
         self._real_row_mask = ~plan.is_padding.numpy()
         if metrics is not None:
-            metrics.update(plan.metrics("traj_plan"))
-            ppo_epochs = int(self.config.actor_rollout_ref.actor.get("ppo_epochs", 1))
-            metrics["traj_plan/expected_optimizer_steps"] = float(plan.num_mini_batches * ppo_epochs)
+            metrics.update(plan_step_metrics(plan, self.config))
         self._debug_dump(batch, plan)
         return plan
 
@@ -203,8 +196,7 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
         if not self._planned(batch):
             return super()._update_critic(batch)
         critic = self.config.critic
-        critic_mini = int(critic.get("ppo_mini_batch_size", 0) or self.config.actor_rollout_ref.actor.ppo_mini_batch_size)
-        group = self.num_mini_batches() // (int(self.config.data.train_batch_size) // critic_mini)
+        group = critic_mini_batch_group(self.config, int(self.config.data.train_batch_size))
         with self._planned_update(batch, self.traj.critic_loss_agg_mode or critic.loss_agg_mode,
                                   critic.get("loss_scale_factor", None), group):
             return super()._update_critic(batch)

@@ -52,7 +52,8 @@ from verl_traj.core import MiniBatchPlan, build_layout_from_counts, compute_loss
 from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID, LOSS_WEIGHT
 from verl_traj.integration.checkpoints import CompleteCheckpoints
 from verl_traj.integration.patches import patched
-from verl_traj.integration.plan import debug_dump, plan_layout, stock_plan_metrics
+from verl_traj.integration.plan import (check_same_dp_size, critic_mini_batch_group, debug_dump, plan_layout,
+                                       plan_step_metrics, stock_plan_metrics_of)
 from verl_traj.integration.verl_config import prepare_v1_agent_loop, prepare_config
 from verl_traj.integration.workers import MINI_BATCH_GROUP_KEY
 
@@ -293,13 +294,8 @@ class TrajV1Mixin(CompleteCheckpoints):
     # ---- planning ----------------------------------------------------------------------------------
 
     def _traj_dp_size(self) -> int:
-        dp = _dispatch_dp_size(self.actor_rollout_wg, "actor")
-        if self.use_critic and _dispatch_dp_size(self.critic_wg, "train") != dp:
-            raise TrajConfigError(
-                f"actor DP size {dp} != critic DP size {_dispatch_dp_size(self.critic_wg, 'train')}: verl_traj plans "
-                "one rank-major layout for both. Use the same data-parallel size for actor and critic."
-            )
-        return dp
+        return check_same_dp_size(_dispatch_dp_size(self.actor_rollout_wg, "actor"),
+                                  _dispatch_dp_size(self.critic_wg, "train") if self.use_critic else None)
 
     def _prompts_per_update(self) -> int:
         return int(self.config.data.train_batch_size) // int(self.parameter_sync_step)
@@ -322,9 +318,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         tq.kv_batch_put(keys=out.keys, partition_id=out.partition_id, fields=TensorDict(
             {MINI_BATCH_ID: plan.mini_batch_id, MICRO_BATCH_ID: plan.micro_batch_id}, batch_size=[plan.num_rows]))
         self._planned = planned_rows(out.keys, plan, layout)
-        metrics.update(plan.metrics("traj_plan"))
-        ppo_epochs = int(self.config.actor_rollout_ref.actor.get("ppo_epochs", 1))
-        metrics["traj_plan/expected_optimizer_steps"] = float(plan.num_mini_batches * ppo_epochs)
+        metrics.update(plan_step_metrics(plan, self.config))
         self._debug_dump(out, plan, layout)
         return out
 
@@ -344,11 +338,8 @@ class TrajV1Mixin(CompleteCheckpoints):
 
     def _stock_plan_metrics(self, batch: Any) -> dict[str, float]:
         uid, traj_id, _ = split_keys(batch.keys)
-        arr = self.config.actor_rollout_ref
         pad = np.array([bool(t.get("is_padding", False)) for t in batch.tags])
-        return stock_plan_metrics(uid, traj_id, pad, _dispatch_dp_size(self.actor_rollout_wg, "actor"),
-                                  int(arr.actor.ppo_mini_batch_size) * int(arr.rollout.n),
-                                  int(arr.actor.get("ppo_epochs", 1)))
+        return stock_plan_metrics_of(self.config, uid, traj_id, pad, _dispatch_dp_size(self.actor_rollout_wg, "actor"))
 
     def _debug_dump(self, batch: Any, plan: MiniBatchPlan, layout: Any) -> None:
         src = plan.order.clamp(min=0)
@@ -391,11 +382,10 @@ class TrajV1Mixin(CompleteCheckpoints):
     def _update_critic(self, batch: Any, metrics: dict) -> Any:
         if not self.traj.enable:
             return super()._update_critic(batch, metrics)
-        critic, mini = self.config.critic, int(self.config.actor_rollout_ref.actor.ppo_mini_batch_size)
+        critic = self.config.critic
         self._put_loss_weights(batch, self.traj.critic_loss_agg_mode or critic.loss_agg_mode,
                                critic.get("loss_scale_factor", None))
-        critic_mini = int(critic.get("ppo_mini_batch_size", 0) or mini)
-        group = (self._prompts_per_update() // mini) // (self._prompts_per_update() // critic_mini)
+        group = critic_mini_batch_group(self.config, self._prompts_per_update())
         if group > 1:
             batch.extra_info[MINI_BATCH_GROUP_KEY] = group
         try:
