@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_traj.core import PackingError, balance_equal_size, calculate_workload, pack_micro_batches, round_robin_equal_size
+from verl_traj.core.balancing import lpt
 
 
 def test_workload_formula_matches_verl():
@@ -23,6 +24,27 @@ def test_workload_formula_matches_verl():
     except Exception as exc:  # pragma: no cover - verl is installed in the dev venv
         pytest.skip(f"verl not importable: {exc}")
     assert ours.tolist() == verl_workload(seq).tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(costs=st.lists(st.integers(0, 1000), min_size=1, max_size=40), bins=st.integers(1, 6),
+       slack=st.integers(0, 3), data=st.data())
+def test_lpt_respects_quotas_fills_every_bin_and_keeps_the_list_scheduling_bound(costs, bins, slack, data):
+    costs = np.array(costs, dtype=np.int64)
+    n = costs.shape[0]
+    quota = None
+    if data.draw(st.booleans()):
+        quota = np.full(bins, -(-n // bins) + slack, dtype=np.int64)
+    assign = lpt(costs, bins, quota=quota)
+    counts = np.bincount(assign, minlength=bins)
+    assert counts.sum() == n and assign.min() >= 0 and assign.max() < bins
+    if quota is not None:
+        assert (counts <= quota).all()
+    if n >= bins:
+        assert (counts > 0).all()  # equal loads go to the bin with fewer items: none stays empty
+    if quota is None:
+        loads = np.bincount(assign, weights=costs, minlength=bins)
+        assert loads.max() <= costs.sum() / bins + costs.max() + 1e-9
 
 
 @settings(max_examples=40, deadline=None)

@@ -17,12 +17,13 @@ rank with one item of another rank whose cost difference is closest to half of t
 
 from __future__ import annotations
 
-from typing import Literal
+import heapq
+from typing import Literal, Optional
 
 import numpy as np
 import torch
 
-__all__ = ["WORKLOAD_MODELS", "calculate_workload", "balance_equal_size", "round_robin_equal_size"]
+__all__ = ["WORKLOAD_MODELS", "calculate_workload", "balance_equal_size", "lpt", "round_robin_equal_size"]
 
 WORKLOAD_MODELS = ("verl", "tokens")
 WorkloadModel = Literal["verl", "tokens"]
@@ -38,6 +39,37 @@ def calculate_workload(num_tokens: np.ndarray | torch.Tensor, model: WorkloadMod
     if model == "tokens":
         return lengths.copy()
     raise ValueError(f"workload={model!r} is not a workload model; choose one of {WORKLOAD_MODELS}.")
+
+
+def lpt(costs: np.ndarray, num_bins: int, *, order: Optional[np.ndarray] = None,
+        bin_rank: Optional[np.ndarray] = None, quota: Optional[np.ndarray] = None) -> np.ndarray:
+    """Longest processing time first: items in ``order`` (default: ``costs`` descending, stable) each to the
+    lightest bin with quota left; among equally loaded bins the one with fewer items, then the lowest
+    ``bin_rank`` (default: the bin index). Unequal counts per bin (unlike :func:`balance_equal_size`).
+
+    Args:
+        costs: ``[N]`` int64 cost per item (>= 0).
+        quota: ``[num_bins]`` int most items per bin (``quota.sum() >= N``), None for no limit.
+    Returns:
+        ``[N]`` int64 bin of each item. With ``N >= num_bins`` no bin is empty (the fewer-items tie-break),
+        even with zero-cost items.
+    """
+    costs = np.asarray(costs, dtype=np.int64)
+    order = np.argsort(-costs, kind="stable") if order is None else order
+    rank = np.arange(num_bins) if bin_rank is None else bin_rank
+    left = None if quota is None else np.asarray(quota, dtype=np.int64).copy()
+    heap = [(0, 0, int(rank[b]), b) for b in range(num_bins)]
+    heapq.heapify(heap)
+    assign = np.empty(costs.shape[0], dtype=np.int64)
+    for i, c in zip(order.tolist(), costs[order].tolist()):
+        load, n, r, b = heapq.heappop(heap)
+        assign[i] = b
+        if left is not None:
+            left[b] -= 1
+            if left[b] == 0:
+                continue  # quota reached: the bin is never offered again
+        heapq.heappush(heap, (load + c, n + 1, r, b))
+    return assign
 
 
 def round_robin_equal_size(group: np.ndarray, num_groups: int, num_bins: int) -> np.ndarray:

@@ -42,6 +42,8 @@ from typing import Callable, Literal, Optional, Sequence
 
 import numpy as np
 
+from .balancing import lpt
+
 __all__ = [
     "EXACT_MAX_ROWS",
     "MICRO_BATCH_COSTS",
@@ -119,14 +121,9 @@ def _best_fit_decreasing(sizes: list[int], cap: int) -> list[list[int]]:
 
 
 def _lpt(sizes: list[int], k: int) -> list[list[int]]:
-    """Largest first (``sizes`` sorted descending) to the lightest of ``k`` bins."""
-    loads = [0] * k
-    bins: list[list[int]] = [[] for _ in range(k)]
-    for i, t in enumerate(sizes):
-        b = loads.index(min(loads))
-        loads[b] += t
-        bins[b].append(i)
-    return [b for b in bins if b]
+    """:func:`~verl_traj.core.balancing.lpt` of ``sizes`` (sorted descending) over ``k`` bins, as bins of positions."""
+    assign = lpt(np.asarray(sizes, dtype=np.int64), k, order=np.arange(len(sizes)))
+    return [b.tolist() for b in (np.flatnonzero(assign == j) for j in range(k)) if b.size]
 
 
 def _exact(sizes: list[int], k: int, cap: int, budget: int = EXACT_NODE_BUDGET) -> Optional[list[list[int]]]:

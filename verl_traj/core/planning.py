@@ -23,7 +23,6 @@
 
 from __future__ import annotations
 
-import heapq
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -31,7 +30,7 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 
-from .balancing import WORKLOAD_MODELS, balance_equal_size, calculate_workload, round_robin_equal_size
+from .balancing import WORKLOAD_MODELS, balance_equal_size, calculate_workload, lpt, round_robin_equal_size
 from .layout import BatchLayout
 from .packing import MICRO_BATCH_COSTS, Partitioner, pack_micro_batches
 
@@ -180,28 +179,6 @@ def mini_batch_order(num_mini_batches: int, epoch: int, seed: int, shuffle: bool
     return torch.randperm(num_mini_batches, generator=g)
 
 
-def _lpt(unit_tokens: np.ndarray, num_bins: int, rng: np.random.Generator, quota: Optional[np.ndarray]) -> np.ndarray:
-    """Units by tokens descending (seed-permuted ties) to the lightest bin with quota left. ``[U] -> [U]``.
-
-    Heap key ``(load, units, seeded rank, bin)``: among equally loaded bins the one with fewer units
-    wins, so with ``U >= num_bins`` no bin stays empty (even with zero-token units)."""
-    perm = rng.permutation(unit_tokens.shape[0])
-    order = perm[np.argsort(-unit_tokens[perm], kind="stable")]
-    left = quota.copy() if quota is not None else None
-    heap = [(0, 0, k, int(b)) for k, b in enumerate(rng.permutation(num_bins))]
-    heapq.heapify(heap)
-    assign = np.empty(unit_tokens.shape[0], dtype=np.int64)
-    for u, t in zip(order.tolist(), unit_tokens[order].tolist()):
-        load, n, k, b = heapq.heappop(heap)
-        assign[u] = b
-        if left is not None:
-            left[b] -= 1
-            if left[b] == 0:
-                continue  # quota reached: the bin is never offered again
-        heapq.heappush(heap, (load + t, n + 1, k, b))
-    return assign
-
-
 def assign_units(unit_tokens: np.ndarray, num_mini_batches: int, balance: str, rng: np.random.Generator) -> np.ndarray:
     """``[U]`` tokens per unit -> ``[U]`` mini-batch of each unit (every mini-batch non-empty when U >= M).
 
@@ -212,7 +189,9 @@ def assign_units(unit_tokens: np.ndarray, num_mini_batches: int, balance: str, r
     if balance == "units":
         quota = np.full(m, u // m, dtype=np.int64)
         quota[rng.permutation(m)[: u % m]] += 1
-    return _lpt(unit_tokens.astype(np.int64), m, rng, quota)
+    perm = rng.permutation(u)  # seed-permuted ties among equal unit tokens, and among equal bins
+    order = perm[np.argsort(-unit_tokens[perm], kind="stable")]
+    return lpt(unit_tokens.astype(np.int64), m, order=order, bin_rank=np.argsort(rng.permutation(m)), quota=quota)
 
 
 def padding_items(row_mini_batch: np.ndarray, num_mini_batches: int, dp_size: int) -> np.ndarray:
