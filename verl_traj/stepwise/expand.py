@@ -39,7 +39,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from verl_traj.core.keys import IS_LAST_STEP
 from verl_traj.core.padding import pad_position_ids
-from verl_traj.stepwise.prefix_merge import MergedRow, MergeStats, merge_trajectory_steps
+from verl_traj.stepwise.prefix_merge import MergedRow, MergeStats, RowBuilder, merge_trajectory_steps
 
 __all__ = [
     "DEFAULT_STEPS_KEY",
@@ -215,38 +215,6 @@ def _response_parts(rec: Mapping[str, Any], b: int, k: int, has_lp: bool):
     return r, m, lp
 
 
-class _RowBuilder:
-    """Segments (response runs, observation tails) of the merged row under construction."""
-
-    def __init__(self, prompt: torch.Tensor, start: int, has_lp: bool):
-        self.prompt, self.start, self.has_lp = prompt, start, has_lp
-        self.ids: list[torch.Tensor] = []
-        self.masks: list[torch.Tensor] = []
-        self.lps: list[torch.Tensor] = []
-
-    def add(self, ids: torch.Tensor, mask: torch.Tensor, lp: Optional[torch.Tensor]) -> None:
-        self.ids.append(ids)
-        self.masks.append(mask)
-        if self.has_lp:
-            self.lps.append(lp)
-
-    def add_observation(self, tail: torch.Tensor, mask_dtype: torch.dtype, lp_dtype: Optional[torch.dtype]) -> None:
-        if tail.numel():
-            lp = torch.zeros(tail.numel(), dtype=lp_dtype) if self.has_lp else None
-            self.add(tail, torch.zeros(tail.numel(), dtype=mask_dtype), lp)
-
-    def full_context(self) -> torch.Tensor:
-        return torch.cat([self.prompt] + self.ids)
-
-    def close(self, end: int, step_index: int, is_last: bool) -> MergedRow:
-        def cat(parts: list[torch.Tensor]) -> torch.Tensor:
-            return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-        return MergedRow(prompt_ids=self.prompt, response_ids=cat(self.ids), response_mask=cat(self.masks),
-                         per_token={"lp": cat(self.lps)} if self.has_lp else {},
-                         source_steps=list(range(self.start, end + 1)), step_index=step_index, is_last_step=is_last)
-
-
 def _merge_delta_encoded(steps: Sequence[Mapping[str, Any]], b: int, has_lp: bool):
     """Prefix merge straight from delta-encoded records (same result as decode + merge_trajectory_steps).
 
@@ -265,15 +233,17 @@ def _merge_delta_encoded(steps: Sequence[Mapping[str, Any]], b: int, has_lp: boo
                 f"row {b} step record {k}: prompt_prefix_len={pre[k]} exceeds the previous step's context ({limit} tokens)."
             )
     rows: list[MergedRow] = []
-    row = _RowBuilder(tails[0], 0, has_lp)
+    names = ["lp"] if has_lp else []
+    row = RowBuilder(tails[0], 0, names)
     for k, (r, m, lp) in enumerate(parts):
+        values = {"lp": lp} if has_lp else {}
         if k and pre[k] == full_len[k - 1]:  # continues the current row
-            row.add_observation(tails[k], m.dtype, lp.dtype if has_lp else None)
+            row.add_observation(tails[k], m, values)
         elif k:
             context = row.full_context()
             rows.append(row.close(k - 1, len(rows), False))
-            row = _RowBuilder(torch.cat([context[: pre[k]], tails[k]]) if pre[k] else tails[k], k, has_lp)
-        row.add(r, m, lp)
+            row = RowBuilder(torch.cat([context[: pre[k]], tails[k]]) if pre[k] else tails[k], k, names)
+        row.add_response(r, m, values)
     rows.append(row.close(n - 1, len(rows), True))
     stats = MergeStats(rows_before=n, rows_after=len(rows), tokens_before=int(sum(full_len)),
                        tokens_after=sum(x.num_tokens for x in rows),

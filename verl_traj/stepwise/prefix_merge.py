@@ -27,6 +27,7 @@ __all__ = [
     "MergedRow",
     "MergeStats",
     "PrefixMergeError",
+    "RowBuilder",
     "can_merge_boundaries",
     "merge_trajectory_steps",
 ]
@@ -92,6 +93,45 @@ class MergeStats:
             f"{prefix}/loss_tokens": float(self.loss_tokens_after),
             f"{prefix}/token_ratio": float(self.token_ratio),
         }
+
+
+class RowBuilder:
+    """The one assembler of merged rows (used here and by the delta-encoded path of
+    :mod:`verl_traj.stepwise.expand`): a row is its first step's prompt, then response segments (with their
+    mask and per-token values) and observation segments (mask 0, per-token values 0), concatenated once."""
+
+    def __init__(self, prompt: torch.Tensor, start: int, per_token_names: Sequence[str] = ()):
+        self.prompt, self.start = prompt, start
+        self.ids: list[torch.Tensor] = []
+        self.masks: list[torch.Tensor] = []
+        self.values: dict[str, list[torch.Tensor]] = {k: [] for k in per_token_names}
+        self.num_tokens = int(prompt.numel())  # tokens of the row so far
+
+    def add_response(self, ids: torch.Tensor, mask: torch.Tensor, values: Mapping[str, torch.Tensor]) -> None:
+        self.num_tokens += int(ids.numel())
+        self.ids.append(ids)
+        self.masks.append(mask)
+        for k in self.values:
+            self.values[k].append(values[k])
+
+    def add_observation(self, tail: torch.Tensor, like_mask: torch.Tensor, like: Mapping[str, torch.Tensor]) -> None:
+        """``tail`` (context the next call saw after this row's tokens): mask 0 and values 0, in the dtypes
+        and devices of ``like_mask`` / ``like`` (the next response's)."""
+        if tail.numel():
+            zeros = {k: torch.zeros(tail.numel(), dtype=like[k].dtype, device=like[k].device) for k in self.values}
+            self.add_response(tail, torch.zeros(tail.numel(), dtype=like_mask.dtype, device=like_mask.device), zeros)
+
+    def full_context(self) -> torch.Tensor:
+        return torch.cat([self.prompt] + self.ids)
+
+    def close(self, end: int, step_index: int, is_last: bool) -> MergedRow:
+        """The row of steps ``start..end`` (inclusive)."""
+        def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+        return MergedRow(prompt_ids=self.prompt, response_ids=cat(self.ids), response_mask=cat(self.masks),
+                         per_token={k: cat(v) for k, v in self.values.items()},
+                         source_steps=list(range(self.start, end + 1)), step_index=step_index, is_last_step=is_last)
 
 
 def _is_prefix(prefix_a: torch.Tensor, prefix_b: torch.Tensor, seq: torch.Tensor) -> bool:
@@ -186,28 +226,10 @@ def _check_steps(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tens
 
 def _assemble(prompts, responses, masks, per_token, start: int, end: int, step_index: int, is_last: bool) -> MergedRow:
     """Build the row for steps ``start..end`` (inclusive), whose chain is known to hold."""
-    ids: list[torch.Tensor] = [responses[start]]
-    msk: list[torch.Tensor] = [masks[start]]
-    vals: dict[str, list[torch.Tensor]] = {k: [v[start]] for k, v in per_token.items()}
-    covered = prompts[start].numel() + responses[start].numel()  # tokens of the row so far
-    for j in range(start + 1, end + 1):
-        obs = prompts[j][covered:]
-        if obs.numel():
-            ids.append(obs)
-            msk.append(torch.zeros(obs.numel(), dtype=masks[j].dtype, device=masks[j].device))
-            for k, v in per_token.items():
-                vals[k].append(torch.zeros(obs.numel(), dtype=v[j].dtype, device=v[j].device))
-        ids.append(responses[j])
-        msk.append(masks[j])
-        for k, v in per_token.items():
-            vals[k].append(v[j])
-        covered = prompts[j].numel() + responses[j].numel()
-    return MergedRow(
-        prompt_ids=prompts[start],
-        response_ids=torch.cat(ids) if len(ids) > 1 else ids[0],
-        response_mask=torch.cat(msk) if len(msk) > 1 else msk[0],
-        per_token={k: (torch.cat(v) if len(v) > 1 else v[0]) for k, v in vals.items()},
-        source_steps=list(range(start, end + 1)),
-        step_index=step_index,
-        is_last_step=is_last,
-    )
+    row = RowBuilder(prompts[start], start, list(per_token))
+    for j in range(start, end + 1):
+        values = {k: v[j] for k, v in per_token.items()}
+        if j > start:
+            row.add_observation(prompts[j][row.num_tokens:], masks[j], values)
+        row.add_response(responses[j], masks[j], values)
+    return row.close(end, step_index, is_last)
