@@ -6,16 +6,22 @@ Each of ``--dp`` processes (torch.multiprocessing spawn, gloo) builds verl's act
 ``verl_traj.cpu.build_tiny``, ``configs/cpu_tiny.yaml``: sdpa, no remove-padding) and runs the same batch
 through
 
-* ``stock``: verl's ``_balance_batch`` order (Karmarkar-Karp over ranks, per-rank sort), verl's
-  ``TrainingWorker.train_mini_batch`` (fixed-size mini-batch slices), verl's dynamic micro-batching
-  (``rearrange_micro_batches`` under the cap), verl's ``ppo_loss`` (token-mean);
+* ``stock``: the row order of the v1 trainer's ``_balance_batch`` (verl 0.9.1's default trainer: Karmarkar-Karp
+  over ranks, each rank's rows in batch order), verl's ``TrainingWorker.train_mini_batch`` (fixed-size
+  mini-batch slices), verl's dynamic micro-batching (``rearrange_micro_batches`` under the cap), verl's
+  ``ppo_loss`` (token-mean);
+* ``stock_v0``: the same with the v0 trainer's order (``RayPPOTrainer._balance_batch`` also sorts each rank's
+  rows by length and interleaves them, so the fixed-size slices are length-sorted mini-batches: the first and
+  last hold the shortest rows of the batch);
 * ``traj``: the verl_traj plan (whole GRPO groups per mini-batch, DP balancing, padding, micro-batches packed
   for the attention path: here, without remove-padding, the token cap as verl reads it and the least padded
   area at that count), ``TrajTrainingWorker`` running exactly the planned micro-batches, ``traj_ppo_loss``;
 * ``traj_area``: the same with ``traj.padded_cap=area`` (the cap bounds each micro-batch's padded area).
 
 All do the same number of optimizer steps under the same per-micro-batch cap. The variants alternate
-(stock, traj, traj_area, stock, ...) after one warm-up each; the table shows medians and the ratio to stock.
+after one warm-up each, each repeat starting one variant later (stock, stock_v0, traj, traj_area; then
+stock_v0, traj, traj_area, stock; ...); the table shows medians and the ratio
+to ``stock`` and to ``stock_v0`` (the median of the per-repeat ratios).
 
 Cases (``--cases``): ``default`` (16 prompts x 4, long-tailed responses up to 448 tokens with masked tool
 spans), ``swebench`` (step rows of SWE-bench trajectories, lengths scaled by 1/32 to fit a CPU, GRPO groups
@@ -93,15 +99,16 @@ def make_batch(case: dict, vocab: int, seed: int, dp: int):
                                   vocab=vocab))
 
 
-def stock_order(batch, dp: int) -> None:
-    """verl's RayPPOTrainer._balance_batch (default branch): KK over ranks, per-rank sort and interleave."""
+def stock_order(batch, dp: int, trainer: str) -> None:
+    """verl's ``_balance_batch``: KK over ranks (partitions in batch order, as the v1 trainer leaves them);
+    ``trainer="v0"`` (RayPPOTrainer, default branch) then sorts each rank's rows and interleaves them."""
     import torch
 
     from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
 
     workload = calculate_workload(batch.batch["attention_mask"].sum(-1))
     parts = get_seqlen_balanced_partitions(workload, k_partitions=dp, equal_size=True)
-    for i, part in enumerate(parts):
+    for i, part in enumerate(parts if trainer == "v0" else []):
         part.sort(key=lambda x: (workload[x], x))
         parts[i] = part[::2] + part[1::2][::-1]
     batch.reorder(torch.tensor([j for p in parts for j in p]))
@@ -144,22 +151,26 @@ def micro_batch_report(batch, dp: int, num_mb: int, cap: int, planned: bool) -> 
             "padded_positions": 1.0 - real / max(area, 1)}
 
 
+STOCK = {"stock": "v1", "stock_v0": "v0"}  # stock variant -> the trainer whose _balance_batch order it runs
+
+
 def variants(pass_costs: list[Optional[int]]) -> dict[str, Optional[dict]]:
-    """Variant name -> ``traj:`` options (None: stock verl): ``traj`` with each pass cost, then ``traj_area``."""
-    out: dict[str, Optional[dict]] = {"stock": None}
+    """Variant name -> ``traj:`` options (None: stock verl, :data:`STOCK`): ``traj`` with each pass cost, then
+    ``traj_area``."""
+    out: dict[str, Optional[dict]] = {name: None for name in STOCK}
     for i, cost in enumerate(pass_costs):
         out["traj" if i == 0 else f"traj pass_cost={cost}"] = {"padded_cap": "tokens", "pass_cost_tokens": cost}
     out["traj_area"] = {"padded_cap": "area"}
     return out
 
 
-def prepare(case: dict, options: Optional[dict], cfg, vocab: int, dp: int, seed: int):
+def prepare(case: dict, variant: str, options: Optional[dict], cfg, vocab: int, dp: int, seed: int):
     from verl_traj.testing.engine import plan_for_update
 
     batch = make_batch(case, vocab, seed, dp)
     source_rows, n_pad = len(batch), 0
     if options is None:
-        stock_order(batch, dp)
+        stock_order(batch, dp, STOCK[variant])
     else:
         n_pad = int(plan_for_update(batch, cfg, dp, **options).stats.padding_rows.sum())
     report = micro_batch_report(batch, dp, case["mini_batches"], case["cap"], options is not None)
@@ -204,10 +215,11 @@ def _proc(rank: int, dp: int, port: int, args, out_path: str):
         for variant, options in variants(args.pass_cost).items():
             cfg = _config(case)
             worker = actor_worker(cfg, options is not None)
-            batch, info = prepare(case, options, cfg, int(worker.model_config.hf_config.vocab_size), dp, args.seed)
+            batch, info = prepare(case, variant, options, cfg, int(worker.model_config.hf_config.vocab_size), dp, args.seed)
             runs[variant] = {"worker": worker, "batch": batch, "info": info, "times": [], "metrics": None}
+        names = list(runs)
         for it in range(args.repeats + 1):
-            for variant in runs:
+            for variant in names[it % len(names):] + names[:it % len(names)]:  # rotated: no variant always first
                 r = runs[variant]
                 # stock: fixed-size mini-batches of rows / M (the same optimizer steps as the plan)
                 dt, metrics = _time_update(r["worker"], r["batch"], rank, dp, r["info"]["source_rows"] // case["mini_batches"])
@@ -231,15 +243,23 @@ def _summary(run: dict) -> dict:
             "micro_batches_run": (m.get("micro_batches_per_epoch") or [None])[0], **run["info"]}
 
 
+def _paired(times: list[float], base: list[float]) -> float:
+    """Median of the per-repeat ratios (the variants of one repeat run back to back, so slow drift of the
+    machine cancels)."""
+    return statistics.median(t / b for t, b in zip(times, base))
+
+
 def _table(report: dict) -> str:
-    lines = ["| case | variant | s/update | vs stock | optimizer steps | micro-batches/rank: planned / run / verl's cut of these rows | padded positions | rows (padding) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | variant | s/update | vs stock | vs stock_v0 | optimizer steps | micro-batches/rank: planned / run / verl's cut of these rows | padded positions | rows (padding) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, res in report["results"].items():
-        base = res["stock"]["seconds_per_update"]
+        base, base_v0 = (res[v]["seconds_all"] for v in STOCK)
         for variant, r in res.items():
             micro = (f"{r['micro_batches_planned']} / {r['micro_batches_run']:.0f} / {r['micro_batches_verl']}"
-                     if variant != "stock" else f"- / - / {r['micro_batches_verl']}")
-            lines.append(f"| {name} | {variant} | {r['seconds_per_update']:.3f} | {r['seconds_per_update'] / base:.2f}x | "
+                     if variant not in STOCK else f"- / - / {r['micro_batches_verl']}")
+            t = r["seconds_per_update"]
+            lines.append(f"| {name} | {variant} | {t:.3f} | {_paired(r['seconds_all'], base):.2f}x | "
+                         f"{_paired(r['seconds_all'], base_v0):.2f}x | "
                          f"{r['optimizer_steps']} | {micro} | {r['padded_positions']:.1%} | {r['rows']} ({r['padding_rows']}) |")
     return "\n".join(lines)
 
