@@ -5,12 +5,15 @@
   the summed RSS of the whole process tree (driver, Ray daemons, workers, rollout servers) and
   returns the logged metrics (verl's ``file`` logger, JSONL) and the peak memory.
 * ``shared_run``: the same, launched once per session for every test asking for the same overrides.
+* ``recipe_home``: the calculator-agent recipe prepared offline once per session (short warm start).
 
 The pieces (:func:`tests.e2e.runs.launch`, the override sets) are in ``tests/e2e/runs.py``.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,3 +58,16 @@ def shared_run(tiny_home, tmp_path_factory):
         return cache[key]
 
     return _get
+
+
+@pytest.fixture(scope="session")
+def recipe_home(tmp_path_factory) -> Path:
+    """``$VERL_TRAJ_HOME`` with the calculator-agent recipe prepared (data, tiny model, a short warm start: enough to
+    make the tool-call format likely; the long one is the recipe's). ``--eval-samples 4`` still runs prepare's
+    offline evaluation (evaluate.py) on the warm-started model."""
+    home = tmp_path_factory.mktemp("calc_recipe")
+    cmd = [sys.executable, "-m", "verl_traj.recipes.calc_agent.prepare", "--home", str(home / "calc_agent"),
+           "--sft-steps", "80", "--n-train", "64", "--n-test", "8", "--eval-samples", "4"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    return home

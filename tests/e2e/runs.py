@@ -38,19 +38,23 @@ def one_rank_ppo(trainer: str, steps: int = 2) -> list[str]:
             "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]"]
 
 
-# Two ranks, two mini-batches of 3 GRPO groups x 3 rows: 9 rows per mini-batch, so each needs a padding row.
+# Two ranks, two mini-batches of 3 prompt groups x 3 rows: 9 rows per mini-batch, so each needs a padding row.
 DP2_PADDED = ["trainer.n_gpus_per_node=2", "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=3",
               "actor_rollout_ref.rollout.n=3"]
 # ... under a token cap that cuts several micro-batches per rank
 DP2_CAP = 160
+# ... as PPO (GAE, a critic, KL loss), the critic's mini-batch of 6 prompts the union of the actor's two
+DP2_CONFIG = "cpu_tiny_ppo"
 
 
 def dp2_reference(trainer: str, dp: int = 2) -> list[str]:
-    """The 3-step two-rank run with padding rows and a token cap that the plan checks (test_traj_training), the
-    reproducibility test (its uninterrupted run) and the dp1-vs-dp2 gradient test all read (one launch per
-    trainer through the ``shared_run`` fixture). ``dp=1``: the same run on one rank."""
+    """Overrides of :data:`DP2_CONFIG` for the 3-step two-rank PPO run with padding rows and a token cap that the
+    plan checks (test_traj_training), the PPO checks (test_ppo_training), the reproducibility test (its
+    uninterrupted run) and the dp1-vs-dp2 gradient test all read (one launch per trainer through the
+    ``shared_run`` fixture). ``dp=1``: the same run on one rank."""
     layout = DP2_PADDED if dp == 2 else [o for o in DP2_PADDED if not o.startswith("trainer.n_gpus_per_node")]
-    return [*TRAINERS[trainer], *layout, f"traj.micro_batch_max_tokens={DP2_CAP}", "trainer.total_training_steps=3"]
+    return [*TRAINERS[trainer], *layout, f"traj.micro_batch_max_tokens={DP2_CAP}", "critic.ppo_mini_batch_size=6",
+            "trainer.total_training_steps=3"]
 
 
 def tree_rss_bytes(root_pids: list[int], exclude: set[int] = frozenset()) -> int:

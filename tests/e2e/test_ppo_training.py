@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.e2e.runs import DP2_PADDED, ONE_RANK_CONFIG, TRAINERS, TRAINERS_V0_OPT_IN, one_rank_ppo, tail
+from tests.e2e.runs import DP2_CONFIG, ONE_RANK_CONFIG, TRAINERS_V0_OPT_IN, dp2_reference, one_rank_ppo, tail
 
 pytestmark = pytest.mark.e2e
 
@@ -40,13 +40,13 @@ def test_ppo_one_rank_with_a_larger_critic_mini_batch(shared_run):
 
 
 @pytest.mark.parametrize("trainer", TRAINERS_V0_OPT_IN)
-def test_ppo_two_ranks_with_padding_and_a_larger_critic_mini_batch(run_training, trainer):
-    """dp=2, groups of 3 rows, 3 groups per actor mini-batch -> 9 rows -> a padding row per mini-batch (2 actor
-    optimizer steps); the critic's mini-batch of 6 prompts is honoured (1 step: the union of the actor's two)."""
-    run = run_training([*TRAINERS[trainer], *DP2_PADDED, f"trainer.total_training_steps={STEPS}",
-                        "critic.ppo_mini_batch_size=6"], config_name="cpu_tiny_ppo", timeout=600)
+def test_ppo_two_ranks_with_padding_and_a_larger_critic_mini_batch(shared_run, trainer):
+    """The shared two-rank run (``dp2_reference``): groups of 3 rows, 3 groups per actor mini-batch -> 9 rows -> a
+    padding row per mini-batch (2 actor optimizer steps); the critic's mini-batch of 6 prompts is honoured (1 step:
+    the union of the actor's two); a token cap."""
+    run = shared_run(dp2_reference(trainer), config_name=DP2_CONFIG)
     steps = _check(run, actor_steps=2, critic_steps=1)  # (the value loss falling: the engine test on a fixed batch)
-    assert any(m["traj_plan/padding_rows"] > 0 for m in steps)
+    assert all(m["traj_plan/padding_rows"] > 0 for m in steps)
 
 
 @pytest.mark.parametrize("override, named", [

@@ -20,7 +20,8 @@ from collections import defaultdict
 
 import pytest
 
-from tests.e2e.runs import DP2_CAP, TRAINERS, TRAINERS_V0_OPT_IN, dp2_reference, ONE_RANK_CONFIG, one_rank_ppo, tail
+from tests.e2e.runs import (DP2_CAP, DP2_CONFIG, ONE_RANK_CONFIG, TRAINERS, TRAINERS_V0_OPT_IN, dp2_reference,
+                           one_rank_ppo, tail)
 
 pytestmark = pytest.mark.e2e
 
@@ -83,7 +84,7 @@ def test_traj_training_one_rank(shared_run, trainer):
 def test_traj_training_two_ranks_padding_token_cap(shared_run, trainer):
     """dp=2, groups of 3 rows, 3 groups per mini-batch -> 9 rows per mini-batch -> a padding row each;
     the token cap cuts several micro-batches per rank (the shared ``dp2_reference`` run)."""
-    run = shared_run(dp2_reference(trainer))
+    run = shared_run(dp2_reference(trainer), config_name=DP2_CONFIG)
     _check_run(run, run.workdir / "dump" / "plan.jsonl", mini_batches=2, expect_padding=True, steps=3)
     for m in run.metrics:
         if "traj_plan/micro_batches" in m:

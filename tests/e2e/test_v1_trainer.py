@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.e2e.runs import dp2_reference, tail
+from tests.e2e.runs import DP2_CONFIG, dp2_reference, tail
 
 pytestmark = pytest.mark.e2e
 
@@ -47,15 +47,17 @@ def _first_step(run):
 
 
 def test_v1_gradient_is_the_same_on_one_and_two_ranks(run_training, shared_run):
-    """Two mini-batches of 3 groups x 3 rows: 9 rows each, so two ranks need a padding row in each. Same seed,
-    same rollouts (deterministic CPU sampling) and the same units per mini-batch (assigned before DP balancing),
-    so the first step's gradients (norm before clipping, mean over its two optimizer steps) and loss must agree
+    """PPO, two mini-batches of 3 groups x 3 rows: 9 rows each, so two ranks need a padding row in each. Same seed,
+    same rollouts (deterministic CPU sampling), the same seeded value head (so the same GAE advantages) and the
+    same units per mini-batch (assigned before DP balancing), so the first step's gradients (norm before clipping, mean over its two optimizer steps) and loss must agree
     between dp=1 and dp=2: loss normalisation is global, padding rows weigh nothing and the token cap's
     micro-batch cut does not matter. The dp=2 run is shared (``dp2_reference``)."""
-    two = _first_step(shared_run(dp2_reference("v1")))
-    one = _first_step(run_training(dp2_reference("v1", dp=1)[:-1] + ["trainer.total_training_steps=1"], timeout=420))
+    two = _first_step(shared_run(dp2_reference("v1"), config_name=DP2_CONFIG))
+    one = _first_step(run_training(dp2_reference("v1", dp=1)[:-1] + ["trainer.total_training_steps=1"],
+                                   config_name=DP2_CONFIG, timeout=420))
     assert one["traj_plan/padding_rows"] == 0 and two["traj_plan/padding_rows"] == 2
     assert one["actor/lr"] == two["actor/lr"]  # the same schedule at step 1, whatever the run's length
     assert one["critic/score/mean"] == two["critic/score/mean"]  # the same rollouts
+    assert two["critic/values/mean"] == pytest.approx(one["critic/values/mean"], rel=1e-4, abs=1e-6)  # one seeded critic
     assert two["actor/grad_norm"] == pytest.approx(one["actor/grad_norm"], rel=1e-5)
     assert two["actor/pg_loss"] == pytest.approx(one["actor/pg_loss"], rel=1e-4, abs=1e-7)
