@@ -143,7 +143,7 @@ class TrajCriticWorker(TrajTrainingWorker):
 
     A value model built from a policy checkpoint gets a new, randomly initialised value head; verl draws it from
     the process's unseeded RNG, so two runs of one config started with different critics. The head is drawn
-    from the engine config's ``seed`` instead (regression: tests/e2e/test_reproducible.py, PPO on one rank)."""
+    from the engine config's ``seed`` instead (regression: tests/e2e/test_reproducible.py, the two-rank PPO run)."""
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def reset(self):
