@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
 from verl_traj.core.balancing import WORKLOAD_MODELS
+from verl_traj.core.estimators import step_row_refusal
 from verl_traj.core.loss_weights import loss_weight_modes
 from verl_traj.core.planning import GROUP_BY_CHOICES, MINI_BATCH_BALANCE_CHOICES
 
@@ -25,15 +26,11 @@ __all__ = [
     "MINI_BATCH_BALANCE_CHOICES",
     "PADDED_CAP_CHOICES",
     "SUPPORTED_POLICY_LOSS_MODES",
-    "TEMPORAL_ADV_ESTIMATORS",
     "TrajConfig",
     "TrajConfigError",
     "validate_against_verl",
 ]
 
-# Advantage estimators that are per-token / temporal: they cannot be computed per trajectory and
-# broadcast to step rows (no cross-step credit on step-wise rows).
-TEMPORAL_ADV_ESTIMATORS = ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 # verl 0.9.1 policy loss fns that multiply the per-token loss by ``rollout_is_weights`` and then call
 # ``agg_loss(pg_losses, response_mask, loss_agg_mode, **config.global_batch_info)``: exact with per-row
 # weights. Not supported: "sapo" (hard-codes seq-mean-token-mean), "geo_mean" (sequence-level geometric
@@ -200,15 +197,11 @@ def validate_against_verl(traj: TrajConfig, config: Any) -> None:
 
 
 def _check_estimator(traj: TrajConfig, config: Any) -> None:
-    adv = str(_get(config, "algorithm.adv_estimator", "grpo"))
-    if traj.step_wise and adv in TEMPORAL_ADV_ESTIMATORS:
-        raise TrajConfigError(
-            f"algorithm.adv_estimator={adv!r} cannot be used with traj.step_wise=true: it is a per-token, "
-            "temporal estimator, and step rows carry no cross-step credit path (earlier turns would get "
-            "advantages computed on their own truncated sequence). Use an outcome estimator "
-            "(algorithm.adv_estimator=grpo, rloo, opo, grpo_passk, ...) or set traj.step_wise=false "
-            "to train each trajectory as one concatenated row."
-        )
+    """Step rows take the estimators :func:`~verl_traj.core.estimators.step_row_refusal` allows: the question the
+    step-wise advantage path asks at run time, so start-up and run time cannot disagree."""
+    reason = step_row_refusal(str(_get(config, "algorithm.adv_estimator", "grpo"))) if traj.step_wise else ""
+    if reason:
+        raise TrajConfigError(reason)
 
 
 def _check_policy_loss(config: Any) -> None:

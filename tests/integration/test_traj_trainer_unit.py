@@ -16,6 +16,7 @@ from verl.trainer.ppo import ray_trainer as rt
 
 from tests.integration import grad_harness as H
 from verl_traj.config import TrajConfig, TrajConfigError
+from verl_traj.core.estimators import estimator_traits
 from verl_traj.integration import rows as R
 from verl_traj.integration import trainer as T
 from verl_traj.integration.patches import METRIC_FUNCTIONS, fit_patches, patched
@@ -136,7 +137,7 @@ def test_every_estimator_sees_real_rows_only(name):
     assert torch.all(got[pad] == 0)
     whole = rt.compute_advantage(batch(), **kw).batch["advantages"]
     safe = torch.allclose(whole[~pad], expected, atol=1e-6, rtol=1e-5) and bool(torch.isfinite(whole).all())
-    assert (name in R.PADDING_SAFE_ESTIMATORS) <= safe  # the shortcut list holds only really safe estimators
+    assert estimator_traits(name).padding_safe <= safe  # the shortcut list holds only really safe estimators
 
 
 def _patched_names():

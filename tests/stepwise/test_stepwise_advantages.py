@@ -6,8 +6,9 @@ import torch
 
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
+from verl_traj.config import TrajConfig, TrajConfigError, validate_against_verl
+from verl_traj.core.estimators import ESTIMATORS, step_row_estimators
 from verl_traj.stepwise.advantages import (
-    SCALAR_OUTCOME_ADV_ESTIMATORS,
     StepwiseAdvantageError,
     broadcast_step_advantages,
     check_stepwise_estimator,
@@ -177,7 +178,7 @@ def test_padding_rows_get_zero_and_do_not_join_groups():
 )
 def test_temporal_estimators_rejected(name):
     rows, rewards, mask, uid, traj, last = _two_groups_batch()
-    with pytest.raises(StepwiseAdvantageError, match="step-wise"):
+    with pytest.raises(StepwiseAdvantageError, match="traj.step_wise"):
         trajectory_advantages(rewards, mask, uid, traj, last, estimator_fn=lambda **k: None, estimator_name=name)
 
 
@@ -198,7 +199,7 @@ def test_unknown_estimator_needs_opt_in_and_scalar_output():
 
 
 def test_all_known_scalar_estimators_are_registered_in_verl():
-    for name in SCALAR_OUTCOME_ADV_ESTIMATORS:
+    for name in step_row_estimators():
         assert callable(get_adv_estimator_fn(name))
 
 
@@ -225,3 +226,29 @@ def test_integer_traj_ids_and_tensor_inputs():
         rewards, mask.bool(), uid, tid, torch.as_tensor(last), estimator_fn=get_adv_estimator_fn("grpo")
     )
     assert torch.allclose(adv1, adv2)
+
+
+def test_every_verl_estimator_has_traits_and_startup_agrees_with_run_time():
+    """One registry answers both questions: for every estimator verl registers, the start-up check
+    (``validate_against_verl`` with ``traj.step_wise=true``) refuses it exactly when the step-wise advantage
+    path would refuse it after the first rollout (``gdpo`` once passed the first and failed the second)."""
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY
+
+    missing = sorted(set(ADV_ESTIMATOR_REGISTRY) - set(ESTIMATORS))
+    assert not missing, f"verl registers estimators verl_traj has no traits for: {missing}"
+    verl = {"data": {"max_prompt_length": 8, "max_response_length": 8}}
+    for name in ADV_ESTIMATOR_REGISTRY:
+        try:
+            validate_against_verl(TrajConfig(step_wise=True), {**verl, "algorithm": {"adv_estimator": name}})
+            startup_ok = True
+        except TrajConfigError as e:
+            assert f"algorithm.adv_estimator={name!r}" in str(e)
+            startup_ok = False
+        try:
+            check_stepwise_estimator(name, allow_custom=True)
+            runtime_ok = True
+        except StepwiseAdvantageError:
+            runtime_ok = False
+        assert startup_ok == runtime_ok == (name in step_row_estimators()), name
+    with pytest.raises(TrajConfigError, match="'gdpo'.*traj.step_wise"):
+        validate_against_verl(TrajConfig(step_wise=True), {**verl, "algorithm": {"adv_estimator": "gdpo"}})

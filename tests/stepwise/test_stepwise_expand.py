@@ -11,7 +11,6 @@ from tests.stepwise.helpers import trajectory_advantages
 from verl_traj.stepwise.expand import (
     StepExpansionError,
     expand_step_rows,
-    mask_non_last_step_rewards,
     steps_from_row,
 )
 
@@ -131,12 +130,6 @@ def test_stepwise_advantages_end_to_end_merged_equals_unmerged_per_loss_token():
             vals = adv[i][t["response_mask"][i] != 0]
             assert vals.numel() == 0 or torch.allclose(vals, vals[0].expand_as(vals))
     assert torch.allclose(res[False], res[True])
-
-
-def test_mask_non_last_step_rewards():
-    s = torch.ones(3, 2)
-    out = mask_non_last_step_rewards(s, np.array([False, True, False]))
-    assert out.sum(-1).tolist() == [0, 2, 0]
 
 
 def test_errors():

@@ -7,7 +7,7 @@ wrappers here hand them the real rows only:
 
 * :func:`advantage_on_real_rows`: any estimator runs on the real rows; padding rows get zero
   advantages and returns. Estimators proven not to be moved by padding rows (each padding row is a
-  group of one with no loss token; ``PADDING_SAFE_ESTIMATORS``, each checked by a test against the
+  group of one with no loss token; ``padding_safe`` in :mod:`verl_traj.core.estimators`, each checked by a test against the
   real-row result) run on the whole batch, and only the padding rows' outputs are zeroed: no copy.
 * :func:`kl_penalty_on_real_rows`: KL-in-reward statistics and the adaptive controller see real rows.
 * :func:`metrics_on_real_rows`: the metric functions that run at the end of a step (data, timing,
@@ -30,10 +30,10 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from verl_traj.core.estimators import estimator_traits
 from verl_traj.core.keys import IS_PADDING
 
 __all__ = [
-    "PADDING_SAFE_ESTIMATORS",
     "is_padding",
     "real_rows",
     "advantage_on_real_rows",
@@ -49,11 +49,6 @@ __all__ = [
 # [B, prompt + response]-wide tensors no estimator or metric reads by value (the largest per-row tensors).
 _WIDE_KEYS = ("input_ids", "prompts", "responses", "position_ids", "attention_mask")
 _ZERO_ON_PADDING = ("advantages", "returns")
-# verl 0.9.1 estimators whose real-row outputs do not change when verl_traj's padding rows are present
-# (tests/integration/test_traj_trainer_unit.py checks each). Not in it: gpg, remax, grpo_passk,
-# (tir_)optimal_token_baseline (batch-level statistics or groups of one move them), and anything custom.
-PADDING_SAFE_ESTIMATORS = ("gae", "grpo", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo",
-                           "rloo_vectorized")
 
 
 def is_padding(batch: Any) -> Optional[np.ndarray]:
@@ -133,7 +128,7 @@ def advantage_on_real_rows(fn: Callable) -> Callable:
     def wrapper(data: Any, *args: Any, **kwargs: Any) -> Any:
         estimator = kwargs.get("adv_estimator", args[0] if args else None)
         pad = is_padding(data)
-        if pad is not None and str(getattr(estimator, "value", estimator)) in PADDING_SAFE_ESTIMATORS:
+        if pad is not None and estimator_traits(estimator).padding_safe:
             out = fn(data, *args, **kwargs)
             index = torch.from_numpy(np.flatnonzero(pad))
             for key in _ZERO_ON_PADDING:

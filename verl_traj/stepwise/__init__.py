@@ -8,8 +8,6 @@
 """
 
 from verl_traj.stepwise.advantages import (  # noqa: F401
-    SCALAR_OUTCOME_ADV_ESTIMATORS,
-    UNSUPPORTED_STEPWISE_ADV_ESTIMATORS,
     StepwiseAdvantageError,
     broadcast_step_advantages,
     check_stepwise_estimator,
@@ -23,7 +21,6 @@ from verl_traj.stepwise.expand import (  # noqa: F401
     decode_step_records,
     encode_step_records,
     expand_step_rows,
-    mask_non_last_step_rewards,
     steps_from_row,
 )
 from verl_traj.stepwise.prefix_merge import (  # noqa: F401

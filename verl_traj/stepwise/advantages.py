@@ -30,11 +30,10 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from verl_traj.config import TEMPORAL_ADV_ESTIMATORS
+from verl_traj.core.estimators import ESTIMATORS, estimator_traits, step_row_refusal
+from verl_traj.core.estimators import estimator_name as name_of
 
 __all__ = [
-    "SCALAR_OUTCOME_ADV_ESTIMATORS",
-    "UNSUPPORTED_STEPWISE_ADV_ESTIMATORS",
     "StepwiseAdvantageError",
     "check_stepwise_estimator",
     "last_step_rows",
@@ -44,64 +43,25 @@ __all__ = [
     "compute_trajectory_advantages",
 ]
 
-# verl 0.9.1 estimators whose advantage is ONE scalar per response (``scalar * response_mask``):
-# valid per trajectory and then broadcast. "opo" weights its baseline by response length (we pass
-# the trajectory's loss-token count); "remax" needs ``reward_baselines`` per trajectory; "grpo_passk"
-# needs ``config``.
-SCALAR_OUTCOME_ADV_ESTIMATORS = (
-    "grpo",
-    "grpo_vectorized",
-    "rloo",
-    "rloo_vectorized",
-    "opo",
-    "grpo_passk",
-    "gpg",
-    "remax",
-)
-# Length-weighted estimators: the ``[T, 1]`` mask carries the trajectory's loss-token count.
-_LENGTH_AWARE = ("opo",)
-
-# Not valid on step rows: temporal / per-token estimators (no cross-step credit path on step rows),
-# token-level whitening over the batch, or per-dimension reward keys read from row-level batches.
-UNSUPPORTED_STEPWISE_ADV_ESTIMATORS = tuple(TEMPORAL_ADV_ESTIMATORS) + (
-    "optimal_token_baseline",
-    "tir_optimal_token_baseline",
-    "gdpo",
-)
-
 
 class StepwiseAdvantageError(ValueError):
     """Step-wise advantage inputs are inconsistent; the message names the field and the fix."""
 
 
-def _name(adv_estimator: Any) -> str:
-    return str(getattr(adv_estimator, "value", adv_estimator))
-
-
 def check_stepwise_estimator(adv_estimator: Any, *, allow_custom: bool = False) -> str:
     """Runtime check that ``adv_estimator`` can be used with step-wise rows; returns its name.
 
-    Temporal / per-token estimators (``gae``, ``reinforce_plus_plus``, ...) are rejected: a step row
-    is a truncated prefix of the trajectory, so a per-token return computed on it has no path to the
-    trajectory's outcome. Unknown (custom-registered) names are rejected unless ``allow_custom``
-    (then the estimator must return ``scalar * response_mask``; this is checked on its output).
+    The same question the start-up check asks (:func:`verl_traj.core.estimators.step_row_refusal`): only
+    scalar-outcome estimators run per trajectory and broadcast. Unknown (custom-registered) names are rejected
+    unless ``allow_custom`` (then the estimator must return ``scalar * response_mask``; checked on its output).
     """
-    name = _name(adv_estimator)
-    if name in UNSUPPORTED_STEPWISE_ADV_ESTIMATORS:
-        raise StepwiseAdvantageError(
-            f"algorithm.adv_estimator={name!r} cannot be used with step-wise rows (traj.step_wise=true): it is "
-            "a per-token / temporal estimator (or whitens over row tokens), and a step row carries no "
-            "cross-step credit path. Use one of the outcome estimators "
-            f"{list(SCALAR_OUTCOME_ADV_ESTIMATORS)} or set traj.step_wise=false to train each trajectory "
-            "as one concatenated row."
-        )
-    if name not in SCALAR_OUTCOME_ADV_ESTIMATORS and not allow_custom:
-        raise StepwiseAdvantageError(
-            f"algorithm.adv_estimator={name!r} is not a known scalar-outcome estimator; step-wise rows support "
-            f"{list(SCALAR_OUTCOME_ADV_ESTIMATORS)}. If your custom estimator returns one scalar per response "
-            "(scalar * response_mask), pass allow_custom=True."
-        )
-    return name
+    reason = step_row_refusal(adv_estimator, allow_custom=allow_custom)
+    if reason:
+        if name_of(adv_estimator) not in ESTIMATORS:
+            reason += (" A custom estimator that returns one scalar per response (scalar * response_mask) may pass "
+                       "allow_custom=True.")
+        raise StepwiseAdvantageError(reason)
+    return name_of(adv_estimator)
 
 
 def last_step_rows(traj_index: torch.Tensor, is_last_step: Any) -> torch.Tensor:
@@ -172,7 +132,7 @@ def run_outcome_estimator(
     if num_t == 0:
         return scores.new_zeros(0), scores.new_zeros(0)
     rewards = scores.detach().to(torch.float32).reshape(num_t, 1).clone()
-    if estimator_name in _LENGTH_AWARE:
+    if estimator_traits(estimator_name).length_aware:
         if loss_tokens is None:
             raise StepwiseAdvantageError(f"estimator {estimator_name!r} needs loss_tokens per trajectory.")
         mask = loss_tokens.to(torch.float32).reshape(num_t, 1)
@@ -194,7 +154,7 @@ def run_outcome_estimator(
         )
     adv = adv.reshape(num_t)
     ret = ret.reshape(num_t)
-    if estimator_name in _LENGTH_AWARE:
+    if estimator_traits(estimator_name).length_aware:
         denom = mask.reshape(num_t)
         safe = denom > 0
         adv = torch.where(safe, adv / denom.clamp(min=1e-12), torch.zeros_like(adv))
@@ -267,7 +227,7 @@ def compute_trajectory_advantages(
     traj_index = torch.as_tensor(traj_index).reshape(-1).long().cpu()
     last_row = last_step_rows(traj_index, is_last_step)
     loss_tokens = None
-    if name in _LENGTH_AWARE:
+    if estimator_traits(name).length_aware:
         loss_tokens = _per_trajectory_sum(response_mask.to(torch.float32).sum(-1), traj_index, last_row.numel())
     baselines = None
     if reward_baselines is not None:

@@ -50,7 +50,6 @@ __all__ = [
     "decode_step_records",
     "expand_step_rows",
     "trajectory_step_rows",
-    "mask_non_last_step_rewards",
 ]
 
 DEFAULT_STEPS_KEY = "traj_steps"
@@ -515,11 +514,3 @@ def trajectory_step_rows(
                   _as_long(response_mask)[None], lp)
     return _source_rows(src, 0, records, merge_prefix)
 
-
-def mask_non_last_step_rewards(token_level_scores: torch.Tensor, is_last_step: Any) -> torch.Tensor:
-    """Zero the rewards of non-last step rows (for reward managers that score every row).
-
-    Returns a new tensor; rows with ``is_last_step`` False become 0.
-    """
-    last = torch.as_tensor(np.asarray(is_last_step, dtype=bool)).to(token_level_scores.device)
-    return token_level_scores * last.unsqueeze(-1).to(token_level_scores.dtype)

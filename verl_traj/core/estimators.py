@@ -1,0 +1,114 @@
+"""What verl_traj knows about each advantage estimator, by name: one registry read by the start-up check
+(:mod:`verl_traj.config`), the step-wise advantage path (:mod:`verl_traj.stepwise.advantages`) and the
+real-row wrapper (:mod:`verl_traj.integration.rows`), so they cannot disagree.
+
+Pure module (stdlib only). The names are verl 0.9.1's ``AdvantageEstimator`` values; a test walks every
+estimator verl registers (``core_algos.ADV_ESTIMATOR_REGISTRY``) and checks it has an entry here. A name
+verl_traj does not know (a user's ``register_adv_est``) gets :data:`CUSTOM`: refused with step rows unless
+its output is checked to be ``scalar * response_mask`` (the step-wise adapter does this at run time).
+
+Traits:
+
+* ``scalar_outcome``: the advantage of a response is one scalar times its ``response_mask`` (GRPO-style):
+  it can be computed once per trajectory and broadcast onto the trajectory's step rows.
+* ``length_aware``: the baseline weights responses by their length (``opo``): per trajectory, the
+  ``[T, 1]`` mask carries the trajectory's loss-token count.
+* ``temporal``: per-token returns over time (``gae``, REINFORCE++): a step row is a truncated prefix of
+  its trajectory and has no path to the outcome of later turns.
+* ``padding_safe``: the real rows' outputs do not change when verl_traj's padding rows (groups of one with
+  no loss token) are present, so the estimator may run on the whole batch (a test checks each).
+* ``step_rows``: allowed with ``traj.step_wise=true``; ``refusal`` says why not where it is not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CUSTOM", "ESTIMATORS", "EstimatorTraits", "estimator_name", "estimator_traits", "register_estimator_traits",
+           "step_row_estimators", "step_row_refusal"]
+
+
+@dataclass(frozen=True)
+class EstimatorTraits:
+    """What verl_traj relies on about one advantage estimator (module docstring)."""
+
+    scalar_outcome: bool = False
+    length_aware: bool = False
+    temporal: bool = False
+    padding_safe: bool = False
+    refusal: str = ""  # non-empty: why the estimator cannot run on step rows
+
+    @property
+    def step_rows(self) -> bool:
+        return self.scalar_outcome and not self.refusal
+
+
+ESTIMATORS: dict[str, EstimatorTraits] = {}
+CUSTOM = EstimatorTraits(refusal="it is not one of verl_traj's known estimators, so its output is not known to be "
+                                 "one scalar per response")
+
+_TEMPORAL = ("it is a per-token, temporal estimator, and step rows carry no cross-step credit path (earlier turns "
+             "would get advantages computed on their own truncated sequence)")
+_TOKEN_BASELINE = "its baseline is per token over a row's positions, which differ between a trajectory's step rows"
+
+
+def register_estimator_traits(name: str, traits: EstimatorTraits, *, override: bool = False) -> EstimatorTraits:
+    """Declare ``traits`` for estimator ``name`` (for a user's ``register_adv_est`` estimator). A name already
+    declared is refused unless ``override=True`` (verl's ``register_adv_est`` refuses duplicates too)."""
+    if name in ESTIMATORS and not override and ESTIMATORS[name] != traits:
+        raise ValueError(f"advantage estimator {name!r} already has traits {ESTIMATORS[name]}; pass override=True "
+                         "to replace them.")
+    ESTIMATORS[name] = traits
+    return traits
+
+
+def estimator_name(adv_estimator: Any) -> str:
+    """The registry name of a verl ``AdvantageEstimator`` enum member or a string."""
+    return str(getattr(adv_estimator, "value", adv_estimator))
+
+
+def estimator_traits(adv_estimator: Any) -> EstimatorTraits:
+    """The traits of ``adv_estimator`` (name or enum); :data:`CUSTOM` for a name verl_traj does not know."""
+    return ESTIMATORS.get(estimator_name(adv_estimator), CUSTOM)
+
+
+def step_row_estimators() -> tuple[str, ...]:
+    """Names allowed with step rows (what the error messages list)."""
+    return tuple(name for name, t in ESTIMATORS.items() if t.step_rows)
+
+
+def step_row_refusal(adv_estimator: Any, *, allow_custom: bool = True) -> str:
+    """Why ``adv_estimator`` cannot run on step rows (``traj.step_wise=true``), as the message to raise; ``""``
+    where it can. The start-up check and the step-wise advantage path both ask this one function. A custom name
+    passes with ``allow_custom`` (its output is then checked to be one scalar per response)."""
+    name = estimator_name(adv_estimator)
+    traits = ESTIMATORS.get(name)
+    if traits is None and allow_custom:
+        return ""
+    traits = traits or CUSTOM
+    if traits.step_rows:
+        return ""
+    return (f"algorithm.adv_estimator={name!r} cannot be used with traj.step_wise=true: {traits.refusal}. Use an "
+            f"outcome estimator ({', '.join(step_row_estimators())}) or set traj.step_wise=false to train each "
+            "trajectory as one concatenated row.")
+
+
+for _name, _traits in {
+    "grpo": EstimatorTraits(scalar_outcome=True, padding_safe=True),
+    "grpo_vectorized": EstimatorTraits(scalar_outcome=True),
+    "rloo": EstimatorTraits(scalar_outcome=True, padding_safe=True),
+    "rloo_vectorized": EstimatorTraits(scalar_outcome=True, padding_safe=True),
+    "opo": EstimatorTraits(scalar_outcome=True, length_aware=True, padding_safe=True),
+    "grpo_passk": EstimatorTraits(scalar_outcome=True),  # needs config; a group of one moves it
+    "gpg": EstimatorTraits(scalar_outcome=True),  # batch-level statistic
+    "remax": EstimatorTraits(scalar_outcome=True),  # needs reward_baselines per trajectory
+    "gae": EstimatorTraits(temporal=True, padding_safe=True, refusal=_TEMPORAL),
+    "reinforce_plus_plus": EstimatorTraits(temporal=True, padding_safe=True, refusal=_TEMPORAL),
+    "reinforce_plus_plus_baseline": EstimatorTraits(temporal=True, padding_safe=True, refusal=_TEMPORAL),
+    "optimal_token_baseline": EstimatorTraits(refusal=_TOKEN_BASELINE),
+    "tir_optimal_token_baseline": EstimatorTraits(refusal=_TOKEN_BASELINE),
+    "gdpo": EstimatorTraits(refusal="it whitens each reward dimension over a batch's rows, and reads per-dimension "
+                                    "reward keys that exist per row, not per trajectory"),
+}.items():
+    register_estimator_traits(_name, _traits)
