@@ -51,8 +51,9 @@ class TrajTaskRunnerImpl(BaseTaskRunner):
 
     def run(self, config):
         from verl_traj.integration.patches import patched, task_runner_patches
+        from verl_traj.integration.trainer import TrajRayPPOTrainer
 
-        with patched(task_runner_patches()):
+        with patched(task_runner_patches(TrajRayPPOTrainer)):
             return _verl_task_runner_run()(self, config)
 
 
@@ -71,12 +72,27 @@ class TrajTaskRunnerV1Impl(_verl_v1_task_runner()):
 
     def run(self, config):
         from verl_traj.integration.patches import patched, v1_task_runner_patches
+        from verl_traj.integration.v1 import traj_trainer_class
 
-        with patched(v1_task_runner_patches()):
+        with patched(v1_task_runner_patches(traj_trainer_class)):
             return super().run(config)
 
 
 TrajTaskRunnerV1 = ray.remote(num_cpus=1)(TrajTaskRunnerV1Impl)
+
+
+# verl imports every optional engine at start-up and warns for each one that is not installed, in every process
+# (the driver and each Ray worker): on a machine without torchtitan, veomni, automodel, mindspeed or megatron that
+# is five warnings per process before training starts. Choosing one of them still fails loudly, where it is built.
+OPTIONAL_ENGINE_WARNINGS = tuple(f"ignore:{name} engine is not available" for name in
+                                 ("torchtitan", "veomni", "automodel", "mindspeed", "megatron"))
+
+
+def quiet_optional_engine_warnings(environ: dict) -> None:
+    """Add the filters of :data:`OPTIONAL_ENGINE_WARNINGS` to ``PYTHONWARNINGS`` (kept: the user's own filters),
+    which Ray's workers inherit from the driver."""
+    given = [f for f in environ.get("PYTHONWARNINGS", "").split(",") if f]
+    environ["PYTHONWARNINGS"] = ",".join(given + [f for f in OPTIONAL_ENGINE_WARNINGS if f not in given])
 
 
 def run(config) -> None:
@@ -98,6 +114,7 @@ def run(config) -> None:
         # 16 logical CPUs for placement (configs/platform/cpu.yaml), and 16 processes importing verl on a 2-core
         # machine delay start-up. Workers start on demand instead (set the variable to 1 to restore Ray's default).
         os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+    quiet_optional_engine_warnings(os.environ)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     ray_init_address(config)
     run_ppo(config, task_runner_class=TrajTaskRunnerV1 if config.trainer.get("use_v1", False) else TrajTaskRunner)

@@ -31,7 +31,7 @@ def test_plugin_registers_cpu_platform_without_accelerator():
 
     if plugin.accelerator_present():
         pytest.skip("an accelerator is present: the CPU platform must stay unregistered")
-    assert plugin.cpu_platform_active()
+    assert plugin.register()  # idempotent: True where the CPU platform is active
     assert get_platform().device_name == "cpu" == get_device_name()
     assert get_nccl_backend() == "gloo"
     assert get_platform().current_device() == torch.device("cpu")
@@ -68,9 +68,9 @@ from verl_traj.cpu import plugin
 from verl.workers.engine import EngineRegistry
 from verl.workers.rollout.base import _ROLLOUT_REGISTRY
 print(json.dumps({
-    "active": plugin.cpu_platform_active(),
+    "active": plugin.register(),
     "registered": "cpu" in PlatformRegistry.registered_names(),
-    "patched": getattr(d, "_verl_traj_cpu_patched", False),
+    "patched": d.initialize_global_process_group.__module__ != "verl.utils.distributed",
     "cpu_engine": "cpu" in EngineRegistry._engines["language_model"]["fsdp2"],
     "rollout_entry": ("cpu", "async") in _ROLLOUT_REGISTRY,
 }))

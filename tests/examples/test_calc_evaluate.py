@@ -18,7 +18,7 @@ CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}
 
 @pytest.fixture(scope="module")
 def tools():
-    from verl_traj.recipes.calc_agent.prepare import calc_tools
+    from verl_traj.recipes.calc_agent.task import calc_tools
 
     return {tool.name: tool for tool in calc_tools()}
 

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .planning import MiniBatchPlan
+from typing import Any
 
 __all__ = ["plan_metrics"]
 
 
-def plan_metrics(plan: "MiniBatchPlan", prefix: str = "traj_plan") -> dict[str, float]:
+def plan_metrics(plan: Any, prefix: str = "traj_plan") -> dict[str, float]:
     """Padding is excluded from every token / row count but ``padding_*``. ``balance_ratio_*`` is the
     slowest rank's workload over its lower bound (1.0 = perfect); micro-batch keys appear with a cap."""
     s = plan.stats

@@ -16,6 +16,8 @@ rollout servers). Importing it:
 ``VERL_TRAJ_CPU=1`` forces the CPU platform, ``VERL_TRAJ_CPU=0`` disables it. An explicit
 ``VERL_PLATFORM`` other than ``cpu`` also disables it.
 
+Every change to a verl module is declared in :mod:`verl_traj.integration.process_patches` (what, why,
+when; process-lifetime, never restored) and installed from there; this module supplies the replacements.
 Registrations into modules verl has not imported yet are deferred with a post-import hook, so
 ``import verl`` does not pay for importing the engine and rollout modules.
 """
@@ -28,6 +30,8 @@ import os
 import sys
 import threading
 from typing import Callable
+
+from verl_traj.integration.process_patches import cpu_platform_patches, cpu_rollout_registrations, install
 
 logger = logging.getLogger(__name__)
 
@@ -135,20 +139,19 @@ def cpu_platform_wanted() -> bool:
 # registrations
 # ----------------------------------------------------------------------------------------------
 def _register_rollout() -> None:
-    def add_adapter(module):
-        module._ROLLOUT_REGISTRY.setdefault((ROLLOUT_NAME, "async"), _ROLLOUT_ADAPTER_FQN)
+    def add_adapter(registry: dict) -> None:
+        registry.setdefault((ROLLOUT_NAME, "async"), _ROLLOUT_ADAPTER_FQN)
 
-    def add_replica(module):
+    def add_replica(registry: type) -> None:
         def _load():
             from verl_traj.cpu.rollout import CPUReplica
 
             return CPUReplica
 
-        if ROLLOUT_NAME not in module.RolloutReplicaRegistry._registry:
-            module.RolloutReplicaRegistry.register(ROLLOUT_NAME, _load)
+        if ROLLOUT_NAME not in registry._registry:
+            registry.register(ROLLOUT_NAME, _load)
 
-    _hook.add("verl.workers.rollout.base", add_adapter)
-    _hook.add("verl.workers.rollout.replica", add_replica)
+    install(cpu_rollout_registrations(add_adapter, add_replica), _hook.add)
 
 
 def _gloo_only(backend):
@@ -160,18 +163,15 @@ def _gloo_only(backend):
     return "gloo" if parts <= {"gloo"} else backend
 
 
-def _patch_process_group_init() -> None:
-    """Scoped to the CPU platform: only called when it is registered."""
-    import verl.utils.distributed as dist_mod
-
-    if _state.get("process_group"):
-        return
-    orig_ray = dist_mod.initialize_global_process_group_ray
-    orig_global = dist_mod.initialize_global_process_group
-
+def _gloo_process_group_ray(orig_ray):
+    # ``orig_ray`` builds the default string only when backend is None; we always pass one.
     def initialize_global_process_group_ray(timeout_second=None, backend=None):
         return orig_ray(timeout_second=timeout_second, backend=_gloo_only(backend))
 
+    return initialize_global_process_group_ray
+
+
+def _gloo_process_group(_verl_init):
     def initialize_global_process_group(timeout_second=36000):
         import torch.distributed
 
@@ -184,24 +184,14 @@ def _patch_process_group_init() -> None:
         )
         return int(os.environ["LOCAL_RANK"]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
-    # ``orig_ray`` builds the default string only when backend is None; we always pass one.
-    dist_mod.initialize_global_process_group_ray = initialize_global_process_group_ray
-    dist_mod.initialize_global_process_group = initialize_global_process_group
-    _state["process_group"] = True
-    # modules that imported the names before us
-    for name in ("verl.workers.engine_workers", "verl.checkpoint_engine.base", "verl.trainer.sft_trainer"):
-        mod = sys.modules.get(name)
-        if mod is None:
-            continue
-        if hasattr(mod, "initialize_global_process_group_ray"):
-            mod.initialize_global_process_group_ray = initialize_global_process_group_ray
-        if hasattr(mod, "initialize_global_process_group"):
-            mod.initialize_global_process_group = initialize_global_process_group
+    return initialize_global_process_group
 
 
 def _unpinned_offload_policy(policy_cls):
     """verl builds forward-only engines (the reference model) with ``CPUOffloadPolicy(pin_memory=True)``;
     pinning needs an accelerator, and on the CPU the offload is a no-op anyway: same policy, unpinned."""
+    if policy_cls is None:
+        return policy_cls
 
     def offload_policy(*args, **kwargs):
         kwargs["pin_memory"] = False
@@ -210,20 +200,14 @@ def _unpinned_offload_policy(policy_cls):
     return offload_policy
 
 
-def _register_engines() -> None:
-    def add_engines(module):
-        from verl.workers.engine.base import EngineRegistry
+def _register_engines(registry) -> None:
+    transformer_impl = sys.modules["verl.workers.engine.fsdp.transformer_impl"]  # imported: it triggers this
 
-        if getattr(module, "CPUOffloadPolicy", None) is not None:
-            module.CPUOffloadPolicy = _unpinned_offload_policy(module.CPUOffloadPolicy)
-
-        for model_type, cls_name in (("language_model", "FSDPEngineWithLMHead"), ("value_model", "FSDPEngineWithValueHead")):
-            registry = EngineRegistry._engines.setdefault(model_type, {})
-            for backend in ("fsdp", "fsdp2"):
-                if "cpu" not in registry.get(backend, {}):
-                    EngineRegistry.register(model_type=model_type, backend=backend, device="cpu")(getattr(module, cls_name))
-
-    _hook.add("verl.workers.engine.fsdp.transformer_impl", add_engines)
+    for model_type, cls_name in (("language_model", "FSDPEngineWithLMHead"), ("value_model", "FSDPEngineWithValueHead")):
+        engines = registry._engines.setdefault(model_type, {})
+        for backend in ("fsdp", "fsdp2"):
+            if "cpu" not in engines.get(backend, {}):
+                registry.register(model_type=model_type, backend=backend, device="cpu")(getattr(transformer_impl, cls_name))
 
 
 def cpu_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
@@ -240,26 +224,23 @@ def cpu_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code
     )
 
 
-def _register_valuehead_loader() -> None:
-    def replace(module):  # verl's FSDP engine imports it at call time, so the module attribute is enough
-        module.load_valuehead_model = cpu_valuehead_model
-
-    _hook.add("verl.utils.model", replace)
-
-
 def _register_platform() -> None:
-    from verl.plugin.platform import platform_manager
-
     from verl_traj.cpu.platform import PLATFORM_NAME, PlatformCPU
 
-    platform_manager.PlatformRegistry.register(platform=PLATFORM_NAME)(PlatformCPU)
-    current = platform_manager._current_platform
-    if current is None or current.device_name != "cpu":
+    def current_platform(current):
         # verl falls back to 'nvidia' when nothing is detected; make the choice explicit.
-        platform_manager._current_platform = PlatformCPU()
-    _patch_process_group_init()
-    _register_engines()
-    _register_valuehead_loader()
+        return current if current is not None and current.device_name == "cpu" else PlatformCPU()
+
+    install(cpu_platform_patches(
+        register_platform=lambda registry: registry.register(platform=PLATFORM_NAME)(PlatformCPU),
+        current_platform=current_platform,
+        gloo_process_group_ray=_gloo_process_group_ray,
+        gloo_process_group=_gloo_process_group,
+        unpinned_offload_policy=_unpinned_offload_policy,
+        register_engines=_register_engines,
+        # verl's FSDP engine imports it at call time, so the module attribute is enough
+        valuehead_loader=lambda _verl_loader: cpu_valuehead_model,
+    ), _hook.add)
 
 
 def register() -> bool:
@@ -274,10 +255,6 @@ def register() -> bool:
                 _register_platform()
             _state["platform"] = wanted
         return bool(_state["platform"])
-
-
-def cpu_platform_active() -> bool:
-    return bool(_state["platform"])
 
 
 # verl's loader only imports the entry point's module (``_ep.load()``); registering happens here.

@@ -31,9 +31,12 @@ The patch sets, each in the order it is installed (a later patch of the same nam
   1. ``tensordict_utils.make_iterator`` <- the plan's mini-batches (same order on every rank);
   2. ``prepare_micro_batches`` of every loaded FSDP engine module <- the plan's micro-batches.
 
-Not here, on purpose: the CPU platform plugin (:mod:`verl_traj.cpu.plugin`) registers a platform, engines,
-a rollout backend, a gloo-only process-group init and a value-model loader with verl's registries and
-modules for the whole life of a process, and only in processes without an accelerator.
+Not here, on purpose: the CPU platform plugin's changes for the whole life of a process (a platform, engines,
+a rollout backend, a gloo-only process-group init and a value-model loader; all but the rollout backend only
+in processes without an accelerator) are listed in :mod:`verl_traj.integration.process_patches`.
+
+This module lists patches and depends on nothing that installs them: the adapters (``trainer.py``, ``v1.py``,
+``workers.py``, ``main_ppo.py``) import it and pass their own classes and functions in.
 """
 
 from __future__ import annotations
@@ -110,15 +113,14 @@ def fit_patches(step_wise: bool, real_row_mask: Callable[[], Any] = lambda: None
     return out
 
 
-def task_runner_patches() -> list[Patch]:
-    from verl_traj.integration.trainer import TrajRayPPOTrainer
-
-    return [Patch("verl.trainer.main_ppo_v0", "RayPPOTrainer", lambda _original: TrajRayPPOTrainer,
+def task_runner_patches(trainer_cls: type) -> list[Patch]:
+    """``trainer_cls``: ``TrajRayPPOTrainer`` (passed in: this module imports none of the adapters that use it)."""
+    return [Patch("verl.trainer.main_ppo_v0", "RayPPOTrainer", lambda _original: trainer_cls,
                   "run verl's task runner with TrajRayPPOTrainer")]
 
 
-def v1_task_runner_patches() -> list[Patch]:
-    from verl_traj.integration.v1 import traj_trainer_class
+def v1_task_runner_patches(traj_trainer_class: Callable[[type], type]) -> list[Patch]:
+    """``traj_trainer_class``: :func:`verl_traj.integration.v1.traj_trainer_class` (verl's class -> with the mixin)."""
 
     def wrap(get_trainer_cls: Callable[[str], type]) -> Callable[[str], type]:
         return lambda name: traj_trainer_class(get_trainer_cls(name))

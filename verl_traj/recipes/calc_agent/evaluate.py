@@ -71,7 +71,7 @@ def play(model, tokenizer, problems: list[task.Problem], tools: dict, *, tempera
          max_turns: int, max_new_tokens: int = 64, seed: int = 0) -> list[dict]:
     """Play ``problems`` as a batch, one assistant turn per ``generate`` call; one result dict per problem.
 
-    ``tools``: name -> verl ``FunctionTool`` (``prepare.calc_tools()``). Each turn is parsed by verl's
+    ``tools``: name -> verl ``FunctionTool`` (``task.calc_tools()``). Each turn is parsed by verl's
     hermes ``ToolParser`` and its first call (verl's default ``max_parallel_calls: 1``) executed by
     ``call_tool``; a turn without a call ends the episode, as in verl's ``tool_agent`` loop.
     """
@@ -128,11 +128,10 @@ def evaluate_model(model_dir: Path, *, samples: int, temperature: float, seed: i
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_traj.recipes.calc_agent.prepare import calc_tools
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tools = {tool.name: tool for tool in calc_tools()}
+    tools = {tool.name: tool for tool in task.calc_tools()}
     rng = random.Random(seed + 12345)
     problems = [task.make_problem(rng, rng.choice((2, 3)), max_operand) for _ in range(samples)]
     results = []

@@ -31,18 +31,9 @@ from verl_traj.recipes.calc_agent import task
 HERE = Path(__file__).resolve().parent
 
 
-def calc_tools() -> list:
-    """The recipe's function tools (``calculator``), loaded by verl's own ``load_function_tools_from_path``,
-    as its agent loop loads ``multi_turn.function_tool_path``; verl caches by path, so every caller in a
-    process shares one registration."""
-    from verl.tools.function_tool import load_function_tools_from_path
-
-    return load_function_tools_from_path(str(HERE / "tool.py"))
-
-
 def tool_schemas() -> list[dict]:
     """The tool schema exactly as verl's agent loop renders it (FunctionTool -> model_dump)."""
-    return [tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in calc_tools()]
+    return [tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in task.calc_tools()]
 
 
 def write_data(data_dir: Path, n_train: int, n_test: int, seed: int, max_operand: int) -> None:

@@ -126,3 +126,14 @@ def compute_score(data_source: str, solution_str: str, ground_truth=None, extra_
         return 1.0
     intermediates = (extra_info or {}).get("intermediates") if isinstance(extra_info, dict) else None
     return 0.1 * bool(found) + 0.5 * call_progress(solution_str, intermediates)
+
+
+def calc_tools() -> list:
+    """The recipe's function tools (``calculator``), loaded by verl's own ``load_function_tools_from_path``,
+    as its agent loop loads ``multi_turn.function_tool_path``; verl caches by path, so every caller in a
+    process shares one registration."""
+    from pathlib import Path
+
+    from verl.tools.function_tool import load_function_tools_from_path
+
+    return load_function_tools_from_path(str(Path(__file__).resolve().parent / "tool.py"))

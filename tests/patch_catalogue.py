@@ -1,0 +1,56 @@
+"""Every (verl module, name) the two patch catalogues declare, read by calling each factory with placeholders.
+
+The factories are the public functions of :mod:`verl_traj.integration.patches` returning ``list[Patch]`` and of
+:mod:`verl_traj.integration.process_patches` returning ``list[ProcessPatch]``; a new factory is found here
+without a change. ``update_patches`` lists only engine modules the process has loaded, so the engine modules
+are put in ``sys.modules`` (empty stand-ins) for a second call when they are not loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+import types
+
+from verl_traj.integration import patches, process_patches
+
+CATALOGUES = ((patches, "list[Patch]"), (process_patches, "list[ProcessPatch]"))
+
+
+def _placeholder(*_args, **_kwargs):  # truthy and callable: fit_patches(step_wise=...) lists every patch
+    return None
+
+
+@contextlib.contextmanager
+def _engine_modules_loaded():
+    missing = [name for name in patches.ENGINE_MODULES if name not in sys.modules]
+    sys.modules.update({name: types.ModuleType(name) for name in missing})
+    try:
+        yield
+    finally:
+        for name in missing:
+            sys.modules.pop(name, None)
+
+
+def factories() -> list:
+    return [fn for module, returns in CATALOGUES for name, fn in sorted(vars(module).items())
+            if inspect.isfunction(fn) and fn.__module__ == module.__name__ and not name.startswith("_")
+            and fn.__annotations__.get("return") == returns]
+
+
+def declared_patches() -> dict[tuple[str, str], list[str]]:
+    """(module, name) -> the factories that declare it."""
+    def call(fn):
+        params = [p for p in inspect.signature(fn).parameters.values() if p.default is inspect.Parameter.empty]
+        return fn(**{p.name: _placeholder for p in params})
+
+    out: dict[tuple[str, str], list[str]] = {}
+    found = [(fn, call(fn)) for fn in factories()]  # first outside: whatever a factory imports is the real module
+    with _engine_modules_loaded():
+        found += [(fn, call(fn)) for fn in factories()]
+    for fn, patch_list in found:
+        for patch in patch_list:
+            names = out.setdefault((patch.module, patch.name), [])
+            names += [fn.__name__] if fn.__name__ not in names else []
+    return out
