@@ -54,19 +54,13 @@ def _stock_trainer(dp: int):
 
 
 def _traj_trainer(args):
-    from verl_traj.config import TrajConfig
-    from verl_traj.integration.trainer import TrajRayPPOTrainer
     from verl_traj.integration.verl_config import PlanSettings
+    from verl_traj.testing.trainers import ray_less_trainer
 
-    tr = TrajRayPPOTrainer.__new__(TrajRayPPOTrainer)
-    tr.traj = TrajConfig()
-    tr.plan_settings = PlanSettings(args.cap, "tokens", True)
-    tr.tokenizer, tr.global_steps = None, 1
-    tr._dp_size = lambda: args.dp
-    tr.config = OmegaConf.create({"data": {"train_batch_size": _groups(args)},
-                                  "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": _groups(args) // args.mini_batches,
-                                                                  "ppo_epochs": 1}}})
-    return tr
+    return ray_less_trainer({"data": {"train_batch_size": _groups(args)},
+                             "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": _groups(args) // args.mini_batches,
+                                                             "ppo_epochs": 1}}},
+                            {}, plan=PlanSettings(args.cap, "tokens", True), dp=args.dp)
 
 
 def _timed(fn, *a, **k):

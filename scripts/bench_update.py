@@ -276,10 +276,10 @@ def main(argv=None) -> int:
     ap.add_argument("--home", default=os.environ.get("VERL_TRAJ_HOME", os.path.join(tempfile.gettempdir(), "verl_traj_tiny_bench")))
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = ap.parse_args(argv)
-    if not (Path(args.home) / "model").exists():
+    if not (Path(args.home) / "tiny" / "model").exists():
         from verl_traj.cpu.build_tiny import build
 
-        build(args.home)
+        build(str(Path(args.home) / "tiny"))
     os.environ["VERL_TRAJ_HOME"] = args.home
     import torch.multiprocessing as mp
 

@@ -125,3 +125,28 @@ def test_token_cap_check_reads_ulysses_from_the_engine_config():
     validate_against_verl(TrajConfig(micro_batch_max_tokens=20), {**cfg, "data": {**cfg["data"], "train_batch_size": 8}})
     with pytest.raises(TrajConfigError, match="ulysses_sequence_parallel_size=4.*at least 20"):
         validate_against_verl(TrajConfig(micro_batch_max_tokens=19), {**cfg, "data": {**cfg["data"], "train_batch_size": 8}})
+
+
+@pytest.mark.parametrize(
+    "section, field",
+    [
+        ({"enable": "false"}, "traj.enable"),  # a truthy string: training would stay on
+        ({"enable": None}, "traj.enable"),  # neither on nor off: every start-up check keyed on it skipped
+        ({"balance_dp": "true"}, "traj.balance_dp"),
+        ({"step_wise": 1}, "traj.step_wise"),
+        ({"merge_prefix": None}, "traj.merge_prefix"),
+        (False, "traj"),  # the section itself a bool
+        ({"seed": -1}, "traj.seed"),
+        ({"seed": 2.0}, "traj.seed"),
+        ({"traj_id_key": "k", "step_index_key": "k"}, "traj.step_index_key"),
+        ({"step_index_key": "is_last_step"}, "traj.step_index_key"),
+    ],
+)
+def test_wrong_types_are_refused_at_start_up(section, field):
+    """Every refusal names its field (``err.field``, also in the message), the value and the fix."""
+    from verl_traj.core import TrajInputError
+
+    with pytest.raises(TrajConfigError) as err:
+        TrajConfig.from_mapping(section)
+    assert isinstance(err.value, TrajInputError) and err.value.field == field
+    assert field in str(err.value) and ("Fix" in str(err.value) or "set" in str(err.value))

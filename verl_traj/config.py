@@ -17,7 +17,9 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
 from verl_traj.core.balancing import WORKLOAD_MODELS
+from verl_traj.core.errors import TrajInputError
 from verl_traj.core.estimators import step_row_refusal
+from verl_traj.core.keys import IS_LAST_STEP, PLAN_KEYS
 from verl_traj.core.loss_weights import loss_weight_modes
 from verl_traj.core.planning import GROUP_BY_CHOICES, MINI_BATCH_BALANCE_CHOICES
 
@@ -40,8 +42,9 @@ PADDED_CAP_CHOICES = ("tokens", "area")
 SUPPORTED_POLICY_LOSS_MODES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "gpg", "clip_cov", "kl_cov", "dro", "cispo")
 
 
-class TrajConfigError(ValueError):
-    """A ``traj:`` (or related verl) setting is invalid; the message says which and how to fix it."""
+class TrajConfigError(TrajInputError):
+    """A ``traj:`` (or related verl) setting is invalid; the message says which and how to fix it
+    (``field``: the setting, e.g. ``"traj.enable"``, where the raise names one)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,8 @@ class TrajConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in _BOOL_FIELDS:
+            _check_bool(f"traj.{name}", getattr(self, name))
         _check_choice("traj.group_by", self.group_by, GROUP_BY_CHOICES)
         _check_choice("traj.mini_batch_balance", self.mini_batch_balance, MINI_BATCH_BALANCE_CHOICES)
         _check_choice("traj.workload", self.workload, WORKLOAD_MODELS)
@@ -111,21 +116,46 @@ class TrajConfig:
             if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
                 raise TrajConfigError(
                     f"traj.{name}={cap!r} is invalid: set a positive integer number of tokens per micro-batch "
-                    "per GPU (at least the longest prompt+response), or null to derive it from verl's settings."
+                    "per GPU (at least the longest prompt+response), or null to derive it from verl's settings.",
+                    field=f"traj.{name}",
                 )
         cost = self.pass_cost_tokens
         if cost is not None and (isinstance(cost, bool) or not isinstance(cost, int) or cost < 0):
             raise TrajConfigError(
                 f"traj.pass_cost_tokens={cost!r} is invalid: set the fixed cost of one forward/backward pass as a "
-                "non-negative number of padded positions (default 1024), or null for the fewest passes."
+                "non-negative number of padded positions (default 1024), or null for the fewest passes.",
+                field="traj.pass_cost_tokens",
             )
-        for name in ("traj_id_key", "step_index_key"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise TrajConfigError(f"traj.{name}={getattr(self, name)!r} must be a non-empty field name.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise TrajConfigError(
+                f"traj.seed={self.seed!r} is invalid: the planner seeds numpy with seed + training step, which needs "
+                "a non-negative int. Fix: set traj.seed to an integer >= 0 (default 0).", field="traj.seed",
+            )
+        self._check_keys()
         if self.step_wise and not self.enable:
             raise TrajConfigError(
                 "traj.step_wise=true needs traj.enable=true: step rows of one trajectory must stay in one "
-                "mini-batch. Set traj.enable=true or traj.step_wise=false."
+                "mini-batch. Set traj.enable=true or traj.step_wise=false.", field="traj.step_wise",
+            )
+
+    def _check_keys(self) -> None:
+        """``traj_id_key`` / ``step_index_key``: two distinct non-empty names, none a field the plan writes."""
+        for name in ("traj_id_key", "step_index_key"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise TrajConfigError(f"traj.{name}={value!r} must be a non-empty field name.", field=f"traj.{name}")
+            if value in PLAN_KEYS or value == IS_LAST_STEP:
+                raise TrajConfigError(
+                    f"traj.{name}={value!r} is a field verl_traj writes itself ({list(PLAN_KEYS) + [IS_LAST_STEP]}): "
+                    f"the plan would overwrite it. Fix: set traj.{name} to the non_tensor_batch field your agent "
+                    f"loop writes (default {'traj_id' if name == 'traj_id_key' else 'step_index'!r}).",
+                    field=f"traj.{name}",
+                )
+        if self.traj_id_key == self.step_index_key:
+            raise TrajConfigError(
+                f"traj.traj_id_key and traj.step_index_key are both {self.traj_id_key!r}: one field cannot carry both "
+                "the trajectory id and the step index. Fix: give them two different non_tensor_batch fields "
+                "(defaults 'traj_id' and 'step_index').", field="traj.step_index_key",
             )
 
     @classmethod
@@ -133,13 +163,23 @@ class TrajConfig:
         """Build from the ``traj:`` mapping (dict or OmegaConf node); unknown keys are an error."""
         if section is None:
             return cls()
-        data = dict(section.items()) if hasattr(section, "items") else dict(section)
+        if isinstance(section, bool):
+            raise TrajConfigError(
+                f"traj={section!r} sets the whole traj section to a bool, not a mapping of settings. Fix: write "
+                f"traj.enable={str(section).lower()} (the switch lives inside the section).", field="traj",
+            )
+        if not hasattr(section, "items"):
+            raise TrajConfigError(
+                f"traj={section!r} is a {type(section).__name__}, not a mapping of settings. Fix: give traj: as a "
+                "mapping (traj.enable=true, traj.group_by=group, ...) or leave it out for the defaults.", field="traj",
+            )
+        data = dict(section.items())
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(str(k) for k in set(data) - known)
         if unknown:
             raise TrajConfigError(
                 f"unknown key(s) in traj: {unknown}. Valid keys: {sorted(known)}. "
-                "Check the spelling in your overrides (e.g. traj.micro_batch_max_tokens=8192)."
+                "Check the spelling in your overrides (e.g. traj.micro_batch_max_tokens=8192).", field="traj",
             )
         return cls(**data)
 
@@ -161,9 +201,26 @@ class TrajConfig:
 _PARSED: "weakref.WeakKeyDictionary[Any, TrajConfig]" = weakref.WeakKeyDictionary()
 
 
+# traj.* fields that must be real bools: a string "false" is truthy, and None skips every check keyed on them.
+_BOOL_FIELDS = ("enable", "balance_dp", "step_wise", "merge_prefix")
+
+
+def _check_bool(field: str, value: Any) -> None:
+    if isinstance(value, bool):
+        return
+    why = ("null leaves it neither on nor off (every start-up check keyed on it would be skipped)" if value is None
+           else f"a {type(value).__name__} is not a bool" + (" (any non-empty string is truthy: the feature would "
+                                                              "stay on)" if isinstance(value, str) else ""))
+    raise TrajConfigError(
+        f"{field}={value!r} is invalid: {why}. Fix: set {field}=true or {field}=false (an unquoted YAML boolean), "
+        "or leave it out for the default.", field=field,
+    )
+
+
 def _check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise TrajConfigError(f"{field}={value!r} is not one of {list(choices)}; set {field} to one of them.")
+    if not isinstance(value, str) or value not in choices:
+        raise TrajConfigError(f"{field}={value!r} is not one of {list(choices)}; set {field} to one of them.",
+                              field=field)
 
 
 def _get(node: Any, path: str, default: Any = None) -> Any:
@@ -191,6 +248,7 @@ def validate_against_verl(traj: TrajConfig, config: Any) -> None:
     if not traj.enable:
         return
     _check_estimator(traj, config)
+    _check_v1_row_fields(traj, config)
     _check_policy_loss(config)
     _check_mini_batches(config)
     _check_token_caps(traj, config)
@@ -202,6 +260,21 @@ def _check_estimator(traj: TrajConfig, config: Any) -> None:
     reason = step_row_refusal(str(_get(config, "algorithm.adv_estimator", "grpo"))) if traj.step_wise else ""
     if reason:
         raise TrajConfigError(reason)
+
+
+def _check_v1_row_fields(traj: TrajConfig, config: Any) -> None:
+    """On v1 a row's trajectory and step are its TransferQueue key (``{uid}_{session}_{index}``), not batch fields:
+    ``traj.traj_id_key`` / ``traj.step_index_key`` name v0's fields and would be ignored there."""
+    if not bool(_get(config, "trainer.use_v1", False)):
+        return
+    defaults = {f.name: f.default for f in fields(TrajConfig)}
+    for name in ("traj_id_key", "step_index_key"):
+        if getattr(traj, name) != defaults[name]:
+            raise TrajConfigError(
+                f"traj.{name}={getattr(traj, name)!r} has no effect on the v1 trainer (trainer.use_v1=true): there a "
+                "row's trajectory and step are read from its TransferQueue key {uid}_{session}_{index}, which verl's "
+                f"agent-loop worker writes. Remove the traj.{name} override, or set trainer.use_v1=false to use "
+                "the v0 trainer, which reads these non_tensor_batch fields.", field=f"traj.{name}")
 
 
 def _check_policy_loss(config: Any) -> None:
@@ -228,7 +301,7 @@ def parameter_sync_step(config: Any) -> int:
     return int(_get(config, f"trainer.v1.{mode}.parameter_sync_step", 1) or 1)
 
 
-def _update_batch_size(config: Any) -> int:
+def prompts_per_update(config: Any) -> int:
     """Prompts per planned update: ``train_batch_size``, divided by v1's ``parameter_sync_step``."""
     train_bs = int(_get(config, "data.train_batch_size", 0) or 0)
     sync = parameter_sync_step(config)
@@ -245,7 +318,7 @@ def _check_mini_batches(config: Any) -> None:
     """Whole optimizer steps: the prompts of an update (``train_batch_size``; on v1 divided by
     ``parameter_sync_step``) a multiple of the actor's (and critic's) mini-batch, and the critic's mini-batches
     unions of the actor's (so both step on whole planned units)."""
-    train_bs = _update_batch_size(config)
+    train_bs = prompts_per_update(config)
     label = "data.train_batch_size" + ("" if parameter_sync_step(config) == 1 else " / parameter_sync_step")
     mini = int(_get(config, "actor_rollout_ref.actor.ppo_mini_batch_size", 0) or 0)
     if train_bs and (mini <= 0 or train_bs % mini):

@@ -1,6 +1,6 @@
 """Shared fixtures for the CPU end-to-end tests (real verl training through verl_traj.main_ppo).
 
-* ``tiny_home``: the tiny model/tokenizer/data built once per session into a temp dir (offline).
+* ``tiny_home`` (``tests/conftest.py``): the tiny model/tokenizer/data, built once per session (offline).
 * ``run_training``: runs ``python -m verl_traj.main_ppo`` in a subprocess with a timeout, samples
   the summed RSS of the whole process tree (driver, Ray daemons, workers, rollout servers) and
   returns the logged metrics (verl's ``file`` logger, JSONL) and the peak memory.
@@ -19,14 +19,6 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.runs import TrainingRun, launch, skip_on_accelerator
-
-
-@pytest.fixture(scope="session")
-def tiny_home(tmp_path_factory) -> Path:
-    from verl_traj.cpu.build_tiny import build
-
-    home = tmp_path_factory.mktemp("verl_traj_tiny")
-    return build(str(home))
 
 
 @pytest.fixture

@@ -146,7 +146,7 @@ def launch(home: Path, workdir: Path, overrides: list[str], timeout: float = 300
     metrics_path = workdir / "metrics.jsonl"
     env = dict(os.environ)
     env.update({
-        "VERL_TRAJ_HOME": str(home),
+        "VERL_TRAJ_HOME": str(Path(home).parent),  # the presets read $VERL_TRAJ_HOME/tiny
         "VERL_FILE_LOGGER_PATH": str(metrics_path),
         "VERL_TRAJ_CKPT_DIR": str(workdir / "ckpt"),
         "PYTHONUNBUFFERED": "1",

@@ -21,7 +21,7 @@ def two_node_cluster(tiny_home, tmp_path, monkeypatch):
 
     # Ray workers inherit the environment of the node daemons (started here), not the driver's:
     # set what the config interpolates (${oc.env:...}) and the file logger path before starting them.
-    monkeypatch.setenv("VERL_TRAJ_HOME", str(tiny_home))
+    monkeypatch.setenv("VERL_TRAJ_HOME", str(tiny_home.parent))
     monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "metrics.jsonl"))
     monkeypatch.setenv("VERL_TRAJ_CKPT_DIR", str(tmp_path / "ckpt"))
 

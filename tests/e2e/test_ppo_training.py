@@ -57,7 +57,7 @@ def test_ppo_two_ranks_with_padding_and_a_larger_critic_mini_batch(shared_run, t
 def test_bad_critic_setups_are_refused_at_start_up(tiny_home, tmp_path, override, named):
     import os
 
-    env = dict(os.environ, VERL_TRAJ_HOME=str(tiny_home))
+    env = dict(os.environ, VERL_TRAJ_HOME=str(tiny_home.parent))
     run = subprocess.run([sys.executable, "-m", "verl_traj.main_ppo", "--config-name", "cpu_tiny_ppo", override],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and named in run.stdout + run.stderr, (run.stdout + run.stderr)[-3000:]

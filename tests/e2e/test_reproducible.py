@@ -28,7 +28,7 @@ def comparable(metrics: dict) -> dict:
 
 
 def _start(home: Path, workdir: Path, metrics: Path, ckpt: Path, overrides: list[str]) -> subprocess.Popen:
-    env = dict(os.environ, VERL_TRAJ_HOME=str(home), VERL_FILE_LOGGER_PATH=str(metrics), VERL_TRAJ_CKPT_DIR=str(ckpt),
+    env = dict(os.environ, VERL_TRAJ_HOME=str(home.parent), VERL_FILE_LOGGER_PATH=str(metrics), VERL_TRAJ_CKPT_DIR=str(ckpt),
                PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0")
     cmd = [sys.executable, "-m", "verl_traj.main_ppo", "--config-name", DP2_CONFIG, "trainer.logger=[console,file]",
            *overrides]

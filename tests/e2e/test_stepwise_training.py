@@ -19,26 +19,17 @@ HERE = Path(__file__).resolve().parent
 STEPS = 2
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from verl_traj.cpu.build_tiny import build, build_tool_caller
-
-    home = tmp_path_factory.mktemp("stepwise_tiny")
-    build(str(home))
-    build_tool_caller(str(home), steps=80)
-    return home
-
-
 # v1 with prefix merging is the quickstart's configuration: tests/e2e/test_calc_recipe.py runs it
 @pytest.mark.parametrize("trainer, merge", [("v1", False), ("v0", False)])
-def test_stepwise_training_on_cpu(tiny, tmp_path, trainer, merge):
+def test_stepwise_training_on_cpu(tool_home, tmp_path, trainer, merge):
+    tiny = tool_home
     """v1: the agent-loop worker stores each session's step rows; v0: the trainer expands them (both merge
     with traj.merge_prefix)."""
     yaml_path = tmp_path / "agent_loops.yaml"
     # verl's tool_agent name re-pointed to the step-recording loop (the dataset routes rows to "tool_agent")
     yaml_path.write_text("- name: tool_agent\n  _target_: verl_traj.integration.stepwise_agent_loop.StepwiseToolAgentLoop\n")
     metrics_path = tmp_path / "metrics.jsonl"
-    env = dict(os.environ, VERL_TRAJ_HOME=str(tiny), VERL_FILE_LOGGER_PATH=str(metrics_path),
+    env = dict(os.environ, VERL_TRAJ_HOME=str(tiny.parent), VERL_FILE_LOGGER_PATH=str(metrics_path),
                VERL_TRAJ_CKPT_DIR=str(tmp_path / "ckpt"), PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0")
     cmd = [
         sys.executable, "-m", "verl_traj.main_ppo", "--config-name", "cpu_tiny",

@@ -64,16 +64,6 @@ def _proc(rank, world, port, home, cap, out_path, planned, mini_batches):
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def tiny_home(tmp_path_factory):
-    home = os.environ.get("VERL_TRAJ_HOME")
-    if home and (Path(home) / "model").exists():
-        return home
-    from verl_traj.cpu.build_tiny import build
-
-    return str(build(str(tmp_path_factory.mktemp("tiny"))))
-
-
 def _run(home, world, cap, planned, tmp_path, mini_batches=MINI_BATCHES):
     out = str(tmp_path / f"w{world}_{cap}_{planned}_{mini_batches}.json")
     mp.spawn(_proc, args=(world, free_port(), home, cap, out, planned, mini_batches), nprocs=world, join=True)
@@ -82,8 +72,8 @@ def _run(home, world, cap, planned, tmp_path, mini_batches=MINI_BATCHES):
 
 
 def test_real_engine_update_dp2_capped_equals_dp1(tiny_home, tmp_path):
-    ref = _run(tiny_home, 1, 4096, True, tmp_path)
-    got = _run(tiny_home, 2, 140, True, tmp_path)
+    ref = _run(tiny_home.parent, 1, 4096, True, tmp_path)
+    got = _run(tiny_home.parent, 2, 140, True, tmp_path)
     # 6 groups x 3 rows, 2 mini-batches of 3 groups = 9 rows each -> 1 padding row each at dp=2
     assert got["padding_rows"] == 2 and ref["padding_rows"] == 0
     assert ref["num_optimizer_steps"] == [2] and got["num_optimizer_steps"] == [2]
@@ -97,7 +87,7 @@ def test_real_engine_update_dp2_capped_equals_dp1(tiny_home, tmp_path):
 
 
 def test_real_engine_stock_path_without_mini_batch_id(tiny_home, tmp_path):
-    res = _run(tiny_home, 1, 4096, False, tmp_path)
+    res = _run(tiny_home.parent, 1, 4096, False, tmp_path)
     assert len(res["grad_norm"]) == 2 and res["num_optimizer_steps"] is None
 
 
@@ -105,8 +95,8 @@ def test_real_engine_traj_update_equals_stock_on_the_same_rows(tiny_home, tmp_pa
     """One mini-batch holding every row: verl_traj's weighted token-sum loss (token-mean weights) and
     verl's own token-mean loss give the same loss and the same gradient, so any training difference
     between the two comes from which rows share a mini-batch, never from the loss."""
-    traj = _run(tiny_home, 1, 4096, True, tmp_path, mini_batches=1)
-    stock = _run(tiny_home, 1, 4096, False, tmp_path, mini_batches=1)
+    traj = _run(tiny_home.parent, 1, 4096, True, tmp_path, mini_batches=1)
+    stock = _run(tiny_home.parent, 1, 4096, False, tmp_path, mini_batches=1)
     assert traj["padding_rows"] == 0 and len(traj["grad_norm"]) == len(stock["grad_norm"]) == 1
     assert traj["grad_norm"][0] == pytest.approx(stock["grad_norm"][0], rel=1e-4), (traj, stock)
     assert sum(traj["pg_loss"]) == pytest.approx(sum(stock["pg_loss"]), rel=1e-4, abs=1e-6), (traj, stock)
@@ -172,7 +162,7 @@ def test_real_engine_critic_dp2_capped_equals_dp1(tiny_home, critic_path, tmp_pa
     res = {}
     for world, cap in ((1, 4096), (2, 140)):
         out = str(tmp_path / f"critic_{world}.json")
-        mp.spawn(_critic_proc, args=(world, free_port(), tiny_home, critic_path, cap, out), nprocs=world, join=True)
+        mp.spawn(_critic_proc, args=(world, free_port(), tiny_home.parent, critic_path, cap, out), nprocs=world, join=True)
         with open(out) as f:
             res[world] = json.load(f)
     assert res[2]["padding_rows"] == 2
@@ -187,7 +177,7 @@ def test_real_engine_critic_dp2_capped_equals_dp1(tiny_home, critic_path, tmp_pa
 
 def test_real_engine_critic_value_loss_falls_on_a_fixed_batch(tiny_home, critic_path, tmp_path):
     out = str(tmp_path / "critic_fixed.json")
-    mp.spawn(_critic_proc, args=(2, free_port(), tiny_home, critic_path, 140, out, 6), nprocs=2, join=True)
+    mp.spawn(_critic_proc, args=(2, free_port(), tiny_home.parent, critic_path, 140, out, 6), nprocs=2, join=True)
     with open(out) as f:
         losses = json.load(f)["vf_loss"]
     # (lr 1e-5, verl's critic default: a steady fall, every pass lower than the one before)

@@ -3,6 +3,7 @@ patches (and their restoration), real-row views, config preparation, loss fallba
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 import numpy as np
@@ -19,6 +20,7 @@ from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.estimators import estimator_traits
 from verl_traj.integration import rows as R
 from verl_traj.integration import trainer as T
+from verl_traj.integration.update_spec import LossSpec
 from verl_traj.integration.patches import METRIC_FUNCTIONS, fit_patches, patched
 from verl_traj.integration.verl_config import PlanSettings, prepare_config
 from verl_traj.testing import as_dataproto, rl_batch
@@ -206,7 +208,7 @@ def test_loss_weights_through_trainer():
     batch = make_batch(step_wise=True)
     tr = fake_trainer({"group_by": "group"})
     tr.plan_and_apply(batch, dp_size=2)
-    with tr._planned_update(batch, "traj-mean", None):
+    with tr._planned_update(batch, LossSpec("traj-mean", None)):
         w = batch.batch["loss_weight"]
     assert "loss_weight" not in batch.batch.keys()  # attached for the update call only
     pad = batch.batch["is_padding"]
@@ -410,7 +412,7 @@ def test_padding_rows_are_long_enough_for_context_parallel_packing(tp, cp, measu
     assert pad_row_tokens(OmegaConf.create({"actor_rollout_ref": {"actor": {"strategy": "fsdp2"}}})) == 2
     batch = make_batch(n_groups=5, n=3, seed=1)
     tr = fake_trainer()
-    tr.plan_settings = T.PlanSettings(10_000, "tokens", True, pad_row_tokens=n)
+    tr.spec = dataclasses.replace(tr.spec, plan=PlanSettings(10_000, "tokens", True, pad_row_tokens=n))
     tr.plan_and_apply(batch, dp_size=4)
     pad = batch.batch["is_padding"]
     assert pad.any() and batch.batch["attention_mask"][pad].sum(-1).eq(min(n, P + R_ - P + 1)).all()

@@ -16,18 +16,24 @@ from verl.trainer.ppo import ray_trainer
 from tests.stepwise.verl_batches import planned_stepwise_batch
 from verl_traj.config import TrajConfig, TrajConfigError, validate_against_verl
 from verl_traj.core import build_layout_from_counts, plan_mini_batches
+from verl_traj.core.errors import TrajInputError
+from verl_traj.core.row_key import parse_row_keys, row_key, row_key_order
 from verl_traj.integration import v1 as V1
 from verl_traj.integration.stepwise_rows import stepwise_advantage
 from verl_traj.testing import as_dataproto, rl_batch
 
 
-def test_split_keys_reads_group_trajectory_and_step():
-    uid, traj, step = V1.split_keys(["a-1_0_0", "a-1_0_1", "a-1_1_0", "pad9_0_0"])
-    assert uid.tolist() == ["a-1", "a-1", "a-1", "pad9"]
-    assert traj.tolist() == ["a-1_0", "a-1_0", "a-1_1", "pad9_0"]
-    assert step.tolist() == [0, 1, 0, 0]
-    with pytest.raises(TrajConfigError, match="'plainkey'.*uid.*session.*index"):
-        V1.split_keys(["a_0_0", "plainkey"])
+def test_row_key_codec_reads_group_trajectory_and_step():
+    keys = ["a_1_0_0", "a_1_0_1", "a_1_1_0", row_key("pad9", 0, 0), "a_1_10_0", "a_1_9_0"]
+    parsed = parse_row_keys(keys)
+    assert parsed.uid.tolist() == ["a_1"] * 3 + ["pad9"] + ["a_1"] * 2  # a uid may hold "_"
+    assert parsed.traj_id.tolist() == ["a_1_0", "a_1_0", "a_1_1", "pad9_0", "a_1_10", "a_1_9"]
+    assert parsed.step.tolist() == [0, 1, 0, 0, 0, 0]
+    assert sorted(keys, key=row_key_order)[-3:-1] == ["a_1_9_0", "a_1_10_0"]  # sessions in numeric order
+    for bad in ("plainkey", "a_x_0", "_0_0", "a_0_-1"):
+        with pytest.raises(TrajInputError, match="row key=.*uid.*session.*index") as err:
+            parse_row_keys(["a_0_0", bad])
+        assert err.value.field == "row key"
 
 
 def test_row_loss_tokens_dense_and_jagged_agree():
@@ -42,8 +48,8 @@ def _v1_view(data):
     trajectory's reward copied onto every step row (v1's agent-loop worker does that)."""
     nt, td = data.non_tensor_batch, data.batch
     pad = td["is_padding"]
-    keys = [f"pad{i}_0_0" if p else f"{u}_{t}_{s}" for i, (u, t, s, p) in
-            enumerate(zip(nt["uid"], nt["traj_id"], nt["step_index"], pad.tolist()))]
+    keys = [row_key(f"pad{i}", 0, 0) if p else row_key(u, t, s) for i, (u, t, s, p) in
+            enumerate(zip(nt["uid"], td["traj_index"].tolist(), nt["step_index"], pad.tolist()))]
     reward = torch.zeros(len(keys))
     last = torch.as_tensor(np.asarray(nt["is_last_step"], dtype=bool)) & ~pad
     for i in torch.nonzero(last).flatten().tolist():
@@ -51,7 +57,7 @@ def _v1_view(data):
     scores = torch.zeros_like(td["rm_scores"])
     ends = td["response_mask"].shape[1] - 1 - torch.argmax(td["attention_mask"][:, -scores.shape[1]:].flip(-1), -1)
     scores[torch.arange(len(keys)), ends] = reward * (~pad).float()
-    rows = V1.PlannedRows(tuple(keys), V1.split_keys(keys)[0], td["traj_index"].clone(), last,
+    rows = V1.PlannedRows(tuple(keys), parse_row_keys(keys).uid, td["traj_index"].clone(), last,
                           pad.clone(), td["mini_batch_id"].clone(), multi_row=True)
     return keys, scores, rows
 
@@ -85,7 +91,7 @@ def test_planned_advantage_on_one_row_trajectories_is_verl_on_real_rows():
     pad[-2:] = True
     keys = [f"{u}_{i % 4}_0" for i, u in enumerate(non["uid"])] + ["pad0_0_0", "pad1_0_0"]
     grow = {k: torch.cat([v, torch.zeros((2,) + v.shape[1:], dtype=v.dtype)]) for k, v in tensors.items()}
-    rows = V1.PlannedRows(tuple(keys), V1.split_keys(keys)[0], torch.cat([torch.arange(B), torch.tensor([-1, -1])]),
+    rows = V1.PlannedRows(tuple(keys), parse_row_keys(keys).uid, torch.cat([torch.arange(B), torch.tensor([-1, -1])]),
                           ~pad, pad, torch.zeros(B + 2, dtype=torch.long), multi_row=False)
     data = as_dataproto(grow, {"uid": rows.uid})
     got = V1.planned_advantage(rows)(data, keys, "grpo", num_repeat=4, config=OmegaConf.create({}))
@@ -99,9 +105,9 @@ def test_planned_advantage_on_one_row_trajectories_is_verl_on_real_rows():
 
 def test_planned_rows_follow_the_plan_order():
     keys = ["g0_0_0", "g0_0_1", "g0_1_0", "g1_0_0", "g1_1_0", "g1_1_1", "g1_1_2"]
-    uid, traj, step = V1.split_keys(keys)
-    layout = build_layout_from_counts(torch.tensor([5, 6, 7, 4, 3, 8, 2]), torch.tensor([2, 2, 3, 1, 1, 4, 1]), uid,
-                                      traj_id=traj, step_index=step)
+    parsed = parse_row_keys(keys)
+    layout = build_layout_from_counts(torch.tensor([5, 6, 7, 4, 3, 8, 2]), torch.tensor([2, 2, 3, 1, 1, 4, 1]),
+                                      parsed.uid, traj_id=parsed.traj_id, step_index=parsed.step)
     plan = plan_mini_batches(layout, 2, 2)
     out_keys = [keys[i] if i >= 0 else f"pad{j}_0_0" for j, i in enumerate(plan.order.tolist())]
     rows = V1.planned_rows(out_keys, plan, layout)
@@ -131,19 +137,44 @@ def test_stock_plan_metrics_count_what_fixed_slices_split():
     from verl_traj.integration.plan import stock_plan_metrics
 
     keys = [f"g{g}_{s}_{k}" for g in range(2) for s in range(2) for k in range(3)]  # 2 groups x 2 sessions x 3 steps
-    uid, traj, _ = V1.split_keys(keys)
+    uid, traj = parse_row_keys(keys).uid, parse_row_keys(keys).traj_id
     m = stock_plan_metrics(uid, traj, None, dp_size=1, rows_per_mini_batch=4, epochs=1)
     assert m["stock_plan/num_mini_batches"] == 3
     assert m["stock_plan/split_trajectories"] == 2 and m["stock_plan/split_groups"] == 2
 
 
-def test_critic_grouping_and_dp_check_shared_by_both_trainers():
-    from verl_traj.integration.plan import check_same_dp_size, critic_mini_batch_group
+def test_update_spec_one_derivation_for_both_trainers():
+    """Both adapters read one UpdateSpec: the same config on v0 and v1 gives the same facts, and S of
+    seq-mean-token-sum-norm is data.max_response_length on both (v0 once used the batch's response width, which
+    changes from step to step with step rows)."""
+    from verl_traj.integration.plan import check_same_dp_size
+    from verl_traj.integration.update_spec import LossSpec, UpdateSpec
 
-    cfg = OmegaConf.create({"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 2}}, "critic": {}})
-    assert critic_mini_batch_group(cfg, 8) == 1  # critic mini-batch unset: the actor's
-    cfg.critic.ppo_mini_batch_size = 8
-    assert critic_mini_batch_group(cfg, 8) == 4  # one critic step takes all four actor mini-batches
+    base = {"data": {"train_batch_size": 8, "max_response_length": 12},
+            "algorithm": {"adv_estimator": "gae"},
+            "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 2, "ppo_epochs": 2,
+                                            "loss_agg_mode": "seq-mean-token-sum-norm"}},
+            "critic": {"loss_agg_mode": "token-mean"}}
+    v0 = UpdateSpec.derive(OmegaConf.create(base), TrajConfig(), None)
+    v1 = UpdateSpec.derive(OmegaConf.create({**base, "trainer": {"use_v1": True}}), TrajConfig(), None)
+    assert v0 == v1
+    assert v0.num_mini_batches == 4 and v0.epochs == 2 and v0.critic_group == 1  # critic mini-batch unset: the actor's
+    assert v0.actor_loss == LossSpec("seq-mean-token-sum-norm", 12.0)
+    assert v0.critic_loss == LossSpec("token-mean", 12.0)
+    critic8 = OmegaConf.create({**base, "critic": {"ppo_mini_batch_size": 8, "loss_scale_factor": 3}})
+    spec = UpdateSpec.derive(critic8, TrajConfig(critic_loss_agg_mode="traj-mean"), None)
+    assert spec.critic_group == 4 and spec.critic_loss == LossSpec("traj-mean", 3.0)  # one step: all four
+    sync4 = OmegaConf.create({**base, "trainer": {"use_v1": True, "v1": {"trainer_mode": "sync",
+                                                                         "sync": {"parameter_sync_step": 2}}}})
+    spec = UpdateSpec.derive(sync4, TrajConfig(seed=10), None)
+    assert spec.prompts_per_update == 4 and spec.num_mini_batches == 2
+    assert spec.plan_seed(3, 1) == 10 + 3 * 2 + 1 and v0.plan_seed(3) == 3  # one seed per local update
+    # the weights S gives do not depend on the batch's response width
+    mask = torch.ones(2, 5)
+    w_narrow = v0.actor_loss.weights(mask, torch.zeros(2, dtype=torch.long), torch.arange(2), torch.zeros(2))
+    w_wide = v0.actor_loss.weights(torch.nn.functional.pad(mask, (0, 20)), torch.zeros(2, dtype=torch.long),
+                                   torch.arange(2), torch.zeros(2))
+    assert torch.equal(w_narrow, w_wide) and torch.allclose(w_narrow, torch.full((2,), 1 / (2 * 12)))
     assert check_same_dp_size(2, None) == 2 and check_same_dp_size(2, 2) == 2
     with pytest.raises(TrajConfigError, match="actor DP size 2 != critic DP size 4"):
         check_same_dp_size(2, 4)
@@ -168,7 +199,7 @@ def test_every_registered_mode_gets_the_mixin_and_the_registry_is_restored():
     from verl_traj.integration.patches import patched, v1_task_runner_patches
 
     original = v1_pkg.get_trainer_cls
-    with patched(v1_task_runner_patches()):
+    with patched(v1_task_runner_patches(V1.traj_trainer_class)):
         for name, cls in TRAINER_REGISTRY.items():
             traj_cls = v1_pkg.get_trainer_cls(name)
             assert traj_cls.__mro__[1] is V1.TrajV1Mixin and issubclass(traj_cls, cls)

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from verl_traj.config import TrajConfig
 from verl_traj.core.keys import LOSS_WEIGHT, MICRO_BATCH_ID, MINI_BATCH_ID
 from verl_traj.integration.verl_config import PlanSettings
+from verl_traj.testing.trainers import ray_less_trainer
 
 pytestmark = pytest.mark.e2e
 
@@ -67,15 +68,10 @@ def _trainer():
 
     from verl_traj.integration.v1 import traj_trainer_class
 
-    tr = object.__new__(traj_trainer_class(PPOTrainerSync))
-    tr.traj = TrajConfig()
-    tr.plan_settings = PlanSettings(max_tokens=24, cost="tokens", derived=True, pad_row_tokens=2)
-    tr.config = OmegaConf.create({"data": {"train_batch_size": 4, "max_response_length": 8},
-                                  "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": MINI, "ppo_epochs": 1}}})
-    tr.global_steps, tr.parameter_sync_step, tr.local_trigger_step, tr.use_critic = 1, 1, 0, False
-    tr.tokenizer = SimpleNamespace(eos_token_id=2)
-    tr.actor_rollout_wg = SimpleNamespace(_dispatch_info={"actor": list(range(DP))})
-    return tr
+    return ray_less_trainer({"data": {"train_batch_size": 4, "max_response_length": 8},
+                             "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": MINI, "ppo_epochs": 1}}},
+                            TrajConfig(), plan=PlanSettings(max_tokens=24, cost="tokens", derived=True, pad_row_tokens=2),
+                            dp=DP, v1_class=PPOTrainerSync)
 
 
 def test_planned_batch_in_transfer_queue(tq):
@@ -100,7 +96,7 @@ def test_planned_batch_in_transfer_queue(tq):
             ids = {int(m) for k, m in zip(out.keys, mb) if k.startswith(unit + "_")}
             assert len(ids) == 1 or unit.startswith("pad")
 
-    tr._put_loss_weights(out, "token-mean", None)
+    tr._put_loss_weights(out, tr.spec.actor_loss)
     w = tq.kv_batch_get(keys=out.keys, partition_id="train", select_fields=[LOSS_WEIGHT, "response_mask"])
     loss_tokens = w["response_mask"].to_padded_tensor(0).sum(-1).double()
     per_mb = torch.zeros(int(mb.max()) + 1, dtype=torch.float64).index_add_(0, mb, w[LOSS_WEIGHT].double() * loss_tokens)

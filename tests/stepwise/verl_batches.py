@@ -3,15 +3,12 @@ step-wise adapter tests and the v1 adapter tests)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
-from omegaconf import OmegaConf
 
 from verl import DataProto
 
 from verl_traj.config import TrajConfig
-from verl_traj.integration import trainer as T
+from verl_traj.testing.trainers import ray_less_trainer
 from verl_traj.testing import step_record_batch as make_batch, token_trajectory as make_trajectory
 
 
@@ -23,15 +20,8 @@ def stepwise_dataproto(seed=0):
 
 
 def stepwise_trainer(traj: TrajConfig, dp: int = 2):
-    tr = T.TrajRayPPOTrainer.__new__(T.TrajRayPPOTrainer)
-    tr.traj = traj
-    tr.plan_settings = None
-    tr.tokenizer = SimpleNamespace(pad_token_id=0)
-    tr.global_steps = 1
-    tr.config = OmegaConf.create({"data": {"train_batch_size": 2},
-                                  "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 1}}})
-    tr._dp_size = lambda: dp
-    return tr
+    return ray_less_trainer({"data": {"train_batch_size": 2}, "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 1}}},
+                            traj, dp=dp)
 
 
 def planned_stepwise_batch(seed=0, merge=False, dp=2):

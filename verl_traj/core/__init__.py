@@ -4,14 +4,18 @@ Pipeline: :func:`build_layout` (validate ids, steps, count tokens) -> :func:`pla
 (whole units per mini-batch, DP balancing, rank-major layout, padding, micro-batch packing, global
 statistics) -> :func:`apply_plan` (materialise it on a batch's columns and attach the per-row facts
 named in :mod:`verl_traj.core.keys`) -> :func:`compute_loss_weights` (per update, from those facts).
+
+Inputs are checked where they enter; every refusal is a :class:`TrajInputError` (``.field`` names the input),
+see :mod:`verl_traj.core.errors`.
 """
 
 from . import keys
 from .balancing import WORKLOAD_MODELS, balance_equal_size, calculate_workload, round_robin_equal_size
-from .layout import BatchLayout, BatchLayoutError, build_layout, build_layout_from_counts, factorize
+from .errors import TrajInputError, check_binary_mask, check_finite, check_positive_number
+from .layout import BatchLayout, BatchLayoutError, build_layout, build_layout_from_counts, check_ids, factorize
 from .loss_weights import RowStats, compute_loss_weights, loss_weight_modes, register_loss_weight
 from .packing import MICRO_BATCH_COSTS, MicroBatchPacking, PackingError, min_micro_batches, pack_micro_batches
-from .padding import apply_plan, pad_attention_mask, pad_position_ids
+from .padding import apply_plan, pad_attention_mask, pad_position_ids, resolve_pad_token_id
 from .planning import (
     GROUP_BY_CHOICES,
     MINI_BATCH_BALANCE_CHOICES,
@@ -29,6 +33,12 @@ from .planning import (
 
 __all__ = [
     "keys",
+    "TrajInputError",
+    "check_binary_mask",
+    "check_finite",
+    "check_ids",
+    "check_positive_number",
+    "resolve_pad_token_id",
     "BatchLayout",
     "BatchLayoutError",
     "build_layout",

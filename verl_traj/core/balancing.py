@@ -72,75 +72,75 @@ def lpt(costs: np.ndarray, num_bins: int, *, order: Optional[np.ndarray] = None,
     return assign
 
 
-def round_robin_equal_size(group: np.ndarray, num_groups: int, num_bins: int) -> np.ndarray:
-    """No balancing: the i-th item of group g (in input order) goes to bin ``i % num_bins``.
+def round_robin_equal_size(block: np.ndarray, num_blocks: int, num_bins: int) -> np.ndarray:
+    """No balancing: the i-th item of block g (in input order) goes to bin ``i % num_bins``.
 
     Args:
-        group: ``[N]`` int group (mini-batch) of each item; every group's size divisible by ``num_bins``.
+        block: ``[N]`` int block (mini-batch) of each item; every block's size divisible by ``num_bins``.
     Returns:
         ``[N]`` int64 bin of each item.
     """
-    order = np.argsort(group, kind="stable")
-    sizes = np.bincount(group, minlength=num_groups)
+    order = np.argsort(block, kind="stable")
+    sizes = np.bincount(block, minlength=num_blocks)
     starts = np.cumsum(sizes) - sizes
-    pos = np.empty(group.shape[0], dtype=np.int64)
-    pos[order] = np.arange(group.shape[0], dtype=np.int64) - np.repeat(starts, sizes)
+    pos = np.empty(block.shape[0], dtype=np.int64)
+    pos[order] = np.arange(block.shape[0], dtype=np.int64) - np.repeat(starts, sizes)
     return pos % num_bins
 
 
 def balance_equal_size(
     costs: np.ndarray,
-    group: np.ndarray,
-    num_groups: int,
+    block: np.ndarray,
+    num_blocks: int,
     num_bins: int,
     *,
     tiebreak: np.ndarray | None = None,
     max_swaps: int | None = None,
     rel_tol: float = 1e-4,
 ) -> np.ndarray:
-    """Split every group's items over ``num_bins`` bins with equal counts, minimising each group's max bin load.
+    """Split every block's items over ``num_bins`` bins with equal counts, minimising each block's max bin load.
 
     Args:
         costs: ``[N]`` int64 cost per item (>= 0).
-        group: ``[N]`` int group of each item (0..num_groups-1); each group size divisible by ``num_bins``.
+        block: ``[N]`` int block of each item (0..num_blocks-1); each block size divisible by ``num_bins``.
         tiebreak: ``[N]`` optional key ordering equal costs (seed-deterministic plans pass a permutation).
-        max_swaps: refinement swaps per group (default ``8 * num_bins + 64``).
+        max_swaps: refinement swaps per block (default ``8 * num_bins + 64``).
         rel_tol: refinement stops once the max bin is within ``rel_tol`` of ``max(ceil(total/bins), max item)``.
     Returns:
-        ``[N]`` int64 bin of each item. Invariant: for every group every bin holds ``size / num_bins`` items.
+        ``[N]`` int64 bin of each item. Invariant: for every block every bin holds ``size / num_bins`` items.
     """
     n = costs.shape[0]
     costs = costs.astype(np.int64, copy=False)
-    sizes = np.bincount(group, minlength=num_groups)
+    sizes = np.bincount(block, minlength=num_blocks)
     if np.any(sizes % num_bins):
-        raise ValueError(f"group sizes {sizes.tolist()} are not all divisible by num_bins={num_bins}")
+        raise ValueError(f"block sizes {sizes.tolist()} are not all divisible by num_bins={num_bins}")
     if num_bins == 1:
         return np.zeros(n, dtype=np.int64)
-    order = np.lexsort((np.arange(n) if tiebreak is None else tiebreak, -costs, group))
-    bins, loads = _round_lpt(costs, group, order, sizes, num_bins)
+    order = np.lexsort((np.arange(n) if tiebreak is None else tiebreak, -costs, block))
+    bins, loads = _round_lpt(costs, block, order, sizes, num_bins)
     starts = np.cumsum(sizes) - sizes
     max_swaps = 8 * num_bins + 64 if max_swaps is None else max_swaps
     for g in np.flatnonzero(sizes > num_bins):  # one item per bin: no count-preserving swap helps
         idx = order[starts[g]: starts[g] + sizes[g]]
-        _refine_group(idx, costs, bins, loads[g], num_bins, max_swaps, rel_tol)
+        _refine_block(idx, costs, bins, loads[g], num_bins, max_swaps, rel_tol)
     return bins
 
 
-def _round_lpt(costs: np.ndarray, group: np.ndarray, order: np.ndarray, sizes: np.ndarray,
+def _round_lpt(costs: np.ndarray, block: np.ndarray, order: np.ndarray, sizes: np.ndarray,
                num_bins: int) -> tuple[np.ndarray, np.ndarray]:
-    """Round-based LPT vectorised over groups: items of a group sorted by cost are dealt ``num_bins`` at
+    """Round-based LPT vectorised over blocks: items of a block sorted by cost are dealt ``num_bins`` at
     a time, the largest of a round to the lightest bin. Returns (``[N]`` bins, ``[G, num_bins]`` loads)."""
-    num_groups = sizes.shape[0]
+    num_blocks = sizes.shape[0]
     starts = np.cumsum(sizes) - sizes
     pos = np.arange(costs.shape[0], dtype=np.int64) - np.repeat(starts, sizes)
-    g_sorted, j_sorted, i_sorted = group[order], pos // num_bins, pos % num_bins
-    max_rounds = int((sizes // num_bins).max()) if num_groups else 0
-    # grid[g, j, i]: i-th largest item of round j of group g (0 beyond the group's rounds)
-    grid_cost = np.zeros((num_groups, max_rounds, num_bins), dtype=np.int64)
+    g_sorted, j_sorted, i_sorted = block[order], pos // num_bins, pos % num_bins
+    max_rounds = int((sizes // num_bins).max()) if num_blocks else 0
+    # grid[g, j, i]: i-th largest item of round j of block g (0 beyond the block's rounds)
+    grid_cost = np.zeros((num_blocks, max_rounds, num_bins), dtype=np.int64)
     grid_cost[g_sorted, j_sorted, i_sorted] = costs[order]
     grid_bin = np.zeros_like(grid_cost)
-    loads = np.zeros((num_groups, num_bins), dtype=np.int64)
-    rows = np.arange(num_groups)[:, None]
+    loads = np.zeros((num_blocks, num_bins), dtype=np.int64)
+    rows = np.arange(num_blocks)[:, None]
     for j in range(max_rounds):
         b = np.argsort(loads, axis=1, kind="stable")  # lightest bin first; ties -> lower bin index
         grid_bin[:, j, :] = b
@@ -150,10 +150,10 @@ def _round_lpt(costs: np.ndarray, group: np.ndarray, order: np.ndarray, sizes: n
     return bins, loads
 
 
-def _refine_group(
+def _refine_block(
     idx: np.ndarray, costs: np.ndarray, bins: np.ndarray, loads: np.ndarray, num_bins: int, max_swaps: int, rel_tol: float
 ) -> None:
-    """In-place swap refinement of one group (``idx``: its items; ``loads``: ``[num_bins]`` its bin loads):
+    """In-place swap refinement of one block (``idx``: its items; ``loads``: ``[num_bins]`` its bin loads):
     swap one item of the heaviest bin with one of another bin while that lowers the heaviest bin."""
     item_cost = costs[idx]
     item_bin = bins[idx].copy()

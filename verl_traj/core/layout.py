@@ -20,11 +20,13 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = ["BatchLayoutError", "BatchLayout", "build_layout", "build_layout_from_counts", "factorize"]
+from .errors import TrajInputError, check_binary_mask
+
+__all__ = ["BatchLayoutError", "BatchLayout", "build_layout", "build_layout_from_counts", "check_ids", "factorize"]
 
 
-class BatchLayoutError(ValueError):
-    """Invalid batch structure. The message names the field, the offending value and the fix."""
+class BatchLayoutError(TrajInputError):
+    """Invalid batch structure. ``field`` names the input; the message names it, the offending value and the fix."""
 
 
 @dataclass(frozen=True)
@@ -58,11 +60,12 @@ class BatchLayout:
         return self.num_rows - int(self.is_padding.sum())
 
 
-def factorize(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def factorize(values: np.ndarray, name: str = "ids") -> tuple[np.ndarray, np.ndarray]:
     """Dense codes in first-appearance order.
 
     Args:
         values: 1-D array (numeric, or object array of hashable str/int).
+        name: the field the values come from (named in the error for incomparable ids).
     Returns:
         ``(codes [N] int64 in 0..K-1, first [K] int64)`` with ``values[first[k]]`` the k-th distinct
         value in order of first appearance and ``values == values[first][codes]``.
@@ -79,7 +82,10 @@ def factorize(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     try:
         _, first, inverse = np.unique(values, return_index=True, return_inverse=True)
     except TypeError as exc:  # mixed incomparable objects
-        raise BatchLayoutError(f"ids must be mutually comparable (all str or all int); got {exc}") from exc
+        raise BatchLayoutError(
+            f"{name} must be mutually comparable (all str or all int); got {exc}. "
+            f"Fix: give every row a {name} of one type.", field=name,
+        ) from exc
     inverse = inverse.reshape(-1)
     rank = np.empty(first.shape[0], dtype=np.int64)
     by_first = np.argsort(first, kind="stable")
@@ -92,24 +98,30 @@ def _as_1d(name: str, value: Any, n: Optional[int]) -> np.ndarray:
     if arr.ndim != 1:
         raise BatchLayoutError(
             f"{name} must be 1-D with one entry per row; got shape {tuple(arr.shape)}. "
-            f"Fix: pass {name} as a numpy array of length B."
+            f"Fix: pass {name} as a numpy array of length B.", field=name,
         )
     if n is not None and arr.shape[0] != n:
         raise BatchLayoutError(
             f"{name} has {arr.shape[0]} entries but the batch has {n} rows (attention_mask.shape[0]). "
-            f"Fix: {name} must carry exactly one entry per row, in row order."
+            f"Fix: {name} must carry exactly one entry per row, in row order.", field=name,
         )
     return arr
 
 
-def _row_counts(name: str, mask: Any) -> torch.Tensor:
+def _row_counts(name: str, mask: Any) -> Any:
+    """Per-row counts of a ``[B, L]`` 0/1 mask (refused unless 0/1), or ``[B]`` counts as given (checked later)."""
     if not isinstance(mask, torch.Tensor):
-        mask = torch.as_tensor(np.asarray(mask))
+        mask = torch.as_tensor(_numeric_array(name, mask))
     if mask.dim() == 1:
-        return mask.detach().cpu().long()
+        return mask.detach().cpu()
     if mask.dim() != 2:
-        raise BatchLayoutError(f"{name} must be [B, L] (or per-row counts [B]); got shape {tuple(mask.shape)}.")
-    return mask.detach().cpu().long().sum(-1)
+        raise BatchLayoutError(
+            f"{name} must be [B, L] (or per-row counts [B]); got shape {tuple(mask.shape)}. "
+            f"Fix: pass batch.batch[{name!r}] as it is.", field=name,
+        )
+    check_binary_mask(name, mask, error=BatchLayoutError)
+    mask = mask.detach().cpu()
+    return mask.sum(-1).round().long() if mask.is_floating_point() else mask.sum(-1, dtype=torch.int64)
 
 
 def build_layout(attention_mask: torch.Tensor, response_mask: torch.Tensor, uid: Sequence[Any] | np.ndarray,
@@ -126,20 +138,22 @@ def build_layout(attention_mask: torch.Tensor, response_mask: torch.Tensor, uid:
         BatchLayoutError: see :func:`build_layout_from_counts`.
     """
     if attention_mask is None:
-        raise BatchLayoutError("attention_mask is missing. Fix: pass batch.batch['attention_mask'] ([B, L]).")
+        raise BatchLayoutError("attention_mask is missing. Fix: pass batch.batch['attention_mask'] ([B, L]).",
+                               field="attention_mask")
     if response_mask is None:
         raise BatchLayoutError(
             "response_mask is missing. Fix: pass batch.batch['response_mask'] ([B, R]); verl computes it "
-            "with compute_response_mask(batch) before _balance_batch."
+            "with compute_response_mask(batch) before _balance_batch.", field="response_mask",
         )
     num_tokens = _row_counts("attention_mask", attention_mask)
     num_loss_tokens = _row_counts("response_mask", response_mask)
     if num_loss_tokens.shape[0] != num_tokens.shape[0]:
         raise BatchLayoutError(
             f"response_mask has {num_loss_tokens.shape[0]} rows but attention_mask has {num_tokens.shape[0]}. "
-            "Fix: both must come from the same batch (same row order)."
+            "Fix: both must come from the same batch (same row order).", field="response_mask",
         )
-    return build_layout_from_counts(num_tokens, num_loss_tokens, uid, *structure, **named_structure)
+    return _build(num_tokens, num_loss_tokens, ("attention_mask.sum(-1)", "response_mask.sum(-1)"), uid, *structure,
+                  **named_structure)
 
 
 def build_layout_from_counts(
@@ -165,17 +179,28 @@ def build_layout_from_counts(
         BatchLayoutError: missing uid, mismatched lengths, ``traj_id`` without ``step_index`` (or
             vice versa), a trajectory whose rows carry two uids, duplicate / missing / negative steps,
             a trajectory with zero or several last steps or a last step that is not its max step,
-            a batch without any real row.
+            a batch without any real row; token counts that are not whole numbers >= 0 (NaN, inf,
+            fractional, negative), a real row with no attended token or with more loss tokens than
+            tokens; ``None`` / NaN ids or ids that mix str with other types.
     """
-    num_tokens, num_loss_tokens = _row_count_pair(num_tokens, num_loss_tokens)
+    return _build(num_tokens, num_loss_tokens, ("num_tokens", "num_loss_tokens"), uid, traj_id, step_index,
+                  is_last_step, is_padding)
+
+
+def _build(num_tokens: Any, num_loss_tokens: Any, count_names: tuple[str, str], uid: Any, traj_id: Any = None,
+           step_index: Any = None, is_last_step: Any = None, is_padding: Any = None) -> BatchLayout:
+    num_tokens, num_loss_tokens = _row_count_pair(num_tokens, num_loss_tokens, count_names)
     n = int(num_tokens.shape[0])
     uid_arr = _required_uid(uid, n)
     pad = np.zeros(n, dtype=bool) if is_padding is None else _as_1d("is_padding", is_padding, n).astype(bool)
     real = _RealRows(pad)
-    groups = factorize(real.take(uid_arr))[0]
+    _check_real_counts(num_tokens, num_loss_tokens, count_names, real)
+    real_uid = real.take(uid_arr)
+    check_ids("uid", real_uid, real.index)
+    groups = factorize(real_uid, "uid")[0]
     ids = _trajectories(traj_id, step_index, real)
     traj_group = groups[ids.first]
-    _check_one_uid_per_trajectory(ids, groups, traj_group, real.take(uid_arr))
+    _check_one_uid_per_trajectory(ids, groups, traj_group, real_uid)
     counts = np.bincount(ids.codes, minlength=ids.num).astype(np.int64)
     if traj_id is not None:
         _check_steps(ids, counts)
@@ -199,23 +224,122 @@ def build_layout_from_counts(
     )
 
 
-def _row_count_pair(num_tokens: Any, num_loss_tokens: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both per-row counts as CPU int64 ``[B]`` tensors of the same length."""
-    a = torch.as_tensor(num_tokens if isinstance(num_tokens, torch.Tensor) else np.asarray(num_tokens))
-    b = torch.as_tensor(num_loss_tokens if isinstance(num_loss_tokens, torch.Tensor) else np.asarray(num_loss_tokens))
-    a, b = a.detach().cpu().long().reshape(-1), b.detach().cpu().long().reshape(-1)
+def _numeric_array(name: str, value: Any) -> np.ndarray:
+    """``value`` as a numeric numpy array (``None`` entries, strings, ... refused)."""
+    arr = np.asarray(value)
+    if arr.dtype.kind in "biuf":
+        return arr
+    if arr.dtype == object:  # astype(float) would turn None into NaN: name it as given
+        none = np.flatnonzero(np.asarray(arr.reshape(-1) == None, dtype=bool))  # noqa: E711
+        if none.size:
+            raise BatchLayoutError.invalid(f"{name}[{int(none[0])}]", None, "is None",
+                                           f"every row needs a whole number for {name}")
+    try:
+        return arr.astype(np.float64)
+    except (TypeError, ValueError) as exc:
+        raise BatchLayoutError.invalid(
+            name, arr, f"is not numeric ({exc})", f"pass {name} as int counts / a 0/1 mask, one entry per row"
+        ) from exc
+
+
+def _checked_counts(name: str, value: Any) -> torch.Tensor:
+    """``[B]`` per-row token counts as CPU int64; NaN, inf, fractional and negative counts are refused."""
+    t = value.detach().cpu() if isinstance(value, torch.Tensor) else torch.as_tensor(_numeric_array(name, value))
+    t = t.reshape(-1)
+    fix = (f"{name} counts tokens per row: whole numbers >= 0 (attention_mask.sum(-1) / response_mask.sum(-1)); "
+           "fix the producer of the counts")
+    if t.is_floating_point():
+        whole = torch.isfinite(t) & (t == torch.round(t))
+        if not bool(whole.all()):
+            r = int(torch.nonzero(~whole)[0, 0])
+            raise BatchLayoutError.invalid(f"{name}[{r}]", float(t[r]), "is not a whole, finite number of tokens", fix)
+    elif t.is_complex():
+        raise BatchLayoutError.invalid(name, t, "is complex", fix)
+    t = t.long()
+    if t.numel() and int(t.min()) < 0:
+        r = int(torch.argmin(t))
+        raise BatchLayoutError.invalid(f"{name}[{r}]", int(t[r]), "is negative", fix)
+    return t
+
+
+def _row_count_pair(num_tokens: Any, num_loss_tokens: Any,
+                    names: tuple[str, str] = ("num_tokens", "num_loss_tokens")) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both per-row counts as CPU int64 ``[B]`` tensors of the same length (values checked)."""
+    a, b = _checked_counts(names[0], num_tokens), _checked_counts(names[1], num_loss_tokens)
     if b.shape[0] != a.shape[0]:
         raise BatchLayoutError(
-            f"num_loss_tokens has {b.shape[0]} rows but num_tokens has {a.shape[0]}. Fix: same batch, same order."
+            f"{names[1]} has {b.shape[0]} rows but {names[0]} has {a.shape[0]}. Fix: same batch, same order.",
+            field=names[1],
         )
     return a, b
+
+
+def _check_real_counts(num_tokens: torch.Tensor, num_loss_tokens: torch.Tensor, names: tuple[str, str],
+                       real: "_RealRows") -> None:
+    """Every real row attends at least one token and has at most as many loss tokens as tokens."""
+    tok, loss = num_tokens.numpy(), num_loss_tokens.numpy()
+    bad = (tok <= 0) | (loss > tok)
+    if real.index is not None:
+        bad &= ~real.pad
+    if not bad.any():
+        return
+    r = int(np.flatnonzero(bad)[0])
+    if tok[r] <= 0:
+        raise BatchLayoutError.invalid(
+            f"{names[0]}[{r}]", int(tok[r]), "is 0: a real row with no attended token (an empty rollout)",
+            "drop empty rows upstream (the rollout returned no token) or flag them is_padding=True",
+        )
+    raise BatchLayoutError.invalid(
+        f"{names[1]}[{r}]", int(loss[r]), f"exceeds {names[0]}[{r}]={int(tok[r])}: a row cannot have more loss tokens "
+        "than attended tokens",
+        "response_mask must be 0 wherever the response's attention_mask is 0 (verl's compute_response_mask), and "
+        "both counts must come from the same rows in the same order",
+    )
+
+
+_is_instance = np.frompyfunc(isinstance, 2, 1)
+
+
+def check_ids(name: str, ids: np.ndarray, rows: Optional[np.ndarray] = None) -> None:
+    """Refuse ``None``, NaN and mixed str / non-str ids (``1`` and ``"1"`` would otherwise be one group).
+
+    Vectorised numpy passes over the ids; ``rows`` maps positions in ``ids`` to batch rows (messages).
+    """
+    def row(i: int) -> int:
+        return int(i) if rows is None else int(rows[i])
+
+    fix = (f"every row needs a {name} of one type (all str, e.g. uuid4 strings, or all int); fix the producer "
+           f"of {name}")
+    if ids.dtype.kind == "f":
+        nan = np.isnan(ids)
+        if nan.any():
+            raise BatchLayoutError.invalid(f"{name}[{row(np.argmax(nan))}]", float("nan"), "is NaN", fix)
+        return
+    if ids.dtype != object or ids.size == 0:
+        return
+    try:
+        none = np.asarray(ids == None, dtype=bool)  # noqa: E711  (elementwise on an object array)
+        nan = np.asarray(ids != ids, dtype=bool)  # NaN is the only id not equal to itself
+    except (TypeError, ValueError):  # elements whose == is not a bool (arrays): factorize decides
+        return
+    for mask, what in ((none, "is None"), (nan, "is NaN")):
+        if mask.shape == ids.shape and mask.any():
+            i = int(np.argmax(mask))
+            raise BatchLayoutError.invalid(f"{name}[{row(i)}]", ids[i], what, fix)
+    is_str = _is_instance(ids, str).astype(bool)
+    if is_str.any() and not is_str.all():
+        i, j = int(np.argmax(is_str)), int(np.argmax(~is_str))
+        raise BatchLayoutError.invalid(
+            f"{name}[{row(j)}]", ids[j], f"is a {type(ids[j]).__name__} but {name}[{row(i)}]={ids[i]!r} is a str "
+            f"(ids are compared as strings, so 1 and '1' would be one id)", fix,
+        )
 
 
 def _required_uid(uid: Any, n: int) -> np.ndarray:
     if uid is None:
         raise BatchLayoutError(
             "uid is missing. Fix: every row needs its prompt-group id in non_tensor_batch['uid'] "
-            "(verl's fit() assigns one uuid per prompt before repeat(n))."
+            "(verl's fit() assigns one uuid per prompt before repeat(n)).", field="uid",
         )
     return _as_1d("uid", uid, n)
 
@@ -228,12 +352,12 @@ def _int_steps(steps: np.ndarray) -> np.ndarray:
         as_float = steps.astype(np.float64)
     except (TypeError, ValueError) as exc:
         raise BatchLayoutError(
-            f"step_index must be integers; got dtype {steps.dtype}. Fix: pass int step numbers."
+            f"step_index must be integers; got dtype {steps.dtype}. Fix: pass int step numbers.", field="step_index",
         ) from exc
     if not np.all(np.mod(as_float, 1) == 0):
         raise BatchLayoutError(
             f"step_index must be whole numbers; got {as_float[np.mod(as_float, 1) != 0][:4].tolist()}. "
-            "Fix: pass int step numbers."
+            "Fix: pass int step numbers.", field="step_index",
         )
     return as_float.astype(np.int64)
 
@@ -247,9 +371,12 @@ class _RealRows:
         if self.count == 0:
             raise BatchLayoutError(
                 f"the batch has no real row ({self.n} rows, all flagged is_padding). This is an upstream bug "
-                "(rollout produced nothing or every row was masked): fix the producer; refusing to plan an empty batch."
+                "(rollout produced nothing or every row was masked): fix the producer; refusing to plan an empty "
+                "batch.",
+                field="is_padding",
             )
         self.index = np.flatnonzero(~pad) if self.count < self.n else None
+        self.pad = pad
 
     def take(self, arr: np.ndarray) -> np.ndarray:
         return arr if self.index is None else arr[self.index]
@@ -290,13 +417,15 @@ def _trajectories(traj_id: Any, step_index: Any, real: _RealRows) -> _Trajectori
         given, missing = ("traj_id", "step_index") if step_index is None else ("step_index", "traj_id")
         raise BatchLayoutError(
             f"{given} was given without {missing}. Fix: step-wise rows need both a trajectory id and a step "
-            f"index per row (non_tensor_batch['traj_id'], ['step_index']); pass neither for one row per trajectory."
+            f"index per row (non_tensor_batch['traj_id'], ['step_index']); pass neither for one row per trajectory.",
+            field=missing,
         )
     if traj_id is None:
         rows = np.arange(real.count, dtype=np.int64)
         return _Trajectories(rows, np.zeros(real.count, dtype=np.int64), rows, None, real)
     ids = real.take(_as_1d("traj_id", traj_id, real.n))
-    codes, first = factorize(ids)
+    check_ids("traj_id", ids, real.index)
+    codes, first = factorize(ids, "traj_id")
     return _Trajectories(codes, real.take(_int_steps(_as_1d("step_index", step_index, real.n))), first, ids, real)
 
 
@@ -309,7 +438,7 @@ def _check_one_uid_per_trajectory(ids: _Trajectories, groups: np.ndarray, traj_g
         raise BatchLayoutError(
             f"trajectory traj_id={ids.name(t)!r} has rows with {len(uids)} different uids {uids[:4]}. "
             "Fix: all steps of one trajectory must carry the uid of its prompt group (set uid per prompt, "
-            "then copy it to every step row of the trajectory)."
+            "then copy it to every step row of the trajectory).", field="uid",
         )
 
 
@@ -320,7 +449,7 @@ def _check_steps(ids: _Trajectories, counts: np.ndarray) -> None:
         r = int(np.argmin(steps))
         raise BatchLayoutError(
             f"step_index={int(steps[r])} is negative (traj_id={ids.name(int(codes[r]))!r}). "
-            "Fix: steps of a trajectory must be numbered 0..n-1."
+            "Fix: steps of a trajectory must be numbered 0..n-1.", field="step_index",
         )
     too_big = np.flatnonzero(steps >= counts[codes])
     start = np.cumsum(counts) - counts
@@ -338,7 +467,7 @@ def _check_steps(ids: _Trajectories, counts: np.ndarray) -> None:
         f"trajectory traj_id={ids.name(t)!r} has steps {got[:12].tolist()}{'...' if got.size > 12 else ''}: "
         f"duplicate steps {np.unique(dup)[:8].tolist()}, missing steps {missing[:8].tolist()} "
         f"(expected exactly 0..{counts[t] - 1} for its {counts[t]} rows). Fix: every step of a "
-        "trajectory must be in the same batch exactly once (do not drop or duplicate step rows)."
+        "trajectory must be in the same batch exactly once (do not drop or duplicate step rows).", field="step_index",
     )
 
 
@@ -350,7 +479,7 @@ def _check_last_steps(ids: _Trajectories, given: np.ndarray, derived: np.ndarray
         raise BatchLayoutError(
             f"trajectory traj_id={ids.name(t)!r} has {int(per_traj[t])} rows with is_last_step=True "
             "(expected exactly 1). Fix: flag exactly the final step of every trajectory; a trajectory "
-            "without its last step was truncated upstream (keep all of its steps in the batch)."
+            "without its last step was truncated upstream (keep all of its steps in the batch).", field="is_last_step",
         )
     mismatch = np.flatnonzero(given != derived)
     if mismatch.size:
@@ -358,5 +487,6 @@ def _check_last_steps(ids: _Trajectories, given: np.ndarray, derived: np.ndarray
         flagged = int(ids.steps[given & (ids.codes == t)][0])
         raise BatchLayoutError(
             f"trajectory traj_id={ids.name(t)!r}: is_last_step=True is on step {flagged} but its max step is "
-            f"{int(np.bincount(ids.codes)[t]) - 1}. Fix: the last step must be the highest step_index."
+            f"{int(np.bincount(ids.codes)[t]) - 1}. Fix: the last step must be the highest step_index.",
+            field="is_last_step",
         )

@@ -52,16 +52,36 @@ from typing import Callable, Optional
 
 import torch
 
+from .errors import TrajInputError, check_binary_mask, check_positive_number
+
 __all__ = ["LOSS_WEIGHT_FNS", "RowStats", "compute_loss_weights", "loss_weight_modes", "register_loss_weight"]
 
 LOSS_WEIGHT_FNS: dict[str, Callable[["RowStats"], torch.Tensor]] = {}
 
 
-def register_loss_weight(name: str) -> Callable:
+def register_loss_weight(name: str, *, override: bool = False) -> Callable:
     """Register ``fn(RowStats) -> [B] float64`` as loss aggregation mode ``name`` (verl's
-    ``register_policy_loss`` style)."""
+    ``register_policy_loss`` style).
+
+    A name already registered is refused (as verl's ``register_adv_est`` refuses duplicates): a second
+    registration would silently replace the first, built-in modes included. Pass ``override=True`` to
+    replace it on purpose."""
+    if not isinstance(name, str) or not name:
+        raise TrajInputError.invalid("loss_agg_mode", name, "is not a mode name",
+                                     "register a loss weight under a non-empty str name")
 
     def decorator(fn: Callable[["RowStats"], torch.Tensor]) -> Callable[["RowStats"], torch.Tensor]:
+        if not callable(fn):
+            raise TrajInputError.invalid("loss_agg_mode", name, f"was registered with a non-callable {fn!r}",
+                                         "decorate a function fn(RowStats) -> [B] tensor")
+        existing = LOSS_WEIGHT_FNS.get(name)
+        if existing is not None and existing is not fn and not override:
+            raise TrajInputError.invalid(
+                "loss_agg_mode", name,
+                f"is already registered (by {getattr(existing, '__module__', '?')}."
+                f"{getattr(existing, '__qualname__', existing)!s})",
+                f"pick another name, or pass register_loss_weight({name!r}, override=True) to replace it",
+            )
         LOSS_WEIGHT_FNS[name] = fn
         return fn
 
@@ -136,12 +156,18 @@ def _traj_mean(s: RowStats) -> torch.Tensor:
 
 
 def _check_shapes(response_mask: torch.Tensor, **per_row: torch.Tensor) -> None:
-    if response_mask.dim() != 2:
-        raise ValueError(f"response_mask must be [B, R], got shape {tuple(response_mask.shape)}")
+    if not isinstance(response_mask, torch.Tensor) or response_mask.dim() != 2:
+        raise TrajInputError(
+            f"response_mask must be [B, R], got {type(response_mask).__name__} of shape "
+            f"{tuple(getattr(response_mask, 'shape', ()))}. Fix: pass batch['response_mask'].", field="response_mask",
+        )
     rows = response_mask.shape[0]
     for name, t in per_row.items():
-        if t.shape != (rows,):
-            raise ValueError(f"{name} must have shape [{rows}] (one value per row), got {tuple(t.shape)}")
+        if not isinstance(t, torch.Tensor) or t.shape != (rows,):
+            raise TrajInputError(
+                f"{name} must have shape [{rows}] (one value per row), got {tuple(getattr(t, 'shape', ()))}. "
+                f"Fix: pass the {name} that apply_plan wrote into the batch.", field=name,
+            )
 
 
 def compute_loss_weights(
@@ -158,29 +184,42 @@ def compute_loss_weights(
 
     Args:
         mode: a registered name (:func:`loss_weight_modes`).
-        response_mask: ``[B, R]`` (bool/int/float; non-zero = loss token).
+        response_mask: ``[B, R]`` 0/1 (bool/int/float; 1 = loss token; any other value is refused).
         mini_batch_id: ``[B]`` int, dense ``0..M-1`` (the plan's ids).
         traj_index: ``[B]`` int, dense ``0..T-1`` on real rows (the plan's ``traj_index``).
         is_padding: ``[B]`` bool; padding rows get weight 0 and enter no statistic.
-        loss_scale_factor: ``S`` of ``seq-mean-token-sum-norm`` (default: ``R``).
+        loss_scale_factor: ``S`` of ``seq-mean-token-sum-norm`` (default: ``R``); a finite number > 0.
+    Raises:
+        TrajInputError: unknown mode, wrong shapes, a mask value other than 0/1, a NaN / inf / non-positive
+            ``loss_scale_factor``, a negative ``mini_batch_id``.
     """
-    if mode not in LOSS_WEIGHT_FNS:
-        raise ValueError(
+    if not isinstance(mode, str) or mode not in LOSS_WEIGHT_FNS:
+        raise TrajInputError(
             f"loss aggregation mode {mode!r} is not one of {list(LOSS_WEIGHT_FNS)}; set traj.loss_agg_mode "
-            "(or actor/critic loss_agg_mode) to one of them."
+            "(or actor/critic loss_agg_mode) to one of them.", field="loss_agg_mode",
         )
     _check_shapes(response_mask, mini_batch_id=mini_batch_id, traj_index=traj_index, is_padding=is_padding)
-    scale = float(loss_scale_factor) if loss_scale_factor is not None else float(response_mask.shape[1])
-    if scale <= 0:
-        raise ValueError(f"loss_scale_factor must be positive, got {loss_scale_factor!r}")
+    check_binary_mask("response_mask", response_mask)
+    if loss_scale_factor is None:
+        scale = float(response_mask.shape[1])
+    else:
+        scale = check_positive_number(
+            "loss_scale_factor", loss_scale_factor,
+            "set loss_scale_factor (actor/critic config) to a positive constant, e.g. the response width "
+            "data.max_response_length, or null to use the batch's response width",
+        )
     device = response_mask.device
     real = (~is_padding.to(device=device, dtype=torch.bool)).to(torch.float64)
     mb = mini_batch_id.to(device=device, dtype=torch.long)
+    lo, hi = (int(x) for x in torch.aminmax(mb)) if mb.numel() else (0, -1)
+    if lo < 0:
+        raise TrajInputError.invalid("mini_batch_id", mini_batch_id, "holds a negative id",
+                                     "pass the dense 0..M-1 mini_batch_id that apply_plan wrote into the batch")
     traj = torch.where(real > 0, traj_index.to(device=device, dtype=torch.long), torch.full_like(mb, -1))
     stats = RowStats(
         mini_batch=mb, traj=traj, real=real,
         loss_tokens=(response_mask != 0).sum(-1).to(torch.float64) * real,
-        num_mini_batches=int(mb.max()) + 1 if mb.numel() else 0,
+        num_mini_batches=hi + 1,
         num_trajectories=max(int(traj.max()) + 1 if traj.numel() else 0, 1),  # >= 1: padding rows gather slot 0
         scale=scale,
     )

@@ -43,6 +43,7 @@ from typing import Callable, Literal, Optional, Sequence
 import numpy as np
 
 from .balancing import lpt
+from .errors import TrajInputError
 
 __all__ = [
     "EXACT_MAX_ROWS",
@@ -62,7 +63,7 @@ Cost = Literal["tokens", "padded", "padded_area"]
 Partitioner = Callable[[list[int], int], Sequence[Sequence[int]]]
 
 
-class PackingError(ValueError):
+class PackingError(TrajInputError):
     """The token cap cannot be met (a single row is longer than the cap)."""
 
 

@@ -28,10 +28,11 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from .errors import TrajInputError, show_value
 from .keys import IS_LAST_STEP, IS_PADDING, MICRO_BATCH_ID, MINI_BATCH_ID, PLAN_KEYS, TRAJ_INDEX
 from .planning import PAD_UID_PREFIX, MiniBatchPlan
 
-__all__ = ["apply_plan", "pad_attention_mask", "pad_position_ids"]
+__all__ = ["apply_plan", "pad_attention_mask", "pad_position_ids", "resolve_pad_token_id"]
 
 _TOKEN_KEYS = ("input_ids", "prompts", "responses")
 
@@ -60,15 +61,64 @@ def _prompt_length(tensors: dict[str, torch.Tensor], prompt_length: Optional[int
     return None
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def resolve_pad_token_id(pad_token_id: Any, eos_token_id: Any = None) -> int:
+    """The token id written into padding positions: the tokenizer's pad token, else its eos token.
+
+    Rule (verl's own ``hf_tokenizer`` does the same when it loads a tokenizer without a pad token):
+    ``pad_token_id`` when it is set; when it is ``None``, ``eos_token_id`` (the first one, if a
+    generation config lists several). Falling back is safe here: a padding position is never attended
+    (attention_mask 0) and never a loss token (response_mask 0), and a padding row carries weight 0, so
+    the id written there changes no forward result, loss or gradient. Refused: both ``None`` (no
+    token to pad with), or a value that is not a non-negative int (a bool, a float, a string, -1).
+
+    Call it once, where the tokenizer enters (the trainer's start-up), and pass the result on as
+    ``pad_token_id`` to :func:`apply_plan` and the step-wise expansion.
+    """
+    fix = ("load the tokenizer with a pad token (tokenizer.pad_token = tokenizer.eos_token, as verl's hf_tokenizer "
+           "does) or set tokenizer.pad_token_id to a token id of the vocabulary")
+    if pad_token_id is None:
+        eos = eos_token_id
+        if isinstance(eos, (list, tuple)) and eos:
+            eos = eos[0]
+        if eos is None or isinstance(eos, (list, tuple)):
+            raise TrajInputError(
+                f"tokenizer.pad_token_id=None and tokenizer.eos_token_id={eos_token_id!r}: there is no token to write "
+                f"into padding positions. Fix: {fix}.", field="tokenizer.pad_token_id",
+            )
+        if not _is_int(eos) or int(eos) < 0:
+            raise TrajInputError.invalid("tokenizer.eos_token_id", eos_token_id,
+                                         "is not a non-negative int (tokenizer.pad_token_id is None)", fix)
+        return int(eos)
+    if not _is_int(pad_token_id) or int(pad_token_id) < 0:
+        raise TrajInputError.invalid("tokenizer.pad_token_id", pad_token_id, "is not a non-negative int token id", fix)
+    return int(pad_token_id)
+
+
 def _check_rows(tensors: dict[str, torch.Tensor], non_tensors: dict[str, np.ndarray], rows: int) -> None:
     for name, t in tensors.items():
+        field = f"tensors[{name!r}]"
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tensors[{name!r}] is {type(t).__name__}, expected a torch.Tensor")
+            raise TrajInputError(f"{field} is {type(t).__name__}, expected a torch.Tensor. Fix: pass the batch's "
+                                 "tensors (non-tensor fields go in non_tensors).", field=field)
+        if t.dim() == 0:
+            raise TrajInputError(f"{field} is a 0-d tensor (value {show_value(t)}), not one entry per row. Fix: a "
+                                 "batch-level scalar is not a batch column: keep it in meta_info, or expand it to [B].",
+                                 field=field)
         if t.shape[0] != rows:
-            raise ValueError(f"tensors[{name!r}] has {t.shape[0]} rows but the plan was built for {rows} rows")
+            raise TrajInputError(f"{field} has {t.shape[0]} rows but the plan was built for {rows} rows. Fix: apply "
+                                 "the plan to the batch it was built from.", field=field)
     for name, arr in non_tensors.items():
+        field = f"non_tensors[{name!r}]"
+        if np.ndim(arr) == 0:
+            raise TrajInputError(f"{field} is a scalar ({show_value(arr)}), not one entry per row. Fix: keep it in "
+                                 "meta_info, or give every row an entry.", field=field)
         if np.shape(arr)[0] != rows:
-            raise ValueError(f"non_tensors[{name!r}] has {np.shape(arr)[0]} rows but the plan was built for {rows} rows")
+            raise TrajInputError(f"{field} has {np.shape(arr)[0]} rows but the plan was built for {rows} rows. Fix: "
+                                 "apply the plan to the batch it was built from.", field=field)
 
 
 def _pad_tensor(name: str, g: torch.Tensor, idx: torch.Tensor, prompt_len: Optional[int], pad_tokens: int,
@@ -137,10 +187,14 @@ def apply_plan(
         (an input copy of any of them, tensor or non-tensor, is replaced).
     """
     _check_rows(tensors, non_tensors, plan.num_source_rows)
+    if not _is_int(pad_token_id) or int(pad_token_id) < 0:
+        raise TrajInputError.invalid("pad_token_id", pad_token_id, "is not a non-negative int token id",
+                                     "pass resolve_pad_token_id(tokenizer.pad_token_id, tokenizer.eos_token_id)")
     prompt_len = _prompt_length(tensors, prompt_length)
     if bool(plan.is_padding.any()) and prompt_len is None and "attention_mask" in tensors:
-        raise ValueError(
-            "apply_plan needs the prompt length to build padding rows: pass tensors['prompts'] or prompt_length=P."
+        raise TrajInputError(
+            "apply_plan needs the prompt length to build padding rows: pass tensors['prompts'] or prompt_length=P.",
+            field="prompt_length",
         )
     out_t = _apply_tensors(tensors, plan, prompt_len, pad_token_id)
     gather = plan.order.clamp(min=0).numpy()
@@ -188,8 +242,9 @@ def _unique_pad_ids(name: str, g: np.ndarray, pad_rows: np.ndarray) -> np.ndarra
     labels = np.array([f"{PAD_UID_PREFIX}{k}" for k in range(n)], dtype=object)
     clash = np.isin(labels.astype(str), g[real].astype(str))
     if clash.any():
-        raise ValueError(
-            f"real {name} {labels[clash][0]!r} collides with the padding ids ({PAD_UID_PREFIX}k); rename it upstream"
+        raise TrajInputError(
+            f"real {name} {labels[clash][0]!r} collides with the padding ids ({PAD_UID_PREFIX}k). Fix: rename it "
+            "upstream (that prefix is reserved for padding rows).", field=name,
         )
     g = g.astype(object, copy=False)
     g[pad_rows] = labels

@@ -31,8 +31,10 @@ import numpy as np
 import torch
 
 from .balancing import WORKLOAD_MODELS, balance_equal_size, calculate_workload, lpt, round_robin_equal_size
+from .errors import TrajInputError
 from .layout import BatchLayout
 from .packing import MICRO_BATCH_COSTS, Partitioner, pack_micro_batches
+from .plan_metrics import plan_metrics
 
 __all__ = [
     "GROUP_BY_CHOICES",
@@ -56,7 +58,7 @@ GROUP_BY_CHOICES = ("group", "trajectory")
 MINI_BATCH_BALANCE_CHOICES = ("tokens", "units")
 
 
-class PlanError(ValueError):
+class PlanError(TrajInputError):
     """The batch cannot be planned as configured (message names the numbers and the fix)."""
 
 
@@ -164,8 +166,6 @@ class MiniBatchPlan:
 
     def metrics(self, prefix: str = "traj_plan") -> dict[str, float]:
         """Flat floats for the logger (padding excluded from every token / row count but ``padding_*``)."""
-        from .plan_metrics import plan_metrics
-
         return plan_metrics(self, prefix)
 
 

@@ -2,7 +2,9 @@
 
     python -m verl_traj.cpu.build_tiny [--home DIR] [--force]
 
-Writes under ``$VERL_TRAJ_HOME`` (default ``~/.cache/verl_traj/tiny``):
+Writes under ``--home`` (default ``$VERL_TRAJ_HOME/tiny``, and ``~/.cache/verl_traj/tiny`` without the variable;
+``$VERL_TRAJ_HOME`` is the one parent folder of every prepared artifact: ``tiny/`` here, ``calc_agent/`` for the
+calculator recipe):
 
 * ``model/``: a random-weight Qwen2 (hidden 64, 2 layers, fp32) saved with ``save_pretrained``,
   and a byte-level BPE tokenizer trained here with ``tokenizers`` (PreTrainedTokenizerFast with a
@@ -27,7 +29,7 @@ import os
 import random
 from pathlib import Path
 
-DEFAULT_HOME = "~/.cache/verl_traj/tiny"
+DEFAULT_HOME = "~/.cache/verl_traj"  # $VERL_TRAJ_HOME's default; the tiny artifacts live in its tiny/
 BUILD_VERSION = "2"
 
 SPECIAL_TOKENS = [
@@ -89,7 +91,11 @@ PROMPT_TEMPLATES = [
 
 
 def home_dir(home: str | None = None) -> Path:
-    return Path(os.path.expanduser(home or os.environ.get("VERL_TRAJ_HOME") or DEFAULT_HOME)).resolve()
+    """The tiny artifacts' folder: ``home`` itself when given, else ``$VERL_TRAJ_HOME/tiny`` (what the ``cpu_tiny``
+    presets read: ``configs/task/tiny_digits.yaml``)."""
+    if home:
+        return Path(os.path.expanduser(home)).resolve()
+    return (Path(os.path.expanduser(os.environ.get("VERL_TRAJ_HOME") or DEFAULT_HOME)) / "tiny").resolve()
 
 
 def _corpus(rng: random.Random, n: int = 4000) -> list[str]:
@@ -308,7 +314,7 @@ def build(home: str | None = None, force: bool = False, seed: int = 0, vocab_siz
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--home", default=None, help=f"output dir (default $VERL_TRAJ_HOME or {DEFAULT_HOME})")
+    p.add_argument("--home", default=None, help=f"output dir (default $VERL_TRAJ_HOME/tiny, or {DEFAULT_HOME}/tiny)")
     p.add_argument("--force", action="store_true", help="rebuild even if present")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=512)

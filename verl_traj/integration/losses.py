@@ -173,3 +173,13 @@ __all__ = [
     "weighted_policy_loss",
     "weighted_value_loss",
 ]
+
+
+def install_value_loss(critic_wg: Any, critic_section: Any) -> None:
+    """Give a critic worker group ``traj_value_loss`` with its config (as verl sets ``value_loss``); both trainers
+    call this once their workers exist."""
+    import functools
+
+    from verl.utils.config import omega_conf_to_dataclass
+
+    critic_wg.set_loss_fn(functools.partial(traj_value_loss, config=omega_conf_to_dataclass(critic_section)))

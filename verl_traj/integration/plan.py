@@ -15,7 +15,7 @@ from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core import BatchLayout, MiniBatchPlan, build_layout_from_counts, count_splits, plan_mini_batches
 from verl_traj.integration.verl_config import PlanSettings
 
-__all__ = ["DEBUG_DUMP_ENV", "check_same_dp_size", "critic_mini_batch_group", "debug_dump", "plan_layout",
+__all__ = ["DEBUG_DUMP_ENV", "check_same_dp_size", "debug_dump", "plan_layout",
            "plan_step_metrics", "stock_plan_metrics", "stock_plan_metrics_of", "verl_partitioner"]
 
 DEBUG_DUMP_ENV = "VERL_TRAJ_DEBUG_DUMP"  # a directory: one JSON line per step with the plan per row
@@ -50,21 +50,11 @@ def plan_layout(layout: BatchLayout, traj: TrajConfig, num_mini_batches: int, dp
     )
 
 
-def plan_step_metrics(plan: MiniBatchPlan, config: Any) -> dict[str, float]:
+def plan_step_metrics(plan: MiniBatchPlan, epochs: int) -> dict[str, float]:
     """The ``traj_plan/*`` metrics of one step, with the optimizer steps verl's config promises
     (mini-batches x ``actor.ppo_epochs``)."""
-    epochs = int(config.actor_rollout_ref.actor.get("ppo_epochs", 1))
     return {**plan.metrics("traj_plan"),
             "traj_plan/expected_optimizer_steps": float(plan.num_mini_batches * epochs)}
-
-
-def critic_mini_batch_group(config: Any, prompts_per_update: int) -> int:
-    """How many of the plan's (actor) mini-batches one critic optimizer step takes: the actor's mini-batch
-    count over the critic's (``critic.ppo_mini_batch_size``, the actor's when unset; start-up checks that
-    it divides)."""
-    actor_mini = int(config.actor_rollout_ref.actor.ppo_mini_batch_size)
-    critic_mini = int(config.critic.get("ppo_mini_batch_size", 0) or actor_mini)
-    return (prompts_per_update // actor_mini) // (prompts_per_update // critic_mini)
 
 
 def check_same_dp_size(actor_dp: int, critic_dp: Optional[int]) -> int:
@@ -93,8 +83,8 @@ def stock_plan_metrics(uid: Any, traj_id: Optional[Any], is_padding: Optional[An
     n = len(uid)
     per_rank, per_mb = n // dp_size, max(rows_per_mini_batch // dp_size, 1)
     mini_batch = (np.arange(n) % max(per_rank, 1)) // per_mb
-    zeros = np.zeros(n, dtype=np.int64)
-    layout = build_layout_from_counts(zeros, zeros, uid, traj_id=traj_id,
+    ones = np.ones(n, dtype=np.int64)  # lengths do not enter the split counts
+    layout = build_layout_from_counts(ones, ones, uid, traj_id=traj_id,
                                       step_index=None if traj_id is None else _step_numbers(traj_id),
                                       is_padding=is_padding)
     split_traj, split_grp = count_splits(layout.traj_index.numpy(), layout.group_index.numpy(), mini_batch)

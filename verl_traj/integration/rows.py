@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from verl_traj.core.errors import check_finite
 from verl_traj.core.estimators import estimator_traits
 from verl_traj.core.keys import IS_PADDING
 
@@ -128,6 +129,10 @@ def advantage_on_real_rows(fn: Callable) -> Callable:
     def wrapper(data: Any, *args: Any, **kwargs: Any) -> Any:
         estimator = kwargs.get("adv_estimator", args[0] if args else None)
         pad = is_padding(data)
+        rewards = data.batch["token_level_rewards"]
+        check_finite("token_level_rewards", rewards if pad is None else rewards[torch.from_numpy(~pad)],
+                     "make the reward function return a finite number for every row (a NaN poisons the advantages "
+                     "of its whole group)")
         if pad is not None and estimator_traits(estimator).padding_safe:
             out = fn(data, *args, **kwargs)
             index = torch.from_numpy(np.flatnonzero(pad))

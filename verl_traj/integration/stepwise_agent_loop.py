@@ -78,11 +78,9 @@ class StepRecordingMixin:
 
     Wraps ``self.server_manager`` during ``run`` and writes the calls (the exact prompt ids each call
     saw, the generated ids and log-probs), clipped to the row's budget and delta-encoded (O(T)), to
-    ``extra_fields["traj_steps"]``, plus a fresh trajectory id under ``traj.traj_id_key`` (read from
-    the loop's ``self.config``, verl's whole training config).
+    ``extra_fields["traj_steps"]`` (``DEFAULT_STEPS_KEY``: the one name every reader uses), plus a fresh
+    trajectory id under ``traj.traj_id_key`` (read from the loop's ``self.config``, verl's whole training config).
     """
-
-    steps_key = DEFAULT_STEPS_KEY
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any):
         calls: list[dict[str, Any]] = []
@@ -96,7 +94,7 @@ class StepRecordingMixin:
         if response_length is None:
             response_length = self.rollout_config.response_length
         budget = len(output.prompt_ids) + int(response_length)
-        output.extra_fields[self.steps_key] = encode_step_records(truncate_calls(calls, budget))
+        output.extra_fields[DEFAULT_STEPS_KEY] = encode_step_records(truncate_calls(calls, budget))
         traj_cfg = TrajConfig.of(getattr(self, "config", None))
         output.extra_fields[traj_cfg.traj_id_key] = uuid4().hex
         return output

@@ -24,7 +24,6 @@ With ``traj.enable=false`` every method is verl's (``super()``).
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -34,25 +33,25 @@ from verl import DataProto
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 from verl_traj.config import TrajConfig
-from verl_traj.core import MiniBatchPlan, apply_plan, build_layout, compute_loss_weights
+from verl_traj.core import MiniBatchPlan, apply_plan, build_layout
 from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MINI_BATCH_ID, TRAJ_INDEX
+from verl_traj.core.padding import resolve_pad_token_id
 from verl_traj.integration.checkpoints import CompleteCheckpoints
 from verl_traj.integration.patches import fit_patches, patched
-from verl_traj.integration.plan import (check_same_dp_size, critic_mini_batch_group, debug_dump, plan_layout,
-                                       plan_step_metrics, stock_plan_metrics_of)
+from verl_traj.integration.plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
+                                       stock_plan_metrics_of)
 from verl_traj.integration.rows import is_padding, real_rows
-from verl_traj.integration.verl_config import PlanSettings, prepare_config
+from verl_traj.integration.update_spec import LossSpec, UpdateSpec
 from verl_traj.integration.workers import MINI_BATCH_GROUP_KEY
 
 __all__ = ["TrajRayPPOTrainer", "plan_batch_in_place"]
 
 
-def plan_batch_in_place(batch: DataProto, traj: TrajConfig, num_mini_batches: int, dp_size: int, *,
-                        micro: Optional[PlanSettings] = None, pad_token_id: int = 0,
-                        seed: Optional[int] = None) -> MiniBatchPlan:
+def plan_batch_in_place(batch: DataProto, spec: UpdateSpec, dp_size: int, *, pad_token_id: int = 0,
+                        seed: int = 0) -> MiniBatchPlan:
     """Plan a verl batch with the core and apply the plan IN PLACE on the DataProto (rows reordered
     rank-major, padding rows appended, the plan's per-row facts added as tensors). Returns the plan."""
-    nt = batch.non_tensor_batch
+    traj, nt = spec.traj, batch.non_tensor_batch
     step_wise = traj.traj_id_key in nt and traj.step_index_key in nt
     layout = build_layout(
         batch.batch["attention_mask"], batch.batch["response_mask"], nt["uid"],
@@ -61,7 +60,7 @@ def plan_batch_in_place(batch: DataProto, traj: TrajConfig, num_mini_batches: in
         is_last_step=nt.get(IS_LAST_STEP) if step_wise else None,
         is_padding=batch.batch[IS_PADDING] if IS_PADDING in batch.batch.keys() else None,
     )
-    plan = plan_layout(layout, traj, num_mini_batches, dp_size, micro=micro, seed=seed)
+    plan = plan_layout(layout, traj, spec.num_mini_batches, dp_size, micro=spec.plan, seed=seed)
     out_t, out_nt = apply_plan(dict(batch.batch.items()), dict(nt), plan, pad_token_id=pad_token_id,
                                traj_key=traj.traj_id_key, step_key=traj.step_index_key)
     batch.batch = TensorDict(out_t, batch_size=[plan.num_rows], device=batch.batch.device)
@@ -74,19 +73,15 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
 
     def __init__(self, config, *args, **kwargs):
         self.traj = TrajConfig.from_mapping(config.get("traj"))
-        self.plan_settings = prepare_config(config, self.traj) if self.traj.enable else None
+        self.spec = UpdateSpec.prepare(config, self.traj) if self.traj.enable else None
         super().__init__(config, *args, **kwargs)
 
     def init_workers(self):
         super().init_workers()
         if self.traj.enable and self.use_critic:
-            from verl.utils.config import omega_conf_to_dataclass
-            from verl.workers.config import CriticConfig
+            from verl_traj.integration.losses import install_value_loss
 
-            from verl_traj.integration.losses import traj_value_loss
-
-            critic_cfg: CriticConfig = omega_conf_to_dataclass(self.config.critic)
-            self.critic_wg.set_loss_fn(functools.partial(traj_value_loss, config=critic_cfg))
+            install_value_loss(self.critic_wg, self.config.critic)
 
     def fit(self):
         if not self.traj.enable:
@@ -97,16 +92,15 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
 
     # ---- planning --------------------------------------------------------------------------------
 
-    def num_mini_batches(self) -> int:
-        return int(self.config.data.train_batch_size) // int(self.config.actor_rollout_ref.actor.ppo_mini_batch_size)
-
     def _dp_size(self) -> int:
         return check_same_dp_size(self._get_dp_size(self.actor_rollout_wg, "actor"),
                                   self._get_dp_size(self.critic_wg, "train") if self.use_critic else None)
 
     def _pad_token_id(self) -> int:
-        pad = getattr(getattr(self, "tokenizer", None), "pad_token_id", None)
-        return int(pad) if pad is not None else 0
+        """The tokenizer's pad token (its EOS where it has none, as verl's ``hf_tokenizer`` sets it; neither: an
+        error naming ``tokenizer.pad_token_id``)."""
+        tokenizer = getattr(self, "tokenizer", None)
+        return resolve_pad_token_id(getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None))
 
     def _balance_batch(self, batch: DataProto, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
         if not self.traj.enable:
@@ -131,13 +125,11 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
 
     def plan_and_apply(self, batch: DataProto, dp_size: int, metrics: Optional[dict] = None) -> MiniBatchPlan:
         """Plan ``batch`` and apply the plan in place (rows reordered, padding rows appended)."""
-        plan = plan_batch_in_place(
-            batch, self.traj, self.num_mini_batches(), dp_size, micro=self.plan_settings,
-            pad_token_id=self._pad_token_id(), seed=self.traj.seed + int(getattr(self, "global_steps", 0) or 0),
-        )
+        plan = plan_batch_in_place(batch, self.spec, dp_size, pad_token_id=self._pad_token_id(),
+                                   seed=self.spec.plan_seed(int(getattr(self, "global_steps", 0) or 0)))
         self._real_row_mask = ~plan.is_padding.numpy()
         if metrics is not None:
-            metrics.update(plan_step_metrics(plan, self.config))
+            metrics.update(plan_step_metrics(plan, self.spec.epochs))
         self._debug_dump(batch, plan)
         return plan
 
@@ -168,11 +160,10 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
     # ---- updates ---------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _planned_update(self, batch: DataProto, mode: str, loss_scale_factor: Any, group: int = 1) -> Iterator[None]:
+    def _planned_update(self, batch: DataProto, loss: LossSpec, group: int = 1) -> Iterator[None]:
         """Attach ``loss_weight`` (and the critic's mini-batch grouping) for one update call."""
         td = batch.batch
-        td[LOSS_WEIGHT] = compute_loss_weights(mode, td["response_mask"], td[MINI_BATCH_ID], td[TRAJ_INDEX],
-                                               td[IS_PADDING].bool(), loss_scale_factor=loss_scale_factor)
+        td[LOSS_WEIGHT] = loss.weights(td["response_mask"], td[MINI_BATCH_ID], td[TRAJ_INDEX], td[IS_PADDING])
         if group > 1:
             batch.meta_info[MINI_BATCH_GROUP_KEY] = group
         try:
@@ -187,16 +178,11 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
     def _update_actor(self, batch: DataProto) -> DataProto:
         if not self._planned(batch):
             return super()._update_actor(batch)
-        actor = self.config.actor_rollout_ref.actor
-        with self._planned_update(batch, self.traj.loss_agg_mode or actor.loss_agg_mode,
-                                  actor.get("loss_scale_factor", None)):
+        with self._planned_update(batch, self.spec.actor_loss):
             return super()._update_actor(batch)
 
     def _update_critic(self, batch: DataProto) -> DataProto:
         if not self._planned(batch):
             return super()._update_critic(batch)
-        critic = self.config.critic
-        group = critic_mini_batch_group(self.config, int(self.config.data.train_batch_size))
-        with self._planned_update(batch, self.traj.critic_loss_agg_mode or critic.loss_agg_mode,
-                                  critic.get("loss_scale_factor", None), group):
+        with self._planned_update(batch, self.spec.critic_loss, self.spec.critic_group):
             return super()._update_critic(batch)

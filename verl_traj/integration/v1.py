@@ -48,36 +48,23 @@ import torch
 from tensordict import TensorDict
 
 from verl_traj.config import TrajConfig, TrajConfigError
-from verl_traj.core import MiniBatchPlan, build_layout_from_counts, compute_loss_weights
-from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID, LOSS_WEIGHT
+from verl_traj.core import MiniBatchPlan, build_layout_from_counts
+from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MICRO_BATCH_ID, MINI_BATCH_ID, TRAJ_INDEX
+from verl_traj.core.row_key import parse_row_keys, row_key, row_key_order
 from verl_traj.integration.checkpoints import CompleteCheckpoints
 from verl_traj.integration.patches import patched
-from verl_traj.integration.plan import (check_same_dp_size, critic_mini_batch_group, debug_dump, plan_layout,
-                                       plan_step_metrics, stock_plan_metrics_of)
-from verl_traj.integration.verl_config import prepare_v1_agent_loop, prepare_config
+from verl_traj.integration.plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
+                                       stock_plan_metrics_of)
+from verl_traj.integration.update_spec import LossSpec, UpdateSpec
+from verl_traj.integration.verl_config import prepare_v1_agent_loop
 from verl_traj.integration.workers import MINI_BATCH_GROUP_KEY
 
 __all__ = ["PlannedRows", "TrajV1Mixin", "padding_row", "planned_advantage", "planned_rows", "row_loss_tokens",
-           "split_keys", "traj_trainer_class"]
+           "traj_trainer_class"]
 
 logger = logging.getLogger(__name__)
 
 _UID_NAMESPACE = uuid.UUID("5f3c1d52-6a1e-4c8e-9a57-1c0a3e5b7d11")
-
-
-def split_keys(keys: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(uid, trajectory id, step)`` ``[B]`` of v1 row keys ``{uid}_{session}_{index}``."""
-    parts = [k.rsplit("_", 2) for k in keys]
-    bad = next((k for k, p in zip(keys, parts) if len(p) != 3 or not p[2].isdigit()), None)
-    if bad is not None:
-        raise TrajConfigError(
-            f"row key {bad!r} is not '{{uid}}_{{session}}_{{index}}' (verl's AgentLoopWorkerTQ key): verl_traj reads "
-            "the prompt group, trajectory and step from it. Store rows with verl's v1 agent loop worker, or set "
-            "traj.enable=false."
-        )
-    uid = np.array([p[0] for p in parts], dtype=object)
-    traj = np.array([f"{p[0]}_{p[1]}" for p in parts], dtype=object)
-    return uid, traj, np.array([int(p[2]) for p in parts], dtype=np.int64)
 
 
 def row_loss_tokens(mask: torch.Tensor) -> torch.Tensor:
@@ -107,6 +94,17 @@ class PlannedRows:
                 "the batch's keys are not the ones _balance_batch planned (same rows, same order): something between "
                 "balancing and this step reordered or replaced rows. verl_traj needs the planned order."
             )
+
+    def attach(self, data: Any, keys: list[str]) -> None:
+        """Carry the plan's facts into a verl ``DataProto`` that verl built from TransferQueue for one driver step
+        (its field lists are fixed, so the facts travel from here, as on v0 they travel in the batch):
+        ``is_padding`` and ``traj_index`` tensors, ``is_last_step`` (after checking ``keys`` are the planned ones).
+        :func:`verl_traj.integration.rows.is_padding` then reads the padding flag, on both trainers."""
+        self.check(keys)
+        td = data.batch
+        td[IS_PADDING] = self.is_padding.to(td.device)
+        td[TRAJ_INDEX] = self.traj_index.to(td.device)
+        data.non_tensor_batch[IS_LAST_STEP] = self.is_last_step.numpy()
 
 
 def padding_row(source: dict, tag: dict, eos_token_id: int, length: int) -> tuple[dict, dict]:
@@ -144,7 +142,7 @@ def _write_padding_rows(batch: Any, count: int, eos_token_id: int, length: int) 
         row["uid"] = uid
         if "session_id" in row:
             row["session_id"] = 0
-        keys.append(f"{uid}_0_0")
+        keys.append(row_key(uid, 0, 0))
         fields.append(row)
     tags = [copy.deepcopy(tag) for _ in range(count)]
     tq.kv_batch_put(keys=keys, partition_id=batch.partition_id, fields=list_of_dict_to_tensordict(fields), tags=tags)
@@ -172,11 +170,6 @@ def stepwise_metrics(tags: list[dict]) -> dict[str, float]:
     return out
 
 
-def _key_order(key: str) -> tuple:
-    uid, session, index = key.rsplit("_", 2)
-    return uid, int(session) if session.isdigit() else session, int(index) if index.isdigit() else index
-
-
 def _ordered_batch(batch: Any, plan: MiniBatchPlan, pad_keys: list[str], pad_tags: list[dict]) -> Any:
     """The batch's keys and tags (padding rows appended) in the plan's rank-major order."""
     from transfer_queue import KVBatchMeta
@@ -193,7 +186,7 @@ def planned_rows(keys: list[str], plan: MiniBatchPlan, layout: Any) -> PlannedRo
     """The plan's per-row facts in dispatch order (``keys``: the planned batch's keys, padding included)."""
     src = plan.order.clamp(min=0)
     return PlannedRows(
-        keys=tuple(keys), uid=split_keys(keys)[0], traj_index=plan.traj_index.clone(),
+        keys=tuple(keys), uid=parse_row_keys(keys).uid, traj_index=plan.traj_index.clone(),
         is_last_step=layout.is_last_step[src] & ~plan.is_padding, is_padding=plan.is_padding.clone(),
         mini_batch_id=plan.mini_batch_id.clone(), multi_row=bool((layout.traj_num_steps > 1).any()),
     )
@@ -212,7 +205,6 @@ def planned_advantage(rows: PlannedRows) -> Any:
     it is counted once, also in KL-in-reward's sum) and puts each trajectory's scalar on each row's own tokens
     (:func:`~verl_traj.stepwise.advantages.compute_trajectory_advantages`; temporal estimators are refused there);
     otherwise verl's ``compute_advantage`` runs on the real rows, as on v0."""
-    from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, TRAJ_INDEX
     from verl_traj.integration.rows import advantage_on_real_rows
     from verl_traj.integration.stepwise_rows import stepwise_advantage
 
@@ -220,17 +212,14 @@ def planned_advantage(rows: PlannedRows) -> Any:
                 num_repeat: int = 1, norm_adv_by_std_in_grpo: bool = True, config: Optional[Any] = None) -> Any:
         from verl.trainer.ppo import ray_trainer
 
-        rows.check(batch_keys)
+        rows.attach(data, batch_keys)
         td = data.batch
-        td[IS_PADDING] = rows.is_padding.to(td.device)
         kwargs = dict(gamma=gamma, lam=lam, num_repeat=num_repeat, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
                       config=config)
         if not rows.multi_row:
             return advantage_on_real_rows(ray_trainer.compute_advantage)(data, adv_estimator, **kwargs)
         not_last = (~rows.is_last_step).to(device=td.device, dtype=td["token_level_scores"].dtype)
         td["token_level_rewards"] = td["token_level_rewards"] - td["token_level_scores"] * not_last[:, None]
-        td[TRAJ_INDEX] = rows.traj_index.to(td.device)
-        data.non_tensor_batch[IS_LAST_STEP] = rows.is_last_step.numpy()
         return stepwise_advantage(ray_trainer.compute_advantage)(data, adv_estimator, **kwargs)
 
     return compute
@@ -243,7 +232,7 @@ class TrajV1Mixin(CompleteCheckpoints):
 
     def __init__(self, config: Any):
         self.traj = TrajConfig.from_mapping(config.get("traj"))
-        self.plan_settings = prepare_config(config, self.traj) if self.traj.enable else None
+        self.spec = UpdateSpec.prepare(config, self.traj) if self.traj.enable else None
         if not self.traj.enable:
             prepare_v1_agent_loop(config, self.traj)  # the agent-loop manager that gives each session its request priority
         self._planned: Optional[PlannedRows] = None
@@ -271,12 +260,9 @@ class TrajV1Mixin(CompleteCheckpoints):
     def _setup(self):
         super()._setup()
         if self.traj.enable and self.use_critic:
-            from verl.utils.config import omega_conf_to_dataclass
+            from verl_traj.integration.losses import install_value_loss
 
-            from verl_traj.integration.losses import traj_value_loss
-
-            self.critic_wg.set_loss_fn(functools.partial(traj_value_loss,
-                                                         config=omega_conf_to_dataclass(self.config.critic)))
+            install_value_loss(self.critic_wg, self.config.critic)
 
     def _fetch_one_gen_batch(self):
         """verl's, with prompt uids from (``data.seed``, step, position) instead of ``uuid4``: a seeded run plans
@@ -297,9 +283,6 @@ class TrajV1Mixin(CompleteCheckpoints):
         return check_same_dp_size(_dispatch_dp_size(self.actor_rollout_wg, "actor"),
                                   _dispatch_dp_size(self.critic_wg, "train") if self.use_critic else None)
 
-    def _prompts_per_update(self) -> int:
-        return int(self.config.data.train_batch_size) // int(self.parameter_sync_step)
-
     def _balance_batch(self, batch: Any, metrics: dict, logging_prefix: str = "global_seqlen",
                        keep_minibatch: bool = False) -> Any:
         if not self.traj.enable:
@@ -309,44 +292,42 @@ class TrajV1Mixin(CompleteCheckpoints):
             return batch
         import transfer_queue as tq
 
-        batch.reorder(sorted(range(len(batch)), key=lambda i: _key_order(batch.keys[i])))
+        batch.reorder(sorted(range(len(batch)), key=lambda i: row_key_order(batch.keys[i])))
         metrics.update(stepwise_metrics(batch.tags))
         plan, layout = self._plan(batch)
         pad_keys, pad_tags = _write_padding_rows(batch, int(plan.is_padding.sum()), self.tokenizer.eos_token_id,
-                                                 self.plan_settings.pad_row_tokens)
+                                                 self.spec.plan.pad_row_tokens)
         out = _ordered_batch(batch, plan, pad_keys, pad_tags)
         tq.kv_batch_put(keys=out.keys, partition_id=out.partition_id, fields=TensorDict(
             {MINI_BATCH_ID: plan.mini_batch_id, MICRO_BATCH_ID: plan.micro_batch_id}, batch_size=[plan.num_rows]))
         self._planned = planned_rows(out.keys, plan, layout)
-        metrics.update(plan_step_metrics(plan, self.config))
+        metrics.update(plan_step_metrics(plan, self.spec.epochs))
         self._debug_dump(out, plan, layout)
         return out
 
     def _plan(self, batch: Any) -> tuple[MiniBatchPlan, Any]:
         import transfer_queue as tq
 
-        uid, traj_id, step = split_keys(batch.keys)
+        keys = parse_row_keys(batch.keys)
         seq_len = torch.tensor([int(t["seq_len"]) for t in batch.tags], dtype=torch.int64)
         mask = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["response_mask"])
-        layout = build_layout_from_counts(seq_len, row_loss_tokens(mask["response_mask"]), uid, traj_id=traj_id,
-                                          step_index=step)
-        mini = int(self.config.actor_rollout_ref.actor.ppo_mini_batch_size)
-        seed = self.traj.seed + int(self.global_steps) * int(self.parameter_sync_step) + int(self.local_trigger_step)
-        plan = plan_layout(layout, self.traj, self._prompts_per_update() // mini, self._traj_dp_size(),
-                           micro=self.plan_settings, seed=seed)
+        layout = build_layout_from_counts(seq_len, row_loss_tokens(mask["response_mask"]), keys.uid,
+                                          traj_id=keys.traj_id, step_index=keys.step)
+        plan = plan_layout(layout, self.traj, self.spec.num_mini_batches, self._traj_dp_size(), micro=self.spec.plan,
+                           seed=self.spec.plan_seed(self.global_steps, self.local_trigger_step))
         return plan, layout
 
     def _stock_plan_metrics(self, batch: Any) -> dict[str, float]:
-        uid, traj_id, _ = split_keys(batch.keys)
+        keys = parse_row_keys(batch.keys)
         pad = np.array([bool(t.get("is_padding", False)) for t in batch.tags])
-        return stock_plan_metrics_of(self.config, uid, traj_id, pad, _dispatch_dp_size(self.actor_rollout_wg, "actor"))
+        return stock_plan_metrics_of(self.config, keys.uid, keys.traj_id, pad, _dispatch_dp_size(self.actor_rollout_wg, "actor"))
 
     def _debug_dump(self, batch: Any, plan: MiniBatchPlan, layout: Any) -> None:
         src = plan.order.clamp(min=0)
         loss_tokens = torch.where(plan.is_padding, 0, layout.num_loss_tokens[src])
-        uid, traj_id, _ = split_keys(batch.keys)
+        keys = parse_row_keys(batch.keys)
         debug_dump(int(self.global_steps), plan, {
-            "uid": uid.tolist(), "traj_id": traj_id.tolist(), "loss_tokens": loss_tokens.tolist(),
+            "uid": keys.uid.tolist(), "traj_id": keys.traj_id.tolist(), "loss_tokens": loss_tokens.tolist(),
             "response_length": [int(t["response_len"]) for t in batch.tags],
             "attention_length": [int(t["seq_len"]) for t in batch.tags],
         })
@@ -362,10 +343,9 @@ class TrajV1Mixin(CompleteCheckpoints):
         with patched(v1_advantage_patches(planned_advantage(self._planned))):
             return super()._compute_advantage(batch, metrics)
 
-    def _put_loss_weights(self, batch: Any, mode: str, loss_scale_factor: Any) -> None:
+    def _put_loss_weights(self, batch: Any, loss: LossSpec) -> None:
         """``loss_weight`` of every row for one update, from the final ``response_mask`` (rollout correction may
-        have changed it) and the plan. ``seq-mean-token-sum-norm``'s default scale is ``data.max_response_length``
-        (the response width v0 pads to)."""
+        have changed it) and the plan."""
         import transfer_queue as tq
 
         rows = self._planned
@@ -373,21 +353,16 @@ class TrajV1Mixin(CompleteCheckpoints):
         mask = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                                select_fields=["response_mask"])["response_mask"]
         dense = mask.to_padded_tensor(0) if mask.is_nested else mask
-        scale = loss_scale_factor if loss_scale_factor is not None else int(self.config.data.max_response_length)
-        weights = compute_loss_weights(mode, dense, rows.mini_batch_id, rows.traj_index, rows.is_padding,
-                                       loss_scale_factor=scale)
+        weights = loss.weights(dense, rows.mini_batch_id, rows.traj_index, rows.is_padding)
         tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
                         fields=TensorDict({LOSS_WEIGHT: weights}, batch_size=[len(batch)]))
 
     def _update_critic(self, batch: Any, metrics: dict) -> Any:
         if not self.traj.enable:
             return super()._update_critic(batch, metrics)
-        critic = self.config.critic
-        self._put_loss_weights(batch, self.traj.critic_loss_agg_mode or critic.loss_agg_mode,
-                               critic.get("loss_scale_factor", None))
-        group = critic_mini_batch_group(self.config, self._prompts_per_update())
-        if group > 1:
-            batch.extra_info[MINI_BATCH_GROUP_KEY] = group
+        self._put_loss_weights(batch, self.spec.critic_loss)
+        if self.spec.critic_group > 1:
+            batch.extra_info[MINI_BATCH_GROUP_KEY] = self.spec.critic_group
         try:
             return super()._update_critic(batch, metrics)
         finally:
@@ -396,9 +371,7 @@ class TrajV1Mixin(CompleteCheckpoints):
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
         if not self.traj.enable:
             return super()._update_actor(batch, metrics)
-        actor = self.config.actor_rollout_ref.actor
-        self._put_loss_weights(batch, self.traj.loss_agg_mode or actor.loss_agg_mode,
-                               actor.get("loss_scale_factor", None))
+        self._put_loss_weights(batch, self.spec.actor_loss)
         return super()._update_actor(batch, metrics)
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
@@ -406,6 +379,7 @@ class TrajV1Mixin(CompleteCheckpoints):
             return super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
         from verl_traj.integration.patches import v1_metric_patches
 
-        real = np.array([not t.get("is_padding", False) for t in batch.tags], dtype=bool)
+        self._planned.check(batch.keys)
+        real = ~self._planned.is_padding.numpy()
         with patched(v1_metric_patches(lambda: real)):
             return super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)

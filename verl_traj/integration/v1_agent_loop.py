@@ -10,7 +10,8 @@ functions see on v0 -- and then hands verl its step rows instead (prefix-merged 
   from the keys: :mod:`verl_traj.integration.v1`);
 * the trajectory's reward sits on every step row (v1 copies it there); verl_traj's advantage reads it from the
   last step row only, so it is counted once per trajectory (also in KL-in-reward's sum);
-* validation rows stay whole (one row per trajectory, as verl's validation metrics expect);
+* with ``traj.step_wise=false`` (the records of a step-wise loop are then dropped) and for validation (as verl's
+  validation metrics expect) rows stay whole: one row per trajectory;
 * the merge statistics travel as a tag of each session's first row (``traj_merge``), for ``traj_stepwise/*``.
 
 This runs in the agent-loop workers, as each session finishes: no extra pass over the batch on the trainer.
@@ -31,6 +32,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
 from verl_traj.config import TrajConfig
+from verl_traj.core.row_key import row_key
 from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, trajectory_step_rows
 
 __all__ = ["MANAGER_FQN", "MERGE_TAG", "TrajAgentLoopManagerTQ", "TrajAgentLoopWorkerTQ", "session_priority",
@@ -96,7 +98,7 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
         traj = TrajConfig.of(self.config)
         if isinstance(output, list) or DEFAULT_STEPS_KEY not in output.extra_fields:
             return await super()._agent_loop_postprocess(output, validate, **kwargs)
-        if validate:
+        if validate or not traj.step_wise:  # one concatenated row: validation, or step rows not asked for
             output.extra_fields.pop(DEFAULT_STEPS_KEY)
             return await super()._agent_loop_postprocess(output, validate, **kwargs)
         await self._compute_score([output], kwargs=kwargs)
@@ -105,7 +107,7 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
         await super()._agent_loop_postprocess(outputs, validate, **kwargs)
         import transfer_queue as tq
 
-        await tq.async_kv_put(key=f"{kwargs['uid']}_{kwargs['session_id']}_0", partition_id="train",
+        await tq.async_kv_put(key=row_key(kwargs["uid"], kwargs["session_id"], 0), partition_id="train",
                               tag={MERGE_TAG: stats})
 
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
+from verl_traj.core.errors import TrajInputError, check_finite
 from verl_traj.core.estimators import ESTIMATORS, estimator_traits, step_row_refusal
 from verl_traj.core.estimators import estimator_name as name_of
 
@@ -44,7 +45,7 @@ __all__ = [
 ]
 
 
-class StepwiseAdvantageError(ValueError):
+class StepwiseAdvantageError(TrajInputError):
     """Step-wise advantage inputs are inconsistent; the message names the field and the fix."""
 
 
@@ -100,10 +101,26 @@ def trajectory_scores(token_level_rewards: torch.Tensor, traj_index: torch.Tenso
     """
     row_sum = token_level_rewards.sum(dim=-1)
     if reduction == "last_step":
-        return row_sum[last_row.to(row_sum.device)]
-    if reduction == "sum":
-        return _per_trajectory_sum(row_sum, traj_index, last_row.numel())
-    raise StepwiseAdvantageError(f"reward_reduction={reduction!r} is not one of ['last_step', 'sum'].")
+        scores = row_sum[last_row.to(row_sum.device)]
+    elif reduction == "sum":
+        scores = _per_trajectory_sum(row_sum, traj_index, last_row.numel())
+    else:
+        raise StepwiseAdvantageError(f"reward_reduction={reduction!r} is not one of ['last_step', 'sum'].",
+                                     field="reward_reduction")
+    if scores.is_floating_point() and not bool(torch.isfinite(scores).all()):  # one reduction on clean batches
+        t = int(torch.nonzero(~torch.isfinite(scores))[0, 0])
+        row = int(last_row[t])
+        if reduction == "sum":  # the first non-finite row of trajectory t (none: its finite rows overflowed)
+            bad = torch.nonzero((torch.as_tensor(traj_index).reshape(-1).to(row_sum.device) == t)
+                                & ~torch.isfinite(row_sum)).reshape(-1)
+            row = int(bad[0]) if bad.numel() else row
+        raise StepwiseAdvantageError(
+            f"token_level_rewards of trajectory index {t} sum to {float(scores[t])} (row {row}; "
+            f"reward_reduction={reduction!r}): a non-finite reward poisons the mean / std of its whole GRPO group. "
+            "Fix: make the reward function return a finite number for every trajectory (score failures as 0 or a "
+            "penalty, not NaN).", field="token_level_rewards",
+        )
+    return scores
 
 
 def _per_trajectory_sum(per_row: torch.Tensor, traj_index: torch.Tensor, num_t: int) -> torch.Tensor:
@@ -131,6 +148,8 @@ def run_outcome_estimator(
     num_t = scores.shape[0]
     if num_t == 0:
         return scores.new_zeros(0), scores.new_zeros(0)
+    check_finite("scores", scores, "every trajectory needs a finite outcome score (a NaN poisons its whole group).",
+                 error=StepwiseAdvantageError)
     rewards = scores.detach().to(torch.float32).reshape(num_t, 1).clone()
     if estimator_traits(estimator_name).length_aware:
         if loss_tokens is None:
@@ -146,6 +165,8 @@ def run_outcome_estimator(
                 "adv_estimator='remax' needs reward_baselines (one per trajectory: the greedy rollout's reward)."
             )
         kwargs["reward_baselines"] = reward_baselines.to(torch.float32).reshape(num_t)
+        check_finite("reward_baselines", kwargs["reward_baselines"], "the greedy rollout's reward of every trajectory "
+                     "must be finite (score failures as 0 or a penalty, not NaN).", error=StepwiseAdvantageError)
     adv, ret = estimator_fn(**kwargs)
     if tuple(adv.shape) != (num_t, 1):
         raise StepwiseAdvantageError(

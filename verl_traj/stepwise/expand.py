@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import IS_LAST_STEP
 from verl_traj.core.padding import pad_position_ids
 from verl_traj.stepwise.prefix_merge import MergedRow, MergeStats, RowBuilder, merge_trajectory_steps
@@ -60,8 +61,38 @@ _REBUILT = ("prompts", "responses", "input_ids", "attention_mask", "position_ids
 _PER_TOKEN_UNSUPPORTED = ("routed_experts", "teacher_logprobs", "teacher_ids")
 
 
-class StepExpansionError(ValueError):
+class StepExpansionError(TrajInputError):
     """The batch cannot be expanded into step rows; the message names the field and the fix."""
+
+
+def _check_record(rec: Any, where: str) -> None:
+    """A step record is a mapping with non-None ``response_ids`` (what every reader indexes first)."""
+    if not isinstance(rec, Mapping):
+        raise StepExpansionError(
+            f"{where} is a {type(rec).__name__}, not a mapping. Fix: the agent loop must record every LLM call as "
+            "a dict with prompt_ids (or prompt_prefix_len + prompt_tail_ids) and response_ids "
+            "(encode_step_records builds them; a row's records: a list, or {'steps': [...]}).", field="steps",
+        )
+    if rec.get("response_ids") is None:
+        raise StepExpansionError(
+            f"{where} has no response_ids (keys: {sorted(map(str, rec))}). Fix: record the generated token ids of "
+            "every LLM call as response_ids (an empty list for a call that generated nothing).", field="response_ids",
+        )
+
+
+def _check_records(records: Any, b: int) -> Any:
+    """The step records of source row ``b``: ``None``, a list of records, or ``{"steps": [...]}``; returns the list."""
+    steps = records.get("steps", []) if isinstance(records, Mapping) else records
+    if steps is None:
+        return None
+    if isinstance(steps, (str, bytes)) or not hasattr(steps, "__len__"):
+        raise StepExpansionError(
+            f"row {b}: the step records are a {type(steps).__name__}, not a list of records. Fix: carry a list of "
+            "per-call dicts (or {'steps': [...]}) in the steps field.", field="steps",
+        )
+    for k, rec in enumerate(steps):
+        _check_record(rec, f"row {b} step record {k}")
+    return steps
 
 
 @dataclass
@@ -146,7 +177,11 @@ def encode_step_records(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """
     steps = []
     prev_full: Optional[np.ndarray] = None
-    for call in calls:
+    for k, call in enumerate(calls):
+        _check_record(call, f"LLM call {k}")
+        if call.get("prompt_ids") is None:
+            raise StepExpansionError(f"LLM call {k} has no prompt_ids. Fix: record the prompt token ids of every "
+                                     "LLM call.", field="prompt_ids")
         prompt = np.asarray(call["prompt_ids"], dtype=np.int64).reshape(-1)
         resp = np.asarray(call["response_ids"], dtype=np.int64).reshape(-1)
         shared = _common_prefix_len(prev_full, prompt) if prev_full is not None else 0
@@ -171,6 +206,7 @@ def decode_step_records(records: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     prev_full: Optional[torch.Tensor] = None
     for k, rec in enumerate(records):
+        _check_record(rec, f"step record {k}")
         resp = _as_long(rec["response_ids"])
         if "prompt_ids" in rec and rec["prompt_ids"] is not None:
             prompt = _as_long(rec["prompt_ids"])
@@ -184,7 +220,8 @@ def decode_step_records(records: Any) -> list[dict[str, Any]]:
             head = prev_full[:shared] if shared else torch.zeros(0, dtype=torch.long)
             prompt = torch.cat([head, _as_long(rec["prompt_tail_ids"])])
         else:
-            raise StepExpansionError(f"step record {k} has neither prompt_ids nor prompt_tail_ids.")
+            raise StepExpansionError(f"step record {k} has neither prompt_ids nor prompt_tail_ids. Fix: record "
+                                     "prompt_ids (or prompt_prefix_len + prompt_tail_ids).", field="prompt_ids")
         full = dict(rec)
         full["prompt_ids"] = prompt
         full["response_ids"] = resp
@@ -335,7 +372,7 @@ def _check_expandable(tensors: Mapping[str, torch.Tensor], non_tensors: Mapping[
 
 def _source_rows(src: _Source, b: int, raw: Any, merge_prefix: bool) -> tuple[list[MergedRow], MergeStats]:
     """The (merged) step rows of source row ``b`` from its records, or cut from the row itself."""
-    raw_steps = raw.get("steps", []) if isinstance(raw, Mapping) else raw
+    raw_steps = _check_records(raw, b)
     if merge_prefix and raw_steps is not None and len(raw_steps) and all(
         "prompt_tail_ids" in r and r.get("prompt_ids") is None for r in raw_steps
     ):

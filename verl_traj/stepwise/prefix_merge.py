@@ -23,6 +23,8 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from verl_traj.core.errors import TrajInputError
+
 __all__ = [
     "MergedRow",
     "MergeStats",
@@ -33,7 +35,7 @@ __all__ = [
 ]
 
 
-class PrefixMergeError(ValueError):
+class PrefixMergeError(TrajInputError):
     """Inputs to prefix merging are inconsistent; the message names the step and the field."""
 
 

@@ -25,7 +25,8 @@ def free_port() -> int:
 
 
 def init_rank(rank: int, world: int, port: int, home: str, threads: int = 1) -> None:
-    """Environment and gloo process group of one spawned rank (verl reads RANK / WORLD_SIZE / ...)."""
+    """Environment and gloo process group of one spawned rank (verl reads RANK / WORLD_SIZE / ...); ``home`` is
+    ``VERL_TRAJ_HOME`` (the presets read the tiny model from its ``tiny/``)."""
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "VERL_TRAJ_HOME": home})
     import torch
@@ -94,20 +95,21 @@ def critic_worker(cfg: Any) -> Any:
 
 def plan_for_update(batch: Any, cfg: Any, dp: int, *, mode: str = "token-mean", group_by: str = "group",
                     seed: int = 0, **traj_options: Any) -> Any:
-    """What ``TrajRayPPOTrainer`` does to a batch before ``_update_actor``: prepare the config, plan in place,
-    attach the loss weights. ``traj_options``: further ``traj:`` settings. Returns the plan."""
+    """What ``TrajRayPPOTrainer`` does to a batch before ``_update_actor``, through the trainer's own code: start-up
+    (``UpdateSpec.prepare`` on ``cfg``), ``plan_and_apply`` (plan in place), then the actor's ``loss_weight``
+    (``traj.loss_agg_mode=mode``), left attached. ``traj_options``: further ``traj:`` settings. Returns the plan."""
     from verl_traj.config import TrajConfig
-    from verl_traj.core import compute_loss_weights
-    from verl_traj.integration.trainer import plan_batch_in_place
-    from verl_traj.integration.verl_config import prepare_config
+    from verl_traj.core.keys import IS_PADDING, LOSS_WEIGHT, MINI_BATCH_ID, TRAJ_INDEX
+    from verl_traj.integration.update_spec import UpdateSpec
+    from verl_traj.testing.trainers import ray_less_trainer
 
-    traj = TrajConfig(group_by=group_by, **traj_options)
-    micro = prepare_config(cfg, traj)
-    num_mb = int(cfg.data.train_batch_size) // int(cfg.actor_rollout_ref.actor.ppo_mini_batch_size)
-    plan = plan_batch_in_place(batch, traj, num_mb, dp, micro=micro, seed=seed)
+    traj = TrajConfig(group_by=group_by, loss_agg_mode=mode, seed=seed, **traj_options)
+    spec = UpdateSpec.prepare(cfg, traj)
+    trainer = ray_less_trainer(cfg, traj, plan=spec.plan, dp=dp)
+    trainer.spec, trainer.global_steps = spec, 0
+    plan = trainer.plan_and_apply(batch, dp)
     td = batch.batch
-    td["loss_weight"] = compute_loss_weights(mode, td["response_mask"], td["mini_batch_id"], td["traj_index"],
-                                             td["is_padding"])
+    td[LOSS_WEIGHT] = spec.actor_loss.weights(td["response_mask"], td[MINI_BATCH_ID], td[TRAJ_INDEX], td[IS_PADDING])
     return plan
 
 

@@ -1,0 +1,98 @@
+"""What both trainer adapters need for an update, derived once from verl's config and ``traj:`` at start-up.
+
+:class:`UpdateSpec` is built in the trainer's ``__init__`` (v0 ``TrajRayPPOTrainer``, v1 ``TrajV1Mixin``), after
+:func:`~verl_traj.integration.verl_config.prepare_config` has validated the sections and adapted verl's
+micro-batch settings. Both adapters read every fact from it; none re-derives one from verl's config:
+
+* the prompts of one planned update (``data.train_batch_size``, over v1's ``parameter_sync_step``), the number of
+  (actor) mini-batches it is cut into, ``actor.ppo_epochs``;
+* how many actor mini-batches one critic optimizer step takes (``critic.ppo_mini_batch_size``: a union factor);
+* the actor's and the critic's loss aggregation (``traj.loss_agg_mode`` / ``traj.critic_loss_agg_mode``, else
+  verl's ``loss_agg_mode``) with the constant ``S`` of ``seq-mean-token-sum-norm`` (``loss_scale_factor``, else
+  ``data.max_response_length``: the same on both trainers and on every step, whatever the batch's response
+  width; with step rows that width changes from step to step);
+* the planner's seed of one update and the micro-batch settings (:class:`PlanSettings`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from verl_traj.config import TrajConfig, TrajConfigError, prompts_per_update, uses_critic
+from verl_traj.core import compute_loss_weights
+from verl_traj.core.errors import check_positive_number
+from verl_traj.integration.verl_config import PlanSettings, prepare_config
+
+__all__ = ["LossSpec", "UpdateSpec"]
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """One model's loss aggregation: the ``loss_weight`` mode and ``S`` of ``seq-mean-token-sum-norm``."""
+
+    mode: str
+    scale: Optional[float]  # None: the batch's response width (core default; only where the config has no length)
+
+    def weights(self, response_mask: torch.Tensor, mini_batch_id: torch.Tensor, traj_index: torch.Tensor,
+                is_padding: torch.Tensor) -> torch.Tensor:
+        """``[B]`` float32 ``loss_weight`` of every planned row (:func:`~verl_traj.core.compute_loss_weights`)."""
+        return compute_loss_weights(self.mode, response_mask, mini_batch_id, traj_index, is_padding.bool(),
+                                    loss_scale_factor=self.scale)
+
+
+def _loss_spec(section: Any, name: str, override: Optional[str], max_response_length: int) -> LossSpec:
+    mode = str(override or section.get("loss_agg_mode", "token-mean"))
+    scale = section.get("loss_scale_factor", None)
+    if scale is not None:
+        return LossSpec(mode, check_positive_number(
+            f"{name}.loss_scale_factor", scale, f"set {name}.loss_scale_factor to a positive number (the constant S of "
+            "seq-mean-token-sum-norm) or null for data.max_response_length", error=TrajConfigError))
+    return LossSpec(mode, float(max_response_length) if max_response_length > 0 else None)
+
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    """Every fact of an update both trainers read (module docstring); built by :meth:`prepare` at start-up."""
+
+    traj: TrajConfig
+    plan: Optional[PlanSettings]  # None: no micro-batch cap (unit tests of the planning pieces)
+    prompts_per_update: int
+    num_mini_batches: int
+    epochs: int
+    parameter_sync_step: int
+    actor_loss: LossSpec
+    critic_loss: Optional[LossSpec]  # None without a critic
+    critic_group: int  # actor mini-batches per critic optimizer step
+
+    @classmethod
+    def prepare(cls, config: Any, traj: TrajConfig) -> "UpdateSpec":
+        """Validate and adapt verl's config (:func:`prepare_config`), then derive the spec."""
+        return cls.derive(config, traj, prepare_config(config, traj))
+
+    @classmethod
+    def derive(cls, config: Any, traj: TrajConfig, plan: Optional[PlanSettings]) -> "UpdateSpec":
+        """The spec of an already prepared (and validated) ``config``; changes nothing in it."""
+        from verl_traj.config import parameter_sync_step
+
+        actor = config.actor_rollout_ref.actor
+        prompts = prompts_per_update(config)
+        mini = int(actor.ppo_mini_batch_size)
+        max_response = int(config.data.get("max_response_length", 0) or 0)
+        critic = config.get("critic", None) if uses_critic(config) else None
+        critic_mini = int(critic.get("ppo_mini_batch_size", 0) or mini) if critic is not None else mini
+        return cls(
+            traj=traj, plan=plan, prompts_per_update=prompts, num_mini_batches=prompts // mini,
+            epochs=int(actor.get("ppo_epochs", 1) or 1), parameter_sync_step=parameter_sync_step(config),
+            actor_loss=_loss_spec(actor, "actor_rollout_ref.actor", traj.loss_agg_mode, max_response),
+            critic_loss=(_loss_spec(critic, "critic", traj.critic_loss_agg_mode, max_response)
+                         if critic is not None else None),
+            critic_group=(prompts // mini) // max(prompts // critic_mini, 1),
+        )
+
+    def plan_seed(self, global_step: int, local_step: int = 0) -> int:
+        """The planner's seed of one update: ``traj.seed`` + its index among all local updates (v1 runs
+        ``parameter_sync_step`` local updates per global step; v0 one)."""
+        return self.traj.seed + int(global_step) * self.parameter_sync_step + int(local_step)
