@@ -241,35 +241,35 @@ def uses_critic(config: Any) -> bool:
     return _get(config, "algorithm.adv_estimator", None) == "gae"
 
 
-def validate_against_verl(traj: TrajConfig, config: Any) -> None:
+def validate_against_verl(traj_config: TrajConfig, config: Any) -> None:
     """Cross-check ``traj:`` against verl's own sections (an OmegaConf/dict-like ``config``).
 
     Raises ``TrajConfigError`` naming the field, the value and the fix."""
-    if not traj.enable:
+    if not traj_config.enable:
         return
-    _check_estimator(traj, config)
-    _check_v1_row_fields(traj, config)
+    _check_estimator(traj_config, config)
+    _check_v1_row_fields(traj_config, config)
     _check_policy_loss(config)
     _check_mini_batches(config)
-    _check_token_caps(traj, config)
+    _check_token_caps(traj_config, config)
 
 
-def _check_estimator(traj: TrajConfig, config: Any) -> None:
+def _check_estimator(traj_config: TrajConfig, config: Any) -> None:
     """Step rows take the estimators :func:`~verl_traj.core.estimators.step_row_refusal` allows: the question the
     step-wise advantage path asks at run time, so start-up and run time cannot disagree."""
-    reason = step_row_refusal(str(_get(config, "algorithm.adv_estimator", "grpo"))) if traj.step_wise else ""
+    reason = step_row_refusal(str(_get(config, "algorithm.adv_estimator", "grpo"))) if traj_config.step_wise else ""
     if reason:
         raise TrajConfigError(reason)
 
 
-def _check_v1_row_fields(traj: TrajConfig, config: Any) -> None:
+def _check_v1_row_fields(traj_config: TrajConfig, config: Any) -> None:
     """On v1 a row's trajectory and step are its TransferQueue key (``{uid}_{session}_{index}``), not batch fields:
     ``traj.traj_id_key`` / ``traj.step_index_key`` name v0's fields and would be ignored there."""
     if not bool(_get(config, "trainer.use_v1", False)):
         return
     defaults = {f.name: f.default for f in fields(TrajConfig)}
     for name in ("traj_id_key", "step_index_key"):
-        if getattr(traj, name) != defaults[name]:
+        if getattr(traj_config, name) != defaults[name]:
             raise TrajConfigError(
                 f"traj.{name}={getattr(traj, name)!r} has no effect on the v1 trainer (trainer.use_v1=true): there a "
                 "row's trajectory and step are read from its TransferQueue key {uid}_{session}_{index}, which verl's "
@@ -350,10 +350,10 @@ def ulysses_size(section: Any) -> int:
     return int(engine.get("ulysses_sequence_parallel_size", 1) or 1)
 
 
-def _check_token_caps(traj: TrajConfig, config: Any) -> None:
+def _check_token_caps(traj_config: TrajConfig, config: Any) -> None:
     """An explicit training cap must hold a full-length row (per SP group: cap x Ulysses size)."""
-    cap = traj.micro_batch_max_tokens
-    if cap is None or (traj.step_wise and traj.merge_prefix):
+    cap = traj_config.micro_batch_max_tokens
+    if cap is None or (traj_config.step_wise and traj_config.merge_prefix):
         return  # derived caps are raised to the longest row; merged rows are checked per batch by the planner
     max_len = int(_get(config, "data.max_prompt_length", 0) or 0) + int(_get(config, "data.max_response_length", 0) or 0)
     sp = ulysses_size(_get(config, "actor_rollout_ref.actor", {}))

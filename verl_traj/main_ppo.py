@@ -8,15 +8,20 @@ as with ``python -m verl.trainer.main_ppo``.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
-import hydra
-import ray
-from omegaconf import OmegaConf
+# verl warns at import for each optional engine that is not installed (torchtitan, veomni, ...); see
+# OPTIONAL_ENGINE_WARNINGS below for the Ray workers' copy of this filter.
+warnings.filterwarnings("ignore", message=r"(torchtitan|veomni|automodel|mindspeed|megatron) engine is not available")
 
-from verl.trainer.main_ppo_v0 import BaseTaskRunner
+import hydra  # noqa: E402
+import ray  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 
-from verl_traj.config import TrajConfig, validate_against_verl
+from verl.trainer.main_ppo_v0 import BaseTaskRunner  # noqa: E402
+
+from verl_traj.config import TrajConfig, validate_against_verl  # noqa: E402
 
 CONFIG_DIR = os.environ.get("VERL_TRAJ_CONFIG_DIR", str(Path(__file__).resolve().parent / "configs"))
 
@@ -104,9 +109,9 @@ def run(config) -> None:
 
     from verl_traj.integration.verl_config import check_models, ray_init_address
 
-    traj = TrajConfig.from_mapping(config.get("traj"))
-    validate_against_verl(traj, config)
-    if traj.enable:
+    traj_config = TrajConfig.from_mapping(config.get("traj"))
+    validate_against_verl(traj_config, config)
+    if traj_config.enable:
         check_models(config)
     auto_set_device(config)
     if config.trainer.get("device") == "cpu":

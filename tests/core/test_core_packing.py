@@ -121,7 +121,7 @@ def test_least_area_runs(sizes, extra, k, bound):
 def test_padded_cost_runs_verls_count_with_no_more_padding(sizes, extra, seed):
     """``cost="padded"``: token sums fit the cap (verl's meaning of it), the count is the token cost's (so never
     above verl's cut of the same rows), and the padded area is never above verl's cut at that count."""
-    from verl_traj.integration.plan import verl_partitioner
+    from verl_traj.integration.step_plan import verl_partitioner
 
     cap = max(sizes) + extra
     rows = np.random.default_rng(seed).permutation(np.array(sizes))

@@ -15,7 +15,7 @@ from verl.trainer.ppo import ray_trainer as rt
 
 from tests.integration.trainers import fake_trainer
 
-from verl_traj.integration import rows as R
+from verl_traj.integration import real_rows as R
 from verl_traj.integration.patches import fit_patches, patched
 from verl_traj.testing import as_dataproto, rl_batch
 

@@ -18,7 +18,7 @@ from verl.trainer.ppo import ray_trainer as rt
 from tests.integration import grad_harness as H
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.estimators import estimator_traits
-from verl_traj.integration import rows as R
+from verl_traj.integration import real_rows as R
 from verl_traj.integration import trainer as T
 from verl_traj.integration.update_spec import LossSpec
 from verl_traj.integration.patches import METRIC_FUNCTIONS, fit_patches, patched
@@ -346,7 +346,7 @@ def test_worker_iterator_steps_the_plan_in_the_same_order_on_every_rank():
     from verl_traj.integration.workers import PlannedUpdate, mini_batch_slices
 
     assert mini_batch_slices(torch.tensor([0, 0, 1, 2, 2, 2])) == [(0, 2), (2, 3), (3, 6)]
-    assert mini_batch_slices(torch.tensor([0, 0, 1, 2, 3, 3]), group=2) == [(0, 3), (3, 6)]
+    assert mini_batch_slices(torch.tensor([0, 0, 1, 2, 3, 3]), union=2) == [(0, 3), (3, 6)]
     with pytest.raises(RuntimeError, match="expected 0, 1, 2"):
         mini_batch_slices(torch.tensor([0, 1, 0]))
     ranks = []

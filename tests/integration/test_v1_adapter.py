@@ -57,7 +57,7 @@ def _v1_view(data):
     scores = torch.zeros_like(td["rm_scores"])
     ends = td["response_mask"].shape[1] - 1 - torch.argmax(td["attention_mask"][:, -scores.shape[1]:].flip(-1), -1)
     scores[torch.arange(len(keys)), ends] = reward * (~pad).float()
-    rows = V1.PlannedRows(tuple(keys), parse_row_keys(keys).uid, td["traj_index"].clone(), last,
+    rows = V1.PlanFacts(tuple(keys), parse_row_keys(keys).uid, td["traj_index"].clone(), last,
                           pad.clone(), td["mini_batch_id"].clone(), multi_row=True)
     return keys, scores, rows
 
@@ -91,7 +91,7 @@ def test_planned_advantage_on_one_row_trajectories_is_verl_on_real_rows():
     pad[-2:] = True
     keys = [f"{u}_{i % 4}_0" for i, u in enumerate(non["uid"])] + ["pad0_0_0", "pad1_0_0"]
     grow = {k: torch.cat([v, torch.zeros((2,) + v.shape[1:], dtype=v.dtype)]) for k, v in tensors.items()}
-    rows = V1.PlannedRows(tuple(keys), parse_row_keys(keys).uid, torch.cat([torch.arange(B), torch.tensor([-1, -1])]),
+    rows = V1.PlanFacts(tuple(keys), parse_row_keys(keys).uid, torch.cat([torch.arange(B), torch.tensor([-1, -1])]),
                           ~pad, pad, torch.zeros(B + 2, dtype=torch.long), multi_row=False)
     data = as_dataproto(grow, {"uid": rows.uid})
     got = V1.planned_advantage(rows)(data, keys, "grpo", num_repeat=4, config=OmegaConf.create({}))
@@ -103,14 +103,14 @@ def test_planned_advantage_on_one_row_trajectories_is_verl_on_real_rows():
         V1.planned_advantage(rows)(data, list(reversed(keys)), "grpo", config=OmegaConf.create({}))
 
 
-def test_planned_rows_follow_the_plan_order():
+def test_plan_facts_follow_the_plan_order():
     keys = ["g0_0_0", "g0_0_1", "g0_1_0", "g1_0_0", "g1_1_0", "g1_1_1", "g1_1_2"]
     parsed = parse_row_keys(keys)
     layout = build_layout_from_counts(torch.tensor([5, 6, 7, 4, 3, 8, 2]), torch.tensor([2, 2, 3, 1, 1, 4, 1]),
                                       parsed.uid, traj_id=parsed.traj_id, step_index=parsed.step)
     plan = plan_mini_batches(layout, 2, 2)
     out_keys = [keys[i] if i >= 0 else f"pad{j}_0_0" for j, i in enumerate(plan.order.tolist())]
-    rows = V1.planned_rows(out_keys, plan, layout)
+    rows = V1.plan_facts(out_keys, plan, layout)
     last_key = {"g0_0": "g0_0_1", "g0_1": "g0_1_0", "g1_0": "g1_0_0", "g1_1": "g1_1_2"}
     expected = [not k.startswith("pad") and last_key[k.rsplit("_", 1)[0]] == k for k in out_keys]
     assert rows.is_last_step.tolist() == expected
@@ -134,7 +134,7 @@ def test_padding_row_has_the_source_schema_and_no_loss():
 
 
 def test_stock_plan_metrics_count_what_fixed_slices_split():
-    from verl_traj.integration.plan import stock_plan_metrics
+    from verl_traj.integration.step_plan import stock_plan_metrics
 
     keys = [f"g{g}_{s}_{k}" for g in range(2) for s in range(2) for k in range(3)]  # 2 groups x 2 sessions x 3 steps
     uid, traj = parse_row_keys(keys).uid, parse_row_keys(keys).traj_id
@@ -147,7 +147,7 @@ def test_update_spec_one_derivation_for_both_trainers():
     """Both adapters read one UpdateSpec: the same config on v0 and v1 gives the same facts, and S of
     seq-mean-token-sum-norm is data.max_response_length on both (v0 once used the batch's response width, which
     changes from step to step with step rows)."""
-    from verl_traj.integration.plan import check_same_dp_size
+    from verl_traj.integration.step_plan import check_same_dp_size
     from verl_traj.integration.update_spec import LossSpec, UpdateSpec
 
     base = {"data": {"train_batch_size": 8, "max_response_length": 12},
@@ -158,12 +158,12 @@ def test_update_spec_one_derivation_for_both_trainers():
     v0 = UpdateSpec.derive(OmegaConf.create(base), TrajConfig(), None)
     v1 = UpdateSpec.derive(OmegaConf.create({**base, "trainer": {"use_v1": True}}), TrajConfig(), None)
     assert v0 == v1
-    assert v0.num_mini_batches == 4 and v0.epochs == 2 and v0.critic_group == 1  # critic mini-batch unset: the actor's
+    assert v0.num_mini_batches == 4 and v0.epochs == 2 and v0.critic_union == 1  # critic mini-batch unset: the actor's
     assert v0.actor_loss == LossSpec("seq-mean-token-sum-norm", 12.0)
     assert v0.critic_loss == LossSpec("token-mean", 12.0)
     critic8 = OmegaConf.create({**base, "critic": {"ppo_mini_batch_size": 8, "loss_scale_factor": 3}})
     spec = UpdateSpec.derive(critic8, TrajConfig(critic_loss_agg_mode="traj-mean"), None)
-    assert spec.critic_group == 4 and spec.critic_loss == LossSpec("traj-mean", 3.0)  # one step: all four
+    assert spec.critic_union == 4 and spec.critic_loss == LossSpec("traj-mean", 3.0)  # one step: all four
     sync4 = OmegaConf.create({**base, "trainer": {"use_v1": True, "v1": {"trainer_mode": "sync",
                                                                          "sync": {"parameter_sync_step": 2}}}})
     spec = UpdateSpec.derive(sync4, TrajConfig(seed=10), None)

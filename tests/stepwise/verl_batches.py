@@ -19,9 +19,9 @@ def stepwise_dataproto(seed=0):
     return DataProto.from_dict(tensors=tensors, non_tensors=non, meta_info={"k": 1}), trajs
 
 
-def stepwise_trainer(traj: TrajConfig, dp: int = 2):
+def stepwise_trainer(traj_config: TrajConfig, dp: int = 2):
     return ray_less_trainer({"data": {"train_batch_size": 2}, "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 1}}},
-                            traj, dp=dp)
+                            traj_config, dp=dp)
 
 
 def planned_stepwise_batch(seed=0, merge=False, dp=2):

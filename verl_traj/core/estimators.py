@@ -1,6 +1,6 @@
 """What verl_traj knows about each advantage estimator, by name: one registry read by the start-up check
 (:mod:`verl_traj.config`), the step-wise advantage path (:mod:`verl_traj.stepwise.advantages`) and the
-real-row wrapper (:mod:`verl_traj.integration.rows`), so they cannot disagree.
+real-row wrapper (:mod:`verl_traj.integration.real_rows`), so they cannot disagree.
 
 Pure module (stdlib only). The names are verl 0.9.1's ``AdvantageEstimator`` values; a test walks every
 estimator verl registers (``core_algos.ADV_ESTIMATOR_REGISTRY``) and checks it has an entry here. A name

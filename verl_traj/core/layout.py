@@ -124,16 +124,22 @@ def _row_counts(name: str, mask: Any) -> Any:
     return mask.sum(-1).round().long() if mask.is_floating_point() else mask.sum(-1, dtype=torch.int64)
 
 
-def build_layout(attention_mask: torch.Tensor, response_mask: torch.Tensor, uid: Sequence[Any] | np.ndarray,
-                 *structure: Any, **named_structure: Any) -> BatchLayout:
+def build_layout(
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    uid: Sequence[Any] | np.ndarray,
+    traj_id: Optional[Sequence[Any] | np.ndarray] = None,
+    step_index: Optional[Sequence[int] | np.ndarray | torch.Tensor] = None,
+    is_last_step: Optional[Sequence[bool] | np.ndarray | torch.Tensor] = None,
+    is_padding: Optional[Sequence[bool] | np.ndarray | torch.Tensor] = None,
+) -> BatchLayout:
     """Derive and validate the :class:`BatchLayout` of a batch from its masks.
 
     Args:
         attention_mask: ``[B, L]`` 0/1 (verl: left-padded prompt + right-padded response).
         response_mask: ``[B, R]`` 0/1 loss mask over the response.
         uid: ``[B]`` prompt-group id per row (verl's ``non_tensor_batch["uid"]``).
-        structure / named_structure: ``traj_id``, ``step_index``, ``is_last_step``, ``is_padding``, as in
-            :func:`build_layout_from_counts` (positionally or by name).
+        traj_id, step_index, is_last_step, is_padding: as in :func:`build_layout_from_counts`.
     Raises:
         BatchLayoutError: see :func:`build_layout_from_counts`.
     """
@@ -152,8 +158,8 @@ def build_layout(attention_mask: torch.Tensor, response_mask: torch.Tensor, uid:
             f"response_mask has {num_loss_tokens.shape[0]} rows but attention_mask has {num_tokens.shape[0]}. "
             "Fix: both must come from the same batch (same row order).", field="response_mask",
         )
-    return _build(num_tokens, num_loss_tokens, ("attention_mask.sum(-1)", "response_mask.sum(-1)"), uid, *structure,
-                  **named_structure)
+    return _build(num_tokens, num_loss_tokens, ("attention_mask.sum(-1)", "response_mask.sum(-1)"), uid, traj_id,
+                  step_index, is_last_step, is_padding)
 
 
 def build_layout_from_counts(

@@ -30,14 +30,14 @@ import torch
 
 from .errors import TrajInputError, show_value
 from .keys import IS_LAST_STEP, IS_PADDING, MICRO_BATCH_ID, MINI_BATCH_ID, PLAN_KEYS, TRAJ_INDEX
-from .planning import PAD_UID_PREFIX, MiniBatchPlan
+from .planning import PAD_ROW_TOKENS, PAD_UID_PREFIX, MiniBatchPlan
 
 __all__ = ["apply_plan", "pad_attention_mask", "pad_position_ids", "resolve_pad_token_id"]
 
 _TOKEN_KEYS = ("input_ids", "prompts", "responses")
 
 
-def pad_attention_mask(length: int, prompt_length: int, num_tokens: int = 2, dtype: torch.dtype = torch.long) -> torch.Tensor:
+def pad_attention_mask(length: int, prompt_length: int, num_tokens: int = PAD_ROW_TOKENS, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """``[length]`` mask of a padding row: 1 on ``num_tokens`` positions from ``prompt_length - 1`` on."""
     m = torch.zeros(length, dtype=dtype)
     start = max(prompt_length - 1, 0)

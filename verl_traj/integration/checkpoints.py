@@ -71,7 +71,7 @@ def repair_tracker(root: str) -> Optional[int]:
 class CompleteCheckpoints:
     """Mixin for verl's trainers (v0 and v1: the same ``_save_checkpoint`` / ``_load_checkpoint`` contract and
     directory layout): mark each finished save complete; resume (``trainer.resume_mode=auto``) only from a
-    complete checkpoint. Inactive with ``traj.enable=false`` (``self.traj``)."""
+    complete checkpoint. Inactive with ``traj.enable=false`` (``self.traj_config``)."""
 
     def _checkpoint_root(self) -> str:
         root = self.config.trainer.default_local_dir
@@ -79,12 +79,12 @@ class CompleteCheckpoints:
 
     def _save_checkpoint(self):
         super()._save_checkpoint()
-        if self.traj.enable and not self.config.actor_rollout_ref.actor.checkpoint.get("async_save", False):
+        if self.traj_config.enable and not self.config.actor_rollout_ref.actor.checkpoint.get("async_save", False):
             mark_complete(self._checkpoint_root(), self.global_steps)
 
     def _load_checkpoint(self):
         trainer = self.config.trainer
-        if self.traj.enable and trainer.resume_mode == "auto" and trainer.get("default_hdfs_dir") is None:
+        if self.traj_config.enable and trainer.resume_mode == "auto" and trainer.get("default_hdfs_dir") is None:
             step = repair_tracker(self._checkpoint_root())
             logger.info("verl_traj: resuming from the newest complete checkpoint: %s", step)
         return super()._load_checkpoint()

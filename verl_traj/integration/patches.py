@@ -91,7 +91,7 @@ def patched(patches: Sequence[Patch]) -> Iterator[None]:
 def fit_patches(step_wise: bool, real_row_mask: Callable[[], Any] = lambda: None) -> list[Patch]:
     """Driver patches for one ``fit`` (order: module docstring). ``real_row_mask()``: the real-row mask of the
     batch the trainer planned last (for functions that get arrays, not the batch)."""
-    from verl_traj.integration import rows
+    from verl_traj.integration import real_rows
 
     out = []
     if step_wise:
@@ -100,15 +100,15 @@ def fit_patches(step_wise: bool, real_row_mask: Callable[[], Any] = lambda: None
         out.append(Patch(RAY_TRAINER, "compute_advantage", stepwise_advantage,
                          "run outcome estimators once per trajectory on step-wise rows"))
     out += [
-        Patch(RAY_TRAINER, "compute_advantage", rows.advantage_on_real_rows, "compute advantages on real rows only"),
-        Patch(RAY_TRAINER, "apply_kl_penalty", rows.kl_penalty_on_real_rows, "apply the KL penalty on real rows only"),
-        Patch(RAY_TRAINER, "extract_reward", rows.reward_on_real_rows, "zero the rewards of padding rows"),
+        Patch(RAY_TRAINER, "compute_advantage", real_rows.advantage_on_real_rows, "compute advantages on real rows only"),
+        Patch(RAY_TRAINER, "apply_kl_penalty", real_rows.kl_penalty_on_real_rows, "apply the KL penalty on real rows only"),
+        Patch(RAY_TRAINER, "extract_reward", real_rows.reward_on_real_rows, "zero the rewards of padding rows"),
     ]
-    view = rows.shared_view()
-    out += [Patch(RAY_TRAINER, name, functools.partial(rows.metrics_on_real_rows, view=view), "log metrics of real rows")
+    view = real_rows.shared_view()
+    out += [Patch(RAY_TRAINER, name, functools.partial(real_rows.metrics_on_real_rows, view=view), "log metrics of real rows")
             for name in METRIC_FUNCTIONS]
     out.append(Patch(RAY_TRAINER, "compute_spec_decode_metrics",
-                     functools.partial(rows.spec_decode_on_real_rows, real_row_mask=real_row_mask),
+                     functools.partial(real_rows.spec_decode_on_real_rows, real_row_mask=real_row_mask),
                      "drop padding rows from the speculative-decoding metrics"))
     return out
 
@@ -134,9 +134,9 @@ def v1_advantage_patches(compute: Callable) -> list[Patch]:
 
 
 def v1_metric_patches(real_row_mask: Callable[[], Any]) -> list[Patch]:
-    from verl_traj.integration import rows
+    from verl_traj.integration import real_rows
 
-    return [Patch(V1_TRAINER, name, functools.partial(rows.metrics_on_masked_rows, real_row_mask=real_row_mask),
+    return [Patch(V1_TRAINER, name, functools.partial(real_rows.metrics_on_masked_rows, real_row_mask=real_row_mask),
                   "log timing and throughput of real rows") for name in ("compute_timing_metrics",
                                                                          "compute_throughout_metrics")]
 

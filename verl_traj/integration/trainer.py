@@ -38,11 +38,11 @@ from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MINI_BATC
 from verl_traj.core.padding import resolve_pad_token_id
 from verl_traj.integration.checkpoints import CompleteCheckpoints
 from verl_traj.integration.patches import fit_patches, patched
-from verl_traj.integration.plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
+from verl_traj.integration.step_plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
                                        stock_plan_metrics_of)
-from verl_traj.integration.rows import is_padding, real_rows
+from verl_traj.integration.real_rows import is_padding, real_rows
 from verl_traj.integration.update_spec import LossSpec, UpdateSpec
-from verl_traj.integration.workers import MINI_BATCH_GROUP_KEY
+from verl_traj.integration.workers import CRITIC_UNION_KEY
 
 __all__ = ["TrajRayPPOTrainer", "plan_batch_in_place"]
 
@@ -51,18 +51,18 @@ def plan_batch_in_place(batch: DataProto, spec: UpdateSpec, dp_size: int, *, pad
                         seed: int = 0) -> MiniBatchPlan:
     """Plan a verl batch with the core and apply the plan IN PLACE on the DataProto (rows reordered
     rank-major, padding rows appended, the plan's per-row facts added as tensors). Returns the plan."""
-    traj, nt = spec.traj, batch.non_tensor_batch
-    step_wise = traj.traj_id_key in nt and traj.step_index_key in nt
+    traj_config, nt = spec.traj_config, batch.non_tensor_batch
+    step_wise = traj_config.traj_id_key in nt and traj_config.step_index_key in nt
     layout = build_layout(
         batch.batch["attention_mask"], batch.batch["response_mask"], nt["uid"],
-        traj_id=nt[traj.traj_id_key] if step_wise else None,
-        step_index=nt[traj.step_index_key] if step_wise else None,
+        traj_id=nt[traj_config.traj_id_key] if step_wise else None,
+        step_index=nt[traj_config.step_index_key] if step_wise else None,
         is_last_step=nt.get(IS_LAST_STEP) if step_wise else None,
         is_padding=batch.batch[IS_PADDING] if IS_PADDING in batch.batch.keys() else None,
     )
-    plan = plan_layout(layout, traj, spec.num_mini_batches, dp_size, micro=spec.plan, seed=seed)
+    plan = plan_layout(layout, traj_config, spec.num_mini_batches, dp_size, micro=spec.plan, seed=seed)
     out_t, out_nt = apply_plan(dict(batch.batch.items()), dict(nt), plan, pad_token_id=pad_token_id,
-                               traj_key=traj.traj_id_key, step_key=traj.step_index_key)
+                               traj_key=traj_config.traj_id_key, step_key=traj_config.step_index_key)
     batch.batch = TensorDict(out_t, batch_size=[plan.num_rows], device=batch.batch.device)
     batch.non_tensor_batch = out_nt
     return plan
@@ -72,22 +72,22 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
     """verl's ``RayPPOTrainer`` with trajectory-aware mini-batches (see the module docstring)."""
 
     def __init__(self, config, *args, **kwargs):
-        self.traj = TrajConfig.from_mapping(config.get("traj"))
-        self.spec = UpdateSpec.prepare(config, self.traj) if self.traj.enable else None
+        self.traj_config = TrajConfig.from_mapping(config.get("traj"))
+        self.spec = UpdateSpec.prepare(config, self.traj_config) if self.traj_config.enable else None
         super().__init__(config, *args, **kwargs)
 
     def init_workers(self):
         super().init_workers()
-        if self.traj.enable and self.use_critic:
+        if self.traj_config.enable and self.use_critic:
             from verl_traj.integration.losses import install_value_loss
 
             install_value_loss(self.critic_wg, self.config.critic)
 
     def fit(self):
-        if not self.traj.enable:
+        if not self.traj_config.enable:
             return super().fit()
         self._real_row_mask = None
-        with patched(fit_patches(self.traj.step_wise, lambda: self._real_row_mask)):
+        with patched(fit_patches(self.traj_config.step_wise, lambda: self._real_row_mask)):
             return super().fit()
 
     # ---- planning --------------------------------------------------------------------------------
@@ -103,17 +103,17 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
         return resolve_pad_token_id(getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None))
 
     def _balance_batch(self, batch: DataProto, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
-        if not self.traj.enable:
+        if not self.traj_config.enable:
             super()._balance_batch(batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
             if metrics is not None:  # observation only: what stock verl's mini-batches do to groups
                 metrics.update(self._stock_plan_metrics(batch))
             return
-        if self.traj.step_wise:
+        if self.traj_config.step_wise:
             from verl_traj.integration.stepwise_rows import expand_dataproto_step_rows
 
             step_metrics = expand_dataproto_step_rows(
-                batch, merge_prefix=self.traj.merge_prefix, pad_token_id=self._pad_token_id(),
-                traj_id_key=self.traj.traj_id_key, step_index_key=self.traj.step_index_key,
+                batch, merge_prefix=self.traj_config.merge_prefix, pad_token_id=self._pad_token_id(),
+                traj_id_key=self.traj_config.traj_id_key, step_index_key=self.traj_config.step_index_key,
             )
             if metrics is not None:
                 metrics.update(step_metrics)
@@ -135,7 +135,7 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
 
     def _debug_dump(self, batch: DataProto, plan: MiniBatchPlan) -> None:
         td, nt = batch.batch, batch.non_tensor_batch
-        traj_ids = nt.get(self.traj.traj_id_key)
+        traj_ids = nt.get(self.traj_config.traj_id_key)
         debug_dump(int(getattr(self, "global_steps", 0) or 0), plan, {
             "uid": [str(u) for u in nt["uid"]],
             "traj_id": [str(t) for t in traj_ids] if traj_ids is not None else None,
@@ -150,7 +150,7 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
     def _log_rollout_data(self, batch: DataProto, reward_extra_infos_dict: dict, timing_raw: dict,
                           rollout_data_dir: str):
         """``trainer.rollout_data_dir`` dumps: the real rows only (padding rows are not rollouts)."""
-        pad = is_padding(batch) if self.traj.enable else None
+        pad = is_padding(batch) if self.traj_config.enable else None
         if pad is None:
             return super()._log_rollout_data(batch, reward_extra_infos_dict, timing_raw, rollout_data_dir)
         keep = ~pad
@@ -160,20 +160,20 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
     # ---- updates ---------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _planned_update(self, batch: DataProto, loss: LossSpec, group: int = 1) -> Iterator[None]:
-        """Attach ``loss_weight`` (and the critic's mini-batch grouping) for one update call."""
+    def _planned_update(self, batch: DataProto, loss: LossSpec, union: int = 1) -> Iterator[None]:
+        """Attach ``loss_weight`` (and the critic's mini-batch union) for one update call."""
         td = batch.batch
         td[LOSS_WEIGHT] = loss.weights(td["response_mask"], td[MINI_BATCH_ID], td[TRAJ_INDEX], td[IS_PADDING])
-        if group > 1:
-            batch.meta_info[MINI_BATCH_GROUP_KEY] = group
+        if union > 1:
+            batch.meta_info[CRITIC_UNION_KEY] = union
         try:
             yield
         finally:
             td.pop(LOSS_WEIGHT, None)
-            batch.meta_info.pop(MINI_BATCH_GROUP_KEY, None)
+            batch.meta_info.pop(CRITIC_UNION_KEY, None)
 
     def _planned(self, batch: DataProto) -> bool:
-        return self.traj.enable and MINI_BATCH_ID in batch.batch.keys()
+        return self.traj_config.enable and MINI_BATCH_ID in batch.batch.keys()
 
     def _update_actor(self, batch: DataProto) -> DataProto:
         if not self._planned(batch):
@@ -184,5 +184,5 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
     def _update_critic(self, batch: DataProto) -> DataProto:
         if not self._planned(batch):
             return super()._update_critic(batch)
-        with self._planned_update(batch, self.spec.critic_loss, self.spec.critic_group):
+        with self._planned_update(batch, self.spec.critic_loss, self.spec.critic_union):
             return super()._update_critic(batch)

@@ -57,7 +57,7 @@ def _loss_spec(section: Any, name: str, override: Optional[str], max_response_le
 class UpdateSpec:
     """Every fact of an update both trainers read (module docstring); built by :meth:`prepare` at start-up."""
 
-    traj: TrajConfig
+    traj_config: TrajConfig
     plan: Optional[PlanSettings]  # None: no micro-batch cap (unit tests of the planning pieces)
     prompts_per_update: int
     num_mini_batches: int
@@ -65,15 +65,15 @@ class UpdateSpec:
     parameter_sync_step: int
     actor_loss: LossSpec
     critic_loss: Optional[LossSpec]  # None without a critic
-    critic_group: int  # actor mini-batches per critic optimizer step
+    critic_union: int  # actor mini-batches per critic optimizer step
 
     @classmethod
-    def prepare(cls, config: Any, traj: TrajConfig) -> "UpdateSpec":
+    def prepare(cls, config: Any, traj_config: TrajConfig) -> "UpdateSpec":
         """Validate and adapt verl's config (:func:`prepare_config`), then derive the spec."""
-        return cls.derive(config, traj, prepare_config(config, traj))
+        return cls.derive(config, traj_config, prepare_config(config, traj_config))
 
     @classmethod
-    def derive(cls, config: Any, traj: TrajConfig, plan: Optional[PlanSettings]) -> "UpdateSpec":
+    def derive(cls, config: Any, traj_config: TrajConfig, plan: Optional[PlanSettings]) -> "UpdateSpec":
         """The spec of an already prepared (and validated) ``config``; changes nothing in it."""
         from verl_traj.config import parameter_sync_step
 
@@ -84,15 +84,15 @@ class UpdateSpec:
         critic = config.get("critic", None) if uses_critic(config) else None
         critic_mini = int(critic.get("ppo_mini_batch_size", 0) or mini) if critic is not None else mini
         return cls(
-            traj=traj, plan=plan, prompts_per_update=prompts, num_mini_batches=prompts // mini,
+            traj_config=traj_config, plan=plan, prompts_per_update=prompts, num_mini_batches=prompts // mini,
             epochs=int(actor.get("ppo_epochs", 1) or 1), parameter_sync_step=parameter_sync_step(config),
-            actor_loss=_loss_spec(actor, "actor_rollout_ref.actor", traj.loss_agg_mode, max_response),
-            critic_loss=(_loss_spec(critic, "critic", traj.critic_loss_agg_mode, max_response)
+            actor_loss=_loss_spec(actor, "actor_rollout_ref.actor", traj_config.loss_agg_mode, max_response),
+            critic_loss=(_loss_spec(critic, "critic", traj_config.critic_loss_agg_mode, max_response)
                          if critic is not None else None),
-            critic_group=(prompts // mini) // max(prompts // critic_mini, 1),
+            critic_union=(prompts // mini) // max(prompts // critic_mini, 1),
         )
 
     def plan_seed(self, global_step: int, local_step: int = 0) -> int:
         """The planner's seed of one update: ``traj.seed`` + its index among all local updates (v1 runs
         ``parameter_sync_step`` local updates per global step; v0 one)."""
-        return self.traj.seed + int(global_step) * self.parameter_sync_step + int(local_step)
+        return self.traj_config.seed + int(global_step) * self.parameter_sync_step + int(local_step)

@@ -18,7 +18,7 @@ runner for its lifetime):
   (``pad_row_tokens`` long, each its own group, tagged ``is_padding`` as verl's own); the keys come back in the
   plan's rank-major order (dispatch hands rank r the r-th contiguous block), with ``mini_batch_id`` and
   ``micro_batch_id`` stored as fields of every row. The plan's other per-row facts (trajectory index, last step,
-  padding) stay on the trainer (:class:`PlannedRows`) for the advantage and the loss weights.
+  padding) stay on the trainer (:class:`PlanFacts`) for the advantage and the loss weights.
 * ``_compute_advantage``: verl's, with ``compute_advantage_for_multi_trajectories`` replaced for the call by
   :func:`planned_advantage` (real rows only; a trajectory of several rows gets its outcome estimator once).
 * ``_update_critic`` / ``_update_actor``: a ``loss_weight`` field (from the final ``response_mask`` and the plan)
@@ -53,13 +53,13 @@ from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MICRO_BAT
 from verl_traj.core.row_key import parse_row_keys, row_key, row_key_order
 from verl_traj.integration.checkpoints import CompleteCheckpoints
 from verl_traj.integration.patches import patched
-from verl_traj.integration.plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
+from verl_traj.integration.step_plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
                                        stock_plan_metrics_of)
 from verl_traj.integration.update_spec import LossSpec, UpdateSpec
 from verl_traj.integration.verl_config import prepare_v1_agent_loop
-from verl_traj.integration.workers import MINI_BATCH_GROUP_KEY
+from verl_traj.integration.workers import CRITIC_UNION_KEY
 
-__all__ = ["PlannedRows", "TrajV1Mixin", "padding_row", "planned_advantage", "planned_rows", "row_loss_tokens",
+__all__ = ["PlanFacts", "TrajV1Mixin", "padding_row", "planned_advantage", "plan_facts", "row_loss_tokens",
            "traj_trainer_class"]
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def row_loss_tokens(mask: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class PlannedRows:
+class PlanFacts:
     """The plan's per-row facts of the batch planned last, in dispatch order (``[B]`` each)."""
 
     keys: tuple[str, ...]
@@ -99,7 +99,7 @@ class PlannedRows:
         """Carry the plan's facts into a verl ``DataProto`` that verl built from TransferQueue for one driver step
         (its field lists are fixed, so the facts travel from here, as on v0 they travel in the batch):
         ``is_padding`` and ``traj_index`` tensors, ``is_last_step`` (after checking ``keys`` are the planned ones).
-        :func:`verl_traj.integration.rows.is_padding` then reads the padding flag, on both trainers."""
+        :func:`verl_traj.integration.real_rows.is_padding` then reads the padding flag, on both trainers."""
         self.check(keys)
         td = data.batch
         td[IS_PADDING] = self.is_padding.to(td.device)
@@ -182,10 +182,10 @@ def _ordered_batch(batch: Any, plan: MiniBatchPlan, pad_keys: list[str], pad_tag
                        fields=batch.fields, extra_info=batch.extra_info)
 
 
-def planned_rows(keys: list[str], plan: MiniBatchPlan, layout: Any) -> PlannedRows:
+def plan_facts(keys: list[str], plan: MiniBatchPlan, layout: Any) -> PlanFacts:
     """The plan's per-row facts in dispatch order (``keys``: the planned batch's keys, padding included)."""
     src = plan.order.clamp(min=0)
-    return PlannedRows(
+    return PlanFacts(
         keys=tuple(keys), uid=parse_row_keys(keys).uid, traj_index=plan.traj_index.clone(),
         is_last_step=layout.is_last_step[src] & ~plan.is_padding, is_padding=plan.is_padding.clone(),
         mini_batch_id=plan.mini_batch_id.clone(), multi_row=bool((layout.traj_num_steps > 1).any()),
@@ -198,14 +198,14 @@ def traj_trainer_class(verl_cls: type) -> type:
     return type(f"Traj{verl_cls.__name__}", (TrajV1Mixin, verl_cls), {"__module__": __name__})
 
 
-def planned_advantage(rows: PlannedRows) -> Any:
+def planned_advantage(rows: PlanFacts) -> Any:
     """Replacement for v1's ``compute_advantage_for_multi_trajectories(data, batch_keys, adv_estimator, ...)`` on a
     planned batch: padding rows get zeros and move nothing; a batch whose trajectories have several rows (steps) runs
     the outcome estimator once per trajectory on its last step's reward (v1 copies the reward onto every step row:
     it is counted once, also in KL-in-reward's sum) and puts each trajectory's scalar on each row's own tokens
     (:func:`~verl_traj.stepwise.advantages.compute_trajectory_advantages`; temporal estimators are refused there);
     otherwise verl's ``compute_advantage`` runs on the real rows, as on v0."""
-    from verl_traj.integration.rows import advantage_on_real_rows
+    from verl_traj.integration.real_rows import advantage_on_real_rows
     from verl_traj.integration.stepwise_rows import stepwise_advantage
 
     def compute(data: Any, batch_keys: list[str], adv_estimator: Any, gamma: float = 1.0, lam: float = 1.0,
@@ -231,11 +231,11 @@ class TrajV1Mixin(CompleteCheckpoints):
     seeded prompt uids and one request priority per session (neither changes what is trained)."""
 
     def __init__(self, config: Any):
-        self.traj = TrajConfig.from_mapping(config.get("traj"))
-        self.spec = UpdateSpec.prepare(config, self.traj) if self.traj.enable else None
-        if not self.traj.enable:
-            prepare_v1_agent_loop(config, self.traj)  # the agent-loop manager that gives each session its request priority
-        self._planned: Optional[PlannedRows] = None
+        self.traj_config = TrajConfig.from_mapping(config.get("traj"))
+        self.spec = UpdateSpec.prepare(config, self.traj_config) if self.traj_config.enable else None
+        if not self.traj_config.enable:
+            prepare_v1_agent_loop(config, self.traj_config)  # the agent-loop manager that gives each session its request priority
+        self._planned: Optional[PlanFacts] = None
         self._uid_draws = (-1, 0)  # (global step, prompts drawn in it): deterministic uids
         super().__init__(config)
 
@@ -243,7 +243,7 @@ class TrajV1Mixin(CompleteCheckpoints):
 
     def _init_resource_pool_mgr(self):
         super()._init_resource_pool_mgr()
-        if not self.traj.enable:
+        if not self.traj_config.enable:
             return
         import ray
 
@@ -259,7 +259,7 @@ class TrajV1Mixin(CompleteCheckpoints):
 
     def _setup(self):
         super()._setup()
-        if self.traj.enable and self.use_critic:
+        if self.traj_config.enable and self.use_critic:
             from verl_traj.integration.losses import install_value_loss
 
             install_value_loss(self.critic_wg, self.config.critic)
@@ -285,7 +285,7 @@ class TrajV1Mixin(CompleteCheckpoints):
 
     def _balance_batch(self, batch: Any, metrics: dict, logging_prefix: str = "global_seqlen",
                        keep_minibatch: bool = False) -> Any:
-        if not self.traj.enable:
+        if not self.traj_config.enable:
             batch = super()._balance_batch(batch, metrics, logging_prefix=logging_prefix,
                                            keep_minibatch=keep_minibatch)
             metrics.update(self._stock_plan_metrics(batch))
@@ -300,7 +300,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         out = _ordered_batch(batch, plan, pad_keys, pad_tags)
         tq.kv_batch_put(keys=out.keys, partition_id=out.partition_id, fields=TensorDict(
             {MINI_BATCH_ID: plan.mini_batch_id, MICRO_BATCH_ID: plan.micro_batch_id}, batch_size=[plan.num_rows]))
-        self._planned = planned_rows(out.keys, plan, layout)
+        self._planned = plan_facts(out.keys, plan, layout)
         metrics.update(plan_step_metrics(plan, self.spec.epochs))
         self._debug_dump(out, plan, layout)
         return out
@@ -313,7 +313,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         mask = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["response_mask"])
         layout = build_layout_from_counts(seq_len, row_loss_tokens(mask["response_mask"]), keys.uid,
                                           traj_id=keys.traj_id, step_index=keys.step)
-        plan = plan_layout(layout, self.traj, self.spec.num_mini_batches, self._traj_dp_size(), micro=self.spec.plan,
+        plan = plan_layout(layout, self.traj_config, self.spec.num_mini_batches, self._traj_dp_size(), micro=self.spec.plan,
                            seed=self.spec.plan_seed(self.global_steps, self.local_trigger_step))
         return plan, layout
 
@@ -335,7 +335,7 @@ class TrajV1Mixin(CompleteCheckpoints):
     # ---- after planning ----------------------------------------------------------------------------
 
     def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
-        if not self.traj.enable:
+        if not self.traj_config.enable:
             return super()._compute_advantage(batch, metrics)
         from verl_traj.integration.patches import v1_advantage_patches
 
@@ -358,24 +358,24 @@ class TrajV1Mixin(CompleteCheckpoints):
                         fields=TensorDict({LOSS_WEIGHT: weights}, batch_size=[len(batch)]))
 
     def _update_critic(self, batch: Any, metrics: dict) -> Any:
-        if not self.traj.enable:
+        if not self.traj_config.enable:
             return super()._update_critic(batch, metrics)
         self._put_loss_weights(batch, self.spec.critic_loss)
-        if self.spec.critic_group > 1:
-            batch.extra_info[MINI_BATCH_GROUP_KEY] = self.spec.critic_group
+        if self.spec.critic_union > 1:
+            batch.extra_info[CRITIC_UNION_KEY] = self.spec.critic_union
         try:
             return super()._update_critic(batch, metrics)
         finally:
-            batch.extra_info.pop(MINI_BATCH_GROUP_KEY, None)
+            batch.extra_info.pop(CRITIC_UNION_KEY, None)
 
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
-        if not self.traj.enable:
+        if not self.traj_config.enable:
             return super()._update_actor(batch, metrics)
         self._put_loss_weights(batch, self.spec.actor_loss)
         return super()._update_actor(batch, metrics)
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
-        if not self.traj.enable:
+        if not self.traj_config.enable:
             return super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
         from verl_traj.integration.patches import v1_metric_patches
 

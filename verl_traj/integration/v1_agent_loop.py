@@ -95,14 +95,14 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
         return await super()._run_agent_loop(sampling_params, trajectory, **kwargs)
 
     async def _agent_loop_postprocess(self, output: Any, validate: bool, **kwargs: Any) -> None:
-        traj = TrajConfig.of(self.config)
+        traj_config = TrajConfig.of(self.config)
         if isinstance(output, list) or DEFAULT_STEPS_KEY not in output.extra_fields:
             return await super()._agent_loop_postprocess(output, validate, **kwargs)
-        if validate or not traj.step_wise:  # one concatenated row: validation, or step rows not asked for
+        if validate or not traj_config.step_wise:  # one concatenated row: validation, or step rows not asked for
             output.extra_fields.pop(DEFAULT_STEPS_KEY)
             return await super()._agent_loop_postprocess(output, validate, **kwargs)
         await self._compute_score([output], kwargs=kwargs)
-        outputs, stats = step_outputs(output, traj.merge_prefix)
+        outputs, stats = step_outputs(output, traj_config.merge_prefix)
         outputs[-1].extra_fields["reward_extra_info"] = output.extra_fields.get("reward_extra_info", {})
         await super()._agent_loop_postprocess(outputs, validate, **kwargs)
         import transfer_queue as tq

@@ -32,6 +32,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf, open_dict
 
 from verl_traj.config import TrajConfig, TrajConfigError, ulysses_size, uses_critic, validate_against_verl
+from verl_traj.core import PAD_ROW_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class PlanSettings:
     max_tokens: int
     cost: str
     derived: bool
-    pad_row_tokens: int = 2
+    pad_row_tokens: int = PAD_ROW_TOKENS
 
 
 def _max_row_tokens(config: Any) -> int:
@@ -111,7 +112,7 @@ def _apply_infer_cap(config: Any, cap: int) -> None:
 
 def pad_row_tokens(config: Any) -> int:
     """``max(2, TP x CP)`` over the Megatron sections (actor, reference, critic) that use context parallelism."""
-    need = 2
+    need = PAD_ROW_TOKENS
     for path in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"):
         section = OmegaConf.select(config, path, default=None)
         if section is None or section.get("strategy", None) != "megatron":
@@ -124,20 +125,20 @@ def pad_row_tokens(config: Any) -> int:
     return need
 
 
-def _plan_settings(config: Any, traj: TrajConfig) -> PlanSettings:
+def _plan_settings(config: Any, traj_config: TrajConfig) -> PlanSettings:
     """The update's cap per SP group and cost model; an explicit ``traj`` cap is written into verl's keys."""
     arr, critic = config.actor_rollout_ref, config.get("critic", None)
     use_critic = critic is not None and uses_critic(config)
     sections = [arr.actor] + ([critic] if use_critic else [])
     with open_dict(config):
-        if traj.micro_batch_max_tokens is not None:
+        if traj_config.micro_batch_max_tokens is not None:
             for section in sections:
-                section.ppo_max_token_len_per_gpu = int(traj.micro_batch_max_tokens)
+                section.ppo_max_token_len_per_gpu = int(traj_config.micro_batch_max_tokens)
     cap = min(int(s.ppo_max_token_len_per_gpu) * ulysses_size(s) for s in sections)
     rmpad = bool((arr.get("model", None) or {}).get("use_remove_padding", False)) and (
         not use_critic or bool((critic.get("model", None) or {}).get("use_remove_padding", False)))
-    cost = "tokens" if rmpad else "padded" if traj.padded_cap == "tokens" else "padded_area"
-    return PlanSettings(cap, cost, traj.micro_batch_max_tokens is None,
+    cost = "tokens" if rmpad else "padded" if traj_config.padded_cap == "tokens" else "padded_area"
+    return PlanSettings(cap, cost, traj_config.micro_batch_max_tokens is None,
                         pad_row_tokens(config))
 
 
@@ -154,7 +155,7 @@ def _force_balance_batch(config: Any) -> None:
         config.trainer.balance_batch = True
 
 
-def prepare_v1_agent_loop(config: Any, traj: TrajConfig) -> None:
+def prepare_v1_agent_loop(config: Any, traj_config: TrajConfig) -> None:
     """v1: verl_traj's agent-loop manager (:mod:`.v1_agent_loop`: step rows for ``traj.step_wise``, one request
     priority per session for ``rollout.full_determinism``), unless the user chose a manager of their own (then
     ``traj.step_wise`` needs it to subclass verl_traj's)."""
@@ -163,7 +164,7 @@ def prepare_v1_agent_loop(config: Any, traj: TrajConfig) -> None:
     agent = config.actor_rollout_ref.rollout.agent
     given = agent.get("agent_loop_manager_class", None)
     if given not in (None, "", MANAGER_FQN):
-        if traj.step_wise and not _is_traj_manager(given):
+        if traj_config.step_wise and not _is_traj_manager(given):
             raise TrajConfigError(
                 f"actor_rollout_ref.rollout.agent.agent_loop_manager_class={given!r} cannot be combined with "
                 "traj.step_wise=true on the v1 trainer: verl_traj's manager stores each trajectory as its step rows. "
@@ -183,9 +184,9 @@ def _is_traj_manager(fqn: str) -> bool:
     return isinstance(cls, type) and issubclass(cls, TrajAgentLoopManagerTQ)
 
 
-def prepare_config(config: Any, traj: TrajConfig) -> PlanSettings:
+def prepare_config(config: Any, traj_config: TrajConfig) -> PlanSettings:
     """Validate ``traj:`` against verl's sections and adapt the verl settings it depends on (see module doc)."""
-    validate_against_verl(traj, config)
+    validate_against_verl(traj_config, config)
     if config.get("distillation") is not None:
         from verl.trainer.distillation.losses import is_distillation_enabled
 
@@ -195,16 +196,16 @@ def prepare_config(config: Any, traj: TrajConfig) -> PlanSettings:
                 "Set traj.enable=false or disable distillation."
             )
     if bool(config.trainer.get("use_v1", False)):
-        prepare_v1_agent_loop(config, traj)
+        prepare_v1_agent_loop(config, traj_config)
     else:
         _force_balance_batch(config)
     changed = fixed_to_dynamic_micro_batches(config)
     if changed:
         logger.warning("verl_traj: planned batches have variable rows per rank, so fixed micro-batch sizes were "
                        "replaced by dynamic micro-batching with the same memory bound: %s", "; ".join(changed))
-    if traj.infer_micro_batch_max_tokens is not None:
-        _apply_infer_cap(config, int(traj.infer_micro_batch_max_tokens))
-    return _plan_settings(config, traj)
+    if traj_config.infer_micro_batch_max_tokens is not None:
+        _apply_infer_cap(config, int(traj_config.infer_micro_batch_max_tokens))
+    return _plan_settings(config, traj_config)
 
 
 def _check_model_dir(key: str, path: Any) -> Optional[str]:

@@ -40,15 +40,16 @@ __all__ = ["PlannedUpdate", "TrajActorMixin", "TrajActorRolloutRefWorker", "Traj
            "mini_batch_slices", "traj_actor_worker"]
 
 # non-tensor key the trainer sets when the critic steps on unions of the actor's mini-batches
-MINI_BATCH_GROUP_KEY = "traj_mini_batch_group"
+CRITIC_UNION_KEY = "traj_critic_union"
 
 
-def mini_batch_slices(mini_batch_id: torch.Tensor, group: int = 1) -> list[tuple[int, int]]:
-    """``[(start, end)]`` of each mini-batch ``0..M'-1`` in one rank's rows (``id // group``).
+def mini_batch_slices(mini_batch_id: torch.Tensor, union: int = 1) -> list[tuple[int, int]]:
+    """``[(start, end)]`` of each optimizer step's rows ``0..M'-1`` in one rank's rows: ``union`` consecutive planned
+    mini-batches per step (``id // union``; the critic may step on unions of the actor's mini-batches).
 
     The plan lays each rank's rows out mini-batch after mini-batch, so every mini-batch is one contiguous
     block; anything else means the batch did not come unmodified from the planner."""
-    ids = mini_batch_id.detach().cpu().long() // int(group)
+    ids = mini_batch_id.detach().cpu().long() // int(union)
     values, counts = torch.unique_consecutive(ids, return_counts=True)
     if not torch.equal(values, torch.arange(values.numel())):
         raise RuntimeError(
@@ -74,14 +75,14 @@ class PlannedUpdate:
     """One planned ``train_mini_batch``: the iterator and micro-batches it runs, and what they did."""
 
     seed: int
-    group: int = 1
+    union: int = 1
     micro_batches_run: list[int] = field(default_factory=list)
     steps: int = 0
 
     def make_iterator(self, _verl_make_iterator: Callable) -> Callable:
         def make_iterator(tensordict: TensorDict, mini_batch_size: Any = None, epochs: int = 1, seed: Any = None,
                           dataloader_kwargs: Optional[dict] = None):
-            blocks = mini_batch_slices(tensordict[MINI_BATCH_ID], self.group)
+            blocks = mini_batch_slices(tensordict[MINI_BATCH_ID], self.union)
             shuffle = bool((dataloader_kwargs or {}).get("shuffle", False))
             orders = [mini_batch_order(len(blocks), e, self.seed, shuffle).tolist() for e in range(int(epochs))]
             self.steps = len(blocks) * int(epochs)
@@ -124,7 +125,7 @@ class TrajTrainingWorker(TrainingWorker):
             return super().train_mini_batch(data)
         epochs = int(tu.get(data, key="epochs", default=1))
         run = PlannedUpdate(seed=int(tu.get(data, key="seed", default=42)),
-                            group=int(tu.pop(data, key=MINI_BATCH_GROUP_KEY, default=1)))
+                            union=int(tu.pop(data, key=CRITIC_UNION_KEY, default=1)))
         verl_iterations = _fixed_size_arithmetic(data, self.engine.get_data_parallel_size()) * epochs
         with patched(update_patches(run.make_iterator, run.prepare_micro_batches)):
             output = super().train_mini_batch(data)

@@ -103,9 +103,9 @@ def plan_for_update(batch: Any, cfg: Any, dp: int, *, mode: str = "token-mean", 
     from verl_traj.integration.update_spec import UpdateSpec
     from verl_traj.testing.trainers import ray_less_trainer
 
-    traj = TrajConfig(group_by=group_by, loss_agg_mode=mode, seed=seed, **traj_options)
-    spec = UpdateSpec.prepare(cfg, traj)
-    trainer = ray_less_trainer(cfg, traj, plan=spec.plan, dp=dp)
+    traj_config = TrajConfig(group_by=group_by, loss_agg_mode=mode, seed=seed, **traj_options)
+    spec = UpdateSpec.prepare(cfg, traj_config)
+    trainer = ray_less_trainer(cfg, traj_config, plan=spec.plan, dp=dp)
     trainer.spec, trainer.global_steps = spec, 0
     plan = trainer.plan_and_apply(batch, dp)
     td = batch.batch

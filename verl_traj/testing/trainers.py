@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 __all__ = ["ray_less_trainer"]
 
 
-def ray_less_trainer(config: Mapping, traj: Union[Mapping, Any, None] = None, *, plan: Any = None,
+def ray_less_trainer(config: Mapping, traj_config: Union[Mapping, Any, None] = None, *, plan: Any = None,
                      dp: Optional[int] = None, v1_class: Optional[type] = None, pad_token_id: int = 0,
                      eos_token_id: int = 2) -> Any:
     """A trainer over ``config`` (a plain mapping of verl's sections) and ``traj`` (mapping or ``TrajConfig``).
@@ -26,7 +26,7 @@ def ray_less_trainer(config: Mapping, traj: Union[Mapping, Any, None] = None, *,
     from verl_traj.config import TrajConfig
     from verl_traj.integration.update_spec import UpdateSpec
 
-    traj = traj if isinstance(traj, TrajConfig) else TrajConfig.from_mapping(traj or {})
+    traj_config = traj_config if isinstance(traj_config, TrajConfig) else TrajConfig.from_mapping(traj_config or {})
     if v1_class is None:
         from verl_traj.integration.trainer import TrajRayPPOTrainer
 
@@ -41,8 +41,8 @@ def ray_less_trainer(config: Mapping, traj: Union[Mapping, Any, None] = None, *,
         tr.actor_rollout_wg = SimpleNamespace(_dispatch_info={"actor": list(range(dp or 1))})
         tr._planned = None
     tr.config = OmegaConf.create(dict(config))
-    tr.traj = traj
-    tr.spec = UpdateSpec.derive(tr.config, traj, plan) if traj.enable else None
+    tr.traj_config = traj_config
+    tr.spec = UpdateSpec.derive(tr.config, traj_config, plan) if traj_config.enable else None
     tr.tokenizer = SimpleNamespace(pad_token_id=pad_token_id, eos_token_id=eos_token_id)
     tr.global_steps = 1
     return tr

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import numpy as np
 
 from verl_traj.config import TrajConfig, TrajConfigError
-from verl_traj.core import BatchLayout, MiniBatchPlan, build_layout_from_counts, count_splits, plan_mini_batches
+from verl_traj.core import PAD_ROW_TOKENS, BatchLayout, MiniBatchPlan, build_layout_from_counts, count_splits, plan_mini_batches
 from verl_traj.integration.verl_config import PlanSettings
 
 __all__ = ["DEBUG_DUMP_ENV", "check_same_dp_size", "debug_dump", "plan_layout",
@@ -32,7 +32,7 @@ def verl_partitioner(sizes: list[int], k: int) -> list[list[int]]:
     return get_seqlen_balanced_partitions(workloads, k, equal_size=False)
 
 
-def plan_layout(layout: BatchLayout, traj: TrajConfig, num_mini_batches: int, dp_size: int, *,
+def plan_layout(layout: BatchLayout, traj_config: TrajConfig, num_mini_batches: int, dp_size: int, *,
                 micro: Optional[PlanSettings] = None, seed: Optional[int] = None) -> MiniBatchPlan:
     """The core plan of ``layout`` with the ``traj:`` settings and verl's micro-batch cap (``micro``; a cap
     derived from verl's settings is raised to the longest row, an explicit one is kept)."""
@@ -41,11 +41,11 @@ def plan_layout(layout: BatchLayout, traj: TrajConfig, num_mini_batches: int, dp
         longest = int(layout.num_tokens.max())
         cap = max(micro.max_tokens, longest) if micro.derived else micro.max_tokens
     return plan_mini_batches(
-        layout, num_mini_batches, dp_size, group_by=traj.group_by, mini_batch_balance=traj.mini_batch_balance,
-        balance_dp=traj.balance_dp, workload=traj.workload, micro_batch_max_tokens=cap,
-        micro_batch_cost=micro.cost if micro is not None else "tokens", micro_batch_pass_cost=traj.pass_cost_tokens,
-        seed=traj.seed if seed is None else seed,
-        pad_row_tokens=micro.pad_row_tokens if micro is not None else 2,
+        layout, num_mini_batches, dp_size, group_by=traj_config.group_by, mini_batch_balance=traj_config.mini_batch_balance,
+        balance_dp=traj_config.balance_dp, workload=traj_config.workload, micro_batch_max_tokens=cap,
+        micro_batch_cost=micro.cost if micro is not None else "tokens", micro_batch_pass_cost=traj_config.pass_cost_tokens,
+        seed=traj_config.seed if seed is None else seed,
+        pad_row_tokens=micro.pad_row_tokens if micro is not None else PAD_ROW_TOKENS,
         partitioner=verl_partitioner if micro is not None else None,
     )
 
