@@ -14,12 +14,16 @@ from torch import nn
 P, R, VOCAB, D = 6, 8, 23, 16
 
 
-def patch_verl_device() -> None:
+def patch_verl_device(monkeypatch=None) -> None:
     """verl picks 'cuda' as device name on a machine without an accelerator unless the CPU platform
-    plugin is loaded; the micro-batch count sync must run on CPU tensors here."""
+    plugin is loaded; the micro-batch count sync must run on CPU tensors here. In the pytest process pass
+    ``monkeypatch`` (restored after the test); a spawned rank process sets it for its own short life."""
     import verl.utils.seqlen_balancing as sb
 
-    sb.get_device_name = lambda: "cpu"
+    if monkeypatch is not None:
+        monkeypatch.setattr(sb, "get_device_name", lambda: "cpu")
+    else:
+        sb.get_device_name = lambda: "cpu"
 
 
 class TinyLM(nn.Module):

@@ -93,15 +93,12 @@ def test_spec_decode_metrics_drop_padding_rows(given_mask):
     assert rt.compute_spec_decode_metrics(drafts, accepts, verifies)["rollout/spec_accept_rate"] == pytest.approx(0.5)
 
 
-def test_rollout_dump_holds_real_rows_only(tmp_path):
+def test_rollout_dump_holds_real_rows_only(tmp_path, monkeypatch):
     batch = _planned_batch()
     seen = {}
     tr = fake_trainer()
-    original = rt.RayPPOTrainer._log_rollout_data
-    rt.RayPPOTrainer._log_rollout_data = lambda self, b, extra, timing, path: seen.update(rows=len(b), extra=extra)
-    try:
-        tr._log_rollout_data(batch, {"acc": list(range(len(batch)))}, {}, str(tmp_path))
-    finally:
-        rt.RayPPOTrainer._log_rollout_data = original
+    monkeypatch.setattr(rt.RayPPOTrainer, "_log_rollout_data",
+                        lambda self, b, extra, timing, path: seen.update(rows=len(b), extra=extra))
+    tr._log_rollout_data(batch, {"acc": list(range(len(batch)))}, {}, str(tmp_path))
     real = int((~batch.batch["is_padding"]).sum())
     assert seen["rows"] == real and len(seen["extra"]["acc"]) == real

@@ -323,12 +323,12 @@ def test_prepare_config_errors_name_the_fix():
     prepare_config(_verl_config(**{"critic.enable": True, "critic.ppo_mini_batch_size": 8}), TrajConfig())  # union
 
 
-def test_losses_fall_back_to_verl_without_loss_weight():
+def test_losses_fall_back_to_verl_without_loss_weight(monkeypatch):
     from verl.workers.utils.losses import ppo_loss, value_loss
 
     from verl_traj.integration.losses import traj_ppo_loss, traj_value_loss
 
-    H.patch_verl_device()
+    H.patch_verl_device(monkeypatch)
     rows = H.make_rows(6, 0, seed=3)
     for kind, ours, theirs, cfg in (("policy", traj_ppo_loss, ppo_loss, H.actor_config()),
                                     ("value", traj_value_loss, value_loss, H.critic_config())):
@@ -374,21 +374,17 @@ def test_worker_micro_batches_are_the_plan():
     assert fallback[0] == "verl"
 
 
-def test_traj_disabled_is_stock():
+def test_traj_disabled_is_stock(monkeypatch):
     """traj.enable=false: verl's own _balance_batch runs and nothing is changed; verl_traj only observes what
     stock mini-batches do to groups (``stock_plan/*`` metrics)."""
     tr = fake_trainer({"enable": False})
     tr.config.actor_rollout_ref.rollout = {"n": 3}
     tr._get_dp_size, tr.actor_rollout_wg = (lambda wg, role: 2), None
     calls, metrics = [], {}
-    orig = rt.RayPPOTrainer._balance_batch
     batch = make_batch(n_groups=4)
     before = batch.batch["input_ids"].clone()
-    try:
-        rt.RayPPOTrainer._balance_batch = lambda self, *a, **k: calls.append("balance")
-        tr._balance_batch(batch, metrics)
-    finally:
-        rt.RayPPOTrainer._balance_batch = orig
+    monkeypatch.setattr(rt.RayPPOTrainer, "_balance_batch", lambda self, *a, **k: calls.append("balance"))
+    tr._balance_batch(batch, metrics)
     assert calls == ["balance"] and torch.equal(batch.batch["input_ids"], before)
     assert not any(k.startswith("traj_plan/") for k in metrics)
     # 12 rows, 2 ranks, mini-batches of 2 x 3 rows: rank blocks [0..5], [6..11] cut in 3-row slices -> groups of 3
