@@ -28,7 +28,7 @@ def init_rank(rank: int, world: int, port: int, home: str, threads: int = 1) -> 
     """Environment and gloo process group of one spawned rank (verl reads RANK / WORLD_SIZE / ...); ``home`` is
     ``VERL_TRAJ_HOME`` (the presets read the tiny model from its ``tiny/``)."""
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "VERL_TRAJ_HOME": home})
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "VERL_TRAJ_HOME": str(home)})
     import torch
     import torch.distributed as dist
 
