@@ -1,14 +1,39 @@
 #!/usr/bin/env bash
 # Install verl_traj and everything it needs into a virtual environment (default: ./.venv).
 #
-#   bash scripts/install.sh            # runtime + test extras
-#   VENV=/path/to/venv bash scripts/install.sh
+#   bash scripts/install.sh                 # CPU (this project's machines, CI): runtime + test extras
+#   bash scripts/install.sh --gpu vllm      # a CUDA machine: verl 0.9.1 with its vLLM pins, flash-attn, verl_traj
+#   VENV=/path/to/venv bash scripts/install.sh [--gpu ...]
 #
-# On a machine without CUDA, torch==2.13.0 (CPU build) must be installed BEFORE verl: any other
-# torch spec resolves to a multi-GB CUDA build. With CUDA present, the torch already in the
-# environment (or the one verl resolves) is kept. flash-attn is only in the optional `gpu` extra.
+# CPU: torch==2.13.0 (CPU build) must be installed BEFORE verl: any other torch spec resolves to a multi-GB CUDA
+# build.
+# GPU: one path that resolves, in verl's own order (GPU.md in docs/ explains each pin):
+#   1. verl at the pinned version with its rollout extra: verl[vllm]==0.9.1 pins torch 2.11.0, vllm 0.24.0 and
+#      transformers 5.9.0, so pip never pulls the newest vLLM and a torch of its own. (verl 0.9.1's sglang extra
+#      cannot be installed with pip: sglang 0.5.12 pins transformers==5.6.0, which verl 0.9.1 excludes; --gpu sglang
+#      says so and stops);
+#   2. flash-attn 2.8.3 (verl 0.9.1's pin, its `flash-attn-cu130torch211` extra), built against that torch with
+#      --no-build-isolation (flash-attn ships a source distribution: an isolated build sees no torch);
+#   3. verl_traj itself, with the matching extra (nothing in it changes torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+VERL_VERSION=0.9.1
+FLASH_ATTN_VERSION=2.8.3
+GPU=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --gpu) GPU=${2:?--gpu needs a rollout engine: vllm}; shift 2 ;;
+    --gpu=*) GPU=${1#--gpu=}; shift ;;
+    *) echo "[install] unknown argument '$1' (use --gpu vllm)" >&2; exit 2 ;;
+  esac
+done
+case "$GPU" in
+  ""|vllm) ;;
+  sglang) echo "[install] --gpu sglang: verl 0.9.1's sglang extra does not resolve (sglang 0.5.12 pins" \
+               "transformers==5.6.0, which verl 0.9.1 excludes: transformers!=5.6.0). Use --gpu vllm, or verl's" \
+               "SGLang docker image with 'pip install -e .' on top." >&2; exit 2 ;;
+  *) echo "[install] --gpu $GPU: use --gpu vllm (verl 0.9.1's rollout extra)" >&2; exit 2 ;;
+esac
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 if [ ! -x "$VENV/bin/python" ]; then
@@ -16,6 +41,19 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 . "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
+
+if [ -n "$GPU" ]; then
+  if ! command -v nvidia-smi >/dev/null 2>&1; then
+    echo "[install] --gpu $GPU: no nvidia-smi on this machine; the GPU stack needs a CUDA driver" >&2
+    exit 1
+  fi
+  python -m pip install -q "verl[$GPU]==$VERL_VERSION"
+  python -m pip install -q --no-build-isolation "flash-attn==$FLASH_ATTN_VERSION"
+  python -m pip install -q -e ".[$GPU,test,plot]"
+  python -c 'import flash_attn, torch, verl, verl_traj; print(f"[install] GPU: verl {verl.__version__}, torch {torch.__version__} (CUDA {torch.version.cuda}), flash-attn {flash_attn.__version__}, verl_traj {verl_traj.__version__}")'
+  exit 0
+fi
+
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   if ! python -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
     echo "[install] no CUDA driver found: installing the CPU build torch==2.13.0 first"

@@ -105,15 +105,16 @@ def run(config) -> None:
     from verl.trainer.main_ppo import run_ppo
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
-    from verl.utils.device import auto_set_device
+    from verl.utils.device import auto_set_device, get_device_name
 
-    from verl_traj.integration.verl_config import check_models, ray_init_address
+    from verl_traj.integration.verl_config import check_models, check_platform, ray_init_address
 
     traj_config = TrajConfig.from_mapping(config.get("traj"))
     validate_against_verl(traj_config, config)
     if traj_config.enable:
         check_models(config)
     auto_set_device(config)
+    check_platform(config, get_device_name())
     if config.trainer.get("device") == "cpu":
         # Ray prestarts one idle Python worker per logical CPU when the driver connects; the CPU presets declare
         # 16 logical CPUs for placement (configs/platform/cpu.yaml), and 16 processes importing verl on a 2-core

@@ -293,3 +293,22 @@ def test_a_scored_trajectory_becomes_its_step_rows(merge):
     assert rows[-1].response_logprobs == pytest.approx(list(last["response_logprobs"]))
     if not merge:
         assert [r.prompt_ids for r in rows] == [list(rec["prompt_ids"]) for rec in records]
+
+
+@pytest.mark.parametrize("field, value", [("routed_experts", [[1, 2]] * 4), ("multi_modal_data", {"image": ["x"]})])
+def test_step_rows_refuse_what_they_cannot_carry(field, value):
+    """Regression (issue 21): v1 step rows were built without routed_experts (MoE router replay) and multi-modal
+    data, silently; v0 refuses them. Now v1 refuses them too, naming the field and the fix."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+
+    from verl_traj.integration.v1_agent_loop import step_outputs
+    from verl_traj.stepwise.expand import StepExpansionError, encode_step_records
+    from verl_traj.testing import token_trajectory
+
+    records, prompt, response, mask, lps = token_trajectory(np.random.default_rng(0), 2)
+    out = AgentLoopOutput(prompt_ids=prompt.tolist(), response_ids=response.tolist(), response_mask=mask.tolist(),
+                          metrics=AgentLoopMetrics(), extra_fields={"traj_steps": encode_step_records(records)},
+                          **{field: value})
+    with pytest.raises(StepExpansionError, match=f"{field}.*traj.step_wise=false") as err:
+        step_outputs(out, merge_prefix=True)
+    assert err.value.field == field

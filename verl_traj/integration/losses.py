@@ -61,10 +61,10 @@ def weighted_policy_loss(
     """Policy (+ entropy + KL) loss of one micro-batch on padded ``[b, R]`` tensors (see module doc)."""
     _set_global_batch_info(config, dp_size)
     mask = response_mask.to(torch.bool)
-    w_row = loss_weight.to(log_prob.dtype)[:, None]  # [b, 1]
-    token_weights = w_row.expand_as(log_prob)
+    w_row = loss_weight.to(torch.float32)[:, None]  # [b, 1]: fp32 whatever the log-probs' dtype (bf16 rounds 1/3)
+    token_weights = w_row.expand(log_prob.shape)
     if rollout_is_weights is not None:
-        token_weights = token_weights * rollout_is_weights
+        token_weights = token_weights * rollout_is_weights.to(torch.float32)
     loss_mode = config.policy_loss.get("loss_mode", "vanilla") if config.policy_loss is not None else "vanilla"
     pg_loss, pg_metrics = get_policy_loss_fn(loss_mode)(
         old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=mask,
@@ -74,7 +74,7 @@ def weighted_policy_loss(
     # each micro-batch holds a partial sum of the mini-batch loss: SUM over micro-batches, mean over DP
     # (= sum over ranks / dp, and every rank's partial sum carries the * dp_size factor).
     metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=AggregationType.SUM)
-    weighted_mask = mask.to(log_prob.dtype) * w_row  # [b, R]
+    weighted_mask = mask.to(torch.float32) * w_row  # [b, R] fp32
     extra, extra_metrics = _entropy_and_kl(config, log_prob, weighted_mask, dp_size, entropy, ref_log_prob)
     metrics.update(extra_metrics)
     return pg_loss + extra, metrics
@@ -83,7 +83,7 @@ def weighted_policy_loss(
 def _entropy_and_kl(config: Any, log_prob: torch.Tensor, weighted_mask: torch.Tensor, dp_size: int,
                     entropy: Optional[torch.Tensor], ref_log_prob: Optional[torch.Tensor]):
     """``- entropy_coeff * entropy + kl_loss_coef * kl`` as weighted token sums, and their metrics."""
-    total = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
+    total = torch.zeros((), dtype=torch.float32, device=log_prob.device)
     metrics: dict[str, Any] = {}
     if entropy is not None:
         entropy_loss = agg_loss(loss_mat=entropy, loss_mask=weighted_mask, loss_agg_mode="token-sum", dp_size=dp_size)
@@ -112,7 +112,7 @@ def weighted_value_loss(
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """Clipped value loss of one micro-batch on padded [b, R] tensors (see module doc)."""
     mask = response_mask.to(torch.bool)
-    weighted_mask = mask.to(vpreds.dtype) * loss_weight.to(vpreds.dtype)[:, None]
+    weighted_mask = mask.to(torch.float32) * loss_weight.to(torch.float32)[:, None]  # fp32 (bf16 rounds weights)
     vf_loss, _ = compute_value_loss(
         vpreds=vpreds,
         values=values,

@@ -37,7 +37,7 @@ def plan_layout(layout: BatchLayout, traj_config: TrajConfig, num_mini_batches: 
     """The core plan of ``layout`` with the ``traj:`` settings and verl's micro-batch cap (``micro``; a cap
     derived from verl's settings is raised to the longest row, an explicit one is kept)."""
     cap = None
-    if micro is not None:
+    if micro is not None and micro.engine_runs_plan:  # else the engine cuts its own: no micro-batches planned
         longest = int(layout.num_tokens.max())
         cap = max(micro.max_tokens, longest) if micro.derived else micro.max_tokens
     return plan_mini_batches(

@@ -35,17 +35,37 @@ from verl_traj.config import TrajConfig
 from verl_traj.core.row_key import row_key
 from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, trajectory_step_rows
 
-__all__ = ["MANAGER_FQN", "MERGE_TAG", "TrajAgentLoopManagerTQ", "TrajAgentLoopWorkerTQ", "session_priority",
+__all__ = ["MANAGER_FQN", "MERGE_TAG", "UNSUPPORTED_STEP_FIELDS", "check_step_output", "TrajAgentLoopManagerTQ", "TrajAgentLoopWorkerTQ", "session_priority",
            "step_outputs"]
 
 MANAGER_FQN = "verl_traj.integration.v1_agent_loop.TrajAgentLoopManagerTQ"
 MERGE_TAG = "traj_merge"  # tag of a session's first row: its MergeStats as a dict
 
 
+# AgentLoopOutput fields that hold per-token or per-image data of the whole trajectory, which the step rows would
+# need re-cut per LLM call (v0 refuses the same fields in its expansion: stepwise/expand.py)
+UNSUPPORTED_STEP_FIELDS = ("routed_experts", "multi_modal_data", "mm_processor_output")
+
+
+def check_step_output(output: AgentLoopOutput) -> None:
+    """Refuse a trajectory whose output carries :data:`UNSUPPORTED_STEP_FIELDS`: step rows without them would train
+    silently without MoE router replay or without the images."""
+    from verl_traj.stepwise.expand import StepExpansionError
+
+    for name in UNSUPPORTED_STEP_FIELDS:
+        value = getattr(output, name, None)
+        if value is not None and not (hasattr(value, "__len__") and len(value) == 0):
+            raise StepExpansionError(
+                f"the agent loop's output carries {name} (MoE router replay or multi-modal data), which step rows "
+                f"cannot carry yet: each LLM call would have to get its own slice. Fix: set traj.step_wise=false (one "
+                f"row per trajectory keeps {name}), or turn router replay / multi-modal inputs off.", field=name)
+
+
 def step_outputs(output: AgentLoopOutput, merge_prefix: bool,
                  steps_key: str = DEFAULT_STEPS_KEY) -> tuple[list[AgentLoopOutput], dict[str, int]]:
     """The step rows of one scored trajectory output, as agent-loop outputs (the last carries the reward; extra
     fields but the step records are kept on every row), and the merge statistics."""
+    check_step_output(output)
     extra = {k: v for k, v in output.extra_fields.items() if k != steps_key}
     rows, stats = trajectory_step_rows(output.prompt_ids, output.response_ids, output.response_mask,
                                        output.response_logprobs, output.extra_fields.get(steps_key),

@@ -36,7 +36,8 @@ from verl_traj.core import PAD_ROW_TOKENS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PlanSettings", "check_models", "pad_row_tokens", "prepare_config", "fixed_to_dynamic_micro_batches"]
+__all__ = ["MICRO_BATCH_PASSES", "MicroBatchPass", "PlanSettings", "check_models", "check_platform", "fixed_to_dynamic_micro_batches",
+           "pad_row_tokens", "pin_micro_batch_settings", "prepare_config"]
 
 
 @dataclass(frozen=True)
@@ -49,65 +50,100 @@ class PlanSettings:
     cost: str
     derived: bool
     pad_row_tokens: int = PAD_ROW_TOKENS
+    engine_runs_plan: bool = True  # False: an engine that cuts its own micro-batches (Megatron's pipeline schedule)
 
 
 def _max_row_tokens(config: Any) -> int:
     return int(config.data.get("max_prompt_length", 0) or 0) + int(config.data.get("max_response_length", 0) or 0)
 
 
-def _convert_pass(section: Any, prefix: str, flag: str, mbs_key: str, len_keys: tuple[str, ...],
-                  fallback_mbs: int, max_len: int) -> Optional[str]:
-    """Switch one pass from fixed micro-batch sizes to dynamic ones with the same memory bound."""
-    if section is None or bool(section.get(flag, False)):
-        return None
-    cap = int(section.get(mbs_key, None) or fallback_mbs) * max_len
-    section[flag] = True
-    for key in len_keys:
-        section[key] = cap
-    return f"{prefix}.{flag}=true, {prefix}.{len_keys[0]}={cap}"
+@dataclass(frozen=True)
+class MicroBatchPass:
+    """One forward (/backward) pass of verl whose micro-batches are sized by a fixed row count or a token cap:
+    ``section`` (config path), its ``flag`` (dynamic on/off), its ``(micro-batch size key, token cap key)`` pairs,
+    and the section whose Ulysses size it runs with."""
+
+    section: str
+    flag: str
+    caps: tuple[tuple[str, str], ...]
+    sp_section: str
+
+
+ACTOR, CRITIC = "actor_rollout_ref.actor", "critic"
+# engines whose micro-batches are the plan's (integration/patches.py ENGINE_MODULES: verl's FSDP engine)
+PLANNED_MICRO_BATCH_STRATEGIES = ("fsdp", "fsdp2")
+MICRO_BATCH_PASSES = (
+    MicroBatchPass(ACTOR, "use_dynamic_bsz", (("ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu"),), ACTOR),
+    MicroBatchPass("actor_rollout_ref.rollout", "log_prob_use_dynamic_bsz",
+                   (("log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu"),), ACTOR),
+    MicroBatchPass("actor_rollout_ref.ref", "log_prob_use_dynamic_bsz",
+                   (("log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu"),), ACTOR),
+    MicroBatchPass(CRITIC, "use_dynamic_bsz", (("ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu"),
+                                               ("forward_micro_batch_size_per_gpu", "forward_max_token_len_per_gpu")),
+                   CRITIC),
+)
+
+
+def _passes(config: Any) -> list[tuple[MicroBatchPass, Any]]:
+    """The passes this config runs, with their sections (the critic's only when it is on)."""
+    out = []
+    for p in MICRO_BATCH_PASSES:
+        section = OmegaConf.select(config, p.section, default=None)
+        if section is not None and (p.section != CRITIC or uses_critic(config)):
+            out.append((p, section))
+    return out
+
+
+def pin_micro_batch_settings(config: Any) -> None:
+    """Write every pass's flag, micro-batch sizes and caps as the literal values they resolve to now. verl's config
+    interpolates them from the actor's keys (the critic's ``use_dynamic_bsz``, the log-prob passes' flags and caps),
+    so without this a change to the actor's (the fixed-to-dynamic switch, ``traj.micro_batch_max_tokens``) would
+    silently change the other passes too."""
+    with open_dict(config):
+        for p, section in _passes(config):
+            for key in (p.flag, *(k for pair in p.caps for k in pair)):
+                if key in section:
+                    section[key] = section.get(key)
 
 
 def fixed_to_dynamic_micro_batches(config: Any) -> list[str]:
-    """Every pass still on fixed micro-batch sizes -> verl's dynamic micro-batching, same memory bound; a pass
-    already dynamic keeps its cap. Returns what changed. (verl requires the actor's and the rollout log-prob
-    pass's ``use_dynamic_bsz`` to agree: afterwards both are true.)"""
+    """Every pass still on fixed micro-batch sizes -> verl's dynamic micro-batching with the same memory bound, read
+    from its own settings; a pass already dynamic keeps its cap. Returns what changed. (verl requires the actor's
+    and the rollout log-prob pass's ``use_dynamic_bsz`` to agree: afterwards both are true.)
+
+    The bound: a fixed micro-batch of ``mbs`` rows runs on one sequence-parallel group, each GPU holding ``1/sp`` of
+    every row (about ``mbs * len / sp`` tokens per GPU), while verl multiplies a dynamic per-GPU cap by ``sp`` for
+    the group. So the per-GPU cap is ``ceil(mbs * (max_prompt_length + max_response_length) / sp)``."""
     max_len = _max_row_tokens(config)
     if max_len <= 0:
         return []
-    arr = config.actor_rollout_ref
-    mbs = int(arr.rollout.get("log_prob_micro_batch_size_per_gpu", None)
-              or arr.actor.get("ppo_micro_batch_size_per_gpu", None) or 1)
+    pin_micro_batch_settings(config)
     changed = []
     with open_dict(config):
-        changed.append(_convert_pass(arr.actor, "actor_rollout_ref.actor", "use_dynamic_bsz",
-                                     "ppo_micro_batch_size_per_gpu", ("ppo_max_token_len_per_gpu",), mbs, max_len))
-        changed.append(_convert_pass(arr.rollout, "actor_rollout_ref.rollout", "log_prob_use_dynamic_bsz",
-                                     "log_prob_micro_batch_size_per_gpu", ("log_prob_max_token_len_per_gpu",), mbs,
-                                     max_len))
-        if "ref" in arr and arr.ref is not None:
-            changed.append(_convert_pass(arr.ref, "actor_rollout_ref.ref", "log_prob_use_dynamic_bsz",
-                                         "log_prob_micro_batch_size_per_gpu", ("log_prob_max_token_len_per_gpu",), mbs,
-                                         max_len))
-        critic = config.get("critic", None)
-        if critic is not None and uses_critic(config):
-            keys = tuple(k for k in ("ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu",
-                                     "ppo_infer_max_token_len_per_gpu") if k in critic)
-            changed.append(_convert_pass(critic, "critic", "use_dynamic_bsz", "ppo_micro_batch_size_per_gpu", keys, mbs,
-                                         max_len))
-    return [c for c in changed if c]
+        for p, section in _passes(config):
+            if bool(section.get(p.flag, False)):
+                continue
+            sp = ulysses_size(OmegaConf.select(config, p.sp_section))
+            sizes = [section.get(mbs_key, None) for mbs_key, _ in p.caps]
+            fallback = next((int(m) for m in sizes if m), 1)
+            section[p.flag] = True
+            for (mbs_key, cap_key), mbs in zip(p.caps, sizes):
+                if cap_key in section:
+                    section[cap_key] = -(-int(mbs or fallback) * max_len // sp)
+            changed.append(f"{p.section}.{p.flag}=true, {p.section}.{p.caps[0][1]}={section[p.caps[0][1]]}"
+                           + (f" (per GPU: Ulysses size {sp})" if sp > 1 else ""))
+    return changed
 
 
 def _apply_infer_cap(config: Any, cap: int) -> None:
-    arr = config.actor_rollout_ref
+    """``traj.infer_micro_batch_max_tokens``: the log-prob, reference and value passes' token caps."""
     with open_dict(config):
-        arr.rollout.log_prob_max_token_len_per_gpu = cap
-        if "ref" in arr and arr.ref is not None:
-            arr.ref.log_prob_max_token_len_per_gpu = cap
-        critic = config.get("critic", None)
-        if critic is not None:
-            for key in ("forward_max_token_len_per_gpu", "ppo_infer_max_token_len_per_gpu"):
-                if key in critic:
-                    critic[key] = cap
+        for p, section in _passes(config):
+            if p.section == ACTOR:
+                continue
+            for _, cap_key in p.caps[-1:]:  # the inference cap of the pass (the critic's forward pass)
+                if cap_key in section:
+                    section[cap_key] = cap
 
 
 def pad_row_tokens(config: Any) -> int:
@@ -138,8 +174,8 @@ def _plan_settings(config: Any, traj_config: TrajConfig) -> PlanSettings:
     rmpad = bool((arr.get("model", None) or {}).get("use_remove_padding", False)) and (
         not use_critic or bool((critic.get("model", None) or {}).get("use_remove_padding", False)))
     cost = "tokens" if rmpad else "padded" if traj_config.padded_cap == "tokens" else "padded_area"
-    return PlanSettings(cap, cost, traj_config.micro_batch_max_tokens is None,
-                        pad_row_tokens(config))
+    runs = all(str(s.get("strategy", "fsdp")) in PLANNED_MICRO_BATCH_STRATEGIES for s in sections)
+    return PlanSettings(cap, cost, traj_config.micro_batch_max_tokens is None, pad_row_tokens(config), runs)
 
 
 def _force_balance_batch(config: Any) -> None:
@@ -199,6 +235,7 @@ def prepare_config(config: Any, traj_config: TrajConfig) -> PlanSettings:
         prepare_v1_agent_loop(config, traj_config)
     else:
         _force_balance_batch(config)
+    pin_micro_batch_settings(config)  # before any write: inference caps stay verl's unless asked
     changed = fixed_to_dynamic_micro_batches(config)
     if changed:
         logger.warning("verl_traj: planned batches have variable rows per rank, so fixed micro-batch sizes were "
@@ -290,3 +327,24 @@ def ray_init_address(config: Any, environ: Optional[dict] = None) -> Optional[st
     with open_dict(config):
         config.ray_kwargs.ray_init.address = "local"
     return "local"
+
+
+def check_platform(config: Any, platform_device: str, environ: Optional[dict] = None) -> None:
+    """The job's device (``trainer.device``) and the platform verl picked in this process (``platform_device``:
+    ``verl.utils.device.get_device_name()``) must agree: the CPU plugin switches a process without an accelerator to
+    the CPU platform, so on a CPU-only Ray head node (or one without ``nvidia-smi``) a GPU job would otherwise start
+    as a CPU job and fail later at placement. ``VERL_TRAJ_CPU=0`` (set by the GPU launchers) keeps the plugin out."""
+    environ = os.environ if environ is None else environ
+    device = str(config.trainer.get("device", "cuda"))
+    if platform_device == "cpu" and device != "cpu":
+        raise TrajConfigError(
+            f"trainer.device={device!r} asks for accelerators, but this process sees none and verl_traj's CPU platform "
+            "is active here (a CPU-only head node?). Fix: run with VERL_TRAJ_CPU=0 so the driver keeps verl's GPU "
+            "platform (examples/calc_agent/run_gpu.sh and run_multinode.sh set it), or choose a CPU preset "
+            "(trainer.device=cpu).", field="trainer.device")
+    if device == "cpu" and platform_device != "cpu":
+        forced = environ.get("VERL_TRAJ_CPU", "")
+        raise TrajConfigError(
+            f"trainer.device='cpu' (a CPU preset), but verl picked the {platform_device!r} platform in this process "
+            f"(an accelerator is visible{'; VERL_TRAJ_CPU=' + forced if forced else ''}). Fix: set VERL_TRAJ_CPU=1 to "
+            "train on CPU anyway, or use a GPU preset (e.g. --config-name calc_agent_gpu).", field="trainer.device")

@@ -102,9 +102,11 @@ class PlannedUpdate:
 
     def metrics(self, epochs: int) -> dict[str, list]:
         runs = self.micro_batches_run
-        return {"num_optimizer_steps": [self.steps], "num_mini_batches": [self.steps // max(epochs, 1)],
-                "micro_batches_per_epoch": [sum(runs) / max(epochs, 1)],
-                "micro_batches_per_mini_batch_max": [max(runs) if runs else 0]}
+        out = {"num_optimizer_steps": [self.steps], "num_mini_batches": [self.steps // max(epochs, 1)]}
+        if runs:  # an engine that cut its own micro-batches (Megatron) reports its own, not ours
+            out.update(micro_batches_per_epoch=[sum(runs) / max(epochs, 1)],
+                       micro_batches_per_mini_batch_max=[max(runs)])
+        return out
 
 
 def _fixed_size_arithmetic(data: TensorDict, dp_size: int) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 
-__all__ = ["free_port", "init_rank", "cpu_config", "actor_worker", "critic_worker", "rank_tensordict", "plan_for_update"]
+__all__ = ["free_port", "init_rank", "compose_config", "cpu_config", "actor_worker", "critic_worker", "rank_tensordict", "plan_for_update"]
 
 
 def free_port() -> int:
@@ -38,14 +38,22 @@ def init_rank(rank: int, world: int, port: int, home: str, threads: int = 1) -> 
 
 def cpu_config(overrides: Sequence[str] = ()) -> Any:
     """``configs/cpu_tiny.yaml`` with hydra overrides, resolved."""
+    return compose_config("cpu_tiny", overrides)
+
+
+def compose_config(name: str, overrides: Sequence[str] = (), *, resolve: bool = True) -> Any:
+    """A shipped preset (``traj_ppo``: verl's own ``ppo_trainer`` plus ``traj:``) with hydra overrides; with
+    ``resolve=False`` verl's interpolations (``${oc.select:actor_rollout_ref.actor...}``) are kept, as the trainer
+    receives them."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     from verl_traj.configs import CONFIG_DIR
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        cfg = compose(config_name="cpu_tiny", overrides=list(overrides))
-    OmegaConf.resolve(cfg)
+        cfg = compose(config_name=name, overrides=list(overrides))
+    if resolve:
+        OmegaConf.resolve(cfg)
     return cfg
 
 
