@@ -47,12 +47,32 @@ DP2_CAP = 160
 DP2_CONFIG = "cpu_tiny_ppo"
 
 
+# verl's remove-padding path (the GPU users' mode: flash-attn varlen there; on CPU transformers' sdpa with the
+# block-diagonal mask of packed position ids) for actor, reference and critic
+REMOVE_PADDING = ["actor_rollout_ref.model.use_remove_padding=true", "critic.model.use_remove_padding=true"]
+
+
+# Ulysses sequence parallelism over the two ranks (one data-parallel rank), actor and critic: verl's Ulysses code
+# (the all-to-all around flash-attention's varlen call) on the CPU platform's torch varlen attention
+ULYSSES_2 = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+             "critic.ulysses_sequence_parallel_size=2", "critic.fsdp.ulysses_sequence_parallel_size=2", *REMOVE_PADDING,
+             "actor_rollout_ref.model.override_config.attn_implementation=cpu_varlen",
+             "critic.model.override_config.attn_implementation=cpu_varlen"]
+
+
+# bf16 compute, fp32 parameters and reductions (verl's GPU default mixed precision) for actor, reference and critic
+BF16 = ["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+        "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=bf16", "critic.fsdp.mixed_precision.param_dtype=bf16"]
+
+
 def dp2_reference(trainer: str, dp: int = 2) -> list[str]:
-    """Overrides of :data:`DP2_CONFIG` for the 3-step two-rank PPO run with padding rows and a token cap that the
-    plan checks (test_traj_training), the PPO checks (test_ppo_training), the reproducibility test (its
-    uninterrupted run) and the dp1-vs-dp2 gradient test all read (one launch per trainer through the
-    ``shared_run`` fixture). ``dp=1``: the same run on one rank."""
-    layout = DP2_PADDED if dp == 2 else [o for o in DP2_PADDED if not o.startswith("trainer.n_gpus_per_node")]
+    """Overrides of :data:`DP2_CONFIG` for the 3-step two-rank PPO run with padding rows and a token cap, on verl's
+    remove-padding path, that the plan checks (test_traj_training), the PPO checks (test_ppo_training), the
+    reproducibility test (its uninterrupted run) and the dp1-vs-dp2 gradient test all read (one launch per trainer
+    through the ``shared_run`` fixture). ``dp=1``: the same run on one rank, on the padded path (so the gradient test
+    compares both the layout and the attention path)."""
+    layout = [*DP2_PADDED, *REMOVE_PADDING] if dp == 2 else [
+        o for o in DP2_PADDED if not o.startswith("trainer.n_gpus_per_node")]
     return [*TRAINERS[trainer], *layout, f"traj.micro_batch_max_tokens={DP2_CAP}", "critic.ppo_mini_batch_size=6",
             "trainer.total_training_steps=3"]
 

@@ -5,12 +5,13 @@ mini-batch size honoured, and bad critic set-ups refused at start-up by name."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
 import pytest
 
-from tests.e2e.runs import DP2_CONFIG, ONE_RANK_CONFIG, TRAINERS_V0_OPT_IN, dp2_reference, one_rank_ppo, tail
+from tests.e2e.runs import BF16, DP2_CONFIG, ONE_RANK_CONFIG, TRAINERS_V0_OPT_IN, dp2_reference, one_rank_ppo, tail
 
 pytestmark = pytest.mark.e2e
 
@@ -62,3 +63,15 @@ def test_bad_critic_setups_are_refused_at_start_up(tiny_home, tmp_path, override
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and named in run.stdout + run.stderr, (run.stdout + run.stderr)[-3000:]
     assert "Training Progress" not in run.stdout + run.stderr  # refused before anything started
+
+
+def test_ppo_trains_in_bf16_mixed_precision(run_training):
+    """verl's GPU mixed precision on CPU (bf16 compute, fp32 parameters and reductions) for actor, reference and
+    critic: PPO trains with the planned mini-batches, its losses and gradients finite. The actor really computes in
+    bf16 (its log-probs differ from the fp32 rollout's, where the fp32 runs agree to 1e-8); the per-row loss weights
+    stay fp32 (tests/integration/test_loss_precision.py)."""
+    run = run_training(one_rank_ppo("v1", steps=2) + BF16, config_name=ONE_RANK_CONFIG, timeout=420)
+    _check(run, actor_steps=4, critic_steps=1, n_steps=2)
+    for m in (m for m in run.metrics if "critic/vf_loss" in m):
+        assert all(math.isfinite(m[k]) for k in ("actor/grad_norm", "critic/grad_norm", "actor/pg_loss", "critic/vf_loss"))
+        assert 1e-7 < m["training/rollout_probs_diff_max"] < 1e-2

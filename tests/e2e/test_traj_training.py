@@ -83,13 +83,45 @@ def test_traj_training_one_rank(shared_run, trainer):
 @pytest.mark.parametrize("trainer", TRAINERS_V0_OPT_IN)  # v0 on two ranks by default: tests/stepwise/test_stepwise_e2e.py
 def test_traj_training_two_ranks_padding_token_cap(shared_run, trainer):
     """dp=2, groups of 3 rows, 3 groups per mini-batch -> 9 rows per mini-batch -> a padding row each;
-    the token cap cuts several micro-batches per rank (the shared ``dp2_reference`` run)."""
+    the token cap cuts several micro-batches per rank (the shared ``dp2_reference`` run, on verl's remove-padding
+    path: the planner's token-sum cost model packs the fewest micro-batches, and actor and critic run exactly those)."""
     run = shared_run(dp2_reference(trainer), config_name=DP2_CONFIG)
     _check_run(run, run.workdir / "dump" / "plan.jsonl", mini_batches=2, expect_padding=True, steps=3)
     for m in run.metrics:
         if "traj_plan/micro_batches" in m:
             assert m["traj_plan/max_packed_tokens"] <= DP2_CAP
             assert m["traj_plan/micro_batches"] > 2 and m["actor/micro_batches_per_epoch"] == m["traj_plan/micro_batches"]
+            assert m["critic/micro_batches_per_epoch"] == m["traj_plan/micro_batches"]
+    for rec in _dump(run.workdir / "dump" / "plan.jsonl"):
+        _check_fewest_micro_batches(rec, DP2_CAP)
+
+
+def _fewest_bins(sizes: list[int], cap: int) -> int:
+    """The fewest bins of capacity ``cap`` that hold ``sizes`` (exhaustive: a rank's rows of one mini-batch)."""
+    import itertools
+
+    for k in range(1, len(sizes) + 1):
+        for assignment in itertools.product(range(k), repeat=len(sizes)):
+            loads = [0] * k
+            for size, b in zip(sizes, assignment):
+                loads[b] += size
+            if max(loads) <= cap:
+                return k
+    return len(sizes)
+
+
+def _check_fewest_micro_batches(rec: dict, cap: int) -> None:
+    """Remove-padding: a micro-batch costs its token sum, so the plan runs the fewest micro-batches under the cap on
+    the rank that needs most (ranks of one mini-batch run the same count), padding rows' tokens included."""
+    per_rank = len(rec["uid"]) // rec["dp_size"]
+    sizes, micro = defaultdict(list), defaultdict(set)
+    for i, (mb, mi, n) in enumerate(zip(rec["mini_batch_id"], rec["micro_batch_id"], rec["attention_length"])):
+        sizes[(i // per_rank, mb)].append(n)
+        micro[(i // per_rank, mb)].add(mi)
+    for mb in set(rec["mini_batch_id"]):
+        ranks = range(rec["dp_size"])
+        fewest = max(_fewest_bins(sizes[(r, mb)], cap) for r in ranks)
+        assert all(len(micro[(r, mb)]) == fewest for r in ranks), (mb, fewest, [len(micro[(r, mb)]) for r in ranks])
 
 
 @pytest.mark.parametrize("trainer", TRAINERS_V0_OPT_IN)

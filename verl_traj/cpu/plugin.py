@@ -31,6 +31,7 @@ import sys
 import threading
 from typing import Callable
 
+from verl_traj.cpu.attention import CPU_VARLEN, flash_mask, flash_path, varlen_attention
 from verl_traj.integration.process_patches import cpu_platform_patches, cpu_rollout_registrations, install
 
 logger = logging.getLogger(__name__)
@@ -240,6 +241,9 @@ def _register_platform() -> None:
         register_engines=_register_engines,
         # verl's FSDP engine imports it at call time, so the module attribute is enough
         valuehead_loader=lambda _verl_loader: cpu_valuehead_model,
+        register_attention=lambda interface: interface.register(CPU_VARLEN, flash_path()),
+        register_attention_mask=lambda interface: interface.register(CPU_VARLEN, flash_mask()),
+        varlen_attention=lambda _kernel: varlen_attention,
     ), _hook.add)
 
 

@@ -21,7 +21,12 @@ replacements in; this module imports nothing of verl_traj (it lists patches, it 
   6. ``verl.workers.engine.fsdp.transformer_impl.CPUOffloadPolicy`` <- the same policy, unpinned (after import);
   7. ``verl.workers.engine.base.EngineRegistry`` += the FSDP engines for device ``cpu`` (after
      ``transformer_impl`` is imported: it defines them);
-  8. ``verl.utils.model.load_valuehead_model`` <- a loader honouring the config's attention (after import).
+  8. ``verl.utils.model.load_valuehead_model`` <- a loader honouring the config's attention (after import);
+  9. ``transformers.modeling_utils.AttentionInterface`` and ``transformers.masking_utils.AttentionMaskInterface``
+     += ``cpu_varlen`` (transformers' flash-attention path and mask under that name), after each is imported;
+  10. ``transformers.integrations.flash_attention._flash_attention_forward`` and
+     ``verl.models.transformers.monkey_patch._flash_attention_forward`` (what verl's Ulysses wrapper calls) <- the
+     pure-torch variable-length attention (:mod:`verl_traj.cpu.attention`), after each module is imported.
 
 :func:`install` installs a list in order; ``on_import(module_name, callback)`` is the caller's post-import
 hook for the entries that wait for verl to import their module.
@@ -47,6 +52,8 @@ DISTRIBUTED = "verl.utils.distributed"
 PLATFORM_MANAGER = "verl.plugin.platform.platform_manager"
 FSDP_ENGINE = "verl.workers.engine.fsdp.transformer_impl"
 PROCESS_GROUP_FUNCTIONS = ("initialize_global_process_group_ray", "initialize_global_process_group")
+TRANSFORMERS_FLASH = "transformers.integrations.flash_attention"
+VERL_MONKEY_PATCH = "verl.models.transformers.monkey_patch"
 # modules that import verl.utils.distributed's process-group functions by name
 PROCESS_GROUP_MODULES = ("verl.workers.engine_workers", "verl.checkpoint_engine.base", "verl.trainer.sft_trainer")
 
@@ -108,7 +115,9 @@ def cpu_platform_patches(*, register_platform: Callable[[type], None], current_p
                          gloo_process_group_ray: Callable[[Callable], Callable],
                          gloo_process_group: Callable[[Callable], Callable],
                          unpinned_offload_policy: Callable[[Any], Any], register_engines: Callable[[type], None],
-                         valuehead_loader: Callable[[Callable], Callable]) -> list[ProcessPatch]:
+                         valuehead_loader: Callable[[Callable], Callable],
+                         register_attention: Callable[[type], None], register_attention_mask: Callable[[type], None],
+                         varlen_attention: Callable[[Callable], Callable]) -> list[ProcessPatch]:
     """The CPU platform (processes without an accelerator); order: module docstring."""
     out = [
         ProcessPatch(PLATFORM_MANAGER, "PlatformRegistry", register_platform, "name the CPU platform 'cpu'",
@@ -131,5 +140,16 @@ def cpu_platform_patches(*, register_platform: Callable[[type], None], current_p
         ProcessPatch("verl.utils.model", "load_valuehead_model", valuehead_loader,
                      "load value models with the config's attention (verl hard-codes CUDA-only flash_attention_2)",
                      when=ON_IMPORT),
+        ProcessPatch("transformers.modeling_utils", "AttentionInterface", register_attention,
+                     "name transformers' flash-attention path 'cpu_varlen' (the path verl's Ulysses patch wraps)",
+                     kind=REGISTER, when=ON_IMPORT),
+        ProcessPatch("transformers.masking_utils", "AttentionMaskInterface", register_attention_mask,
+                     "give 'cpu_varlen' the flash-attention mask (None or the 2-D padding mask)", kind=REGISTER,
+                     when=ON_IMPORT),
+        ProcessPatch(TRANSFORMERS_FLASH, "_flash_attention_forward", varlen_attention,
+                     "run flash-attention's variable-length contract in torch (the CUDA kernel's place)",
+                     when=ON_IMPORT),
+        ProcessPatch(VERL_MONKEY_PATCH, "_flash_attention_forward", varlen_attention,
+                     "the kernel verl's Ulysses all-to-all wrapper calls, in torch", when=ON_IMPORT),
     ]
     return out
