@@ -18,6 +18,11 @@ through
   area at that count), ``TrajTrainingWorker`` running exactly the planned micro-batches, ``traj_ppo_loss``;
 * ``traj_area``: the same with ``traj.padded_cap=area`` (the cap bounds each micro-batch's padded area).
 
+With ``--remove-padding`` (verl's remove-padding path, the GPU users' mode: flash-attn varlen there, here
+transformers' sdpa on the packed layout) a micro-batch costs its token sum: the plan packs the fewest micro-batches
+under the cap (``traj_area`` and the pass costs, which weigh padded positions, do not apply and are left out), and
+verl cuts its own dynamic micro-batches the same way; padded positions are then none but the padding rows' tokens.
+
 All do the same number of optimizer steps under the same per-micro-batch cap. The variants alternate
 after one warm-up each, each repeat starting one variant later (stock, stock_v0, traj, traj_area; then
 stock_v0, traj, traj_area, stock; ...); the table shows medians and the ratio
@@ -32,7 +37,7 @@ worker's own count), and what verl's ``rearrange_micro_batches`` would cut for t
 positions (without remove-padding every micro-batch is padded to its longest row: the share of computed
 positions that are padding); padding rows.
 
-    python scripts/bench_update.py --dp 2 [--cases default swebench small_cap] [--json]
+    python scripts/bench_update.py --dp 2 [--cases default swebench small_cap] [--remove-padding] [--json]
 """
 
 from __future__ import annotations
@@ -129,8 +134,9 @@ def verl_micro_batches(lens: list[list[int]], cap: int) -> tuple[int, list[list[
         k += 1
 
 
-def micro_batch_report(batch, dp: int, num_mb: int, cap: int, planned: bool) -> dict:
-    """Per rank and update: planned / verl micro-batch counts and padded-position shares of what runs."""
+def micro_batch_report(batch, dp: int, num_mb: int, cap: int, planned: bool, packed: bool = False) -> dict:
+    """Per rank and update: planned / verl micro-batch counts and padded-position shares of what runs (``packed``:
+    remove-padding computes each micro-batch's tokens only)."""
     lens = batch.batch["attention_mask"].sum(-1).tolist()
     per_rank = len(lens) // dp
     mb = batch.batch["mini_batch_id"].tolist() if planned else [(i % per_rank) // (per_rank // num_mb) for i in range(len(lens))]
@@ -145,7 +151,7 @@ def micro_batch_report(batch, dp: int, num_mb: int, cap: int, planned: bool) -> 
         planned_total += max(len(g) for g in groups) if planned else 0
         for g in groups:
             for part in g:
-                area += len(part) * max(lens[i] for i in part)
+                area += sum(lens[i] for i in part) if packed else len(part) * max(lens[i] for i in part)
                 real += sum(lens[i] for i in part)
     return {"micro_batches_planned": planned_total if planned else None, "micro_batches_verl": verl_total,
             "padded_positions": 1.0 - real / max(area, 1)}
@@ -154,17 +160,20 @@ def micro_batch_report(batch, dp: int, num_mb: int, cap: int, planned: bool) -> 
 STOCK = {"stock": "v1", "stock_v0": "v0"}  # stock variant -> the trainer whose _balance_batch order it runs
 
 
-def variants(pass_costs: list[Optional[int]]) -> dict[str, Optional[dict]]:
+def variants(pass_costs: list[Optional[int]], remove_padding: bool = False) -> dict[str, Optional[dict]]:
     """Variant name -> ``traj:`` options (None: stock verl, :data:`STOCK`): ``traj`` with each pass cost, then
-    ``traj_area``."""
+    ``traj_area``; with remove-padding only ``traj`` (the cost is the token sum)."""
     out: dict[str, Optional[dict]] = {name: None for name in STOCK}
+    if remove_padding:
+        return {**out, "traj": {}}
     for i, cost in enumerate(pass_costs):
         out["traj" if i == 0 else f"traj pass_cost={cost}"] = {"padded_cap": "tokens", "pass_cost_tokens": cost}
     out["traj_area"] = {"padded_cap": "area"}
     return out
 
 
-def prepare(case: dict, variant: str, options: Optional[dict], cfg, vocab: int, dp: int, seed: int):
+def prepare(case: dict, variant: str, options: Optional[dict], cfg, vocab: int, dp: int, seed: int,
+            packed: bool = False):
     from verl_traj.testing.engine import plan_for_update
 
     batch = make_batch(case, vocab, seed, dp)
@@ -173,14 +182,14 @@ def prepare(case: dict, variant: str, options: Optional[dict], cfg, vocab: int, 
         stock_order(batch, dp, STOCK[variant])
     else:
         n_pad = int(plan_for_update(batch, cfg, dp, **options).stats.padding_rows.sum())
-    report = micro_batch_report(batch, dp, case["mini_batches"], case["cap"], options is not None)
+    report = micro_batch_report(batch, dp, case["mini_batches"], case["cap"], options is not None, packed)
     return batch, {"padding_rows": n_pad, "rows": len(batch), "source_rows": source_rows, **report}
 
 
-def _config(case: dict):
+def _config(case: dict, remove_padding: bool = False):
     from verl_traj.testing.engine import cpu_config
 
-    return cpu_config([
+    return cpu_config([f"actor_rollout_ref.model.use_remove_padding={str(remove_padding).lower()}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={case['groups'] // case['mini_batches']}",
         f"actor_rollout_ref.rollout.n={case['n']}", f"data.train_batch_size={case['groups']}",
         f"data.max_prompt_length={case['prompt_len']}", f"data.max_response_length={case['response_len']}",
@@ -212,10 +221,11 @@ def _proc(rank: int, dp: int, port: int, args, out_path: str):
     for name in args.cases:
         case = CASES[name]
         runs = {}
-        for variant, options in variants(args.pass_cost).items():
-            cfg = _config(case)
+        for variant, options in variants(args.pass_cost, args.remove_padding).items():
+            cfg = _config(case, args.remove_padding)
             worker = actor_worker(cfg, options is not None)
-            batch, info = prepare(case, variant, options, cfg, int(worker.model_config.hf_config.vocab_size), dp, args.seed)
+            batch, info = prepare(case, variant, options, cfg, int(worker.model_config.hf_config.vocab_size), dp, args.seed,
+                                  args.remove_padding)
             runs[variant] = {"worker": worker, "batch": batch, "info": info, "times": [], "metrics": None}
         names = list(runs)
         for it in range(args.repeats + 1):
@@ -274,6 +284,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pass-cost", nargs="+", type=lambda v: None if v == "null" else int(v), default=[1024],
                     help="traj.pass_cost_tokens of the traj variant; more values add variants (null: the fewest passes)")
     ap.add_argument("--home", default=os.environ.get("VERL_TRAJ_HOME", os.path.join(tempfile.gettempdir(), "verl_traj_tiny_bench")))
+    ap.add_argument("--remove-padding", action="store_true",
+                    help="verl's remove-padding path (actor_rollout_ref.model.use_remove_padding=true): the GPU mode")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = ap.parse_args(argv)
     if not (Path(args.home) / "tiny" / "model").exists():
@@ -291,11 +303,13 @@ def main(argv=None) -> int:
         with open(out) as f:
             results = json.load(f)
     report = {"config": {"dp": args.dp, "repeats": args.repeats, "threads": args.threads, "seed": args.seed,
-                         "cases": {c: CASES[c] for c in args.cases}}, "results": results}
+                         "remove_padding": args.remove_padding, "cases": {c: CASES[c] for c in args.cases}},
+              "results": results}
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"actor update on CPU, dp={args.dp}, median of {args.repeats} (alternating, after one warm-up each)")
+        mode = "remove-padding" if args.remove_padding else "padded (sdpa, no remove-padding)"
+        print(f"actor update on CPU, dp={args.dp}, {mode}, median of {args.repeats} (alternating, after one warm-up each)")
         print(_table(report))
     return 0
 
