@@ -73,11 +73,17 @@ def _verl(adv="grpo", use_v1=False, prompt=256, response=256):
     }
 
 
-@pytest.mark.parametrize("adv", ["gae", "reinforce_plus_plus"])
-def test_temporal_estimators_rejected_with_step_wise_rows(adv):
+@pytest.mark.parametrize("adv", ["optimal_token_baseline", "gdpo"])
+def test_estimators_without_a_step_row_path_rejected_with_step_wise_rows(adv):
     with pytest.raises(TrajConfigError, match=f"algorithm.adv_estimator='{adv}'.*traj.step_wise"):
         validate_against_verl(TrajConfig(step_wise=True), _verl(adv=adv))
     validate_against_verl(TrajConfig(step_wise=False), _verl(adv=adv))  # concatenated rows: fine
+
+
+@pytest.mark.parametrize("adv", ["gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_temporal_estimators_run_on_step_rows(adv):
+    """Credit across turns: the temporal estimators run on each trajectory's timeline of step rows."""
+    validate_against_verl(TrajConfig(step_wise=True), _verl(adv=adv))
 
 
 def test_both_trainers_accepted():

@@ -19,12 +19,11 @@ HERE = Path(__file__).resolve().parent
 STEPS = 2
 
 
-# v1 with prefix merging is the quickstart's configuration: tests/e2e/test_calc_recipe.py runs it
-@pytest.mark.parametrize("trainer, merge", [("v1", False), ("v0", False)])
-def test_stepwise_training_on_cpu(tool_home, tmp_path, trainer, merge):
-    tiny = tool_home
-    """v1: the agent-loop worker stores each session's step rows; v0: the trainer expands them (both merge
-    with traj.merge_prefix)."""
+def _run_stepwise(tiny, tmp_path, trainer: str, merge: bool, *, config_name: str = "cpu_tiny", steps: int = STEPS,
+                  extra: tuple = ()) -> tuple[list[dict], str]:
+    """A step-wise run on the tiny tool-calling model (verl's tool agent loop re-pointed to the recording loop);
+    returns the per-step metrics and the log."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     yaml_path = tmp_path / "agent_loops.yaml"
     # verl's tool_agent name re-pointed to the step-recording loop (the dataset routes rows to "tool_agent")
     yaml_path.write_text("- name: tool_agent\n  _target_: verl_traj.integration.stepwise_agent_loop.StepwiseToolAgentLoop\n")
@@ -32,9 +31,9 @@ def test_stepwise_training_on_cpu(tool_home, tmp_path, trainer, merge):
     env = dict(os.environ, VERL_TRAJ_HOME=str(tiny.parent), VERL_FILE_LOGGER_PATH=str(metrics_path),
                VERL_TRAJ_CKPT_DIR=str(tmp_path / "ckpt"), PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0")
     cmd = [
-        sys.executable, "-m", "verl_traj.main_ppo", "--config-name", "cpu_tiny",
+        sys.executable, "-m", "verl_traj.main_ppo", "--config-name", config_name,
         f"actor_rollout_ref.rollout.agent.agent_loop_config_path={yaml_path}",
-        f"trainer.total_training_steps={STEPS}", "trainer.logger=[console,file]",
+        f"trainer.total_training_steps={steps}", "trainer.logger=[console,file]",
         f"actor_rollout_ref.model.path={tiny}/model_tool",
         f"data.train_files={tiny}/data/tool_train.parquet", f"data.val_files={tiny}/data/tool_test.parquet",
         "data.max_prompt_length=192", "data.max_response_length=64",
@@ -42,7 +41,7 @@ def test_stepwise_training_on_cpu(tool_home, tmp_path, trainer, merge):
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
         "actor_rollout_ref.rollout.multi_turn.format=hermes",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tiny}/tool_config.yaml",
-        "traj.step_wise=true", f"traj.merge_prefix={str(merge).lower()}", *TRAINERS[trainer],
+        "traj.step_wise=true", f"traj.merge_prefix={str(merge).lower()}", *TRAINERS[trainer], *extra,
         # v0 on two ranks: its _balance_batch expands, plans and pads for dp=2 (v0's two-rank plan test is opt-in)
         *(["trainer.n_gpus_per_node=2"] if trainer == "v0" else []),
     ]
@@ -50,13 +49,43 @@ def test_stepwise_training_on_cpu(tool_home, tmp_path, trainer, merge):
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-6000:]
     metrics = [json.loads(line)["data"] for line in metrics_path.read_text().splitlines() if line.strip()]
-    assert len(metrics) == STEPS, out[-3000:]
+    assert len(metrics) == steps, out[-3000:]
+    return metrics, out
+
+
+# v1 with prefix merging is the quickstart's configuration: tests/e2e/test_calc_recipe.py runs it
+@pytest.mark.parametrize("trainer, merge", [("v1", False), ("v0", False)])
+def test_stepwise_training_on_cpu(tool_home, tmp_path, trainer, merge):
+    """v1: the agent-loop worker stores each session's step rows; v0: the trainer expands them (both merge
+    with traj.merge_prefix)."""
+    metrics, out = _run_stepwise(tool_home, tmp_path, trainer, merge)
     keys = [k for k in metrics[0] if k.startswith(("traj_stepwise/", "traj_plan/", "actor/", "training/rollout_probs"))]
     summary = json.dumps([{k: m.get(k) for k in keys} for m in metrics], default=str)
     try:
         _check(metrics, merge)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\nmetrics: {summary}\nlog tail: {out[-4000:]}") from exc
+
+
+CREDIT_KEYS = ("critic/advantages/mean", "critic/advantages/max", "critic/advantages/min", "critic/returns/mean",
+               "critic/returns/max", "critic/returns/min", "critic/values/mean")
+
+
+def test_ppo_with_gae_across_turns_on_step_rows(tool_home, tmp_path):
+    """PPO with a critic on step rows (v1), GAE across each trajectory's rows: unmerged (one row per LLM call) and
+    prefix-merged (one row per trajectory) train, and on step 1 (the same rollouts, the same seeded critic) both give
+    the same advantages and returns on the same loss tokens (verl's metrics over them agree), which they could not if
+    a turn's credit stopped at its row's edge."""
+    runs = {merge: _run_stepwise(tool_home, tmp_path / f"merge_{merge}", "v1", merge, config_name="cpu_tiny_ppo",
+                                 steps=1, extra=("algorithm.gamma=0.95",))[0][0] for merge in (False, True)}
+    unmerged, merged = runs[False], runs[True]
+    assert unmerged["traj_stepwise/rows_after"] > unmerged["traj_stepwise/trajectories"]  # several rows a trajectory
+    assert merged["traj_stepwise/rows_after"] == merged["traj_stepwise/trajectories"]
+    assert unmerged["critic/score/mean"] == merged["critic/score/mean"]  # the same rollouts
+    for m in runs.values():
+        assert m["critic/vf_loss"] > 0 and m["critic/grad_norm"] > 0 and m["actor/grad_norm"] > 0
+    for key in CREDIT_KEYS:
+        assert unmerged[key] == pytest.approx(merged[key], rel=1e-4, abs=1e-5), key
 
 
 def _check(metrics, merge):

@@ -173,12 +173,12 @@ def test_padding_rows_get_zero_and_do_not_join_groups():
     assert t.numel() == 4 and index[-2:].tolist() == [-1, -1]
 
 
-@pytest.mark.parametrize(
-    "name", ["gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "optimal_token_baseline", "gdpo"]
-)
-def test_temporal_estimators_rejected(name):
+@pytest.mark.parametrize("name", ["gae", "reinforce_plus_plus", "optimal_token_baseline", "gdpo"])
+def test_estimators_without_a_per_trajectory_scalar_rejected(name):
+    """The outcome path takes scalar-outcome estimators only: temporal ones run on the timeline
+    (tests/stepwise/test_timeline.py), per-token baselines and gdpo not on step rows at all."""
     rows, rewards, mask, uid, traj, last = _two_groups_batch()
-    with pytest.raises(StepwiseAdvantageError, match="traj.step_wise"):
+    with pytest.raises(StepwiseAdvantageError, match="traj.step_wise|timeline"):
         trajectory_advantages(rewards, mask, uid, traj, last, estimator_fn=lambda **k: None, estimator_name=name)
 
 

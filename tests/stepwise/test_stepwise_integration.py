@@ -58,10 +58,43 @@ def test_step_advantage_matches_pure_function(name):
     assert torch.count_nonzero(out.batch["advantages"][data.batch["is_padding"]]) == 0
 
 
-def test_step_advantage_rejects_temporal_and_leaves_plain_batches_to_verl():
+def _loss_token_credit(data, key):
+    """{trajectory id: [per loss token ``key`` in time order]} of a planned step-wise batch."""
+    td, nt = data.batch, data.non_tensor_batch
+    out = {}
+    order = sorted(range(len(data)), key=lambda b: (str(nt["traj_id"][b]), int(nt["step_index"][b])))
+    for b in order:
+        if bool(td["is_padding"][b]):
+            continue
+        out.setdefault(str(nt["traj_id"][b]), []).extend(td[key][b][td["response_mask"][b] != 0].tolist())
+    return out
+
+
+@pytest.mark.parametrize("name", ["gae", "reinforce_plus_plus"])
+def test_temporal_estimators_give_step_rows_and_merged_rows_the_same_credit(name):
+    """Real expansion (tests' token trajectories, whose contexts are rewritten before some calls): the same
+    trajectories as unmerged step rows and as prefix-merged rows, with padding rows from the plan. A response token's
+    value is a function of the token (the same in both layouts); the outcome sits on the last step. A temporal
+    estimator on the timeline gives every loss token the same advantage and return in both layouts."""
+    config = OmegaConf.create({"gamma": 0.95})
+    credit = {}
+    for merge in (False, True):
+        torch.manual_seed(0)  # token_trajectory draws its token ids from torch's generator: the same in both layouts
+        data, _ = planned_stepwise_batch(4, merge=merge)
+        data.batch["values"] = (data.batch["responses"].float() % 7) * 0.1
+        step_advantage(data, name, gamma=0.95, lam=0.9, config=config)
+        credit[merge] = (_loss_token_credit(data, "advantages"), _loss_token_credit(data, "returns"))
+        assert torch.all(data.batch["advantages"][data.batch["is_padding"]] == 0)
+    for got, want in zip(credit[True], credit[False]):
+        assert got.keys() == want.keys()
+        for traj in got:
+            assert got[traj] == pytest.approx(want[traj], rel=1e-5, abs=1e-6), traj
+
+
+def test_step_advantage_refuses_what_has_no_step_row_path_and_leaves_plain_batches_to_verl():
     data, _ = planned_stepwise_batch(2)
-    with pytest.raises(StepwiseAdvantageError, match="gae"):
-        step_advantage(data, "gae", config=OmegaConf.create({}))
+    with pytest.raises(StepwiseAdvantageError, match="gdpo"):
+        step_advantage(data, "gdpo", config=OmegaConf.create({}))
     plain, _ = stepwise_dataproto(2)
     plain.batch["token_level_rewards"] = plain.batch["rm_scores"].clone()
     ref = ray_trainer.compute_advantage(plain, "grpo", config=OmegaConf.create({}))

@@ -13,11 +13,13 @@ Traits:
   it can be computed once per trajectory and broadcast onto the trajectory's step rows.
 * ``length_aware``: the baseline weights responses by their length (``opo``): per trajectory, the
   ``[T, 1]`` mask carries the trajectory's loss-token count.
-* ``temporal``: per-token returns over time (``gae``, REINFORCE++): a step row is a truncated prefix of
-  its trajectory and has no path to the outcome of later turns.
+* ``temporal``: per-token returns over time (``gae``, REINFORCE++), or token-level whitening: with step rows they
+  run on each trajectory's timeline (its rows' response tokens in step order, :mod:`verl_traj.stepwise.timeline`),
+  so a turn gets credit from the turns after it.
 * ``padding_safe``: the real rows' outputs do not change when verl_traj's padding rows (groups of one with
   no loss token) are present, so the estimator may run on the whole batch (a test checks each).
-* ``step_rows``: allowed with ``traj.step_wise=true``; ``refusal`` says why not where it is not.
+* ``step_rows``: allowed with ``traj.step_wise=true`` (scalar outcome: once per trajectory, broadcast; temporal: on
+  the timeline); ``refusal`` says why not where it is not.
 """
 
 from __future__ import annotations
@@ -41,15 +43,13 @@ class EstimatorTraits:
 
     @property
     def step_rows(self) -> bool:
-        return self.scalar_outcome and not self.refusal
+        return (self.scalar_outcome or self.temporal) and not self.refusal
 
 
 ESTIMATORS: dict[str, EstimatorTraits] = {}
 CUSTOM = EstimatorTraits(refusal="it is not one of verl_traj's known estimators, so its output is not known to be "
                                  "one scalar per response")
 
-_TEMPORAL = ("it is a per-token, temporal estimator, and step rows carry no cross-step credit path (earlier turns "
-             "would get advantages computed on their own truncated sequence)")
 _TOKEN_BASELINE = "its baseline is per token over a row's positions, which differ between a trajectory's step rows"
 
 
@@ -90,7 +90,7 @@ def step_row_refusal(adv_estimator: Any, *, allow_custom: bool = True) -> str:
     if traits.step_rows:
         return ""
     return (f"algorithm.adv_estimator={name!r} cannot be used with traj.step_wise=true: {traits.refusal}. Use an "
-            f"outcome estimator ({', '.join(step_row_estimators())}) or set traj.step_wise=false to train each "
+            f"estimator that runs on step rows ({', '.join(step_row_estimators())}) or set traj.step_wise=false to train each "
             "trajectory as one concatenated row.")
 
 
@@ -103,9 +103,11 @@ for _name, _traits in {
     "grpo_passk": EstimatorTraits(scalar_outcome=True),  # needs config; a group of one moves it
     "gpg": EstimatorTraits(scalar_outcome=True),  # batch-level statistic
     "remax": EstimatorTraits(scalar_outcome=True),  # needs reward_baselines per trajectory
-    "gae": EstimatorTraits(temporal=True, padding_safe=True, refusal=_TEMPORAL),
-    "reinforce_plus_plus": EstimatorTraits(temporal=True, padding_safe=True, refusal=_TEMPORAL),
-    "reinforce_plus_plus_baseline": EstimatorTraits(temporal=True, padding_safe=True, refusal=_TEMPORAL),
+    "gae": EstimatorTraits(temporal=True, padding_safe=True),
+    "reinforce_plus_plus": EstimatorTraits(temporal=True, padding_safe=True),
+    # a group baseline per response, then whitening over the batch's tokens: on the timeline, one response per
+    # trajectory and the same tokens whitened
+    "reinforce_plus_plus_baseline": EstimatorTraits(temporal=True, padding_safe=True),
     "optimal_token_baseline": EstimatorTraits(refusal=_TOKEN_BASELINE),
     "tir_optimal_token_baseline": EstimatorTraits(refusal=_TOKEN_BASELINE),
     "gdpo": EstimatorTraits(refusal="it whitens each reward dimension over a batch's rows, and reads per-dimension "

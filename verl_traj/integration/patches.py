@@ -9,8 +9,9 @@ behind on a verl module: no attribute is added, every replaced name gets its ori
 The patch sets, each in the order it is installed (a later patch of the same name wraps the earlier):
 
 * :func:`fit_patches` -- driver, during ``TrajRayPPOTrainer.fit``:
-  1. ``ray_trainer.compute_advantage`` <- step-wise outcome advantages (``traj.step_wise`` only):
-     estimator once per trajectory, broadcast to each step row (innermost: it needs the real rows);
+  1. ``ray_trainer.compute_advantage`` <- step-wise advantages (``traj.step_wise`` only): an outcome
+     estimator once per trajectory, broadcast to each step row, or a temporal one on each trajectory's timeline of
+     rows (innermost: it needs the real rows);
   2. ``ray_trainer.compute_advantage`` <- real rows only (wraps 1, or verl's own);
   3. ``ray_trainer.apply_kl_penalty`` <- real rows only;
   4. ``ray_trainer.extract_reward`` <- padding rows' rewards 0;
@@ -88,17 +89,20 @@ def patched(patches: Sequence[Patch]) -> Iterator[None]:
             setattr(module, name, original)
 
 
-def fit_patches(step_wise: bool, real_row_mask: Callable[[], Any] = lambda: None) -> list[Patch]:
+def fit_patches(step_wise: bool, real_row_mask: Callable[[], Any] = lambda: None,
+                step_index_key: str = "step_index") -> list[Patch]:
     """Driver patches for one ``fit`` (order: module docstring). ``real_row_mask()``: the real-row mask of the
-    batch the trainer planned last (for functions that get arrays, not the batch)."""
+    batch the trainer planned last (for functions that get arrays, not the batch); ``step_index_key``: the field of
+    each step row's step (``traj.step_index_key``)."""
     from verl_traj.integration import real_rows
 
     out = []
     if step_wise:
         from verl_traj.integration.stepwise_rows import stepwise_advantage
 
-        out.append(Patch(RAY_TRAINER, "compute_advantage", stepwise_advantage,
-                         "run outcome estimators once per trajectory on step-wise rows"))
+        out.append(Patch(RAY_TRAINER, "compute_advantage",
+                         functools.partial(stepwise_advantage, step_index_key=step_index_key),
+                         "advantages per trajectory on step-wise rows (outcome once, temporal on its timeline)"))
     out += [
         Patch(RAY_TRAINER, "compute_advantage", real_rows.advantage_on_real_rows, "compute advantages on real rows only"),
         Patch(RAY_TRAINER, "apply_kl_penalty", real_rows.kl_penalty_on_real_rows, "apply the KL penalty on real rows only"),

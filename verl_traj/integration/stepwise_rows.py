@@ -1,12 +1,14 @@
-"""Step-wise rows inside verl's v0 trainer: expansion before planning, outcome advantages after.
+"""Step-wise rows inside verl's trainers: expansion before planning (v0), advantages after (v0 and v1).
 
 * :func:`expand_dataproto_step_rows`: called by ``TrajRayPPOTrainer._balance_batch`` before planning;
   replaces the batch, in place, by one row per LLM call (or prefix-merged rows), reward on the last
   step row only (:func:`verl_traj.stepwise.expand.expand_step_rows`).
 * :func:`stepwise_advantage`: wraps verl's ``compute_advantage`` (installed by
-  :func:`verl_traj.integration.patches.fit_patches`). On a planned step-wise batch the outcome
-  estimator runs once per trajectory -- the plan's ``traj_index`` names them -- and each row gets its
-  trajectory's scalar on its own ``response_mask``; any other batch goes to verl's function unchanged.
+  :func:`verl_traj.integration.patches.fit_patches`; v1's ``planned_advantage`` calls it too). On a planned
+  step-wise batch an outcome estimator runs once per trajectory -- the plan's ``traj_index`` names them -- and each
+  row gets its trajectory's scalar on its own ``response_mask``; a temporal one (GAE, REINFORCE++) runs on each
+  trajectory's timeline of rows (:mod:`verl_traj.stepwise.timeline`); any other batch goes to verl's function
+  unchanged.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import functools
 import inspect
 from typing import Any, Callable, Optional
 
+from verl_traj.core.estimators import estimator_traits
 from verl_traj.core.keys import IS_LAST_STEP, TRAJ_INDEX
-from verl_traj.stepwise.advantages import check_stepwise_estimator, compute_trajectory_advantages
+from verl_traj.stepwise.advantages import (StepwiseAdvantageError, check_stepwise_estimator,
+                                           compute_trajectory_advantages)
 from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, expand_step_rows
 
 __all__ = ["expand_dataproto_step_rows", "is_stepwise_batch", "stepwise_advantage"]
@@ -70,12 +74,41 @@ def _estimator(name: str, norm_adv_by_std_in_grpo: bool, config: Any) -> tuple[C
     return fn, {k: v for k, v in extra.items() if k in params or (var_kw and k == "config")}
 
 
-def stepwise_advantage(verl_compute_advantage: Callable) -> Callable:
+def _timeline_advantage(data: Any, fn: Callable, extra: dict, gamma: float, lam: float,
+                        step_index_key: str) -> tuple[Any, Any]:
+    """A temporal estimator on each trajectory's timeline (:mod:`verl_traj.stepwise.timeline`): its rows in step
+    order, values and rewards per token as the rows hold them; ``index`` (group baselines) per trajectory."""
+    import numpy as np
+    import torch
+
+    from verl_traj.stepwise.timeline import Timeline, timeline_advantages
+
+    td, nt = data.batch, data.non_tensor_batch
+    if step_index_key not in nt:
+        raise StepwiseAdvantageError(
+            f"non_tensor_batch[{step_index_key!r}] is missing: a temporal estimator on step rows needs each row's step "
+            "(the step-wise expansion writes it under traj.step_index_key). Keep the field through the batch.",
+            field=step_index_key)
+    timeline = Timeline.build(td[TRAJ_INDEX], torch.as_tensor(np.asarray(nt[step_index_key], dtype=np.int64)),
+                              td["response_mask"].shape[1])
+    params = inspect.signature(fn).parameters
+    kwargs = dict(extra, **{k: v for k, v in (("gamma", gamma), ("lam", lam)) if k in params})
+    index = None
+    if "index" in params:
+        index = np.asarray(nt["uid"], dtype=object)[timeline.first_rows().numpy()]
+    values = td["values"] if "values" in params else None
+    return timeline_advantages(fn, timeline, td["token_level_rewards"], td["response_mask"], values=values,
+                               index=index, estimator_kwargs=kwargs)
+
+
+def stepwise_advantage(verl_compute_advantage: Callable, step_index_key: str = "step_index") -> Callable:
     """Wrap verl's ``compute_advantage(data, adv_estimator, gamma, lam, num_repeat,
     norm_adv_by_std_in_grpo, config)`` (same signature) for step-wise rows.
 
-    ``reward_reduction``: ``"sum"`` when ``config.use_kl_in_reward`` (KL penalties sit on every step
-    row), else ``"last_step"``. Temporal estimators (``gae``, ...) raise on step rows."""
+    Outcome estimators run once per trajectory and are broadcast onto its rows (``reward_reduction``: ``"sum"`` when
+    ``config.use_kl_in_reward``, KL penalties sitting on every step row, else ``"last_step"``). Temporal estimators
+    (``gae``, REINFORCE++) run on each trajectory's timeline: credit across its rows (``step_index_key``: the
+    non-tensor field holding each row's step)."""
 
     @functools.wraps(verl_compute_advantage)
     def compute_advantage(data: Any, adv_estimator: Any, gamma: float = 1.0, lam: float = 1.0, num_repeat: int = 1,
@@ -85,8 +118,11 @@ def stepwise_advantage(verl_compute_advantage: Callable) -> Callable:
                                           norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=config)
         name = str(getattr(adv_estimator, "value", adv_estimator))
         fn, extra = _estimator(name, norm_adv_by_std_in_grpo, config)
-        use_kl = bool(config.get("use_kl_in_reward", False)) if config is not None and hasattr(config, "get") else False
         td = data.batch
+        if estimator_traits(name).temporal:
+            td["advantages"], td["returns"] = _timeline_advantage(data, fn, extra, gamma, lam, step_index_key)
+            return data
+        use_kl = bool(config.get("use_kl_in_reward", False)) if config is not None and hasattr(config, "get") else False
         adv, ret, _ = compute_trajectory_advantages(
             td["token_level_rewards"], td["response_mask"], td[TRAJ_INDEX], data.non_tensor_batch[IS_LAST_STEP],
             data.non_tensor_batch["uid"], estimator_fn=fn, estimator_name=name,

@@ -87,7 +87,8 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
         if not self.traj_config.enable:
             return super().fit()
         self._real_row_mask = None
-        with patched(fit_patches(self.traj_config.step_wise, lambda: self._real_row_mask)):
+        with patched(fit_patches(self.traj_config.step_wise, lambda: self._real_row_mask,
+                                 self.traj_config.step_index_key)):
             return super().fit()
 
     # ---- planning --------------------------------------------------------------------------------

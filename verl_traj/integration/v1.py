@@ -20,7 +20,8 @@ runner for its lifetime):
   ``micro_batch_id`` stored as fields of every row. The plan's other per-row facts (trajectory index, last step,
   padding) stay on the trainer (:class:`PlanFacts`) for the advantage and the loss weights.
 * ``_compute_advantage``: verl's, with ``compute_advantage_for_multi_trajectories`` replaced for the call by
-  :func:`planned_advantage` (real rows only; a trajectory of several rows gets its outcome estimator once).
+  :func:`planned_advantage` (real rows only; a trajectory of several rows gets its outcome estimator once, or a
+  temporal estimator on its timeline of rows).
 * ``_update_critic`` / ``_update_actor``: a ``loss_weight`` field (from the final ``response_mask`` and the plan)
   is written before verl's dispatch; the workers step once per ``mini_batch_id`` and run the planned
   micro-batches (:mod:`verl_traj.integration.workers`), the losses aggregate globally (:mod:`.losses`).
@@ -51,6 +52,8 @@ from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core import MiniBatchPlan, build_layout_from_counts
 from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MICRO_BATCH_ID, MINI_BATCH_ID, TRAJ_INDEX
 from verl_traj.core.row_key import parse_row_keys, row_key, row_key_order
+
+STEP_INDEX = "step_index"  # the field the step-wise advantage reads each row's step from (v1: traj.step_index_key is fixed)
 from verl_traj.integration.checkpoints import CompleteCheckpoints
 from verl_traj.integration.patches import patched
 from verl_traj.integration.step_plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
@@ -98,13 +101,15 @@ class PlanFacts:
     def attach(self, data: Any, keys: list[str]) -> None:
         """Carry the plan's facts into a verl ``DataProto`` that verl built from TransferQueue for one driver step
         (its field lists are fixed, so the facts travel from here, as on v0 they travel in the batch):
-        ``is_padding`` and ``traj_index`` tensors, ``is_last_step`` (after checking ``keys`` are the planned ones).
+        ``is_padding`` and ``traj_index`` tensors, ``is_last_step`` and ``step_index`` (the step of each row, read
+        from its key; after checking ``keys`` are the planned ones)
         :func:`verl_traj.integration.real_rows.is_padding` then reads the padding flag, on both trainers."""
         self.check(keys)
         td = data.batch
         td[IS_PADDING] = self.is_padding.to(td.device)
         td[TRAJ_INDEX] = self.traj_index.to(td.device)
         data.non_tensor_batch[IS_LAST_STEP] = self.is_last_step.numpy()
+        data.non_tensor_batch[STEP_INDEX] = parse_row_keys(keys).step
 
 
 def padding_row(source: dict, tag: dict, eos_token_id: int, length: int) -> tuple[dict, dict]:
@@ -200,11 +205,11 @@ def traj_trainer_class(verl_cls: type) -> type:
 
 def planned_advantage(rows: PlanFacts) -> Any:
     """Replacement for v1's ``compute_advantage_for_multi_trajectories(data, batch_keys, adv_estimator, ...)`` on a
-    planned batch: padding rows get zeros and move nothing; a batch whose trajectories have several rows (steps) runs
-    the outcome estimator once per trajectory on its last step's reward (v1 copies the reward onto every step row:
-    it is counted once, also in KL-in-reward's sum) and puts each trajectory's scalar on each row's own tokens
-    (:func:`~verl_traj.stepwise.advantages.compute_trajectory_advantages`; temporal estimators are refused there);
-    otherwise verl's ``compute_advantage`` runs on the real rows, as on v0."""
+    planned batch: padding rows get zeros and move nothing; a batch whose trajectories have several rows (steps) counts
+    the reward once, on its last step (v1 copies it onto every step row; also in KL-in-reward's sum), then runs an
+    outcome estimator once per trajectory, each row getting the trajectory's scalar on its own tokens, or a temporal
+    one (GAE, REINFORCE++) on each trajectory's timeline of rows (:func:`~verl_traj.integration.stepwise_rows.
+    stepwise_advantage`); otherwise verl's ``compute_advantage`` runs on the real rows, as on v0."""
     from verl_traj.integration.real_rows import advantage_on_real_rows
     from verl_traj.integration.stepwise_rows import stepwise_advantage
 

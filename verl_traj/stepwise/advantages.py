@@ -240,6 +240,8 @@ def compute_trajectory_advantages(
         ``(advantages [B, R], returns [B, R], traj_adv [T])``.
     """
     name = check_stepwise_estimator(estimator_name, allow_custom=allow_custom)
+    if estimator_traits(name).temporal:  # per token: verl_traj.stepwise.timeline, not once per trajectory
+        raise StepwiseAdvantageError(f"estimator {name!r} is temporal: it runs on the timeline", field="adv_estimator")
     if token_level_rewards.shape != response_mask.shape:
         raise StepwiseAdvantageError(
             f"token_level_rewards {tuple(token_level_rewards.shape)} and response_mask "

@@ -72,6 +72,10 @@ class Timeline:
     def length(self) -> int:
         return self.num_slots * self.width
 
+    def first_rows(self) -> torch.Tensor:
+        """``[T]`` the batch index of each trajectory's first row (for per-trajectory fields such as the group id)."""
+        return self.rows[self.slot == 0]
+
     def _index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cols = self.slot[:, None] * self.width + torch.arange(self.width)[None, :]
         return (self.rows.to(device), self.traj[:, None].expand_as(cols).to(device), cols.to(device))
