@@ -81,7 +81,9 @@ def test_ppo_with_gae_across_turns_on_step_rows(tool_home, tmp_path):
     unmerged, merged = runs[False], runs[True]
     assert unmerged["traj_stepwise/rows_after"] > unmerged["traj_stepwise/trajectories"]  # several rows a trajectory
     assert merged["traj_stepwise/rows_after"] == merged["traj_stepwise/trajectories"]
-    assert unmerged["critic/score/mean"] == merged["critic/score/mean"]  # the same rollouts
+    # the same rollouts: the same loss tokens (v1's per-row critic/score/* would weigh a trajectory by its rows)
+    assert unmerged["traj_stepwise/loss_tokens"] == merged["traj_stepwise/loss_tokens"]
+    assert unmerged["traj_stepwise/tokens_before"] == merged["traj_stepwise/tokens_before"]
     for m in runs.values():
         assert m["critic/vf_loss"] > 0 and m["critic/grad_norm"] > 0 and m["actor/grad_norm"] > 0
     for key in CREDIT_KEYS:
