@@ -206,3 +206,17 @@ def test_trainer_expands_before_planning_and_patches_advantage_only_inside_fit()
     step_wrapper = seen["compute_advantage"].__wrapped__  # real rows outside, the step-wise adapter inside
     assert step_wrapper.__name__ == "compute_advantage" and step_wrapper.__wrapped__ is original
     assert ray_trainer.compute_advantage is original
+
+
+def test_non_finite_values_on_the_timeline_are_refused_by_name():
+    """A NaN value would spread through every earlier turn of its trajectory: refused where it enters, naming the
+    field; padding rows' values are not looked at."""
+    data, _ = planned_stepwise_batch(5)
+    data.batch["values"] = torch.zeros_like(data.batch["token_level_rewards"])
+    pad = data.batch["is_padding"]
+    data.batch["values"][pad] = float("nan")  # padding rows: ignored
+    step_advantage(data, "gae", gamma=1.0, lam=1.0, config=OmegaConf.create({}))
+    data.batch["values"][int(torch.nonzero(~pad)[0])] = float("nan")
+    with pytest.raises(StepwiseAdvantageError, match="values holds .* non-finite") as err:
+        step_advantage(data, "gae", gamma=1.0, lam=1.0, config=OmegaConf.create({}))
+    assert err.value.field == "values"

@@ -17,6 +17,7 @@ import functools
 import inspect
 from typing import Any, Callable, Optional
 
+from verl_traj.core.errors import check_finite
 from verl_traj.core.estimators import estimator_traits
 from verl_traj.core.keys import IS_LAST_STEP, TRAJ_INDEX
 from verl_traj.stepwise.advantages import (StepwiseAdvantageError, check_stepwise_estimator,
@@ -97,6 +98,11 @@ def _timeline_advantage(data: Any, fn: Callable, extra: dict, gamma: float, lam:
     if "index" in params:
         index = np.asarray(nt["uid"], dtype=object)[timeline.first_rows().numpy()]
     values = td["values"] if "values" in params else None
+    real = td[TRAJ_INDEX] >= 0
+    for name, tensor in (("token_level_rewards", td["token_level_rewards"]), ("values", values)):
+        if tensor is not None:  # one reduction each: a NaN would spread through every earlier turn of its trajectory
+            check_finite(name, tensor[real], f"make the {'reward function' if name != 'values' else 'critic'} "
+                         "return finite numbers for every row", error=StepwiseAdvantageError)
     return timeline_advantages(fn, timeline, td["token_level_rewards"], td["response_mask"], values=values,
                                index=index, estimator_kwargs=kwargs)
 
