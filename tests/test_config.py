@@ -156,3 +156,17 @@ def test_wrong_types_are_refused_at_start_up(section, field):
         TrajConfig.from_mapping(section)
     assert isinstance(err.value, TrajInputError) and err.value.field == field
     assert field in str(err.value) and ("Fix" in str(err.value) or "set" in str(err.value))
+
+
+def test_v1_refuses_row_field_names_it_cannot_use():
+    """On v1 a row's trajectory and step come from its TransferQueue key: a renamed field would be ignored there."""
+    cfg = {"trainer": {"use_v1": True}}
+    with pytest.raises(TrajConfigError, match="traj.step_index_key='step' has no effect on the v1 trainer") as err:
+        validate_against_verl(TrajConfig(step_index_key="step"), cfg)
+    assert err.value.field == "traj.step_index_key"
+    validate_against_verl(TrajConfig(step_index_key="step"), {"trainer": {"use_v1": False}})  # v0 reads the field
+
+
+def test_pf_ppo_is_refused_with_planned_batches():
+    with pytest.raises(TrajConfigError, match="algorithm.use_pf_ppo=true"):
+        validate_against_verl(TrajConfig(), {"algorithm": {"use_pf_ppo": True}})

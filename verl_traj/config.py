@@ -259,7 +259,12 @@ def _check_estimator(traj_config: TrajConfig, config: Any) -> None:
     step-wise advantage path asks at run time, so start-up and run time cannot disagree."""
     reason = step_row_refusal(str(_get(config, "algorithm.adv_estimator", "grpo"))) if traj_config.step_wise else ""
     if reason:
-        raise TrajConfigError(reason)
+        raise TrajConfigError(reason, field="algorithm.adv_estimator")
+    if bool(_get(config, "algorithm.use_pf_ppo", False)):
+        raise TrajConfigError(
+            "algorithm.use_pf_ppo=true resamples rows after the advantage step, which would break the planned "
+            "mini-batches (whole units, padding rows, per-row loss weights). Set algorithm.use_pf_ppo=false, or "
+            "traj.enable=false.", field="algorithm.use_pf_ppo")
 
 
 def _check_v1_row_fields(traj_config: TrajConfig, config: Any) -> None:
@@ -271,7 +276,7 @@ def _check_v1_row_fields(traj_config: TrajConfig, config: Any) -> None:
     for name in ("traj_id_key", "step_index_key"):
         if getattr(traj_config, name) != defaults[name]:
             raise TrajConfigError(
-                f"traj.{name}={getattr(traj, name)!r} has no effect on the v1 trainer (trainer.use_v1=true): there a "
+                f"traj.{name}={getattr(traj_config, name)!r} has no effect on the v1 trainer (trainer.use_v1=true): there a "
                 "row's trajectory and step are read from its TransferQueue key {uid}_{session}_{index}, which verl's "
                 f"agent-loop worker writes. Remove the traj.{name} override, or set trainer.use_v1=false to use "
                 "the v0 trainer, which reads these non_tensor_batch fields.", field=f"traj.{name}")
@@ -284,12 +289,14 @@ def _check_policy_loss(config: Any) -> None:
             f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r} is not supported with traj.enable=true: "
             "verl_traj folds the mini-batch-global loss normalisation into the per-token loss, which needs a "
             f"policy loss fn that multiplies its token losses by rollout_is_weights. Use one of "
-            f"{list(SUPPORTED_POLICY_LOSS_MODES)}, or set traj.enable=false."
+            f"{list(SUPPORTED_POLICY_LOSS_MODES)}, or set traj.enable=false.",
+            field="actor_rollout_ref.actor.policy_loss.loss_mode",
         )
     if bool(_get(config, "actor_rollout_ref.actor.use_prefix_grouper", False)):
         raise TrajConfigError(
             "actor_rollout_ref.actor.use_prefix_grouper=true is not supported with traj.enable=true (it needs "
-            "verl's group-contiguous balancing). Set one of them to false."
+            "verl's group-contiguous balancing). Set one of them to false.",
+            field="actor_rollout_ref.actor.use_prefix_grouper",
         )
 
 
@@ -325,7 +332,8 @@ def _check_mini_batches(config: Any) -> None:
         raise TrajConfigError(
             f"{label}={train_bs} is not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size="
             f"{mini}: the number of mini-batches (optimizer steps per training step) must be whole. "
-            "Make train_batch_size a multiple of ppo_mini_batch_size."
+            "Make train_batch_size a multiple of ppo_mini_batch_size.",
+            field="actor_rollout_ref.actor.ppo_mini_batch_size",
         )
     if not uses_critic(config) or not train_bs:
         return
@@ -336,7 +344,8 @@ def _check_mini_batches(config: Any) -> None:
             f"critic.ppo_mini_batch_size={critic_mini} does not fit the actor's plan: with {label}="
             f"{train_bs} and actor_rollout_ref.actor.ppo_mini_batch_size={mini} the actor steps {m_actor} "
             "mini-batches of whole units, and each critic mini-batch must be a union of whole actor mini-batches. "
-            f"Set critic.ppo_mini_batch_size to a multiple of {mini} that divides {train_bs} (e.g. {mini})."
+            f"Set critic.ppo_mini_batch_size to a multiple of {mini} that divides {train_bs} (e.g. {mini}).",
+            field="critic.ppo_mini_batch_size",
         )
 
 

@@ -113,8 +113,8 @@ def run(config) -> None:
     validate_against_verl(traj_config, config)
     if traj_config.enable:
         check_models(config)
+    check_platform(config, get_device_name())  # before verl's auto_set_device rewrites trainer.device
     auto_set_device(config)
-    check_platform(config, get_device_name())
     if config.trainer.get("device") == "cpu":
         # Ray prestarts one idle Python worker per logical CPU when the driver connects; the CPU presets declare
         # 16 logical CPUs for placement (configs/platform/cpu.yaml), and 16 processes importing verl on a 2-core

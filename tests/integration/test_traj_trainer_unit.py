@@ -271,7 +271,7 @@ def test_prepare_config_inference_cap_and_critic():
                           "critic.model.use_remove_padding": True})
     micro = prepare_config(cfg, TrajConfig(infer_micro_batch_max_tokens=500))
     assert cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu == 500
-    assert cfg.critic.forward_max_token_len_per_gpu == 500
+    assert cfg.critic.ppo_infer_max_token_len_per_gpu == 500  # what verl 0.9.1 reads for the value pass
     # the update cap: the smaller of actor (fixed 2 x 80 -> 160) and critic, token cost with remove-padding
     assert micro == PlanSettings(160, "tokens", derived=True)
 

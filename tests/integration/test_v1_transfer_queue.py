@@ -37,7 +37,7 @@ def tq():
     ray.shutdown()
 
 
-def _store_rows(tq, rng):
+def _store_rows(tq, rng, prefix="u"):
     """Agent-loop outputs of 4 prompts x 3 sessions x 1-3 steps, as ``AgentLoopWorkerTQ`` stores them."""
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
@@ -49,9 +49,9 @@ def _store_rows(tq, rng):
                 mask = torch.ones(r, dtype=torch.int64)
                 mask[: int(rng.integers(0, r))] = 0
                 ids = torch.randint(3, 50, (p + r,))
-                keys.append(f"u{g}_{s}_{k}")
+                keys.append(f"{prefix}{g}_{s}_{k}")
                 fields.append({"prompts": ids[:p], "responses": ids[p:], "input_ids": ids, "response_mask": mask,
-                               "loss_mask": mask, "position_ids": torch.arange(p + r), "uid": f"u{g}",
+                               "loss_mask": mask, "position_ids": torch.arange(p + r), "uid": f"{prefix}{g}",
                                "session_id": s, "rm_scores": torch.zeros(r), "num_turns": 2})
                 tags.append({"status": "success", "prompt_len": p, "response_len": r, "seq_len": p + r,
                              "global_steps": 1, "min_global_steps": 0, "max_global_steps": 0})
@@ -102,3 +102,19 @@ def test_planned_batch_in_transfer_queue(tq):
     per_mb = torch.zeros(int(mb.max()) + 1, dtype=torch.float64).index_add_(0, mb, w[LOSS_WEIGHT].double() * loss_tokens)
     torch.testing.assert_close(per_mb, torch.ones_like(per_mb))
     assert torch.all(w[LOSS_WEIGHT][pad] == 0)
+
+
+def test_a_step_of_several_local_updates_reads_every_plans_padding(tq):
+    """Regression: with parameter_sync_step > 1 one global step plans several local updates and v1 hands
+    _compute_metrics the step's whole batch (every update's rows); the metrics' real-row mask must come from every
+    plan of the step, not from the last one (which raised on the keys of the earlier updates)."""
+    first = _store_rows(tq, np.random.default_rng(1), prefix="a")
+    second = _store_rows(tq, np.random.default_rng(2), prefix="b")
+    tr = _trainer()
+    outs = [tr._balance_batch(b, {}) for b in (first, second)]
+    keys = outs[0].keys + outs[1].keys
+    real = tr._real_rows_of_step(keys)
+    expected = [not k.startswith("pad") for k in keys]
+    assert real.tolist() == expected and not all(expected)  # padding rows of both updates found
+    with pytest.raises(RuntimeError, match="not planned"):
+        tr._real_rows_of_step(keys)  # forgotten after the step's metrics

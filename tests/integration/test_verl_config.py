@@ -45,7 +45,8 @@ def test_the_critic_is_converted_on_its_own_settings():
                            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
                            "critic.ppo_micro_batch_size_per_gpu=1"])
     assert cfg.critic.use_dynamic_bsz
-    assert cfg.critic.ppo_max_token_len_per_gpu == cfg.critic.forward_max_token_len_per_gpu == 2048
+    # the value pass's cap verl 0.9.1 reads (critic.ppo_infer_*; the yaml's forward_* keys are unread)
+    assert cfg.critic.ppo_max_token_len_per_gpu == cfg.critic.ppo_infer_max_token_len_per_gpu == 2048
     assert cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 4096
     assert plan.max_tokens == 2048  # the smaller of actor and critic
 
@@ -58,11 +59,13 @@ def test_the_training_cap_leaves_the_inference_caps_alone():
     arr = cfg.actor_rollout_ref
     assert arr.actor.ppo_max_token_len_per_gpu == cfg.critic.ppo_max_token_len_per_gpu == 16384 == plan.max_tokens
     assert arr.rollout.log_prob_max_token_len_per_gpu == arr.ref.log_prob_max_token_len_per_gpu == 20000
-    assert cfg.critic.forward_max_token_len_per_gpu == 32768  # verl's critic default, untouched
+    assert cfg.critic.get("ppo_infer_max_token_len_per_gpu", None) is None  # verl's CriticConfig default (32768), untouched
     cfg, _ = _prepared(["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_dynamic_bsz=true"],
                        micro_batch_max_tokens=16384,
                        infer_micro_batch_max_tokens=24000)
     assert cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu == 24000  # only when asked
+    cfg, _ = _prepared(["actor_rollout_ref.actor.use_dynamic_bsz=true"], infer_micro_batch_max_tokens=24000)
+    assert cfg.critic.ppo_infer_max_token_len_per_gpu == 24000  # the critic's value pass too (gae: critic on)
 
 
 def test_megatron_plans_no_micro_batches_and_reports_none():

@@ -40,7 +40,7 @@ def plan_metrics(plan: Any, prefix: str = "traj_plan") -> dict[str, float]:
     return {p + k: v for k, v in out.items()}
 
 
-def _micro_metrics(plan: "MiniBatchPlan") -> dict[str, float]:
+def _micro_metrics(plan: Any) -> dict[str, float]:
     s = plan.stats
     n_micro = float(s.micro_batches.sum())  # per rank, summed over mini-batches
     computed = float(s.tokens.sum() + s.padding_tokens.sum() + s.padded_positions.sum())

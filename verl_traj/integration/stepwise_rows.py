@@ -91,12 +91,12 @@ def _timeline_advantage(data: Any, fn: Callable, extra: dict, gamma: float, lam:
             "(the step-wise expansion writes it under traj.step_index_key). Keep the field through the batch.",
             field=step_index_key)
     timeline = Timeline.build(td[TRAJ_INDEX], torch.as_tensor(np.asarray(nt[step_index_key], dtype=np.int64)),
-                              td["response_mask"].shape[1])
+                              td["response_mask"])
     params = inspect.signature(fn).parameters
     kwargs = dict(extra, **{k: v for k, v in (("gamma", gamma), ("lam", lam)) if k in params})
     index = None
     if "index" in params:
-        index = np.asarray(nt["uid"], dtype=object)[timeline.first_rows().numpy()]
+        index = np.asarray(nt["uid"], dtype=object)[timeline.first_row.numpy()]
     values = td["values"] if "values" in params else None
     real = td[TRAJ_INDEX] >= 0
     for name, tensor in (("token_level_rewards", td["token_level_rewards"]), ("values", values)):

@@ -93,9 +93,11 @@ class PlanFacts:
 
     def check(self, keys: list[str]) -> None:
         if tuple(keys) != self.keys:
+            first = next((i for i, (a, b) in enumerate(zip(keys, self.keys)) if a != b), min(len(keys), len(self.keys)))
             raise RuntimeError(
-                "the batch's keys are not the ones _balance_batch planned (same rows, same order): something between "
-                "balancing and this step reordered or replaced rows. verl_traj needs the planned order."
+                f"the batch's keys are not the ones _balance_batch planned ({len(keys)} rows vs {len(self.keys)} "
+                f"planned; first difference at row {first}): something between balancing and this step reordered or "
+                "replaced rows. verl_traj needs the planned order."
             )
 
     def attach(self, data: Any, keys: list[str]) -> None:
@@ -225,7 +227,8 @@ def planned_advantage(rows: PlanFacts) -> Any:
             return advantage_on_real_rows(ray_trainer.compute_advantage)(data, adv_estimator, **kwargs)
         not_last = (~rows.is_last_step).to(device=td.device, dtype=td["token_level_scores"].dtype)
         td["token_level_rewards"] = td["token_level_rewards"] - td["token_level_scores"] * not_last[:, None]
-        return stepwise_advantage(ray_trainer.compute_advantage)(data, adv_estimator, **kwargs)
+        # as on v0: the step-wise advantage inside the real-row wrapper (finite rewards, padding rows zero)
+        return advantage_on_real_rows(stepwise_advantage(ray_trainer.compute_advantage))(data, adv_estimator, **kwargs)
 
     return compute
 
@@ -240,7 +243,8 @@ class TrajV1Mixin(CompleteCheckpoints):
         self.spec = UpdateSpec.prepare(config, self.traj_config) if self.traj_config.enable else None
         if not self.traj_config.enable:
             prepare_v1_agent_loop(config, self.traj_config)  # the agent-loop manager that gives each session its request priority
-        self._planned: Optional[PlanFacts] = None
+        self._planned: Optional[PlanFacts] = None  # the last local update's plan
+        self._padding_by_key: dict[str, bool] = {}  # every row planned since the last metrics, by key
         self._uid_draws = (-1, 0)  # (global step, prompts drawn in it): deterministic uids
         super().__init__(config)
 
@@ -306,6 +310,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         tq.kv_batch_put(keys=out.keys, partition_id=out.partition_id, fields=TensorDict(
             {MINI_BATCH_ID: plan.mini_batch_id, MICRO_BATCH_ID: plan.micro_batch_id}, batch_size=[plan.num_rows]))
         self._planned = plan_facts(out.keys, plan, layout)
+        self._padding_by_key.update(zip(out.keys, plan.is_padding.tolist()))
         metrics.update(plan_step_metrics(plan, self.spec.epochs))
         self._debug_dump(out, plan, layout)
         return out
@@ -379,12 +384,23 @@ class TrajV1Mixin(CompleteCheckpoints):
         self._put_loss_weights(batch, self.spec.actor_loss)
         return super()._update_actor(batch, metrics)
 
+    def _real_rows_of_step(self, keys: list[str]) -> np.ndarray:
+        """``[B]`` bool: the real rows of a step's batch. One global step may run several local updates
+        (``parameter_sync_step > 1``), each planned; the step's batch holds all their rows, so the padding flag is
+        read from every plan since the last step's metrics, by key (then forgotten)."""
+        missing = [k for k in keys if k not in self._padding_by_key]
+        if missing:
+            raise RuntimeError(f"{len(missing)} rows of the step's batch (first: {missing[0]!r}) were not planned by "
+                               "_balance_batch: something replaced rows after planning. verl_traj needs the planned rows.")
+        real = ~np.array([self._padding_by_key[k] for k in keys], dtype=bool)
+        self._padding_by_key = {}
+        return real
+
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
         if not self.traj_config.enable:
             return super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
         from verl_traj.integration.patches import v1_metric_patches
 
-        self._planned.check(batch.keys)
-        real = ~self._planned.is_padding.numpy()
+        real = self._real_rows_of_step(batch.keys)
         with patched(v1_metric_patches(lambda: real)):
             return super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)

@@ -78,8 +78,10 @@ MICRO_BATCH_PASSES = (
                    (("log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu"),), ACTOR),
     MicroBatchPass("actor_rollout_ref.ref", "log_prob_use_dynamic_bsz",
                    (("log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu"),), ACTOR),
+    # verl 0.9.1's critic engines read the value pass's cap from ppo_infer_* (a CriticConfig field the yaml lacks,
+    # default 32768; the yaml's forward_* keys are deprecated and unread), and v1 also uses it as the engine's cap
     MicroBatchPass(CRITIC, "use_dynamic_bsz", (("ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu"),
-                                               ("forward_micro_batch_size_per_gpu", "forward_max_token_len_per_gpu")),
+                                               ("ppo_infer_micro_batch_size_per_gpu", "ppo_infer_max_token_len_per_gpu")),
                    CRITIC),
 )
 
@@ -128,8 +130,7 @@ def fixed_to_dynamic_micro_batches(config: Any) -> list[str]:
             fallback = next((int(m) for m in sizes if m), 1)
             section[p.flag] = True
             for (mbs_key, cap_key), mbs in zip(p.caps, sizes):
-                if cap_key in section:
-                    section[cap_key] = -(-int(mbs or fallback) * max_len // sp)
+                section[cap_key] = -(-int(mbs or fallback) * max_len // sp)
             changed.append(f"{p.section}.{p.flag}=true, {p.section}.{p.caps[0][1]}={section[p.caps[0][1]]}"
                            + (f" (per GPU: Ulysses size {sp})" if sp > 1 else ""))
     return changed
@@ -141,9 +142,8 @@ def _apply_infer_cap(config: Any, cap: int) -> None:
         for p, section in _passes(config):
             if p.section == ACTOR:
                 continue
-            for _, cap_key in p.caps[-1:]:  # the inference cap of the pass (the critic's forward pass)
-                if cap_key in section:
-                    section[cap_key] = cap
+            for _, cap_key in p.caps[-1:]:  # the inference cap of the pass (the critic's value pass)
+                section[cap_key] = cap
 
 
 def pad_row_tokens(config: Any) -> int:

@@ -241,7 +241,8 @@ def compute_trajectory_advantages(
     """
     name = check_stepwise_estimator(estimator_name, allow_custom=allow_custom)
     if estimator_traits(name).temporal:  # per token: verl_traj.stepwise.timeline, not once per trajectory
-        raise StepwiseAdvantageError(f"estimator {name!r} is temporal: it runs on the timeline", field="adv_estimator")
+        raise StepwiseAdvantageError(f"estimator {name!r} is temporal: call stepwise.timeline.timeline_advantages",
+                                     field="adv_estimator")
     if token_level_rewards.shape != response_mask.shape:
         raise StepwiseAdvantageError(
             f"token_level_rewards {tuple(token_level_rewards.shape)} and response_mask "

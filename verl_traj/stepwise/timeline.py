@@ -2,11 +2,10 @@
 
 A trajectory trained as step rows (one row per LLM call, or per prefix-merged run of calls) is cut in time; a
 per-token estimator run on each row alone has no path from a turn to the rewards and values of the turns after it.
-The timeline puts it back together: a trajectory's rows in step order, each row's own response positions
-(``[R]`` wide, right-padded) one after the other, form one ``[L]`` sequence (``L = rows x R``, the longest
-trajectory's). verl's estimators already skip positions with ``response_mask == 0`` (values and the accumulator are
-carried over them: observation tokens inside a merged row, and the right padding of every row here), so on the
-timeline
+The timeline puts it back together: a trajectory's rows in step order, each row's loss tokens one after the other,
+form one sequence. verl's estimators skip positions with ``response_mask == 0`` (values and the accumulator are
+carried over them, their rewards ignored: observation tokens inside a merged row, every row's right padding), so
+leaving those positions out changes nothing, and on the timeline
 
 * the value of step ``i+1``'s first response token bootstraps step ``i``'s last (GAE), and a reward discounts back
   through every earlier turn (REINFORCE++);
@@ -14,9 +13,10 @@ timeline
   step rows (the merged row's extra positions are masked observation tokens: transparent);
 * verl's whitening runs over the same set of loss tokens as on the rows (the batch's real response tokens).
 
-:class:`Timeline` is the index map, built once per batch from the plan's ``traj_index`` and the rows' step order;
-:meth:`Timeline.gather` / :meth:`Timeline.scatter` move ``[B, R]`` tensors to ``[T, L]`` and back with one advanced
-index each (no loop over rows). Padding rows (``traj_index == -1``) are not on any timeline and get zeros.
+:class:`Timeline` is the index map, built once per batch from the plan's ``traj_index``, the rows' step order and
+their response masks; :meth:`Timeline.gather` / :meth:`Timeline.scatter` move ``[B, R]`` tensors to ``[T, L]`` and
+back with one advanced index each (no loop over rows). Padding rows (``traj_index == -1``) are not on any timeline
+and get zeros.
 
 Pure module (torch only). verl's estimator is passed in as a callable.
 """
@@ -28,70 +28,73 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
+from verl_traj.core.errors import TrajInputError
+
 __all__ = ["Timeline", "timeline_advantages"]
 
 
 @dataclass(frozen=True)
 class Timeline:
-    """Where each real row's response positions sit on its trajectory's timeline.
+    """Where each loss token of a real row sits on its trajectory's timeline.
 
-    ``rows``: ``[N]`` the real rows (batch indices), ``traj``: ``[N]`` their trajectory (dense ``0..T-1``),
-    ``slot``: ``[N]`` the row's place among its trajectory's rows in step order; ``width``: ``R``;
-    ``num_slots``: the most rows of one trajectory. Position ``j`` of row ``rows[n]`` is timeline position
-    ``(traj[n], slot[n] * R + j)``."""
+    Positions with ``response_mask == 0`` (observations inside a merged row, every row's right padding) are
+    transparent to verl's temporal estimators (values and accumulators are carried over them, their rewards
+    ignored), so the timeline holds the loss tokens only: trajectory ``t``'s rows in step order, each row's loss
+    tokens in order; ``L`` is the most loss tokens of one trajectory (not rows x R: a long agent's padding would
+    otherwise dominate verl's per-position loop). Token ``k``: batch position ``(row[k], col[k])``, timeline position
+    ``(traj[k], pos[k])``."""
 
-    rows: torch.Tensor
+    row: torch.Tensor
+    col: torch.Tensor
     traj: torch.Tensor
-    slot: torch.Tensor
+    pos: torch.Tensor
+    first_row: torch.Tensor  # [T] batch index of each trajectory's first row (step order)
     num_trajectories: int
-    num_slots: int
-    width: int
+    length: int
+    shape: tuple[int, int]  # [B, R] of the batch
 
     @classmethod
-    def build(cls, traj_index: torch.Tensor, step_index: torch.Tensor, width: int) -> "Timeline":
-        """From the plan's ``traj_index`` ``[B]`` (``-1`` on padding) and each row's step (any increasing order
-        within a trajectory: the expansion's ``step_index``, v1's output index)."""
+    def build(cls, traj_index: torch.Tensor, step_index: torch.Tensor, response_mask: torch.Tensor) -> "Timeline":
+        """From the plan's ``traj_index`` ``[B]`` (``-1`` on padding), each row's step ``[B]`` (any increasing order
+        within a trajectory: the expansion's ``step_index``, v1's output index) and ``response_mask`` ``[B, R]``."""
         traj_index = torch.as_tensor(traj_index).reshape(-1).long().cpu()
         step_index = torch.as_tensor(step_index).reshape(-1).long().cpu()
-        if step_index.numel() != traj_index.numel():
-            raise ValueError(f"step_index has {step_index.numel()} rows, traj_index {traj_index.numel()}")
+        mask = torch.as_tensor(response_mask).detach().cpu() != 0
+        if not (step_index.numel() == traj_index.numel() == mask.shape[0]):
+            raise TrajInputError(
+                f"traj_index has {traj_index.numel()} rows, step_index {step_index.numel()}, response_mask "
+                f"{mask.shape[0]}: all three describe the same rows. Fix: pass them from one batch.", field="step_index")
         rows = torch.nonzero(traj_index >= 0).reshape(-1)
+        span = int(step_index.max()) + 2 if step_index.numel() else 1
+        rows = rows[torch.argsort(traj_index[rows] * span + step_index[rows], stable=True)]  # (trajectory, step)
         traj = traj_index[rows]
         num_t = int(traj.max()) + 1 if traj.numel() else 0
-        # order real rows by (trajectory, step); a row's slot = its rank within its trajectory
-        order = torch.argsort(traj * (int(step_index.max()) + 2 if step_index.numel() else 1) + step_index[rows],
-                              stable=True)
-        rows, traj = rows[order], traj[order]
-        counts = torch.bincount(traj, minlength=num_t)
-        starts = torch.cumsum(counts, 0) - counts
-        slot = torch.arange(rows.numel()) - starts[traj]
-        return cls(rows=rows, traj=traj, slot=slot, num_trajectories=num_t,
-                   num_slots=int(counts.max()) if num_t else 0, width=int(width))
-
-    @property
-    def length(self) -> int:
-        return self.num_slots * self.width
-
-    def first_rows(self) -> torch.Tensor:
-        """``[T]`` the batch index of each trajectory's first row (for per-trajectory fields such as the group id)."""
-        return self.rows[self.slot == 0]
-
-    def _index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        cols = self.slot[:, None] * self.width + torch.arange(self.width)[None, :]
-        return (self.rows.to(device), self.traj[:, None].expand_as(cols).to(device), cols.to(device))
+        counts = mask[rows].sum(-1)  # loss tokens per row
+        per_traj = torch.zeros(num_t, dtype=torch.long).index_add_(0, traj, counts)
+        offset = torch.cumsum(counts, 0) - counts - (torch.cumsum(per_traj, 0) - per_traj)[traj]  # within trajectory
+        n, col = torch.nonzero(mask[rows], as_tuple=True)
+        pos = offset[n] + torch.cumsum(mask[rows].long(), -1)[n, col] - 1
+        starts = torch.cumsum(torch.bincount(traj, minlength=num_t), 0) - torch.bincount(traj, minlength=num_t)
+        return cls(row=rows[n], col=col, traj=traj[n], pos=pos, first_row=rows[starts[:num_t]] if rows.numel() else rows,
+                   num_trajectories=num_t, length=int(per_traj.max()) if num_t else 0, shape=tuple(mask.shape))
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, R]`` -> ``[T, L]``; positions past a trajectory's last row are 0."""
-        rows, traj, cols = self._index(x.device)
+        """``[B, R]`` -> ``[T, L]`` (loss tokens only; positions past a trajectory's last are 0)."""
         out = x.new_zeros((self.num_trajectories, self.length))
-        out[traj, cols] = x[rows]
+        out[self.traj.to(x.device), self.pos.to(x.device)] = x[self.row.to(x.device), self.col.to(x.device)]
         return out
 
-    def scatter(self, y: torch.Tensor, num_rows: int) -> torch.Tensor:
-        """``[T, L]`` -> ``[B, R]`` (``num_rows`` = B); rows on no timeline (padding) are 0."""
-        rows, traj, cols = self._index(y.device)
-        out = y.new_zeros((num_rows, self.width))
-        out[rows] = y[traj, cols]
+    def mask(self, like: torch.Tensor) -> torch.Tensor:
+        """``[T, L]`` 1 on every timeline position that holds a loss token."""
+        out = like.new_zeros((self.num_trajectories, self.length))
+        out[self.traj.to(like.device), self.pos.to(like.device)] = 1
+        return out
+
+    def scatter(self, y: torch.Tensor) -> torch.Tensor:
+        """``[T, L]`` -> ``[B, R]``: each loss token's value back at its row and position; everything else 0 (as
+        verl's estimators leave masked positions of their advantages)."""
+        out = y.new_zeros(self.shape)
+        out[self.row.to(y.device), self.col.to(y.device)] = y[self.traj.to(y.device), self.pos.to(y.device)]
         return out
 
 
@@ -118,11 +121,10 @@ def timeline_advantages(
     """
     kwargs: dict[str, Any] = dict(estimator_kwargs or {})
     kwargs.update(token_level_rewards=timeline.gather(token_level_rewards),
-                  response_mask=timeline.gather(response_mask.to(token_level_rewards.dtype)))
+                  response_mask=timeline.mask(token_level_rewards))
     if values is not None:
         kwargs["values"] = timeline.gather(values.to(token_level_rewards.dtype))
     if index is not None:
         kwargs["index"] = index
     advantages, returns = estimator_fn(**kwargs)
-    n = token_level_rewards.shape[0]
-    return timeline.scatter(advantages, n), timeline.scatter(returns, n)
+    return timeline.scatter(advantages), timeline.scatter(returns)

@@ -39,7 +39,7 @@ def ray_less_trainer(config: Mapping, traj_config: Union[Mapping, Any, None] = N
         tr = object.__new__(traj_trainer_class(v1_class))
         tr.parameter_sync_step, tr.local_trigger_step, tr.use_critic = 1, 0, False
         tr.actor_rollout_wg = SimpleNamespace(_dispatch_info={"actor": list(range(dp or 1))})
-        tr._planned = None
+        tr._planned, tr._padding_by_key = None, {}
     tr.config = OmegaConf.create(dict(config))
     tr.traj_config = traj_config
     tr.spec = UpdateSpec.derive(tr.config, traj_config, plan) if traj_config.enable else None
