@@ -53,3 +53,11 @@ def test_transcript_is_a_correct_episode():
     results = [int(m["content"]) for m in messages if m["role"] == "tool"]
     assert calls == [c for c, _ in problem.steps] and results == [r for _, r in problem.steps]
     assert task.compute_score("calc_agent", messages[-1]["content"], str(problem.answer)) == 1.0
+
+
+def test_turn_rewards_reward_calls_the_calculator_can_compute():
+    from verl_traj.recipes.calc_agent.agent_loop import TURN_REWARD, turn_rewards
+
+    good = '<tool_call>{"name": "calculator", "arguments": {"expression": "3 + 4 * 2"}}</tool_call>'
+    bad = '<tool_call>{"name": "calculator", "arguments": {"expression": "3 +"}}</tool_call>'
+    assert turn_rewards([good, bad, "<answer>11</answer>", ""]) == [TURN_REWARD, 0.0, 0.0, 0.0]

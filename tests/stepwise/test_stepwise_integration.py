@@ -15,6 +15,7 @@ from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 from tests.stepwise.helpers import trajectory_advantages
 from tests.stepwise.verl_batches import planned_stepwise_batch, stepwise_dataproto, stepwise_trainer
 from verl_traj.config import TrajConfig
+from verl_traj.core.keys import TURN_REWARDS
 from verl_traj.integration import stepwise_agent_loop as sal
 from verl_traj.integration.stepwise_rows import expand_dataproto_step_rows, stepwise_advantage
 from verl_traj.stepwise.advantages import StepwiseAdvantageError
@@ -220,3 +221,88 @@ def test_non_finite_values_on_the_timeline_are_refused_by_name():
     with pytest.raises(StepwiseAdvantageError, match="values holds .* non-finite") as err:
         step_advantage(data, "gae", gamma=1.0, lam=1.0, config=OmegaConf.create({}))
     assert err.value.field == "values"
+
+
+def _with_turn_rewards(data):
+    """Give every LLM call but each trajectory's last a turn reward of 0.1 x (its step + 1), in the records."""
+    for records in data.non_tensor_batch["traj_steps"]:
+        for k, rec in enumerate(records[:-1]):
+            rec["reward"] = 0.1 * (k + 1)
+    return data
+
+
+def _planned_with_turn_rewards(seed, merge):
+    from verl_traj.testing import step_record_batch, token_trajectory
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(seed)
+    trajs = [token_trajectory(rng, 3), token_trajectory(rng, 2), token_trajectory(rng, 4), token_trajectory(rng, 1)]
+    tensors, non = step_record_batch(trajs, ["g0", "g0", "g1", "g1"], [1.0, 0.0, 0.3, 0.9])
+    data = _with_turn_rewards(DataProto.from_dict(tensors=tensors, non_tensors=non))
+    stepwise_trainer(TrajConfig(step_wise=True, merge_prefix=merge), 2)._balance_batch(data, {})
+    data.batch["token_level_rewards"] = data.batch["rm_scores"].clone()
+    return data
+
+
+def test_turn_rewards_land_on_each_calls_last_token_in_both_layouts():
+    """Each LLM call's own reward sits on its last response token, in step rows and inside merged rows alike; the
+    trajectories' totals are kept (0.1 + 0.2 + 0.3 for a 4-call trajectory, ...)."""
+    totals = {}
+    for merge in (False, True):
+        data = _planned_with_turn_rewards(6, merge)
+        turn, mask = data.batch[TURN_REWARDS], data.batch["response_mask"]
+        assert torch.all((turn != 0) <= (mask != 0))  # only on loss tokens
+        totals[merge] = sorted(round(float(turn[data.batch["traj_index"] == t].sum()), 6)
+                               for t in range(int(data.batch["traj_index"].max()) + 1))
+    assert totals[False] == totals[True] == sorted([0.3, 0.1, 0.6, 0.0])
+
+
+@pytest.mark.parametrize("name", ["gae", "grpo"])
+def test_turn_rewards_give_step_rows_and_merged_rows_the_same_credit(name):
+    """Temporal (GAE): the turn rewards discount through the timeline; outcome (GRPO): a trajectory's score is its
+    outcome plus its turn rewards. Either way unmerged and merged rows get the same credit on every loss token, and
+    the turn rewards change it (they are not dropped)."""
+    config = OmegaConf.create({"gamma": 0.9})
+    credit = {}
+    for merge in (False, True):
+        data = _planned_with_turn_rewards(6, merge)
+        data.batch["values"] = (data.batch["responses"].float() % 5) * 0.1
+        step_advantage(data, name, gamma=0.9, lam=0.95, config=config)
+        credit[merge] = _loss_token_credit(data, "advantages")
+        data.batch.pop(TURN_REWARDS)
+        step_advantage(data, name, gamma=0.9, lam=0.95, config=config)
+        credit[(merge, "outcome only")] = _loss_token_credit(data, "advantages")
+    for traj in credit[False]:
+        assert credit[False][traj] == pytest.approx(credit[True][traj], rel=1e-5, abs=1e-6), traj
+    assert any(credit[False][t] != pytest.approx(credit[(False, "outcome only")][t], abs=1e-4) for t in credit[False])
+
+
+def test_v1_refuses_turn_rewards_by_name():
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+
+    from verl_traj.integration.v1_agent_loop import step_outputs
+    from verl_traj.stepwise.expand import StepExpansionError, encode_step_records
+    from verl_traj.testing import token_trajectory
+
+    records, prompt, response, mask, _ = token_trajectory(np.random.default_rng(0), 2)
+    records[0]["reward"] = 0.5
+    out = AgentLoopOutput(prompt_ids=prompt.tolist(), response_ids=response.tolist(), response_mask=mask.tolist(),
+                          metrics=AgentLoopMetrics(), extra_fields={"traj_steps": encode_step_records(records)})
+    with pytest.raises(StepExpansionError, match="turn rewards.*trainer.use_v1=false") as err:
+        step_outputs(out, merge_prefix=True)
+    assert err.value.field == "reward"
+
+
+def test_a_turn_reward_that_is_not_a_finite_number_is_refused():
+    from verl_traj.stepwise.expand import StepExpansionError
+    from verl_traj.testing import token_trajectory
+
+    for bad in (float("nan"), "0.5", True):
+        torch.manual_seed(0)
+        records, prompt, response, mask, lps = token_trajectory(np.random.default_rng(1), 2)
+        records[0]["reward"] = bad
+        with pytest.raises(StepExpansionError, match="reward=") as err:
+            from verl_traj.stepwise.expand import trajectory_step_rows
+
+            trajectory_step_rows(prompt, response, mask, lps, records, merge_prefix=False)
+        assert err.value.field == "reward"

@@ -24,8 +24,10 @@ TRAJ_INDEX = "traj_index"
 IS_PADDING = "is_padding"
 IS_LAST_STEP = "is_last_step"
 LOSS_WEIGHT = "loss_weight"
+TURN_REWARDS = "turn_rewards"  # [B, R] per-step (turn) rewards of step rows, each on its call's last response token
 
 # Tensor fields apply_plan adds (replaced if the input already carries them).
 PLAN_KEYS = (MINI_BATCH_ID, MICRO_BATCH_ID, TRAJ_INDEX, IS_PADDING)
 
-__all__ = ["MINI_BATCH_ID", "MICRO_BATCH_ID", "TRAJ_INDEX", "IS_PADDING", "IS_LAST_STEP", "LOSS_WEIGHT", "PLAN_KEYS"]
+__all__ = ["MINI_BATCH_ID", "MICRO_BATCH_ID", "TRAJ_INDEX", "IS_PADDING", "IS_LAST_STEP", "LOSS_WEIGHT", "PLAN_KEYS",
+           "TURN_REWARDS"]

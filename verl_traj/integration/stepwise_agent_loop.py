@@ -18,7 +18,7 @@ worker processes). The reward is computed once per trajectory in the agent loop 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Optional
 from uuid import uuid4
 
 from verl_traj.config import TrajConfig
@@ -80,7 +80,17 @@ class StepRecordingMixin:
     saw, the generated ids and log-probs), clipped to the row's budget and delta-encoded (O(T)), to
     ``extra_fields["traj_steps"]`` (``DEFAULT_STEPS_KEY``: the one name every reader uses), plus a fresh
     trajectory id under ``traj.traj_id_key`` (read from the loop's ``self.config``, verl's whole training config).
+
+    Turn rewards: override :meth:`step_rewards` to give each LLM call a reward of its own (a tool result, a checker,
+    a shaped signal); it lands on that call's last response token, the trajectory's outcome stays on its last call.
+    Temporal estimators (GAE, REINFORCE++) discount it through the trajectory's timeline; an outcome estimator
+    scores a trajectory by its outcome plus its turn rewards. v0 trainer only for now (v1 refuses them by name).
     """
+
+    def step_rewards(self, calls: list[dict[str, Any]], output: Any) -> Optional[list[float]]:
+        """One reward per recorded LLM call (``calls``: its ``prompt_ids``, ``response_ids``, ...), or ``None`` (the
+        default: outcome only). Called once the trajectory finished."""
+        return None
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any):
         calls: list[dict[str, Any]] = []
@@ -94,6 +104,12 @@ class StepRecordingMixin:
         if response_length is None:
             response_length = self.rollout_config.response_length
         budget = len(output.prompt_ids) + int(response_length)
+        rewards = self.step_rewards(calls, output)
+        if rewards is not None:
+            if len(rewards) != len(calls):
+                raise ValueError(f"step_rewards returned {len(rewards)} rewards for {len(calls)} LLM calls: give one "
+                                 "reward per recorded call (0.0 for none).")
+            calls = [dict(call, reward=float(r)) for call, r in zip(calls, rewards)]
         output.extra_fields[DEFAULT_STEPS_KEY] = encode_step_records(truncate_calls(calls, budget))
         traj_cfg = TrajConfig.of(getattr(self, "config", None))
         output.extra_fields[traj_cfg.traj_id_key] = uuid4().hex

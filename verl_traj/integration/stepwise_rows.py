@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 from verl_traj.core.errors import check_finite
 from verl_traj.core.estimators import estimator_traits
-from verl_traj.core.keys import IS_LAST_STEP, TRAJ_INDEX
+from verl_traj.core.keys import IS_LAST_STEP, TRAJ_INDEX, TURN_REWARDS
 from verl_traj.stepwise.advantages import (StepwiseAdvantageError, check_stepwise_estimator,
                                            compute_trajectory_advantages)
 from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, expand_step_rows
@@ -60,7 +60,11 @@ def expand_dataproto_step_rows(
     device = data.batch.device if hasattr(data.batch, "device") else None
     data.batch = TensorDict(dict(out.tensors), batch_size=[int(out.source_row.numel())], device=device)
     data.non_tensor_batch = out.non_tensors
-    return out.metrics()
+    metrics = out.metrics()
+    if TURN_REWARDS in out.tensors:  # what the agent loop gave as turn rewards this step
+        metrics["traj_stepwise/turn_reward_sum"] = float(out.tensors[TURN_REWARDS].sum())
+        metrics["traj_stepwise/turn_rewards_nonzero"] = float((out.tensors[TURN_REWARDS] != 0).sum())
+    return metrics
 
 
 def _estimator(name: str, norm_adv_by_std_in_grpo: bool, config: Any) -> tuple[Callable, dict]:
@@ -73,6 +77,29 @@ def _estimator(name: str, norm_adv_by_std_in_grpo: bool, config: Any) -> tuple[C
     var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     extra = {"norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo, "config": config}
     return fn, {k: v for k, v in extra.items() if k in params or (var_kw and k == "config")}
+
+
+def _with_turn_rewards(data: Any, on_last_row: bool = False) -> Any:
+    """``token_level_rewards`` ``[B, R]`` plus the step rows' turn rewards (:data:`~verl_traj.core.keys.TURN_REWARDS`,
+    each on its call's last response token), or the rewards alone when the batch has none. ``on_last_row``: for an
+    outcome estimator that reads each trajectory's last row, the trajectory's turn-reward total is added there
+    instead (so the trajectory's score is its outcome plus every turn reward, each counted once)."""
+    import torch
+
+    td = data.batch
+    rewards = td["token_level_rewards"]
+    if TURN_REWARDS not in td.keys():
+        return rewards
+    turn = td[TURN_REWARDS].to(rewards)
+    if not on_last_row:
+        return rewards + turn
+    traj = td[TRAJ_INDEX].to(rewards.device).long()
+    real = traj >= 0
+    total = rewards.new_zeros(int(traj.max()) + 1 if real.any() else 1).index_add_(0, traj[real], turn.sum(-1)[real])
+    last = torch.as_tensor(data.non_tensor_batch[IS_LAST_STEP].astype(bool), device=rewards.device) & real
+    extra = torch.zeros_like(rewards)
+    extra[last, 0] = total[traj[last]]
+    return rewards + extra
 
 
 def _timeline_advantage(data: Any, fn: Callable, extra: dict, gamma: float, lam: float,
@@ -99,11 +126,12 @@ def _timeline_advantage(data: Any, fn: Callable, extra: dict, gamma: float, lam:
         index = np.asarray(nt["uid"], dtype=object)[timeline.first_row.numpy()]
     values = td["values"] if "values" in params else None
     real = td[TRAJ_INDEX] >= 0
-    for name, tensor in (("token_level_rewards", td["token_level_rewards"]), ("values", values)):
+    rewards = _with_turn_rewards(data)
+    for name, tensor in (("token_level_rewards", rewards), ("values", values)):
         if tensor is not None:  # one reduction each: a NaN would spread through every earlier turn of its trajectory
             check_finite(name, tensor[real], f"make the {'reward function' if name != 'values' else 'critic'} "
                          "return finite numbers for every row", error=StepwiseAdvantageError)
-    return timeline_advantages(fn, timeline, td["token_level_rewards"], td["response_mask"], values=values,
+    return timeline_advantages(fn, timeline, rewards, td["response_mask"], values=values,
                                index=index, estimator_kwargs=kwargs)
 
 
@@ -130,7 +158,8 @@ def stepwise_advantage(verl_compute_advantage: Callable, step_index_key: str = "
             return data
         use_kl = bool(config.get("use_kl_in_reward", False)) if config is not None and hasattr(config, "get") else False
         adv, ret, _ = compute_trajectory_advantages(
-            td["token_level_rewards"], td["response_mask"], td[TRAJ_INDEX], data.non_tensor_batch[IS_LAST_STEP],
+            _with_turn_rewards(data, on_last_row=not use_kl), td["response_mask"], td[TRAJ_INDEX],
+            data.non_tensor_batch[IS_LAST_STEP],
             data.non_tensor_batch["uid"], estimator_fn=fn, estimator_name=name,
             reward_reduction="sum" if use_kl else "last_step",
             reward_baselines=td["reward_baselines"] if "reward_baselines" in td.keys() else None,

@@ -33,7 +33,7 @@ from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorke
 
 from verl_traj.config import TrajConfig
 from verl_traj.core.row_key import row_key
-from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, trajectory_step_rows
+from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, TURN_REWARD, StepExpansionError, trajectory_step_rows
 
 __all__ = ["MANAGER_FQN", "MERGE_TAG", "UNSUPPORTED_STEP_FIELDS", "check_step_output", "TrajAgentLoopManagerTQ", "TrajAgentLoopWorkerTQ", "session_priority",
            "step_outputs"]
@@ -50,8 +50,6 @@ UNSUPPORTED_STEP_FIELDS = ("routed_experts", "multi_modal_data", "mm_processor_o
 def check_step_output(output: AgentLoopOutput) -> None:
     """Refuse a trajectory whose output carries :data:`UNSUPPORTED_STEP_FIELDS`: step rows without them would train
     silently without MoE router replay or without the images."""
-    from verl_traj.stepwise.expand import StepExpansionError
-
     for name in UNSUPPORTED_STEP_FIELDS:
         value = getattr(output, name, None)
         if value is not None and not (hasattr(value, "__len__") and len(value) == 0):
@@ -70,6 +68,11 @@ def step_outputs(output: AgentLoopOutput, merge_prefix: bool,
     rows, stats = trajectory_step_rows(output.prompt_ids, output.response_ids, output.response_mask,
                                        output.response_logprobs, output.extra_fields.get(steps_key),
                                        merge_prefix=merge_prefix)
+    if any(bool(row.per_token[TURN_REWARD].any()) for row in rows):
+        raise StepExpansionError(
+            "the step records carry turn rewards (a 'reward' per LLM call), which the v1 trainer cannot store per "
+            "token yet (v1 copies the trajectory's reward onto every step row). Fix: train with trainer.use_v1=false "
+            "(v0 takes turn rewards), or drop the rewards from the records.", field="reward")
     outputs = [
         AgentLoopOutput(
             prompt_ids=row.prompt_ids.tolist(), response_ids=row.response_ids.tolist(),

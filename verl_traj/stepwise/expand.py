@@ -38,7 +38,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.keys import IS_LAST_STEP
+from verl_traj.core.keys import IS_LAST_STEP, TURN_REWARDS
 from verl_traj.core.padding import pad_position_ids
 from verl_traj.stepwise.prefix_merge import MergedRow, MergeStats, RowBuilder, merge_trajectory_steps
 
@@ -54,6 +54,7 @@ __all__ = [
 ]
 
 DEFAULT_STEPS_KEY = "traj_steps"
+TURN_REWARD = "turn_reward"  # per-token values of a step row: each call's own reward on its last response token
 # Tensor fields rebuilt by the expansion.
 _REBUILT = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask",
             "rollout_log_probs", "rm_scores")
@@ -194,6 +195,8 @@ def encode_step_records(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             rec["response_logprobs"] = np.asarray(call["response_logprobs"], dtype=np.float32).reshape(-1)
         if call.get("response_mask") is not None:
             rec["response_mask"] = np.asarray(call["response_mask"], dtype=np.int8).reshape(-1)
+        if call.get("reward") is not None:
+            rec["reward"] = call["reward"]  # the call's turn reward (validated where rows are built)
         steps.append(rec)
         prev_full = np.concatenate([prompt, resp])
     return {"steps": steps}
@@ -230,8 +233,24 @@ def decode_step_records(records: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _turn_reward(rec: Mapping[str, Any], n: int, b: int, k: int) -> torch.Tensor:
+    """``[n]`` float: the record's own ``reward`` (a turn reward) on its last response token, 0 elsewhere."""
+    out = torch.zeros(n)
+    value = rec.get("reward")
+    if value is None:
+        return out
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) or not np.isfinite(value):
+        raise StepExpansionError(f"row {b} step {k}: reward={value!r} is not a finite number. Fix: give each LLM call's "
+                                 "turn reward as a float (or no reward key).", field="reward")
+    if n == 0:
+        raise StepExpansionError(f"row {b} step {k}: reward={value!r} on a call with no response token. Fix: drop "
+                                 "the reward or record the call's tokens.", field="reward")
+    out[-1] = float(value)
+    return out
+
+
 def _response_parts(rec: Mapping[str, Any], b: int, k: int, has_lp: bool):
-    """(response ids, response mask, log-probs or None) of one record, validated."""
+    """(response ids, response mask, log-probs or None, turn reward per token) of one record, validated."""
     r = _as_long(rec["response_ids"])
     m = rec.get("response_mask")
     m = torch.ones(r.numel(), dtype=torch.long) if m is None else _as_long(m)
@@ -248,7 +267,7 @@ def _response_parts(rec: Mapping[str, Any], b: int, k: int, has_lp: bool):
         lp = (lp.detach().cpu() if isinstance(lp, torch.Tensor) else torch.as_tensor(lp)).reshape(-1).float()
         if lp.numel() != r.numel():
             raise StepExpansionError(f"row {b} step {k}: response_logprobs has {lp.numel()} entries for {r.numel()} tokens.")
-    return r, m, lp
+    return r, m, lp, _turn_reward(rec, r.numel(), b, k)
 
 
 def _merge_delta_encoded(steps: Sequence[Mapping[str, Any]], b: int, has_lp: bool):
@@ -269,10 +288,10 @@ def _merge_delta_encoded(steps: Sequence[Mapping[str, Any]], b: int, has_lp: boo
                 f"row {b} step record {k}: prompt_prefix_len={pre[k]} exceeds the previous step's context ({limit} tokens)."
             )
     rows: list[MergedRow] = []
-    names = ["lp"] if has_lp else []
+    names = [TURN_REWARD] + (["lp"] if has_lp else [])
     row = RowBuilder(tails[0], 0, names)
-    for k, (r, m, lp) in enumerate(parts):
-        values = {"lp": lp} if has_lp else {}
+    for k, (r, m, lp, rw) in enumerate(parts):
+        values = {TURN_REWARD: rw, **({"lp": lp} if has_lp else {})}
         if k and pre[k] == full_len[k - 1]:  # continues the current row
             row.add_observation(tails[k], m, values)
         elif k:
@@ -283,7 +302,7 @@ def _merge_delta_encoded(steps: Sequence[Mapping[str, Any]], b: int, has_lp: boo
     rows.append(row.close(n - 1, len(rows), True))
     stats = MergeStats(rows_before=n, rows_after=len(rows), tokens_before=int(sum(full_len)),
                        tokens_after=sum(x.num_tokens for x in rows),
-                       loss_tokens_before=int(sum(int(torch.count_nonzero(m)) for _, m, _ in parts)),
+                       loss_tokens_before=int(sum(int(torch.count_nonzero(m)) for _, m, _, _ in parts)),
                        loss_tokens_after=sum(int(torch.count_nonzero(x.response_mask)) for x in rows))
     return rows, stats
 
@@ -313,6 +332,7 @@ class _StepRows:
     responses: list[torch.Tensor] = field(default_factory=list)
     masks: list[torch.Tensor] = field(default_factory=list)
     log_probs: list[torch.Tensor] = field(default_factory=list)
+    turn_rewards: list[torch.Tensor] = field(default_factory=list)
     source_row: list[int] = field(default_factory=list)
     source_steps: list[list[int]] = field(default_factory=list)
     step_index: list[int] = field(default_factory=list)
@@ -327,6 +347,7 @@ class _StepRows:
             self.masks.append(row.response_mask)
             if has_lp:
                 self.log_probs.append(row.per_token["lp"])
+            self.turn_rewards.append(row.per_token[TURN_REWARD])
             self.source_row.append(b)
             self.source_steps.append(row.source_steps)
             self.step_index.append(row.step_index)
@@ -387,7 +408,8 @@ def _source_rows(src: _Source, b: int, raw: Any, merge_prefix: bool) -> tuple[li
     parts = [_response_parts(rec, b, k, src.has_lp) for k, rec in enumerate(recs)]
     return merge_trajectory_steps(
         [_as_long(rec["prompt_ids"]) for rec in recs], [p[0] for p in parts], [p[1] for p in parts],
-        {"lp": [p[2] for p in parts]} if src.has_lp else None, enable=merge_prefix,
+        {TURN_REWARD: [p[3] for p in parts], **({"lp": [p[2] for p in parts]} if src.has_lp else {})},
+        enable=merge_prefix,
     )
 
 
@@ -524,6 +546,8 @@ def expand_step_rows(
     out_t = _layout_tensors(rows, src, (prompt_width, response_width), pad_to_multiple_of, pad_token_id)
     if "rm_scores" in tensors:
         out_t["rm_scores"] = _outcome_on_last_rows(tensors["rm_scores"], rows, out_t)
+    if rows.turn_rewards and any(bool(t.any()) for t in rows.turn_rewards):  # the agent loop gave turn rewards
+        out_t[TURN_REWARDS] = _right_pad(rows.turn_rewards, out_t["responses"].shape[1], 0.0)
     src_index = torch.tensor(rows.source_row, dtype=torch.long)
     out_t.update(_carry_tensors(tensors, src_index, drop, B, P, R))
     skip = drop | {steps_key, traj_id_key, step_index_key, IS_LAST_STEP}
