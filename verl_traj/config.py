@@ -202,7 +202,7 @@ _PARSED: "weakref.WeakKeyDictionary[Any, TrajConfig]" = weakref.WeakKeyDictionar
 
 
 # traj.* fields that must be real bools: a string "false" is truthy, and None skips every check keyed on them.
-_BOOL_FIELDS = ("enable", "balance_dp", "step_wise", "merge_prefix")
+_BOOL_FIELDS = tuple(f.name for f in fields(TrajConfig) if f.type == "bool")  # the annotation (a string here)
 
 
 def _check_bool(field: str, value: Any) -> None:

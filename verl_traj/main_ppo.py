@@ -11,9 +11,12 @@ import os
 import warnings
 from pathlib import Path
 
-# verl warns at import for each optional engine that is not installed (torchtitan, veomni, ...); see
-# OPTIONAL_ENGINE_WARNINGS below for the Ray workers' copy of this filter.
-warnings.filterwarnings("ignore", message=r"(torchtitan|veomni|automodel|mindspeed|megatron) engine is not available")
+# verl imports every optional engine at start-up and warns for each one that is not installed, in every process
+# (the driver and each Ray worker): on a machine without them that is five warnings per process before training
+# starts. Choosing one of them still fails loudly, where it is built. The driver filters them here; its Ray workers
+# through PYTHONWARNINGS (quiet_optional_engine_warnings).
+OPTIONAL_ENGINES = ("torchtitan", "veomni", "automodel", "mindspeed", "megatron")
+warnings.filterwarnings("ignore", message=rf"({'|'.join(OPTIONAL_ENGINES)}) engine is not available")
 
 import hydra  # noqa: E402
 import ray  # noqa: E402
@@ -86,11 +89,7 @@ class TrajTaskRunnerV1Impl(_verl_v1_task_runner()):
 TrajTaskRunnerV1 = ray.remote(num_cpus=1)(TrajTaskRunnerV1Impl)
 
 
-# verl imports every optional engine at start-up and warns for each one that is not installed, in every process
-# (the driver and each Ray worker): on a machine without torchtitan, veomni, automodel, mindspeed or megatron that
-# is five warnings per process before training starts. Choosing one of them still fails loudly, where it is built.
-OPTIONAL_ENGINE_WARNINGS = tuple(f"ignore:{name} engine is not available" for name in
-                                 ("torchtitan", "veomni", "automodel", "mindspeed", "megatron"))
+OPTIONAL_ENGINE_WARNINGS = tuple(f"ignore:{name} engine is not available" for name in OPTIONAL_ENGINES)
 
 
 def quiet_optional_engine_warnings(environ: dict) -> None:

@@ -57,7 +57,7 @@ def _v1_view(data):
     scores = torch.zeros_like(td["rm_scores"])
     ends = td["response_mask"].shape[1] - 1 - torch.argmax(td["attention_mask"][:, -scores.shape[1]:].flip(-1), -1)
     scores[torch.arange(len(keys)), ends] = reward * (~pad).float()
-    rows = V1.PlanFacts(tuple(keys), parse_row_keys(keys).uid, td["traj_index"].clone(), last,
+    rows = V1.PlanFacts(tuple(keys), td["traj_index"].clone(), last,
                           pad.clone(), td["mini_batch_id"].clone(), multi_row=True)
     return keys, scores, rows
 
@@ -77,7 +77,7 @@ def test_planned_advantage_counts_the_copied_reward_once(name, kl_in_reward):
     keys, scores, rows = _v1_view(data)
     v1 = as_dataproto({"token_level_scores": scores, "token_level_rewards": scores - penalty,
                        "response_mask": data.batch["response_mask"], "attention_mask": data.batch["attention_mask"],
-                       "responses": data.batch["responses"]}, {"uid": rows.uid})
+                       "responses": data.batch["responses"]}, {"uid": parse_row_keys(keys).uid})
     got = V1.planned_advantage(rows)(v1, keys, name, config=config).batch["advantages"]
     torch.testing.assert_close(got, expected)
     assert torch.count_nonzero(got[rows.is_padding]) == 0
@@ -91,9 +91,9 @@ def test_planned_advantage_on_one_row_trajectories_is_verl_on_real_rows():
     pad[-2:] = True
     keys = [f"{u}_{i % 4}_0" for i, u in enumerate(non["uid"])] + ["pad0_0_0", "pad1_0_0"]
     grow = {k: torch.cat([v, torch.zeros((2,) + v.shape[1:], dtype=v.dtype)]) for k, v in tensors.items()}
-    rows = V1.PlanFacts(tuple(keys), parse_row_keys(keys).uid, torch.cat([torch.arange(B), torch.tensor([-1, -1])]),
+    rows = V1.PlanFacts(tuple(keys), torch.cat([torch.arange(B), torch.tensor([-1, -1])]),
                           ~pad, pad, torch.zeros(B + 2, dtype=torch.long), multi_row=False)
-    data = as_dataproto(grow, {"uid": rows.uid})
+    data = as_dataproto(grow, {"uid": parse_row_keys(keys).uid})
     got = V1.planned_advantage(rows)(data, keys, "grpo", num_repeat=4, config=OmegaConf.create({}))
     ref = ray_trainer.compute_advantage(as_dataproto(tensors, dict(non)), "grpo", num_repeat=4,
                                         config=OmegaConf.create({}))

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from verl_traj.config import TrajConfig, TrajConfigError, prompts_per_update, uses_critic
+from verl_traj.config import TrajConfig, TrajConfigError, parameter_sync_step, prompts_per_update, uses_critic
 from verl_traj.core import compute_loss_weights
 from verl_traj.core.errors import check_positive_number
 from verl_traj.integration.verl_config import PlanSettings, prepare_config
@@ -75,8 +75,6 @@ class UpdateSpec:
     @classmethod
     def derive(cls, config: Any, traj_config: TrajConfig, plan: Optional[PlanSettings]) -> "UpdateSpec":
         """The spec of an already prepared (and validated) ``config``; changes nothing in it."""
-        from verl_traj.config import parameter_sync_step
-
         actor = config.actor_rollout_ref.actor
         prompts = prompts_per_update(config)
         mini = int(actor.ppo_mini_batch_size)

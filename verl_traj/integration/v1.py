@@ -84,7 +84,6 @@ class PlanFacts:
     """The plan's per-row facts of the batch planned last, in dispatch order (``[B]`` each)."""
 
     keys: tuple[str, ...]
-    uid: np.ndarray  # object
     traj_index: torch.Tensor  # int64, -1 on padding
     is_last_step: torch.Tensor  # bool
     is_padding: torch.Tensor  # bool
@@ -193,7 +192,7 @@ def plan_facts(keys: list[str], plan: MiniBatchPlan, layout: Any) -> PlanFacts:
     """The plan's per-row facts in dispatch order (``keys``: the planned batch's keys, padding included)."""
     src = plan.order.clamp(min=0)
     return PlanFacts(
-        keys=tuple(keys), uid=parse_row_keys(keys).uid, traj_index=plan.traj_index.clone(),
+        keys=tuple(keys), traj_index=plan.traj_index.clone(),
         is_last_step=layout.is_last_step[src] & ~plan.is_padding, is_padding=plan.is_padding.clone(),
         mini_batch_id=plan.mini_batch_id.clone(), multi_row=bool((layout.traj_num_steps > 1).any()),
     )

@@ -116,10 +116,10 @@ def fixed_to_dynamic_micro_batches(config: Any) -> list[str]:
     The bound: a fixed micro-batch of ``mbs`` rows runs on one sequence-parallel group, each GPU holding ``1/sp`` of
     every row (about ``mbs * len / sp`` tokens per GPU), while verl multiplies a dynamic per-GPU cap by ``sp`` for
     the group. So the per-GPU cap is ``ceil(mbs * (max_prompt_length + max_response_length) / sp)``."""
+    pin_micro_batch_settings(config)  # before any write: the passes that interpolate the actor's keys keep theirs
     max_len = _max_row_tokens(config)
     if max_len <= 0:
         return []
-    pin_micro_batch_settings(config)
     changed = []
     with open_dict(config):
         for p, section in _passes(config):
@@ -235,8 +235,7 @@ def prepare_config(config: Any, traj_config: TrajConfig) -> PlanSettings:
         prepare_v1_agent_loop(config, traj_config)
     else:
         _force_balance_batch(config)
-    pin_micro_batch_settings(config)  # before any write: inference caps stay verl's unless asked
-    changed = fixed_to_dynamic_micro_batches(config)
+    changed = fixed_to_dynamic_micro_batches(config)  # pins verl's interpolated settings first
     if changed:
         logger.warning("verl_traj: planned batches have variable rows per rank, so fixed micro-batch sizes were "
                        "replaced by dynamic micro-batching with the same memory bound: %s", "; ".join(changed))

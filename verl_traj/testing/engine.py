@@ -113,8 +113,8 @@ def plan_for_update(batch: Any, cfg: Any, dp: int, *, mode: str = "token-mean", 
 
     traj_config = TrajConfig(group_by=group_by, loss_agg_mode=mode, seed=seed, **traj_options)
     spec = UpdateSpec.prepare(cfg, traj_config)
-    trainer = ray_less_trainer(cfg, traj_config, plan=spec.plan, dp=dp)
-    trainer.spec, trainer.global_steps = spec, 0
+    trainer = ray_less_trainer(cfg, traj_config, plan=spec.plan, dp=dp)  # derives the same spec from the prepared cfg
+    trainer.global_steps = 0
     plan = trainer.plan_and_apply(batch, dp)
     td = batch.batch
     td[LOSS_WEIGHT] = spec.actor_loss.weights(td["response_mask"], td[MINI_BATCH_ID], td[TRAJ_INDEX], td[IS_PADDING])
