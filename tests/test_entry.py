@@ -23,3 +23,27 @@ def test_optional_engine_warnings_are_filtered_in_child_processes_and_user_filte
     assert noisy.returncode == quiet.returncode == 0, quiet.stderr[-2000:]
     assert "engine is not available" not in quiet.stderr
     assert "engine is not available" in noisy.stderr  # the filter is what silences them (verl still warns)
+
+
+def test_a_cpu_preset_on_a_process_with_a_gpu_platform_is_refused_before_verl_rewrites_the_device(monkeypatch):
+    """Regression: the platform check ran after verl's auto_set_device, which silently turns trainer.device=cpu into
+    the detected accelerator, so a CPU preset on a GPU machine became a CUDA job unnoticed. The process's platform is
+    made to look like an accelerator's here; run() must refuse before Ray starts, naming the switch."""
+    from types import SimpleNamespace
+
+    import pytest
+    import verl.trainer.main_ppo as verl_main
+    import verl.utils.device as device
+
+    from verl_traj import main_ppo
+    from verl_traj.config import TrajConfigError
+    from verl_traj.testing.engine import cpu_config
+
+    gpu = SimpleNamespace(device_name="cuda")
+    monkeypatch.setattr(device, "get_platform", lambda: gpu)
+    monkeypatch.setattr(device, "get_device_name", lambda: "cuda")
+    monkeypatch.setattr(verl_main, "run_ppo", lambda *a, **k: pytest.fail("training started"))
+    cfg = cpu_config(["traj.enable=false"])  # a CPU preset: trainer.device=cpu
+    with pytest.raises(TrajConfigError, match="trainer.device='cpu'.*VERL_TRAJ_CPU=1") as err:
+        main_ppo.run(cfg)
+    assert err.value.field == "trainer.device" and cfg.trainer.device == "cpu"

@@ -546,8 +546,9 @@ def expand_step_rows(
     out_t = _layout_tensors(rows, src, (prompt_width, response_width), pad_to_multiple_of, pad_token_id)
     if "rm_scores" in tensors:
         out_t["rm_scores"] = _outcome_on_last_rows(tensors["rm_scores"], rows, out_t)
-    if rows.turn_rewards and any(bool(t.any()) for t in rows.turn_rewards):  # the agent loop gave turn rewards
-        out_t[TURN_REWARDS] = _right_pad(rows.turn_rewards, out_t["responses"].shape[1], 0.0)
+    turn = _right_pad(rows.turn_rewards, out_t["responses"].shape[1], 0.0) if rows.turn_rewards else None
+    if turn is not None and bool(turn.any()):  # the agent loop gave turn rewards
+        out_t[TURN_REWARDS] = turn
     src_index = torch.tensor(rows.source_row, dtype=torch.long)
     out_t.update(_carry_tensors(tensors, src_index, drop, B, P, R))
     skip = drop | {steps_key, traj_id_key, step_index_key, IS_LAST_STEP}
