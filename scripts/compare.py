@@ -1,28 +1,37 @@
 #!/usr/bin/env python
-"""verl_traj vs stock verl in one command: the same preset, seed and data, ``traj.enable=true`` vs ``false``.
+"""Runs side by side in one command: the same preset, seed and data, one run per variant.
 
-Both runs go through ``python -m verl_traj.main_ppo`` one after the other (verl's file logger on); with the CPU
-presets' reproducible sampling (seeded prompt uids and one request priority per session, on v1 also with
-``traj.enable=false``) the first step's rollouts are identical in both runs, so the runs are paired at step 1 and
-differ afterwards only through how each trained its batches. Writes
+By default two variants, verl_traj (``traj.enable=true``) and stock verl (``traj.enable=false``); ``--variant
+NAME=SPEC`` (repeatable) names others, SPEC being hydra overrides for that run only, optionally starting with
+``@CONFIG`` for another preset (e.g. ``ppo=@calc_agent_cpu_ppo``). Every run goes through ``python -m
+verl_traj.main_ppo`` one after the other (verl's file logger on); with the CPU presets' reproducible sampling (seeded
+prompt uids and one request priority per session, on v1 also with ``traj.enable=false``) the first step's rollouts
+are identical in every run, so the runs are paired at step 1 and differ afterwards only through how each trained.
+Writes
 
-* ``OUT/compare.md``: a summary table (per metric: mean over the steps for each run) and a per-step table,
-* ``OUT/compare.png``: per-step curves of both runs, one panel per metric,
-* ``OUT/compare.json`` and both runs' metrics (``OUT/traj.jsonl``, ``OUT/stock.jsonl``).
+* ``OUT/compare.md``: a summary table (per metric: mean over the steps, and first third -> last third of the steps,
+  for each run) and a per-step table,
+* ``OUT/compare.png``: per-step curves of every run, one panel per metric,
+* ``OUT/compare.json`` and each run's metrics (``OUT/NAME.jsonl``, its log ``OUT/NAME.log``).
 
-Metrics: mean reward, optimizer steps per training step, groups / trajectories split over mini-batches,
-padding rows, actor update time, tokens. For the stock run the split counts are observed on verl's own
-mini-batches (``stock_plan/*``; nothing changes in what it trains).
+Metrics: mean reward per trajectory (``traj_reward/mean``; verl's ``critic/score/mean`` averages rows), optimizer
+steps per training step, the learning rate (the schedule's position), groups and trajectories split over
+mini-batches, padding rows, tokens trained, step time. For a stock run (``traj.enable=false``)
+the split counts are observed on verl's own mini-batches (``stock_plan/*``; nothing changes in what it trains).
 
-    python scripts/compare.py --config-name cpu_tiny --steps 20 [--out compare/] [hydra overrides ...]
-    python scripts/compare.py --config-name calc_agent_cpu --steps 10 traj.step_wise=true ...
+    python scripts/compare.py --config-name cpu_tiny --steps 20 [--out compare/] [hydra overrides for every run ...]
+    python scripts/compare.py --config-name calc_agent_cpu --steps 30 --out compare_turns \\
+        --variant stock=traj.enable=false --variant grpo= --variant ppo_gae=@calc_agent_cpu_ppo \\
+        traj.step_wise=true 'actor_rollout_ref.rollout.agent.agent_loop_config_path=${verl_traj_pkg:}/configs/agent_loops/stepwise.yaml'
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -30,33 +39,66 @@ from pathlib import Path
 
 from verl_traj.metrics_log import load_metrics
 
-# (label, key in the verl_traj run, key in the stock run)
+# (label, key in a verl_traj run, key in a stock run)
 ROWS = [
-    ("mean reward", "critic/score/mean", "critic/score/mean"),
+    ("mean reward per trajectory", "traj_reward/mean", "traj_reward/mean"),
     ("optimizer steps per step", "actor/num_optimizer_steps", "stock_plan/expected_optimizer_steps"),
+    ("learning rate", "actor/lr", "actor/lr"),
     ("groups split over mini-batches", "traj_plan/split_groups", "stock_plan/split_groups"),
     ("trajectories split over mini-batches", "traj_plan/split_trajectories", "stock_plan/split_trajectories"),
     ("padding rows", "traj_plan/padding_rows", "stock_plan/padding_rows"),
-    ("actor update time (s)", "timing_s/update_actor", "timing_s/update_actor"),
-    ("tokens per step", "perf/total_num_tokens", "perf/total_num_tokens"),
+    ("tokens trained per step", "perf/total_num_tokens", "perf/total_num_tokens"),
+    ("step time (s)", "timing_s/step", "timing_s/step"),
     ("actor grad norm", "actor/grad_norm", "actor/grad_norm"),
 ]
+DEFAULT_VARIANTS = ("traj=traj.enable=true", "stock=traj.enable=false")
 
 
-def run(variant: str, args, out: Path) -> list[dict]:
-    metrics = out / f"{variant}.jsonl"
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One run: its name, its preset (``None``: the common ``--config-name``) and its own hydra overrides."""
+
+    name: str
+    config_name: str | None
+    overrides: tuple[str, ...]
+
+    @property
+    def stock(self) -> bool:
+        """A stock-verl run reads the ``stock_plan/*`` observer keys (the last ``traj.enable`` override wins)."""
+        enables = [o.split("=", 1)[1].strip().lower() for o in self.overrides if o.startswith("traj.enable=")]
+        return bool(enables) and enables[-1] in ("false", "0")
+
+    def key(self, row: tuple[str, str, str]) -> str:
+        return row[2] if self.stock else row[1]
+
+
+def parse_variant(spec: str) -> Variant:
+    """``NAME=[@CONFIG] [OVERRIDE ...]`` (shell-quoted) -> :class:`Variant`; a clear error otherwise."""
+    name, sep, rest = spec.partition("=")
+    if not sep or not name.isidentifier():
+        raise SystemExit(f"--variant {spec!r}: expected NAME=[@CONFIG] [OVERRIDES] with NAME a plain word, e.g. "
+                         "--variant stock=traj.enable=false or --variant ppo=@calc_agent_cpu_ppo")
+    tokens = shlex.split(rest)
+    config = tokens.pop(0)[1:] if tokens and tokens[0].startswith("@") else None
+    if config == "":
+        raise SystemExit(f"--variant {spec!r}: '@' must be followed by a preset name (e.g. @calc_agent_cpu_ppo)")
+    return Variant(name, config, tuple(tokens))
+
+
+def run(variant: Variant, args, out: Path) -> list[dict]:
+    metrics = out / f"{variant.name}.jsonl"
     metrics.unlink(missing_ok=True)
     env = dict(os.environ, VERL_FILE_LOGGER_PATH=str(metrics))
-    cmd = [sys.executable, "-m", "verl_traj.main_ppo", "--config-name", args.config_name,
+    cmd = [sys.executable, "-m", "verl_traj.main_ppo", "--config-name", variant.config_name or args.config_name,
            f"trainer.total_training_steps={args.steps}", "trainer.logger=[console,file]",
-           f"traj.enable={'true' if variant == 'traj' else 'false'}", "trainer.resume_mode=disable",
-           f"trainer.experiment_name=compare_{variant}", *args.overrides]
+           "trainer.resume_mode=disable", f"trainer.experiment_name=compare_{variant.name}", *args.overrides,
+           *variant.overrides]
     t0 = time.time()
-    with open(out / f"{variant}.log", "w") as log:
+    with open(out / f"{variant.name}.log", "w") as log:
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     if rc != 0:
-        raise SystemExit(f"the {variant} run failed (exit {rc}); see {out / f'{variant}.log'}")
-    print(f"[compare] {variant}: {args.steps} steps in {time.time() - t0:.0f} s", file=sys.stderr)
+        raise SystemExit(f"the {variant.name} run failed (exit {rc}); see {out / f'{variant.name}.log'}")
+    print(f"[compare] {variant.name}: {args.steps} steps in {time.time() - t0:.0f} s", file=sys.stderr)
     return load_metrics(str(metrics))
 
 
@@ -64,36 +106,47 @@ def _series(rows: list[dict], key: str) -> list[float]:
     return [float(r[key]) for r in rows if key in r]
 
 
-def _mean(values: list[float]) -> str:
+def _fmt(values: list[float]) -> str:
     return f"{sum(values) / len(values):.4g}" if values else "-"
 
 
-def tables(traj: list[dict], stock: list[dict]) -> str:
-    lines = ["| metric | verl_traj (mean over steps) | stock verl (mean over steps) |", "|---|---|---|"]
-    lines += [f"| {label} | {_mean(_series(traj, a))} | {_mean(_series(stock, b))} |" for label, a, b in ROWS]
-    lines += ["", "| step | " + " | ".join(f"{label}: traj / stock" for label, _, _ in ROWS) + " |",
+def _trend(values: list[float]) -> str:
+    """mean over all steps, and first third -> last third (a trend readable through per-step noise)."""
+    if len(values) < 3:
+        return _fmt(values)
+    third = len(values) // 3
+    return f"{_fmt(values)} ({_fmt(values[:third])} → {_fmt(values[-third:])})"
+
+
+def tables(runs: dict[Variant, list[dict]]) -> str:
+    names = [v.name for v in runs]
+    lines = ["| metric | " + " | ".join(f"{n}: mean (first third → last third)" for n in names) + " |",
+             "|---|" + "---|" * len(names)]
+    lines += [f"| {row[0]} | " + " | ".join(_trend(_series(rows, v.key(row))) for v, rows in runs.items()) + " |"
+              for row in ROWS]
+    lines += ["", "| step | " + " | ".join(f"{row[0]}: {' / '.join(names)}" for row in ROWS) + " |",
               "|---|" + "---|" * len(ROWS)]
-    by_step = {r["step"]: r for r in stock}
-    for r in traj:
-        s = by_step.get(r["step"], {})
-        cells = [f"{r.get(a, float('nan')):.4g} / {s.get(b, float('nan')):.4g}" for _, a, b in ROWS]
-        lines.append(f"| {r['step']} | " + " | ".join(cells) + " |")
+    by_step = {v: {r["step"]: r for r in rows} for v, rows in runs.items()}
+    for step in sorted({s for steps in by_step.values() for s in steps}):
+        cells = [" / ".join(f"{by_step[v].get(step, {}).get(v.key(row), float('nan')):.4g}" for v in runs)
+                 for row in ROWS]
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def plot(traj: list[dict], stock: list[dict], path: Path, title: str) -> None:
+def plot(runs: dict[Variant, list[dict]], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(ROWS), 1, figsize=(8, 2.0 * len(ROWS)), sharex=True)
-    for ax, (label, a, b) in zip(axes, ROWS):
-        for rows, key, name in ((traj, a, "verl_traj"), (stock, b, "stock verl")):
-            pts = [(r["step"], float(r[key])) for r in rows if key in r]
+    for ax, row in zip(axes, ROWS):
+        for variant, rows in runs.items():
+            pts = [(r["step"], float(r[variant.key(row)])) for r in rows if variant.key(row) in r]
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", linewidth=1.2, label=name)
-        ax.set_ylabel(label, fontsize=8)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", linewidth=1.2, label=variant.name)
+        ax.set_ylabel(row[0], fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[-1].set_xlabel("training step")
@@ -107,17 +160,25 @@ def main(argv=None) -> int:
     ap.add_argument("--config-name", default="cpu_tiny")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default="compare")
-    ap.add_argument("overrides", nargs="*", help="hydra overrides applied to both runs")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=[@CONFIG] [OVERRIDES]",
+                    help="a run of its own (repeatable; default: traj and stock)")
+    ap.add_argument("overrides", nargs="*", help="hydra overrides applied to every run")
     args = ap.parse_args(argv)
+    variants = [parse_variant(s) for s in (args.variant or DEFAULT_VARIANTS)]
+    if len({v.name for v in variants}) != len(variants):
+        raise SystemExit(f"--variant names must differ: {[v.name for v in variants]}")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    traj, stock = run("traj", args, out), run("stock", args, out)
-    text = tables(traj, stock)
-    cmd = " ".join(["python scripts/compare.py", f"--config-name {args.config_name}", f"--steps {args.steps}",
-                    *args.overrides])
-    (out / "compare.md").write_text(f"# verl_traj vs stock verl\n\n`{cmd}`\n\n{text}\n")
-    (out / "compare.json").write_text(json.dumps({"command": cmd, "traj": traj, "stock": stock}, indent=1))
-    plot(traj, stock, out / "compare.png", f"{args.config_name}: verl_traj vs stock verl, same seed and data")
+    runs = {v: run(v, args, out) for v in variants}
+    text = tables(runs)
+    cmd = shlex.join(["python", "scripts/compare.py", "--config-name", args.config_name, "--steps", str(args.steps),
+                      *[f"--variant={s}" for s in args.variant], *args.overrides])
+    (out / "compare.md").write_text(f"# side by side\n\n`{cmd}`\n\n{text}\n")
+    (out / "compare.json").write_text(json.dumps(
+        {"command": cmd, "runs": {v.name: {"config_name": v.config_name or args.config_name,
+                                           "overrides": list(v.overrides), "metrics": rows}
+                                  for v, rows in runs.items()}}, indent=1))
+    plot(runs, out / "compare.png", f"{args.config_name}: {' vs '.join(v.name for v in variants)}, same seed and data")
     print(text)
     print(f"\nwrote {out / 'compare.md'}, {out / 'compare.png'}, {out / 'compare.json'}")
     return 0

@@ -1,6 +1,7 @@
 """The traj: section: defaults, validation messages that name field, value and fix."""
 
 import pytest
+from omegaconf import OmegaConf
 
 from verl_traj.config import TrajConfig, TrajConfigError, validate_against_verl
 from verl_traj.core import loss_weight_modes
@@ -48,13 +49,26 @@ def test_of_parses_a_whole_config_once_per_object():
         ({"padded_cap": "rows"}, "traj.padded_cap='rows'"),
         ({"pass_cost_tokens": -5}, "traj.pass_cost_tokens=-5"),
         ({"pass_cost_tokens": 1.5}, "traj.pass_cost_tokens=1.5"),
-        ({"step_wise": True, "enable": False}, "traj.step_wise=true needs traj.enable=true"),
     ],
 )
 def test_invalid_values_name_field_and_value(kwargs, needle):
     with pytest.raises(TrajConfigError) as err:
         TrajConfig(**kwargs)
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("use_v1", [True, False])
+def test_stock_step_rows_only_on_v1(use_v1):
+    """``traj.step_wise=true traj.enable=false``: stock verl trains the step rows (one per LLM call) with its own
+    mini-batches, the side-by-side baseline; v0 has no step rows of its own, so it is refused there by name."""
+    config = OmegaConf.create({"trainer": {"use_v1": use_v1}})
+    stock = TrajConfig(step_wise=True, enable=False)
+    if use_v1:
+        validate_against_verl(stock, config)
+        return
+    with pytest.raises(TrajConfigError, match="needs the v1 trainer.*trainer.use_v1=true") as err:
+        validate_against_verl(stock, config)
+    assert err.value.field == "traj.step_wise"
 
 
 def test_all_loss_modes_accepted():

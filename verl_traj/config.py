@@ -132,11 +132,6 @@ class TrajConfig:
                 "a non-negative int. Fix: set traj.seed to an integer >= 0 (default 0).", field="traj.seed",
             )
         self._check_keys()
-        if self.step_wise and not self.enable:
-            raise TrajConfigError(
-                "traj.step_wise=true needs traj.enable=true: step rows of one trajectory must stay in one "
-                "mini-batch. Set traj.enable=true or traj.step_wise=false.", field="traj.step_wise",
-            )
 
     def _check_keys(self) -> None:
         """``traj_id_key`` / ``step_index_key``: two distinct non-empty names, none a field the plan writes."""
@@ -246,12 +241,23 @@ def validate_against_verl(traj_config: TrajConfig, config: Any) -> None:
 
     Raises ``TrajConfigError`` naming the field, the value and the fix."""
     if not traj_config.enable:
+        _check_stock_step_rows(traj_config, config)
         return
     _check_estimator(traj_config, config)
     _check_v1_row_fields(traj_config, config)
     _check_policy_loss(config)
     _check_mini_batches(config)
     _check_token_caps(traj_config, config)
+
+
+def _check_stock_step_rows(traj_config: TrajConfig, config: Any) -> None:
+    """``traj.step_wise=true`` with ``traj.enable=false`` is stock verl on step rows (one row per LLM call, trained
+    by verl's own mini-batches, for a side-by-side run): only v1 stores an agent loop's several outputs as rows."""
+    if traj_config.step_wise and not bool(_get(config, "trainer.use_v1", False)):
+        raise TrajConfigError(
+            "traj.step_wise=true with traj.enable=false (stock verl on step rows) needs the v1 trainer: v0 has no "
+            "step rows of its own. Set trainer.use_v1=true, or traj.enable=true (verl_traj's step rows, v0 and v1), "
+            "or traj.step_wise=false.", field="traj.step_wise")
 
 
 def _check_estimator(traj_config: TrajConfig, config: Any) -> None:

@@ -4,7 +4,9 @@ schema, the trainer classes every registered mode gets, and the start-up checks 
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,7 +20,9 @@ from verl_traj.config import TrajConfig, TrajConfigError, validate_against_verl
 from verl_traj.core import build_layout_from_counts, plan_mini_batches
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.row_key import parse_row_keys, row_key, row_key_order
+from verl_traj.core.keys import TURN_REWARDS
 from verl_traj.integration import v1 as V1
+from verl_traj.integration.v1_agent_loop import _turn_reward_tag, turn_reward_entries
 from verl_traj.integration.stepwise_rows import stepwise_advantage
 from verl_traj.testing import as_dataproto, rl_batch
 
@@ -57,8 +61,11 @@ def _v1_view(data):
     scores = torch.zeros_like(td["rm_scores"])
     ends = td["response_mask"].shape[1] - 1 - torch.argmax(td["attention_mask"][:, -scores.shape[1]:].flip(-1), -1)
     scores[torch.arange(len(keys)), ends] = reward * (~pad).float()
+    turn = None  # the rows' turn rewards as the agent-loop worker tags them
+    if TURN_REWARDS in td.keys():
+        turn = turn_reward_entries([_turn_reward_tag(r) for r in td[TURN_REWARDS]])
     rows = V1.PlanFacts(tuple(keys), td["traj_index"].clone(), last,
-                          pad.clone(), td["mini_batch_id"].clone(), multi_row=True)
+                        pad.clone(), td["mini_batch_id"].clone(), multi_row=True, turn_rewards=turn)
     return keys, scores, rows
 
 
@@ -82,6 +89,31 @@ def test_planned_advantage_counts_the_copied_reward_once(name, kl_in_reward):
     torch.testing.assert_close(got, expected)
     assert torch.count_nonzero(got[rows.is_padding]) == 0
     assert torch.all((got != 0) <= (data.batch["response_mask"] != 0))  # only on each row's own loss tokens
+
+
+@pytest.mark.parametrize("name", ["grpo", "gae"])
+@pytest.mark.parametrize("merge", [False, True])
+def test_planned_advantage_puts_turn_rewards_where_v0_does(name, merge):
+    """Turn rewards on v1: the rows' sparse tags (:data:`~verl_traj.integration.v1_agent_loop.TURN_REWARD_TAG`),
+    decoded by the plan's facts, give exactly v0's step-wise advantages (v0 carries the same rewards as a tensor from
+    its expansion), for an outcome (GRPO) and a temporal (GAE) estimator, unmerged and merged, and change them."""
+    torch.manual_seed(0)
+    data, _ = planned_stepwise_batch(6, merge=merge, turn_rewards=True)
+    data.batch["values"] = (data.batch["responses"].float() % 5) * 0.1
+    config = OmegaConf.create({"gamma": 0.9})
+    keys, scores, rows = _v1_view(data)
+    tensors = {"token_level_scores": scores, "token_level_rewards": scores.clone(), "values": data.batch["values"],
+               "response_mask": data.batch["response_mask"], "attention_mask": data.batch["attention_mask"]}
+    # (no "responses": v1's advantage batch has none, regression of the first run with turn rewards)
+    got = V1.planned_advantage(rows)(as_dataproto(tensors, {"uid": parse_row_keys(keys).uid}), keys, name,
+                                     gamma=0.9, lam=0.95, config=config).batch["advantages"]
+    expected = stepwise_advantage(ray_trainer.compute_advantage)(data, name, gamma=0.9, lam=0.95, config=config)
+    torch.testing.assert_close(got, expected.batch["advantages"])
+    outcome_only = dataclasses.replace(rows, turn_rewards=None)
+    tensors["token_level_rewards"] = scores.clone()
+    without = V1.planned_advantage(outcome_only)(as_dataproto(tensors, {"uid": parse_row_keys(keys).uid}), keys, name,
+                                                 gamma=0.9, lam=0.95, config=config).batch["advantages"]
+    assert not torch.allclose(got, without, atol=1e-4)  # the tags are read, not dropped
 
 
 def test_planned_advantage_on_one_row_trajectories_is_verl_on_real_rows():
@@ -110,7 +142,7 @@ def test_plan_facts_follow_the_plan_order():
                                       parsed.uid, traj_id=parsed.traj_id, step_index=parsed.step)
     plan = plan_mini_batches(layout, 2, 2)
     out_keys = [keys[i] if i >= 0 else f"pad{j}_0_0" for j, i in enumerate(plan.order.tolist())]
-    rows = V1.plan_facts(out_keys, plan, layout)
+    rows = V1.plan_facts(SimpleNamespace(keys=out_keys, tags=[{}] * len(out_keys)), plan, layout)
     last_key = {"g0_0": "g0_0_1", "g0_1": "g0_1_0", "g1_0": "g1_0_0", "g1_1": "g1_1_2"}
     expected = [not k.startswith("pad") and last_key[k.rsplit("_", 1)[0]] == k for k in out_keys]
     assert rows.is_last_step.tolist() == expected
@@ -282,7 +314,8 @@ def test_a_scored_trajectory_becomes_its_step_rows(merge):
     out = AgentLoopOutput(prompt_ids=prompt.tolist(), response_ids=response.tolist(), response_mask=mask.tolist(),
                           response_logprobs=lps.tolist(), reward_score=0.7, num_turns=6, metrics=AgentLoopMetrics(),
                           extra_fields={"traj_steps": encode_step_records(records), "tool": 1})
-    rows, stats = step_outputs(out, merge)
+    rows, tags, stats = step_outputs(out, merge)
+    assert tags[0] == {} and not any(tags)  # no turn rewards in these records
     assert len(rows) == (2 if merge else 3)  # the context is rewritten before call 2: calls 0 and 1 merge
     assert [r.reward_score for r in rows] == [None] * (len(rows) - 1) + [0.7]
     assert all(r.extra_fields == {"tool": 1} for r in rows)
@@ -312,3 +345,11 @@ def test_step_rows_refuse_what_they_cannot_carry(field, value):
     with pytest.raises(StepExpansionError, match=f"{field}.*traj.step_wise=false") as err:
         step_outputs(out, merge_prefix=True)
     assert err.value.field == field
+
+
+def test_last_rows_of_trajectories_pick_each_trajectorys_highest_step():
+    """``traj_reward/*`` reads one score per trajectory: its last row (highest step, whatever the row order),
+    never a padding row."""
+    keys = ["g0_0_1", "g0_0_0", "g0_1_0", "pad7_0_0", "g1_0_2", "g1_0_10", "g1_0_3"]
+    pad = np.array([k.startswith("pad") for k in keys])
+    assert V1.last_rows_of_trajectories(keys, pad).tolist() == [0, 2, 5]

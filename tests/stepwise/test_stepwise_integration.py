@@ -223,25 +223,9 @@ def test_non_finite_values_on_the_timeline_are_refused_by_name():
     assert err.value.field == "values"
 
 
-def _with_turn_rewards(data):
-    """Give every LLM call but each trajectory's last a turn reward of 0.1 x (its step + 1), in the records."""
-    for records in data.non_tensor_batch["traj_steps"]:
-        for k, rec in enumerate(records[:-1]):
-            rec["reward"] = 0.1 * (k + 1)
-    return data
-
-
 def _planned_with_turn_rewards(seed, merge):
-    from verl_traj.testing import step_record_batch, token_trajectory
-
     torch.manual_seed(0)
-    rng = np.random.default_rng(seed)
-    trajs = [token_trajectory(rng, 3), token_trajectory(rng, 2), token_trajectory(rng, 4), token_trajectory(rng, 1)]
-    tensors, non = step_record_batch(trajs, ["g0", "g0", "g1", "g1"], [1.0, 0.0, 0.3, 0.9])
-    data = _with_turn_rewards(DataProto.from_dict(tensors=tensors, non_tensors=non))
-    stepwise_trainer(TrajConfig(step_wise=True, merge_prefix=merge), 2)._balance_batch(data, {})
-    data.batch["token_level_rewards"] = data.batch["rm_scores"].clone()
-    return data
+    return planned_stepwise_batch(seed, merge=merge, turn_rewards=True)[0]
 
 
 def test_turn_rewards_land_on_each_calls_last_token_in_both_layouts():
@@ -277,19 +261,30 @@ def test_turn_rewards_give_step_rows_and_merged_rows_the_same_credit(name):
     assert any(credit[False][t] != pytest.approx(credit[(False, "outcome only")][t], abs=1e-4) for t in credit[False])
 
 
-def test_v1_refuses_turn_rewards_by_name():
+@pytest.mark.parametrize("merge", [False, True])
+def test_v1_step_rows_carry_turn_rewards_as_sparse_tags(merge):
+    """v1's row fields are fixed, so each step row's turn rewards travel as a tag: ``[[position, reward], ...]`` on
+    the row's own response tokens, each call's on its last loss token; decoded, the rows hold every reward once.
+    Stock verl (``turn_rewards=False``: ``traj.enable=false``) has no channel and refuses them by name."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
 
-    from verl_traj.integration.v1_agent_loop import step_outputs
+    from verl_traj.integration.v1_agent_loop import step_outputs, turn_reward_entries
     from verl_traj.stepwise.expand import StepExpansionError, encode_step_records
-    from verl_traj.testing import token_trajectory
 
-    records, prompt, response, mask, _ = token_trajectory(np.random.default_rng(0), 2)
-    records[0]["reward"] = 0.5
+    records, prompt, response, mask, _ = make_trajectory(np.random.default_rng(0), 3)
+    records[0]["reward"], records[1]["reward"] = 0.5, -0.25
     out = AgentLoopOutput(prompt_ids=prompt.tolist(), response_ids=response.tolist(), response_mask=mask.tolist(),
                           metrics=AgentLoopMetrics(), extra_fields={"traj_steps": encode_step_records(records)})
-    with pytest.raises(StepExpansionError, match="turn rewards.*trainer.use_v1=false") as err:
-        step_outputs(out, merge_prefix=True)
+    rows, tags, _ = step_outputs(out, merge_prefix=merge)
+    row, pos, reward = turn_reward_entries(tags)
+    assert sorted(reward.tolist()) == [-0.25, 0.5]
+    for b, p in zip(row.tolist(), pos.tolist()):  # on a loss token of the row, the last of its call
+        assert rows[b].response_mask[p] == 1
+    if not merge:  # one row per call: each reward on its call's last loss token
+        assert [(b, p) for b, p in zip(row.tolist(), pos.tolist())] == [
+            (k, max(i for i, m in enumerate(rows[k].response_mask) if m)) for k in (0, 1)]
+    with pytest.raises(StepExpansionError, match="turn rewards.*traj.enable=false") as err:
+        step_outputs(out, merge_prefix=False, turn_rewards=False)
     assert err.value.field == "reward"
 
 

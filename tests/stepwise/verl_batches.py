@@ -12,10 +12,15 @@ from verl_traj.testing.trainers import ray_less_trainer
 from verl_traj.testing import step_record_batch as make_batch, token_trajectory as make_trajectory
 
 
-def stepwise_dataproto(seed=0):
+def stepwise_dataproto(seed=0, turn_rewards=False):
+    """Four trajectories (3, 2, 4, 1 calls) in two groups; ``turn_rewards``: every LLM call but each trajectory's
+    last gets a turn reward of 0.1 x (its step + 1), in its record."""
     rng = np.random.default_rng(seed)
     trajs = [make_trajectory(rng, 3), make_trajectory(rng, 2), make_trajectory(rng, 4), make_trajectory(rng, 1)]
     tensors, non = make_batch(trajs, ["g0", "g0", "g1", "g1"], [1.0, 0.0, 0.3, 0.9])
+    for records in non["traj_steps"] if turn_rewards else ():
+        for k, rec in enumerate(records[:-1]):
+            rec["reward"] = 0.1 * (k + 1)
     return DataProto.from_dict(tensors=tensors, non_tensors=non, meta_info={"k": 1}), trajs
 
 
@@ -24,9 +29,9 @@ def stepwise_trainer(traj_config: TrajConfig, dp: int = 2):
                             traj_config, dp=dp)
 
 
-def planned_stepwise_batch(seed=0, merge=False, dp=2):
+def planned_stepwise_batch(seed=0, merge=False, dp=2, turn_rewards=False):
     """A step-wise batch as _balance_batch leaves it: expanded, planned, padded, with rewards."""
-    data, trajs = stepwise_dataproto(seed)
+    data, trajs = stepwise_dataproto(seed, turn_rewards)
     stepwise_trainer(TrajConfig(step_wise=True, merge_prefix=merge), dp)._balance_batch(data, {})
     data.batch["token_level_rewards"] = data.batch["rm_scores"].clone()
     return data, trajs

@@ -50,7 +50,8 @@ from tensordict import TensorDict
 
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core import MiniBatchPlan, build_layout_from_counts
-from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MICRO_BATCH_ID, MINI_BATCH_ID, TRAJ_INDEX
+from verl_traj.core.keys import (IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MICRO_BATCH_ID, MINI_BATCH_ID, TRAJ_INDEX,
+                                 TURN_REWARDS)
 from verl_traj.core.row_key import parse_row_keys, row_key, row_key_order
 
 STEP_INDEX = "step_index"  # the field the step-wise advantage reads each row's step from (v1: traj.step_index_key is fixed)
@@ -62,7 +63,8 @@ from verl_traj.integration.update_spec import LossSpec, UpdateSpec
 from verl_traj.integration.verl_config import prepare_v1_agent_loop
 from verl_traj.integration.workers import CRITIC_UNION_KEY
 
-__all__ = ["PlanFacts", "TrajV1Mixin", "padding_row", "planned_advantage", "plan_facts", "row_loss_tokens",
+__all__ = ["PlanFacts", "TrajV1Mixin", "last_rows_of_trajectories", "padding_row", "planned_advantage", "plan_facts",
+           "row_loss_tokens", "trajectory_reward_metrics",
            "traj_trainer_class"]
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,12 @@ class PlanFacts:
     is_padding: torch.Tensor  # bool
     mini_batch_id: torch.Tensor  # int64
     multi_row: bool  # some trajectory has several rows (steps)
+    turn_rewards: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # (row, position, reward) [K]
+
+    @property
+    def stepwise(self) -> bool:
+        """The step-wise advantage path: a trajectory with several rows, or turn rewards to put on tokens."""
+        return self.multi_row or self.turn_rewards is not None
 
     def check(self, keys: list[str]) -> None:
         if tuple(keys) != self.keys:
@@ -111,6 +119,10 @@ class PlanFacts:
         td[TRAJ_INDEX] = self.traj_index.to(td.device)
         data.non_tensor_batch[IS_LAST_STEP] = self.is_last_step.numpy()
         data.non_tensor_batch[STEP_INDEX] = parse_row_keys(keys).step
+        if self.turn_rewards is not None:  # the sparse tags back on their tokens (v0's expansion writes the same)
+            row, pos, reward = self.turn_rewards
+            dense = torch.zeros(td["response_mask"].shape, dtype=torch.float32)
+            td[TURN_REWARDS] = dense.index_put_((row, pos), reward, accumulate=True).to(td.device)
 
 
 def padding_row(source: dict, tag: dict, eos_token_id: int, length: int) -> tuple[dict, dict]:
@@ -165,7 +177,7 @@ def _dispatch_dp_size(worker_group: Any, mesh: str) -> int:
 def stepwise_metrics(tags: list[dict]) -> dict[str, float]:
     """``traj_stepwise/*`` (as on v0) from the merge statistics the step-wise agent-loop worker tags each session
     with; nothing for a batch without step-wise sessions."""
-    from verl_traj.integration.v1_agent_loop import MERGE_TAG
+    from verl_traj.integration.v1_agent_loop import MERGE_TAG, turn_reward_entries
     from verl_traj.stepwise.prefix_merge import MergeStats
 
     stats = [t[MERGE_TAG] for t in tags if MERGE_TAG in t]
@@ -173,7 +185,37 @@ def stepwise_metrics(tags: list[dict]) -> dict[str, float]:
         return {}
     out = sum((MergeStats(**s) for s in stats), MergeStats()).metrics("traj_stepwise")
     out["traj_stepwise/trajectories"] = float(len(stats))
+    turn = turn_reward_entries(tags)
+    if turn is not None:  # what the agent loop gave as turn rewards this step (as on v0)
+        out["traj_stepwise/turn_reward_sum"] = float(turn[2].sum())
+        out["traj_stepwise/turn_rewards_nonzero"] = float((turn[2] != 0).sum())
     return out
+
+
+def last_rows_of_trajectories(keys: list[str], is_padding: np.ndarray) -> np.ndarray:
+    """Indices of each real trajectory's last row (its highest step) among ``keys`` (``{uid}_{session}_{index}``)."""
+    parsed = parse_row_keys(keys)
+    code = np.unique(parsed.traj_id.astype(str), return_inverse=True)[1]
+    last_step = np.full(code.max() + 1 if code.size else 0, -1, dtype=np.int64)
+    np.maximum.at(last_step, code[~is_padding], parsed.step[~is_padding])
+    return np.flatnonzero(~is_padding & (parsed.step == last_step[code]))
+
+
+def trajectory_reward_metrics(batch: Any) -> dict[str, float]:
+    """``traj_reward/*``: the outcome score per trajectory (its last row's ``rm_scores``), mean / min / max over the
+    step's trajectories, whatever its row count (verl's ``critic/score/*`` averages rows: with step rows a long
+    trajectory counts once per LLM call). Read from TransferQueue for the last rows only; stock runs too."""
+    import transfer_queue as tq
+
+    pad = np.array([bool(t.get("is_padding", False)) for t in batch.tags], dtype=bool)
+    last = last_rows_of_trajectories(batch.keys, pad)
+    if last.size == 0:
+        return {}
+    scores = tq.kv_batch_get(keys=[batch.keys[i] for i in last], partition_id=batch.partition_id,
+                             select_fields=["rm_scores"])["rm_scores"]
+    score = (scores.to_padded_tensor(0.0) if scores.is_nested else scores).sum(-1).float()
+    return {"traj_reward/mean": float(score.mean()), "traj_reward/min": float(score.min()),
+            "traj_reward/max": float(score.max()), "traj_reward/trajectories": float(last.size)}
 
 
 def _ordered_batch(batch: Any, plan: MiniBatchPlan, pad_keys: list[str], pad_tags: list[dict]) -> Any:
@@ -188,13 +230,17 @@ def _ordered_batch(batch: Any, plan: MiniBatchPlan, pad_keys: list[str], pad_tag
                        fields=batch.fields, extra_info=batch.extra_info)
 
 
-def plan_facts(keys: list[str], plan: MiniBatchPlan, layout: Any) -> PlanFacts:
-    """The plan's per-row facts in dispatch order (``keys``: the planned batch's keys, padding included)."""
+def plan_facts(batch: Any, plan: MiniBatchPlan, layout: Any) -> PlanFacts:
+    """The plan's per-row facts in dispatch order (``batch``: the planned batch's keys and tags, padding
+    included)."""
+    from verl_traj.integration.v1_agent_loop import turn_reward_entries
+
     src = plan.order.clamp(min=0)
     return PlanFacts(
-        keys=tuple(keys), traj_index=plan.traj_index.clone(),
+        keys=tuple(batch.keys), traj_index=plan.traj_index.clone(),
         is_last_step=layout.is_last_step[src] & ~plan.is_padding, is_padding=plan.is_padding.clone(),
         mini_batch_id=plan.mini_batch_id.clone(), multi_row=bool((layout.traj_num_steps > 1).any()),
+        turn_rewards=turn_reward_entries(batch.tags),
     )
 
 
@@ -207,7 +253,8 @@ def traj_trainer_class(verl_cls: type) -> type:
 def planned_advantage(rows: PlanFacts) -> Any:
     """Replacement for v1's ``compute_advantage_for_multi_trajectories(data, batch_keys, adv_estimator, ...)`` on a
     planned batch: padding rows get zeros and move nothing; a batch whose trajectories have several rows (steps) counts
-    the reward once, on its last step (v1 copies it onto every step row; also in KL-in-reward's sum), then runs an
+    the reward once, on its last step (v1 copies it onto every step row; also in KL-in-reward's sum) plus the turn
+    rewards the rows' tags carry (:attr:`PlanFacts.turn_rewards`), then runs an
     outcome estimator once per trajectory, each row getting the trajectory's scalar on its own tokens, or a temporal
     one (GAE, REINFORCE++) on each trajectory's timeline of rows (:func:`~verl_traj.integration.stepwise_rows.
     stepwise_advantage`); otherwise verl's ``compute_advantage`` runs on the real rows, as on v0."""
@@ -222,7 +269,7 @@ def planned_advantage(rows: PlanFacts) -> Any:
         td = data.batch
         kwargs = dict(gamma=gamma, lam=lam, num_repeat=num_repeat, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
                       config=config)
-        if not rows.multi_row:
+        if not rows.stepwise:
             return advantage_on_real_rows(ray_trainer.compute_advantage)(data, adv_estimator, **kwargs)
         not_last = (~rows.is_last_step).to(device=td.device, dtype=td["token_level_scores"].dtype)
         td["token_level_rewards"] = td["token_level_rewards"] - td["token_level_scores"] * not_last[:, None]
@@ -308,7 +355,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         out = _ordered_batch(batch, plan, pad_keys, pad_tags)
         tq.kv_batch_put(keys=out.keys, partition_id=out.partition_id, fields=TensorDict(
             {MINI_BATCH_ID: plan.mini_batch_id, MICRO_BATCH_ID: plan.micro_batch_id}, batch_size=[plan.num_rows]))
-        self._planned = plan_facts(out.keys, plan, layout)
+        self._planned = plan_facts(out, plan, layout)
         self._padding_by_key.update(zip(out.keys, plan.is_padding.tolist()))
         metrics.update(plan_step_metrics(plan, self.spec.epochs))
         self._debug_dump(out, plan, layout)
@@ -396,6 +443,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         return real
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
+        metrics.update(trajectory_reward_metrics(batch))
         if not self.traj_config.enable:
             return super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
         from verl_traj.integration.patches import v1_metric_patches

@@ -10,6 +10,12 @@ functions see on v0 -- and then hands verl its step rows instead (prefix-merged 
   from the keys: :mod:`verl_traj.integration.v1`);
 * the trajectory's reward sits on every step row (v1 copies it there); verl_traj's advantage reads it from the
   last step row only, so it is counted once per trajectory (also in KL-in-reward's sum);
+* turn rewards (a reward per LLM call, :meth:`~verl_traj.integration.stepwise_agent_loop.StepRecordingMixin.
+  step_rewards`) travel as a sparse tag of each row that has any (``traj_turn_rewards``: ``[[position, reward],
+  ...]`` on the row's response tokens), since v1's row fields are fixed; the trainer puts them back on their tokens
+  (:func:`turn_reward_entries`) for the step-wise advantage, as v0's expansion does;
+* with ``traj.enable=false`` (stock verl on step rows, for a side-by-side run) every LLM call is its own row, as an
+  agent loop that returns one output per call gives verl: no prefix merging, no turn rewards;
 * with ``traj.step_wise=false`` (the records of a step-wise loop are then dropped) and for validation (as verl's
   validation metrics expect) rows stay whole: one row per trajectory;
 * the merge statistics travel as a tag of each session's first row (``traj_merge``), for ``traj_stepwise/*``.
@@ -24,9 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from typing import Any
+from typing import Any, Optional
 
 import ray
+import torch
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
@@ -35,11 +42,12 @@ from verl_traj.config import TrajConfig
 from verl_traj.core.row_key import row_key
 from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, TURN_REWARD, StepExpansionError, trajectory_step_rows
 
-__all__ = ["MANAGER_FQN", "MERGE_TAG", "UNSUPPORTED_STEP_FIELDS", "check_step_output", "TrajAgentLoopManagerTQ", "TrajAgentLoopWorkerTQ", "session_priority",
+__all__ = ["MANAGER_FQN", "MERGE_TAG", "TURN_REWARD_TAG", "UNSUPPORTED_STEP_FIELDS", "turn_reward_entries", "check_step_output", "TrajAgentLoopManagerTQ", "TrajAgentLoopWorkerTQ", "session_priority",
            "step_outputs"]
 
 MANAGER_FQN = "verl_traj.integration.v1_agent_loop.TrajAgentLoopManagerTQ"
 MERGE_TAG = "traj_merge"  # tag of a session's first row: its MergeStats as a dict
+TURN_REWARD_TAG = "traj_turn_rewards"  # tag of a row with turn rewards: [[response position, reward], ...]
 
 
 # AgentLoopOutput fields that hold per-token or per-image data of the whole trajectory, which the step rows would
@@ -59,20 +67,23 @@ def check_step_output(output: AgentLoopOutput) -> None:
                 f"row per trajectory keeps {name}), or turn router replay / multi-modal inputs off.", field=name)
 
 
-def step_outputs(output: AgentLoopOutput, merge_prefix: bool,
-                 steps_key: str = DEFAULT_STEPS_KEY) -> tuple[list[AgentLoopOutput], dict[str, int]]:
+def step_outputs(output: AgentLoopOutput, merge_prefix: bool, steps_key: str = DEFAULT_STEPS_KEY,
+                 turn_rewards: bool = True) -> tuple[list[AgentLoopOutput], list[dict], dict[str, int]]:
     """The step rows of one scored trajectory output, as agent-loop outputs (the last carries the reward; extra
-    fields but the step records are kept on every row), and the merge statistics."""
+    fields but the step records are kept on every row), each row's tag (its turn rewards, see
+    :data:`TURN_REWARD_TAG`; empty without) and the merge statistics. ``turn_rewards=False`` (stock verl on step
+    rows) refuses records that carry them."""
     check_step_output(output)
     extra = {k: v for k, v in output.extra_fields.items() if k != steps_key}
     rows, stats = trajectory_step_rows(output.prompt_ids, output.response_ids, output.response_mask,
                                        output.response_logprobs, output.extra_fields.get(steps_key),
                                        merge_prefix=merge_prefix)
-    if any(bool(row.per_token[TURN_REWARD].any()) for row in rows):
+    tags = [_turn_reward_tag(row.per_token[TURN_REWARD]) for row in rows]
+    if not turn_rewards and any(tags):
         raise StepExpansionError(
-            "the step records carry turn rewards (a 'reward' per LLM call), which the v1 trainer cannot store per "
-            "token yet (v1 copies the trajectory's reward onto every step row). Fix: train with trainer.use_v1=false "
-            "(v0 takes turn rewards), or drop the rewards from the records.", field="reward")
+            "the step records carry turn rewards (a 'reward' per LLM call) but traj.enable=false: stock verl has no "
+            "channel for them (it copies the trajectory's reward onto every step row). Fix: set traj.enable=true, or "
+            "drop the rewards from the records.", field="reward")
     outputs = [
         AgentLoopOutput(
             prompt_ids=row.prompt_ids.tolist(), response_ids=row.response_ids.tolist(),
@@ -83,7 +94,24 @@ def step_outputs(output: AgentLoopOutput, merge_prefix: bool,
         )
         for row in rows
     ]
-    return outputs, dataclasses.asdict(stats)
+    return outputs, tags, dataclasses.asdict(stats)
+
+
+def _turn_reward_tag(per_token: torch.Tensor) -> dict:
+    """``{TURN_REWARD_TAG: [[position, reward], ...]}`` of one row's ``[n]`` turn rewards; ``{}`` when all are 0."""
+    pos = per_token.nonzero().flatten()
+    return {TURN_REWARD_TAG: torch.stack([pos.double(), per_token[pos].double()], 1).tolist()} if pos.numel() else {}
+
+
+def turn_reward_entries(tags: list[dict]) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(row, position, reward)`` of every turn reward the rows' ``tags`` carry (``[K]`` int64, int64, float32;
+    ``row`` indexes ``tags``), or ``None`` when no row has any: one ``index_put`` puts them on their tokens."""
+    tagged = [(b, t[TURN_REWARD_TAG]) for b, t in enumerate(tags) if t.get(TURN_REWARD_TAG)]
+    if not tagged:
+        return None
+    rows = torch.cat([torch.full((len(e),), b, dtype=torch.int64) for b, e in tagged])
+    entries = torch.tensor([pair for _, e in tagged for pair in e], dtype=torch.float64)
+    return rows, entries[:, 0].long(), entries[:, 1].float()
 
 
 def _actor_base(actor_class: Any) -> type:
@@ -125,13 +153,17 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
             output.extra_fields.pop(DEFAULT_STEPS_KEY)
             return await super()._agent_loop_postprocess(output, validate, **kwargs)
         await self._compute_score([output], kwargs=kwargs)
-        outputs, stats = step_outputs(output, traj_config.merge_prefix)
+        stock = not traj_config.enable  # stock verl on step rows: one row per call, as verl's list outputs give it
+        outputs, tags, stats = step_outputs(output, traj_config.merge_prefix and not stock, turn_rewards=not stock)
         outputs[-1].extra_fields["reward_extra_info"] = output.extra_fields.get("reward_extra_info", {})
         await super()._agent_loop_postprocess(outputs, validate, **kwargs)
         import transfer_queue as tq
 
-        await tq.async_kv_put(key=row_key(kwargs["uid"], kwargs["session_id"], 0), partition_id="train",
-                              tag={MERGE_TAG: stats})
+        tags[0] = {**tags[0], MERGE_TAG: stats}
+        keys = [row_key(kwargs["uid"], kwargs["session_id"], i) for i in range(len(outputs))]
+        tagged = [i for i, t in enumerate(tags) if t]
+        await tq.async_kv_batch_put(keys=[keys[i] for i in tagged], partition_id="train",
+                                    tags=[tags[i] for i in tagged])
 
 
 class TrajAgentLoopManagerTQ(AgentLoopManagerTQ):
