@@ -84,7 +84,8 @@ class StepRecordingMixin:
     Turn rewards: override :meth:`step_rewards` to give each LLM call a reward of its own (a tool result, a checker,
     a shaped signal); it lands on that call's last response token, the trajectory's outcome stays on its last call.
     Temporal estimators (GAE, REINFORCE++) discount it through the trajectory's timeline; an outcome estimator
-    scores a trajectory by its outcome plus its turn rewards. v0 trainer only for now (v1 refuses them by name).
+    scores a trajectory by its outcome plus its turn rewards. Both trainers (v1 carries them as row tags:
+    :data:`~verl_traj.integration.v1_agent_loop.TURN_REWARD_TAG`).
     """
 
     def step_rewards(self, calls: list[dict[str, Any]], output: Any) -> Optional[list[float]]:

@@ -3,9 +3,9 @@ gives each call a small reward of its own when it makes a calculator call that e
 the tool can compute), on top of the trajectory's outcome reward (``task.compute_score``).
 
 Switched on by pointing verl's ``tool_agent`` name at it (``configs/agent_loops/calc_turn_rewards.yaml``), with
-``traj.step_wise=true`` on the v0 trainer (the v1 trainer refuses turn rewards by name, for now):
+``traj.step_wise=true``, on either trainer:
 
-    python -m verl_traj.main_ppo --config-name calc_agent_cpu traj.step_wise=true trainer.use_v1=false \\
+    python -m verl_traj.main_ppo --config-name calc_agent_cpu traj.step_wise=true \\
       'actor_rollout_ref.rollout.agent.agent_loop_config_path=${verl_traj_pkg:}/configs/agent_loops/calc_turn_rewards.yaml'
 """
 
