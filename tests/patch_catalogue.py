@@ -18,7 +18,7 @@ from verl_traj.integration import patches, process_patches
 CATALOGUES = ((patches, "list[Patch]"), (process_patches, "list[ProcessPatch]"))
 
 
-def _placeholder(*_args, **_kwargs):  # truthy and callable: fit_patches(step_wise=...) lists every patch
+def _placeholder(*_args, **_kwargs):  # truthy and callable: every switch on, every patch listed
     return None
 
 
@@ -41,9 +41,8 @@ def factories() -> list:
 
 def declared_patches() -> dict[tuple[str, str], list[str]]:
     """(module, name) -> the factories that declare it."""
-    def call(fn):
-        params = [p for p in inspect.signature(fn).parameters.values() if p.default is inspect.Parameter.empty]
-        return fn(**{p.name: _placeholder for p in params})
+    def call(fn):  # every parameter, optional switches too (fit_patches(trajectory_ratios=...))
+        return fn(**{name: _placeholder for name in inspect.signature(fn).parameters})
 
     out: dict[tuple[str, str], list[str]] = {}
     found = [(fn, call(fn)) for fn in factories()]  # first outside: whatever a factory imports is the real module

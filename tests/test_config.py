@@ -49,6 +49,7 @@ def test_of_parses_a_whole_config_once_per_object():
         ({"padded_cap": "rows"}, "traj.padded_cap='rows'"),
         ({"pass_cost_tokens": -5}, "traj.pass_cost_tokens=-5"),
         ({"pass_cost_tokens": 1.5}, "traj.pass_cost_tokens=1.5"),
+        ({"ratio_scope": "sequence"}, "traj.ratio_scope='sequence'"),
     ],
 )
 def test_invalid_values_name_field_and_value(kwargs, needle):
@@ -69,6 +70,26 @@ def test_stock_step_rows_only_on_v1(use_v1):
     with pytest.raises(TrajConfigError, match="needs the v1 trainer.*trainer.use_v1=true") as err:
         validate_against_verl(stock, config)
     assert err.value.field == "traj.step_wise"
+
+
+@pytest.mark.parametrize("scope", ["trajectory", "row"])
+def test_sequence_ratios_the_actor_computes_per_row_are_refused_at_trajectory_scope(scope):
+    """GSPO's sequence ratio comes from the current policy inside each micro-batch: with step rows it would be per
+    row while traj.ratio_scope=trajectory promises per trajectory, so that pair is refused by name (row scope, or
+    one row per trajectory, trains). Bypass mode drops verl_traj's loss weights: refused whatever the scope."""
+    gspo = OmegaConf.create({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "gspo"}}}})
+    step_rows = TrajConfig(step_wise=True, ratio_scope=scope)
+    if scope == "row":
+        validate_against_verl(step_rows, gspo)
+    else:
+        with pytest.raises(TrajConfigError, match="loss_mode='gspo'.*traj.ratio_scope=row") as err:
+            validate_against_verl(step_rows, gspo)
+        assert err.value.field == "traj.ratio_scope"
+    validate_against_verl(TrajConfig(ratio_scope=scope), gspo)  # one row per trajectory: nothing to scope
+    bypass = OmegaConf.create({"algorithm": {"rollout_correction": {"bypass_mode": True}}})
+    with pytest.raises(TrajConfigError, match="bypass_mode=true is not supported.*bypass_mode=false") as err:
+        validate_against_verl(TrajConfig(ratio_scope=scope), bypass)
+    assert err.value.field == "algorithm.rollout_correction.bypass_mode"
 
 
 def test_all_loss_modes_accepted():
@@ -114,7 +135,7 @@ def test_token_cap_below_max_length_rejected():
 def test_policy_loss_checked_once_with_the_config_error():
     cfg = _verl()
     cfg["actor_rollout_ref"] = {"actor": {"policy_loss": {"loss_mode": "geo_mean"}}}
-    with pytest.raises(TrajConfigError, match="policy_loss.loss_mode='geo_mean'"):
+    with pytest.raises(TrajConfigError, match="policy_loss.loss_mode=.geo_mean.*geometric mean of the ratios.*traj.enable=false"):
         validate_against_verl(TrajConfig(), cfg)
 
 

@@ -22,6 +22,7 @@ from verl_traj.core.estimators import step_row_refusal
 from verl_traj.core.keys import IS_LAST_STEP, PLAN_KEYS
 from verl_traj.core.loss_weights import loss_weight_modes
 from verl_traj.core.planning import GROUP_BY_CHOICES, MINI_BATCH_BALANCE_CHOICES
+from verl_traj.stepwise.ratios import RATIO_SCOPES
 
 __all__ = [
     "GROUP_BY_CHOICES",
@@ -39,6 +40,12 @@ __all__ = [
 # mean, uses rollout_is_weights in log space), "bypass_mode" (recomputes its own IS weights).
 # traj.padded_cap: what the micro-batch cap bounds without remove-padding (core.packing cost "padded" / "padded_area")
 PADDED_CAP_CHOICES = ("tokens", "area")
+UNSUPPORTED_LOSS_REASONS = {  # why per-row weights cannot express what these verl 0.9.1 losses compute
+    "sapo": " (sapo hard-codes seq-mean-token-mean aggregation inside the micro-batch)",
+    "geo_mean": " (geo_mean takes a per-row geometric mean of the ratios inside the micro-batch and uses the IS "
+                "weights in log space, so neither a global normaliser nor a trajectory-wide mean is a per-row weight)",
+    "bypass_mode": " (bypass_mode recomputes its own IS weights per micro-batch and drops the given ones)",
+}
 SUPPORTED_POLICY_LOSS_MODES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "gpg", "clip_cov", "kl_cov", "dro", "cispo")
 
 
@@ -82,6 +89,10 @@ class TrajConfig:
         merge_prefix: with ``step_wise``, merge consecutive turns whose context is a token prefix of the
             next turn's context into one row.
         seed: planner seed (mini-batch assignment tie-breaks); the per-step seed is ``seed + step``.
+        ratio_scope: what verl's sequence-level off-policy quantities (``algorithm.rollout_correction``: the
+            ``rollout_is=sequence`` weight, ``seq_*`` rejection, the per-sequence diagnostics) are computed over with
+            step rows: ``"trajectory"`` (all loss tokens of the trajectory, applied to every row of it) or ``"row"``
+            (verl's: each step row alone).
     """
 
     enable: bool = True
@@ -100,6 +111,7 @@ class TrajConfig:
     step_wise: bool = False
     merge_prefix: bool = True
     seed: int = 0
+    ratio_scope: str = "trajectory"
 
     def __post_init__(self) -> None:
         for name in _BOOL_FIELDS:
@@ -108,6 +120,7 @@ class TrajConfig:
         _check_choice("traj.mini_batch_balance", self.mini_batch_balance, MINI_BATCH_BALANCE_CHOICES)
         _check_choice("traj.workload", self.workload, WORKLOAD_MODELS)
         _check_choice("traj.padded_cap", self.padded_cap, PADDED_CAP_CHOICES)
+        _check_choice("traj.ratio_scope", self.ratio_scope, RATIO_SCOPES)
         for name in ("loss_agg_mode", "critic_loss_agg_mode"):
             if getattr(self, name) is not None:
                 _check_choice(f"traj.{name}", getattr(self, name), loss_weight_modes())
@@ -246,6 +259,7 @@ def validate_against_verl(traj_config: TrajConfig, config: Any) -> None:
     _check_estimator(traj_config, config)
     _check_v1_row_fields(traj_config, config)
     _check_policy_loss(config)
+    _check_ratio_scope(traj_config, config)
     _check_mini_batches(config)
     _check_token_caps(traj_config, config)
 
@@ -288,16 +302,43 @@ def _check_v1_row_fields(traj_config: TrajConfig, config: Any) -> None:
                 "the v0 trainer, which reads these non_tensor_batch fields.", field=f"traj.{name}")
 
 
+# sequence ratios computed inside the actor's loss from the current policy, per micro-batch row: at trajectory scope
+# they would need every row of a trajectory in one micro-batch (not planned yet)
+CURRENT_POLICY_SEQUENCE_RATIOS = ("gspo",)
+
+
+def _check_ratio_scope(traj_config: TrajConfig, config: Any) -> None:
+    """``traj.ratio_scope=trajectory`` with step rows covers the driver's rollout correction; what the actor computes
+    per row from the current policy cannot be trajectory-scoped yet and is refused by name (never silently per row)."""
+    if not traj_config.step_wise or traj_config.ratio_scope != "trajectory":
+        return
+    mode = _get(config, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla")
+    if mode in CURRENT_POLICY_SEQUENCE_RATIOS:
+        raise TrajConfigError(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r} computes a sequence ratio from the current policy "
+            "inside each micro-batch, so with step rows it is per row, not per trajectory (traj.ratio_scope=trajectory, "
+            "the default). Fix: set traj.ratio_scope=row to train with per-row sequence ratios, or traj.step_wise=false "
+            "(one row per trajectory: the row is the trajectory).", field="traj.ratio_scope")
+
+
 def _check_policy_loss(config: Any) -> None:
     mode = _get(config, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla")
     if mode not in SUPPORTED_POLICY_LOSS_MODES:
         raise TrajConfigError(
             f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r} is not supported with traj.enable=true: "
-            "verl_traj folds the mini-batch-global loss normalisation into the per-token loss, which needs a "
-            f"policy loss fn that multiplies its token losses by rollout_is_weights. Use one of "
+            "verl_traj folds the mini-batch-global loss normalisation (and, with step rows, the trajectory-scoped "
+            "rollout correction) into per-token weights, which needs a policy loss fn that multiplies its token "
+            f"losses by rollout_is_weights{UNSUPPORTED_LOSS_REASONS.get(mode, '')}. Use one of "
             f"{list(SUPPORTED_POLICY_LOSS_MODES)}, or set traj.enable=false.",
             field="actor_rollout_ref.actor.policy_loss.loss_mode",
         )
+    if bool(_get(config, "algorithm.rollout_correction.bypass_mode", False)):
+        raise TrajConfigError(
+            "algorithm.rollout_correction.bypass_mode=true is not supported with traj.enable=true: verl then swaps the "
+            "policy loss for its 'bypass_mode' loss, which computes its own IS weights per micro-batch and is not "
+            "normalised over the mini-batch. Fix: set algorithm.rollout_correction.bypass_mode=false (old log-probs "
+            "are recomputed and the driver corrects, per trajectory with traj.ratio_scope=trajectory), or "
+            "traj.enable=false.", field="algorithm.rollout_correction.bypass_mode")
     if bool(_get(config, "actor_rollout_ref.actor.use_prefix_grouper", False)):
         raise TrajConfigError(
             "actor_rollout_ref.actor.use_prefix_grouper=true is not supported with traj.enable=true (it needs "

@@ -90,6 +90,30 @@ def test_ppo_with_gae_across_turns_on_step_rows(tool_home, tmp_path):
         assert unmerged[key] == pytest.approx(merged[key], rel=1e-4, abs=1e-5), key
 
 
+def test_trajectory_ratios_in_colocate_async_on_step_rows(tool_home, tmp_path):
+    """Asynchronous training (v1 ``colocate_async``) on unmerged step rows with verl's rollout correction
+    (``rollout_is=sequence``, geometric-mean rejection ``seq_mean_k1``) at ``traj.ratio_scope=trajectory`` (the
+    default): every step logs ``traj_ratio/*`` over the 32 trajectories; on step 1 (on-policy) every trajectory weight
+    is 1; rows one policy version old get trajectory weights != 1, each the product of its rows' weights
+    (``max_abs_row_gap``); the versions are reported per trajectory; training proceeds."""
+    metrics, out = _run_stepwise(tool_home, tmp_path, "v1", False, steps=3, extra=(
+        "trainer.v1.trainer_mode=colocate_async", "algorithm.rollout_correction.rollout_is=sequence",
+        "algorithm.rollout_correction.rollout_is_threshold=2.0", "algorithm.rollout_correction.rollout_rs=seq_mean_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold='0.5_2.0'"))
+    summary = json.dumps([{k: v for k, v in m.items() if k.startswith(("traj_ratio/", "traj_version/"))}
+                          for m in metrics])
+    for m in metrics:
+        assert m["traj_ratio/trajectories"] == 32 and m["traj_version/span_max"] == 1, summary
+        assert m["traj_ratio/max_abs_row_gap"] < 1e-3, summary  # the trajectory weight = the product of its rows'
+        assert 0 <= m["traj_ratio/rejected_share"] <= 1 and m["actor/grad_norm"] > 0, summary
+    first = metrics[0]
+    assert first["traj_version/staleness_max"] == 0, summary
+    assert abs(first["traj_ratio/weight_min"] - 1) < 1e-3 and abs(first["traj_ratio/weight_max"] - 1) < 1e-3, summary
+    stale = [m for m in metrics[1:] if m["traj_version/staleness_max"] >= 1]
+    assert stale, f"no step trained rows of an older policy; the test would not exercise asynchrony: {summary}"
+    assert all(abs(m["traj_ratio/weight_mean"] - 1) > 1e-3 for m in stale), summary
+
+
 def _check(metrics, merge):
     saw_multi_step = False
     for m in metrics:

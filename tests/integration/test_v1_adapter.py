@@ -353,3 +353,27 @@ def test_last_rows_of_trajectories_pick_each_trajectorys_highest_step():
     keys = ["g0_0_1", "g0_0_0", "g0_1_0", "pad7_0_0", "g1_0_2", "g1_0_10", "g1_0_3"]
     pad = np.array([k.startswith("pad") for k in keys])
     assert V1.last_rows_of_trajectories(keys, pad).tolist() == [0, 2, 5]
+
+
+def test_v1_trajectory_ratios_equal_v0s():
+    """v1 corrects before it computes advantages, so its wrapper attaches the plan's facts first; then verl's
+    rollout correction per trajectory gives v0's weights and mask exactly (sequence IS, geometric-mean rejection)."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch as verl_add
+
+    from verl_traj.integration.stepwise_rows import trajectory_scoped_correction
+
+    torch.manual_seed(0)
+    data, _ = planned_stepwise_batch(3)
+    td = data.batch
+    td["old_log_probs"] = td["rollout_log_probs"] + 0.05 * ((td["responses"] % 7).float() - 3) * (td["response_mask"] != 0)
+    config = OmegaConf.create({"rollout_is": "sequence", "rollout_is_threshold": 50.0, "rollout_rs": "seq_mean_k1",
+                               "rollout_rs_threshold": "0.98_1.02"})
+    keys, scores, rows = _v1_view(data)
+    v1 = as_dataproto({k: td[k].clone() for k in ("old_log_probs", "rollout_log_probs", "response_mask", "attention_mask")},
+                      {"uid": parse_row_keys(keys).uid})
+    v1, v1_metrics = V1.trajectory_correction(rows)(verl_add)(v1, config)
+    v0, v0_metrics = trajectory_scoped_correction(verl_add)(data, config)
+    real = ~rows.is_padding
+    torch.testing.assert_close(v1.batch["rollout_is_weights"][real], v0.batch["rollout_is_weights"][real])
+    assert torch.equal(v1.batch["response_mask"][real], v0.batch["response_mask"][real])
+    assert v1_metrics == pytest.approx(v0_metrics)

@@ -301,3 +301,47 @@ def test_a_turn_reward_that_is_not_a_finite_number_is_refused():
 
             trajectory_step_rows(prompt, response, mask, lps, records, merge_prefix=False)
         assert err.value.field == "reward"
+
+
+def _with_old_log_probs(data):
+    """The trainer's log-probs: the rollout's plus a function of the token (the same context in both layouts)."""
+    td = data.batch
+    td["old_log_probs"] = td["rollout_log_probs"] + 0.05 * ((td["responses"] % 7).float() - 3) * (td["response_mask"] != 0)
+    return data
+
+
+@pytest.mark.parametrize("rs", [None, "seq_mean_k1"])
+def test_trajectory_ratios_give_step_rows_and_merged_rows_the_same_weights(rs):
+    """Real expansion + planner (v0 adapter, ``fit_patches``' wrapper of verl's rollout correction): the same
+    trajectories as unmerged step rows and as prefix-merged rows get the same trajectory IS weight and the same
+    rejection on every loss token; padding rows keep their mask and get weight 0; ``traj_ratio/*`` is logged, each
+    trajectory's weight the product of its rows' (``max_abs_row_gap`` 0)."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch as verl_add
+
+    from verl_traj.integration.stepwise_rows import trajectory_scoped_correction
+
+    config = OmegaConf.create({"rollout_is": "sequence", "rollout_is_threshold": 50.0, "rollout_rs": rs,
+                               "rollout_rs_threshold": "0.98_1.02" if rs else None})
+    got, metrics = {}, {}
+    for merge in (False, True):
+        torch.manual_seed(0)  # the test trajectories draw their tokens from torch's generator
+        data = _with_old_log_probs(planned_stepwise_batch(3, merge=merge)[0])
+        pad_mask = data.batch["response_mask"][data.batch["is_padding"]].clone()
+        before = {t: len(v) for t, v in _loss_token_credit(data, "response_mask").items()}
+        data, metrics[merge] = trajectory_scoped_correction(verl_add)(data, config)
+        after = {t: len(v) for t, v in _loss_token_credit(data, "response_mask").items()}
+        assert all(after.get(t, 0) in (0, n) for t, n in before.items())  # a trajectory is kept or rejected whole
+        got[merge] = (_loss_token_credit(data, "rollout_is_weights"), _loss_token_credit(data, "response_mask"))
+        assert torch.equal(data.batch["response_mask"][data.batch["is_padding"]], pad_mask)
+        assert torch.all(data.batch["rollout_is_weights"][data.batch["is_padding"]] == 0)
+    for a, b in zip(got[False], got[True]):
+        assert a.keys() == b.keys()
+        for traj in a:
+            assert a[traj] == pytest.approx(b[traj], rel=1e-5), traj
+    weights = {t: set(round(w, 5) for w, m in zip(ws, got[False][1][t]) if m) for t, ws in got[False][0].items()}
+    assert all(len(w) <= 1 for w in weights.values())  # one weight per trajectory, on all its kept tokens
+    for merge in (False, True):
+        assert metrics[merge]["traj_ratio/max_abs_row_gap"] < 1e-5
+        assert metrics[merge]["traj_ratio/trajectories"] == 4
+    if rs:  # the geometric-mean bounds reject some trajectory (whole, checked above), not all
+        assert 0 < metrics[False]["traj_ratio/rejected_share"] < 1

@@ -11,7 +11,8 @@ The patch sets, each in the order it is installed (a later patch of the same nam
 * :func:`fit_patches` -- driver, during ``TrajRayPPOTrainer.fit``:
   1. ``ray_trainer.compute_advantage`` <- step-wise advantages (``traj.step_wise`` only): an outcome
      estimator once per trajectory, broadcast to each step row, or a temporal one on each trajectory's timeline of
-     rows (innermost: it needs the real rows);
+     rows (innermost: it needs the real rows); with ``traj.ratio_scope=trajectory`` also
+     ``rollout_corr_helper.compute_rollout_correction_and_add_to_batch`` <- verl's rollout correction per trajectory;
   2. ``ray_trainer.compute_advantage`` <- real rows only (wraps 1, or verl's own);
   3. ``ray_trainer.apply_kl_penalty`` <- real rows only;
   4. ``ray_trainer.extract_reward`` <- padding rows' rewards 0;
@@ -25,7 +26,8 @@ The patch sets, each in the order it is installed (a later patch of the same nam
   first (every mode, under its own name: v1 reads meaning from the mode name).
 * :func:`v1_advantage_patches` -- driver, during one ``TrajV1Mixin._compute_advantage``:
   ``trainer_base.compute_advantage_for_multi_trajectories`` <- the planned batch's advantage (real rows, one
-  outcome per trajectory).
+  outcome per trajectory); with step rows and ``traj.ratio_scope=trajectory`` also
+  ``trainer_base.compute_rollout_correction_and_add_to_batch`` <- verl's rollout correction per trajectory.
 * :func:`v1_metric_patches` -- driver, during one ``TrajV1Mixin._compute_metrics``:
   ``trainer_base.compute_timing_metrics``, ``compute_throughout_metrics`` <- real rows only.
 * :func:`update_patches` -- actor / critic worker, during one planned ``train_mini_batch``:
@@ -47,12 +49,13 @@ import functools
 import importlib
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 __all__ = ["Patch", "patched", "fit_patches", "task_runner_patches", "update_patches", "v1_advantage_patches",
            "v1_metric_patches", "v1_task_runner_patches", "ENGINE_MODULES"]
 
 RAY_TRAINER = "verl.trainer.ppo.ray_trainer"
+ROLLOUT_CORR = "verl.trainer.ppo.rollout_corr_helper"  # v0's fit imports from it at call time
 V1_TRAINER = "verl.trainer.ppo.v1.trainer_base"
 METRIC_FUNCTIONS = ("compute_data_metrics", "compute_timing_metrics", "compute_throughout_metrics",
                     "compute_variance_proxy_metrics")
@@ -90,19 +93,23 @@ def patched(patches: Sequence[Patch]) -> Iterator[None]:
 
 
 def fit_patches(step_wise: bool, real_row_mask: Callable[[], Any] = lambda: None,
-                step_index_key: str = "step_index") -> list[Patch]:
+                step_index_key: str = "step_index", trajectory_ratios: bool = False) -> list[Patch]:
     """Driver patches for one ``fit`` (order: module docstring). ``real_row_mask()``: the real-row mask of the
     batch the trainer planned last (for functions that get arrays, not the batch); ``step_index_key``: the field of
-    each step row's step (``traj.step_index_key``)."""
+    each step row's step (``traj.step_index_key``); ``trajectory_ratios``: ``traj.ratio_scope=trajectory``."""
     from verl_traj.integration import real_rows
 
     out = []
     if step_wise:
-        from verl_traj.integration.stepwise_rows import stepwise_advantage
+        from verl_traj.integration.stepwise_rows import stepwise_advantage, trajectory_scoped_correction
 
         out.append(Patch(RAY_TRAINER, "compute_advantage",
                          functools.partial(stepwise_advantage, step_index_key=step_index_key),
                          "advantages per trajectory on step-wise rows (outcome once, temporal on its timeline)"))
+        if trajectory_ratios:
+            out.append(Patch(ROLLOUT_CORR, "compute_rollout_correction_and_add_to_batch",
+                             functools.partial(trajectory_scoped_correction, step_index_key=step_index_key),
+                             "verl's sequence-level rollout correction per trajectory (traj.ratio_scope)"))
     out += [
         Patch(RAY_TRAINER, "compute_advantage", real_rows.advantage_on_real_rows, "compute advantages on real rows only"),
         Patch(RAY_TRAINER, "apply_kl_penalty", real_rows.kl_penalty_on_real_rows, "apply the KL penalty on real rows only"),
@@ -132,9 +139,15 @@ def v1_task_runner_patches(traj_trainer_class: Callable[[type], type]) -> list[P
     return [Patch("verl.trainer.ppo.v1", "get_trainer_cls", wrap, "run verl's v1 trainers with TrajV1Mixin")]
 
 
-def v1_advantage_patches(compute: Callable) -> list[Patch]:
-    return [Patch(V1_TRAINER, "compute_advantage_for_multi_trajectories", lambda _original: compute,
-                  "compute the planned batch's advantages")]
+def v1_advantage_patches(compute: Callable, correction: Optional[Callable] = None) -> list[Patch]:
+    """``compute``: the planned batch's advantage; ``correction``: a wrapper of verl's rollout correction
+    (``traj.ratio_scope=trajectory`` with step rows), or ``None``."""
+    out = [Patch(V1_TRAINER, "compute_advantage_for_multi_trajectories", lambda _original: compute,
+                 "compute the planned batch's advantages")]
+    if correction is not None:
+        out.append(Patch(V1_TRAINER, "compute_rollout_correction_and_add_to_batch", correction,
+                         "verl's sequence-level rollout correction per trajectory (traj.ratio_scope)"))
+    return out
 
 
 def v1_metric_patches(real_row_mask: Callable[[], Any]) -> list[Patch]:

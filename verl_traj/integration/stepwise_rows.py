@@ -9,6 +9,9 @@
   row gets its trajectory's scalar on its own ``response_mask``; a temporal one (GAE, REINFORCE++) runs on each
   trajectory's timeline of rows (:mod:`verl_traj.stepwise.timeline`); any other batch goes to verl's function
   unchanged.
+* :func:`trajectory_scoped_correction`: wraps verl's ``compute_rollout_correction_and_add_to_batch`` (v0:
+  ``fit_patches``; v1: ``TrajV1Mixin._compute_advantage``) for ``traj.ratio_scope=trajectory``: verl's
+  sequence-level rollout correction over each trajectory's timeline (:mod:`verl_traj.stepwise.ratios`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import functools
 import inspect
 from typing import Any, Callable, Optional
 
+import torch
+
 from verl_traj.core.errors import check_finite
 from verl_traj.core.estimators import estimator_traits
 from verl_traj.core.keys import IS_LAST_STEP, TRAJ_INDEX, TURN_REWARDS
@@ -24,7 +29,8 @@ from verl_traj.stepwise.advantages import (StepwiseAdvantageError, check_stepwis
                                            compute_trajectory_advantages)
 from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, expand_step_rows
 
-__all__ = ["expand_dataproto_step_rows", "is_stepwise_batch", "stepwise_advantage"]
+__all__ = ["batch_timeline", "expand_dataproto_step_rows", "is_stepwise_batch", "stepwise_advantage",
+           "trajectory_scoped_correction"]
 
 
 def is_stepwise_batch(data: Any) -> bool:
@@ -102,6 +108,24 @@ def _with_turn_rewards(data: Any, on_last_row: bool = False) -> Any:
     return rewards + extra
 
 
+def batch_timeline(data: Any, step_index_key: str) -> Any:
+    """The :class:`~verl_traj.stepwise.timeline.Timeline` of a planned step-wise batch: ``traj_index`` from the
+    plan, each row's step from ``non_tensor_batch[step_index_key]``, the current ``response_mask``."""
+    import numpy as np
+    import torch
+
+    from verl_traj.stepwise.timeline import Timeline
+
+    nt = data.non_tensor_batch
+    if step_index_key not in nt:
+        raise StepwiseAdvantageError(
+            f"non_tensor_batch[{step_index_key!r}] is missing: a trajectory's timeline of step rows needs each row's "
+            "step (the step-wise expansion writes it under traj.step_index_key). Keep the field through the batch.",
+            field=step_index_key)
+    return Timeline.build(data.batch[TRAJ_INDEX], torch.as_tensor(np.asarray(nt[step_index_key], dtype=np.int64)),
+                          data.batch["response_mask"])
+
+
 def _timeline_advantage(data: Any, fn: Callable, extra: dict, gamma: float, lam: float,
                         step_index_key: str) -> tuple[Any, Any]:
     """A temporal estimator on each trajectory's timeline (:mod:`verl_traj.stepwise.timeline`): its rows in step
@@ -109,16 +133,10 @@ def _timeline_advantage(data: Any, fn: Callable, extra: dict, gamma: float, lam:
     import numpy as np
     import torch
 
-    from verl_traj.stepwise.timeline import Timeline, timeline_advantages
+    from verl_traj.stepwise.timeline import timeline_advantages
 
     td, nt = data.batch, data.non_tensor_batch
-    if step_index_key not in nt:
-        raise StepwiseAdvantageError(
-            f"non_tensor_batch[{step_index_key!r}] is missing: a temporal estimator on step rows needs each row's step "
-            "(the step-wise expansion writes it under traj.step_index_key). Keep the field through the batch.",
-            field=step_index_key)
-    timeline = Timeline.build(td[TRAJ_INDEX], torch.as_tensor(np.asarray(nt[step_index_key], dtype=np.int64)),
-                              td["response_mask"])
+    timeline = batch_timeline(data, step_index_key)
     params = inspect.signature(fn).parameters
     kwargs = dict(extra, **{k: v for k, v in (("gamma", gamma), ("lam", lam)) if k in params})
     index = None
@@ -169,3 +187,34 @@ def stepwise_advantage(verl_compute_advantage: Callable, step_index_key: str = "
         return data
 
     return compute_advantage
+
+
+def trajectory_scoped_correction(verl_add_to_batch: Callable, step_index_key: str = "step_index") -> Callable:
+    """Wrap verl's ``compute_rollout_correction_and_add_to_batch(batch, rollout_corr_config) -> (batch, metrics)``
+    (same signature): on a planned step-wise batch verl's IS weights, rejection and diagnostics are computed per
+    trajectory (:func:`~verl_traj.stepwise.ratios.trajectory_rollout_correction`) and logged as ``traj_ratio/*``;
+    padding rows keep their mask and get weight 0; any other batch goes to verl's function."""
+
+    @functools.wraps(verl_add_to_batch)
+    def compute(batch: Any, rollout_corr_config: Any) -> tuple[Any, dict]:
+        if not is_stepwise_batch(batch):
+            return verl_add_to_batch(batch, rollout_corr_config)
+        from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+        from verl_traj.stepwise.ratios import trajectory_ratio_metrics, trajectory_rollout_correction
+
+        td, cfg = batch.batch, rollout_corr_config
+        old, rollout, mask = td["old_log_probs"], td["rollout_log_probs"], td["response_mask"]
+        corr = trajectory_rollout_correction(
+            compute_rollout_correction_and_rejection_mask, batch_timeline(batch, step_index_key), old, rollout, mask,
+            rollout_is=cfg.get("rollout_is", None), rollout_is_threshold=cfg.get("rollout_is_threshold", 2.0),
+            rollout_is_batch_normalize=cfg.get("rollout_is_batch_normalize", False),
+            rollout_rs=cfg.get("rollout_rs", None), rollout_rs_threshold=cfg.get("rollout_rs_threshold", None))
+        real = (td[TRAJ_INDEX] >= 0)[:, None]
+        td["response_mask"] = torch.where(real, corr.response_mask, mask)
+        if corr.weights is not None:
+            td["rollout_is_weights"] = corr.weights
+        row_sum = ((old - rollout) * (mask != 0)).sum(-1)
+        return batch, {**corr.metrics, **trajectory_ratio_metrics(corr, row_sum, td[TRAJ_INDEX])}
+
+    return compute

@@ -42,7 +42,7 @@ import functools
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -64,6 +64,7 @@ from verl_traj.integration.verl_config import prepare_v1_agent_loop
 from verl_traj.integration.workers import CRITIC_UNION_KEY
 
 __all__ = ["PlanFacts", "TrajV1Mixin", "last_rows_of_trajectories", "padding_row", "planned_advantage", "plan_facts",
+           "trajectory_correction",
            "row_loss_tokens", "trajectory_reward_metrics",
            "traj_trainer_class"]
 
@@ -201,10 +202,16 @@ def last_rows_of_trajectories(keys: list[str], is_padding: np.ndarray) -> np.nda
     return np.flatnonzero(~is_padding & (parsed.step == last_step[code]))
 
 
-def trajectory_reward_metrics(batch: Any) -> dict[str, float]:
-    """``traj_reward/*``: the outcome score per trajectory (its last row's ``rm_scores``), mean / min / max over the
-    step's trajectories, whatever its row count (verl's ``critic/score/*`` averages rows: with step rows a long
-    trajectory counts once per LLM call). Read from TransferQueue for the last rows only; stock runs too."""
+def trajectory_reward_metrics(batch: Any, global_steps: int) -> dict[str, float]:
+    """Per trajectory, whatever its row count (verl's ``critic/score/*`` averages rows: with step rows a long
+    trajectory counts once per LLM call), read from each trajectory's last row (stock runs too):
+
+    * ``traj_reward/*``: the outcome score (the last row's ``rm_scores``), mean / min / max over trajectories;
+    * ``traj_version/*``: the policy versions it was generated under (the rows' ``min_global_steps`` /
+      ``max_global_steps`` tags, which verl's staleness control reads), per trajectory (verl's
+      ``training/off_policy/*`` are per row): ``staleness_max`` / ``_mean`` = versions behind the trained policy at
+      its first token (verl's worst-case staleness, ``global_steps - 1 - min_global_steps``), ``span_max`` = versions
+      it spans, ``multi_version_share`` = share generated across more than one (partial rollouts)."""
     import transfer_queue as tq
 
     pad = np.array([bool(t.get("is_padding", False)) for t in batch.tags], dtype=bool)
@@ -214,8 +221,17 @@ def trajectory_reward_metrics(batch: Any) -> dict[str, float]:
     scores = tq.kv_batch_get(keys=[batch.keys[i] for i in last], partition_id=batch.partition_id,
                              select_fields=["rm_scores"])["rm_scores"]
     score = (scores.to_padded_tensor(0.0) if scores.is_nested else scores).sum(-1).float()
-    return {"traj_reward/mean": float(score.mean()), "traj_reward/min": float(score.min()),
-            "traj_reward/max": float(score.max()), "traj_reward/trajectories": float(last.size)}
+    out = {"traj_reward/mean": float(score.mean()), "traj_reward/min": float(score.min()),
+           "traj_reward/max": float(score.max()), "traj_reward/trajectories": float(last.size)}
+    tags = [batch.tags[i] for i in last]
+    if all(t.get("min_global_steps") is not None and t.get("max_global_steps") is not None for t in tags):
+        lo = np.array([int(t["min_global_steps"]) for t in tags])
+        hi = np.array([int(t["max_global_steps"]) for t in tags])
+        stale = global_steps - 1 - lo
+        out.update({"traj_version/staleness_max": float(stale.max()), "traj_version/staleness_mean": float(stale.mean()),
+                    "traj_version/span_max": float((hi - lo + 1).max()),
+                    "traj_version/multi_version_share": float((hi > lo).mean())})
+    return out
 
 
 def _ordered_batch(batch: Any, plan: MiniBatchPlan, pad_keys: list[str], pad_tags: list[dict]) -> Any:
@@ -277,6 +293,24 @@ def planned_advantage(rows: PlanFacts) -> Any:
         return advantage_on_real_rows(stepwise_advantage(ray_trainer.compute_advantage))(data, adv_estimator, **kwargs)
 
     return compute
+
+
+def trajectory_correction(rows: PlanFacts) -> Callable[[Callable], Callable]:
+    """Wrapper of v1's ``compute_rollout_correction_and_add_to_batch(data, config)`` on a planned batch: the plan's
+    facts attached first (v1 corrects before it computes advantages), then verl's correction per trajectory
+    (:func:`~verl_traj.integration.stepwise_rows.trajectory_scoped_correction`)."""
+    from verl_traj.integration.stepwise_rows import trajectory_scoped_correction
+
+    def wrap(verl_add_to_batch: Callable) -> Callable:
+        scoped = trajectory_scoped_correction(verl_add_to_batch, step_index_key=STEP_INDEX)
+
+        def compute(data: Any, rollout_corr_config: Any) -> tuple[Any, dict]:
+            rows.attach(data, list(rows.keys))
+            return scoped(data, rollout_corr_config)
+
+        return compute
+
+    return wrap
 
 
 class TrajV1Mixin(CompleteCheckpoints):
@@ -395,8 +429,10 @@ class TrajV1Mixin(CompleteCheckpoints):
             return super()._compute_advantage(batch, metrics)
         from verl_traj.integration.patches import v1_advantage_patches
 
-        self._planned.check(batch.keys)
-        with patched(v1_advantage_patches(planned_advantage(self._planned))):
+        rows = self._planned
+        rows.check(batch.keys)
+        scoped = self.traj_config.step_wise and self.traj_config.ratio_scope == "trajectory"
+        with patched(v1_advantage_patches(planned_advantage(rows), trajectory_correction(rows) if scoped else None)):
             return super()._compute_advantage(batch, metrics)
 
     def _put_loss_weights(self, batch: Any, loss: LossSpec) -> None:
@@ -443,7 +479,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         return real
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
-        metrics.update(trajectory_reward_metrics(batch))
+        metrics.update(trajectory_reward_metrics(batch, global_steps))
         if not self.traj_config.enable:
             return super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
         from verl_traj.integration.patches import v1_metric_patches

@@ -1,0 +1,105 @@
+"""Trajectory-scoped importance ratios: one off-policy correction per trajectory, not one per step row.
+
+verl's rollout correction (``algorithm.rollout_correction``) computes its sequence-level quantities per row: the
+sequence IS weight ``exp(sum of log-ratios)`` (``rollout_is=sequence``), the sequence rejection statistics
+(``rollout_rs=seq_sum_k*``, ``seq_mean_k*`` -- the geometric mean of the ratio --, ``seq_max_k*``) and the
+per-sequence off-policy diagnostics. With step rows a six-call trajectory gets six independent "sequence" weights,
+each over a fraction of the agent's decisions, while the trajectory's likelihood ratio is their product; a
+sequence rejection drops some of its rows and keeps others.
+
+With ``traj.ratio_scope=trajectory`` verl's own function runs on each trajectory's timeline
+(:class:`~verl_traj.stepwise.timeline.Timeline`: its rows in step order, their loss tokens one after the other), so
+"sequence" means trajectory, with verl's normalisation per sequence: the IS weight is the product of the
+trajectory's token ratios, a rejection drops the whole trajectory, ``seq_mean`` averages over all its loss tokens.
+Token-level modes give the same values either way (the timeline holds every loss token once). The results go back
+to each row's own tokens with one scatter. Exact: a trajectory as k step rows, in any order and with padding rows,
+gets the weights and mask of the same trajectory as one merged row.
+
+Pure module (torch only); verl's function is passed in as a callable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from verl_traj.core.errors import TrajInputError
+from verl_traj.stepwise.timeline import Timeline
+
+__all__ = ["RATIO_SCOPES", "TrajectoryCorrection", "trajectory_ratio_metrics", "trajectory_rollout_correction"]
+
+RATIO_SCOPES = ("row", "trajectory")
+SAFETY_BOUND = 20.0  # verl's clamp of a log-ratio sum before exp (rollout_corr_helper.SAFETY_BOUND)
+
+
+@dataclass(frozen=True)
+class TrajectoryCorrection:
+    """verl's rollout correction at trajectory scope, back on the rows: ``weights`` ``[B, R]`` (``None`` without
+    ``rollout_is``), ``response_mask`` ``[B, R]`` (rejected trajectories zeroed), verl's ``metrics`` (per trajectory
+    where verl's are per sequence) and the timeline's ``log_ratio_sum`` ``[T]`` and ``kept`` ``[T]``."""
+
+    weights: Optional[torch.Tensor]
+    response_mask: torch.Tensor
+    metrics: dict[str, float]
+    log_ratio_sum: torch.Tensor
+    kept: torch.Tensor
+
+
+def trajectory_rollout_correction(
+    correction_fn: Callable[..., tuple[Any, torch.Tensor, dict]],
+    timeline: Timeline,
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    **correction_kwargs: Any,
+) -> TrajectoryCorrection:
+    """Run ``correction_fn`` (verl's ``compute_rollout_correction_and_rejection_mask(old_log_prob, rollout_log_prob,
+    response_mask, **kwargs) -> (weights DataProto | None, mask, metrics)``) on ``timeline``'s ``[T, L]`` layout.
+
+    Args:
+        old_log_prob, rollout_log_prob: ``[B, R]`` per row (the trainer's and the rollout engine's log-probs).
+        response_mask: ``[B, R]``; the timeline must have been built from it.
+    Returns:
+        :class:`TrajectoryCorrection`; masked positions and padding rows get weight 0 and mask 0, as verl's do."""
+    if old_log_prob.shape != timeline.shape or rollout_log_prob.shape != timeline.shape:
+        raise TrajInputError(
+            f"old_log_prob {tuple(old_log_prob.shape)} / rollout_log_prob {tuple(rollout_log_prob.shape)} do not match "
+            f"the timeline's rows {timeline.shape}. Fix: build the timeline from the batch's response_mask.",
+            field="rollout_log_probs")
+    old_t, roll_t = timeline.gather(old_log_prob.float()), timeline.gather(rollout_log_prob.float())
+    mask_t = timeline.mask(old_t)
+    weights_proto, kept_mask_t, metrics = correction_fn(old_t, roll_t, mask_t, **correction_kwargs)
+    weights = None
+    if weights_proto is not None:
+        weights = timeline.scatter(weights_proto.batch["rollout_is_weights"]).to(old_log_prob.dtype)
+    mask = timeline.scatter(kept_mask_t.to(mask_t.dtype)).to(response_mask.dtype) * (response_mask != 0)
+    kept = ((kept_mask_t != 0) | (mask_t == 0)).all(-1)
+    return TrajectoryCorrection(weights, mask, metrics, ((old_t - roll_t) * mask_t).sum(-1), kept)
+
+
+def trajectory_ratio_metrics(correction: TrajectoryCorrection, row_log_ratio_sum: torch.Tensor,
+                             row_traj: torch.Tensor, prefix: str = "traj_ratio") -> dict[str, float]:
+    """``traj_ratio/*``: the trajectory's log-ratio sum and its IS weight ``exp(sum)`` (before verl's truncation),
+    mean / min / max over trajectories; ``row_weight_*``: what row scope would give each row, ``exp(row's sum)``, for
+    comparison; the share of trajectories rejected, and ``max_abs_row_gap``: how far each
+    trajectory's log-ratio sum is from the sum of its rows' (the trajectory weight is the product of the rows' weights:
+    0 up to float rounding).
+
+    Args:
+        row_log_ratio_sum: ``[B]`` each row's own masked log-ratio sum; ``row_traj``: ``[B]`` its trajectory (-1 pad).
+    """
+    s = correction.log_ratio_sum
+    if s.numel() == 0:
+        return {}
+    real = row_traj >= 0
+    rows_total = torch.zeros_like(s).index_add_(0, row_traj[real].long(), row_log_ratio_sum[real].to(s.dtype))
+    weight = torch.exp(s.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    row_weight = torch.exp(row_log_ratio_sum[real].to(s.dtype).clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    return {f"{prefix}/log_ratio_sum_mean": float(s.mean()), f"{prefix}/weight_mean": float(weight.mean()),
+            f"{prefix}/weight_min": float(weight.min()), f"{prefix}/weight_max": float(weight.max()),
+            f"{prefix}/row_weight_mean": float(row_weight.mean()), f"{prefix}/row_weight_min": float(row_weight.min()),
+            f"{prefix}/rejected_share": float((~correction.kept).float().mean()),
+            f"{prefix}/trajectories": float(s.numel()),
+            f"{prefix}/max_abs_row_gap": float((s - rows_total).abs().max())}
