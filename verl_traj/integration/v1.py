@@ -63,10 +63,8 @@ from verl_traj.integration.update_spec import LossSpec, UpdateSpec
 from verl_traj.integration.verl_config import prepare_v1_agent_loop
 from verl_traj.integration.workers import CRITIC_UNION_KEY
 
-__all__ = ["PlanFacts", "TrajV1Mixin", "last_rows_of_trajectories", "padding_row", "planned_advantage", "plan_facts",
-           "trajectory_correction",
-           "row_loss_tokens", "trajectory_reward_metrics",
-           "traj_trainer_class"]
+__all__ = ["PlanFacts", "TrajV1Mixin", "last_rows_of_trajectories", "padding_row", "plan_facts", "planned_advantage",
+           "row_loss_tokens", "traj_trainer_class", "trajectory_correction", "trajectory_metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +200,7 @@ def last_rows_of_trajectories(keys: list[str], is_padding: np.ndarray) -> np.nda
     return np.flatnonzero(~is_padding & (parsed.step == last_step[code]))
 
 
-def trajectory_reward_metrics(batch: Any, global_steps: int) -> dict[str, float]:
+def trajectory_metrics(batch: Any, global_steps: int) -> dict[str, float]:
     """Per trajectory, whatever its row count (verl's ``critic/score/*`` averages rows: with step rows a long
     trajectory counts once per LLM call), read from each trajectory's last row (stock runs too):
 
@@ -479,7 +477,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         return real
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
-        metrics.update(trajectory_reward_metrics(batch, global_steps))
+        metrics.update(trajectory_metrics(batch, global_steps))
         if not self.traj_config.enable:
             return super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
         from verl_traj.integration.patches import v1_metric_patches

@@ -42,8 +42,8 @@ from verl_traj.config import TrajConfig
 from verl_traj.core.row_key import row_key
 from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, TURN_REWARD, StepExpansionError, trajectory_step_rows
 
-__all__ = ["MANAGER_FQN", "MERGE_TAG", "TURN_REWARD_TAG", "UNSUPPORTED_STEP_FIELDS", "turn_reward_entries", "check_step_output", "TrajAgentLoopManagerTQ", "TrajAgentLoopWorkerTQ", "session_priority",
-           "step_outputs"]
+__all__ = ["MANAGER_FQN", "MERGE_TAG", "TURN_REWARD_TAG", "UNSUPPORTED_STEP_FIELDS", "TrajAgentLoopManagerTQ",
+           "TrajAgentLoopWorkerTQ", "check_step_output", "session_priority", "step_outputs", "turn_reward_entries"]
 
 MANAGER_FQN = "verl_traj.integration.v1_agent_loop.TrajAgentLoopManagerTQ"
 MERGE_TAG = "traj_merge"  # tag of a session's first row: its MergeStats as a dict
