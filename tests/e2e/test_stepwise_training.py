@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.runs import TRAINERS
+from tests.e2e.runs import TRAINERS, TRAINERS_V0_OPT_IN
 
 pytestmark = pytest.mark.e2e
 HERE = Path(__file__).resolve().parent
@@ -71,12 +71,13 @@ CREDIT_KEYS = ("critic/advantages/mean", "critic/advantages/max", "critic/advant
                "critic/returns/max", "critic/returns/min", "critic/values/mean")
 
 
-def test_ppo_with_gae_across_turns_on_step_rows(tool_home, tmp_path):
-    """PPO with a critic on step rows (v1), GAE across each trajectory's rows: unmerged (one row per LLM call) and
+@pytest.mark.parametrize("trainer", TRAINERS_V0_OPT_IN)
+def test_ppo_with_gae_across_turns_on_step_rows(tool_home, tmp_path, trainer):
+    """PPO with a critic on step rows, GAE across each trajectory's rows: unmerged (one row per LLM call) and
     prefix-merged (one row per trajectory) train, and on step 1 (the same rollouts, the same seeded critic) both give
     the same advantages and returns on the same loss tokens (verl's metrics over them agree), which they could not if
-    a turn's credit stopped at its row's edge."""
-    runs = {merge: _run_stepwise(tool_home, tmp_path / f"merge_{merge}", "v1", merge, config_name="cpu_tiny_ppo",
+    a turn's credit stopped at its row's edge. v0 (opt-in): the same through its expansion, on two ranks."""
+    runs = {merge: _run_stepwise(tool_home, tmp_path / f"merge_{merge}", trainer, merge, config_name="cpu_tiny_ppo",
                                  steps=1, extra=("algorithm.gamma=0.95",))[0][0] for merge in (False, True)}
     unmerged, merged = runs[False], runs[True]
     assert unmerged["traj_stepwise/rows_after"] > unmerged["traj_stepwise/trajectories"]  # several rows a trajectory
