@@ -20,6 +20,7 @@ mini-batches, padding rows, tokens trained, step time. For a stock run (``traj.e
 the split counts are observed on verl's own mini-batches (``stock_plan/*``; nothing changes in what it trains).
 
     python scripts/compare.py --config-name cpu_tiny --steps 20 [--out compare/] [hydra overrides for every run ...]
+    python scripts/compare.py --out compare/ --report-only [--variant ...]   # tables and plot from finished runs
     python scripts/compare.py --config-name calc_agent_cpu --steps 30 --out compare_turns \\
         --variant stock=traj.enable=false --variant grpo= --variant ppo_gae=@calc_agent_cpu_ppo \\
         traj.step_wise=true 'actor_rollout_ref.rollout.agent.agent_loop_config_path=${verl_traj_pkg:}/configs/agent_loops/stepwise.yaml'
@@ -162,6 +163,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="compare")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=[@CONFIG] [OVERRIDES]",
                     help="a run of its own (repeatable; default: traj and stock)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: rebuild the tables and the plot from the variants' OUT/NAME.jsonl")
     ap.add_argument("overrides", nargs="*", help="hydra overrides applied to every run")
     args = ap.parse_args(argv)
     variants = [parse_variant(s) for s in (args.variant or DEFAULT_VARIANTS)]
@@ -169,7 +172,13 @@ def main(argv=None) -> int:
         raise SystemExit(f"--variant names must differ: {[v.name for v in variants]}")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    runs = {v: run(v, args, out) for v in variants}
+    if args.report_only:
+        missing = [str(out / f"{v.name}.jsonl") for v in variants if not (out / f"{v.name}.jsonl").is_file()]
+        if missing:
+            raise SystemExit(f"--report-only: no metrics at {missing}; run without --report-only first")
+        runs = {v: load_metrics(str(out / f"{v.name}.jsonl")) for v in variants}
+    else:
+        runs = {v: run(v, args, out) for v in variants}
     text = tables(runs)
     cmd = shlex.join(["python", "scripts/compare.py", "--config-name", args.config_name, "--steps", str(args.steps),
                       *[f"--variant={s}" for s in args.variant], *args.overrides])

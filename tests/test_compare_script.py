@@ -1,0 +1,46 @@
+"""scripts/compare.py's report (``--report-only``: tables and plot from finished runs' metrics), on two hand-written
+runs: a verl_traj variant reads ``traj_plan/*``, a stock variant (``traj.enable=false``) verl's observed
+``stock_plan/*``; each metric's mean and first-third -> last-third trend; a bad ``--variant`` names the fix."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps({"step": i + 1, "data": r}) + "\n" for i, r in enumerate(rows)))
+
+
+def _compare(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "compare.py"), *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_report_reads_each_variants_own_keys_and_trend(tmp_path):
+    reward = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
+    _write(tmp_path / "grpo.jsonl", [{"traj_reward/mean": r, "actor/num_optimizer_steps": 4.0,
+                                      "traj_plan/split_trajectories": 0.0} for r in reward])
+    _write(tmp_path / "stock.jsonl", [{"traj_reward/mean": r / 2, "stock_plan/expected_optimizer_steps": 12.0,
+                                       "stock_plan/split_trajectories": 5.0} for r in reward])
+    run = _compare("--out", str(tmp_path), "--report-only", "--variant", "grpo=", "--variant",
+                   "stock=traj.enable=false")
+    assert run.returncode == 0, run.stderr
+    table = (tmp_path / "compare.md").read_text()
+    assert "| mean reward per trajectory | 0.35 (0.15 → 0.55) | 0.175 (0.075 → 0.275) |" in table
+    assert "| optimizer steps per step | 4 (4 → 4) | 12 (12 → 12) |" in table
+    assert "| trajectories split over mini-batches | 0 (0 → 0) | 5 (5 → 5) |" in table
+    assert (tmp_path / "compare.png").stat().st_size > 0
+    runs = json.loads((tmp_path / "compare.json").read_text())["runs"]
+    assert runs["stock"]["overrides"] == ["traj.enable=false"] and len(runs["grpo"]["metrics"]) == 6
+
+
+def test_a_bad_variant_or_missing_run_names_the_fix(tmp_path):
+    bad = _compare("--out", str(tmp_path), "--report-only", "--variant", "no name")
+    assert bad.returncode != 0 and "expected NAME=[@CONFIG] [OVERRIDES]" in bad.stderr
+    missing = _compare("--out", str(tmp_path), "--report-only", "--variant", "grpo=")
+    assert missing.returncode != 0 and "run without --report-only first" in missing.stderr
