@@ -73,19 +73,19 @@ def test_stock_step_rows_only_on_v1(use_v1):
 
 
 @pytest.mark.parametrize("scope", ["trajectory", "row"])
-def test_sequence_ratios_the_actor_computes_per_row_are_refused_at_trajectory_scope(scope):
-    """GSPO's sequence ratio comes from the current policy inside each micro-batch: with step rows it would be per
-    row while traj.ratio_scope=trajectory promises per trajectory, so that pair is refused by name (row scope, or
-    one row per trajectory, trains). Bypass mode drops verl_traj's loss weights: refused whatever the scope."""
+def test_gspo_takes_either_scope_and_bypass_mode_is_refused(scope):
+    """GSPO with step rows trains at either scope (at trajectory scope the actor sums each trajectory's log-ratios
+    first: ``UpdateSpec.ratio_groups``); bypass mode drops verl_traj's loss weights: refused whatever the scope."""
+    from verl_traj.integration.update_spec import UpdateSpec
+
     gspo = OmegaConf.create({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "gspo"}}}})
-    step_rows = TrajConfig(step_wise=True, ratio_scope=scope)
-    if scope == "row":
-        validate_against_verl(step_rows, gspo)
-    else:
-        with pytest.raises(TrajConfigError, match="loss_mode='gspo'.*traj.ratio_scope=row") as err:
-            validate_against_verl(step_rows, gspo)
-        assert err.value.field == "traj.ratio_scope"
-    validate_against_verl(TrajConfig(ratio_scope=scope), gspo)  # one row per trajectory: nothing to scope
+    validate_against_verl(TrajConfig(step_wise=True, ratio_scope=scope), gspo)
+    cfg = OmegaConf.create({"data": {"train_batch_size": 4, "max_response_length": 8}, "trainer": {},
+                            "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 2,
+                                                            "policy_loss": {"loss_mode": "gspo"}}}})
+    spec = UpdateSpec.derive(cfg, TrajConfig(step_wise=True, ratio_scope=scope), None)
+    assert spec.ratio_groups == (scope == "trajectory")
+    assert not UpdateSpec.derive(cfg, TrajConfig(ratio_scope=scope), None).ratio_groups  # one row per trajectory
     bypass = OmegaConf.create({"algorithm": {"rollout_correction": {"bypass_mode": True}}})
     with pytest.raises(TrajConfigError, match="bypass_mode=true is not supported.*bypass_mode=false") as err:
         validate_against_verl(TrajConfig(ratio_scope=scope), bypass)

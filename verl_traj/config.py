@@ -259,7 +259,6 @@ def validate_against_verl(traj_config: TrajConfig, config: Any) -> None:
     _check_estimator(traj_config, config)
     _check_v1_row_fields(traj_config, config)
     _check_policy_loss(config)
-    _check_ratio_scope(traj_config, config)
     _check_mini_batches(config)
     _check_token_caps(traj_config, config)
 
@@ -302,23 +301,9 @@ def _check_v1_row_fields(traj_config: TrajConfig, config: Any) -> None:
                 "the v0 trainer, which reads these non_tensor_batch fields.", field=f"traj.{name}")
 
 
-# sequence ratios computed inside the actor's loss from the current policy, per micro-batch row: at trajectory scope
-# they would need every row of a trajectory in one micro-batch (not planned yet)
+# policy losses with a sequence ratio computed inside the actor's loss from the current policy: with step rows at
+# traj.ratio_scope=trajectory the actor sums it over each trajectory's rows first (integration/workers.py)
 CURRENT_POLICY_SEQUENCE_RATIOS = ("gspo",)
-
-
-def _check_ratio_scope(traj_config: TrajConfig, config: Any) -> None:
-    """``traj.ratio_scope=trajectory`` with step rows covers the driver's rollout correction; what the actor computes
-    per row from the current policy cannot be trajectory-scoped yet and is refused by name (never silently per row)."""
-    if not traj_config.step_wise or traj_config.ratio_scope != "trajectory":
-        return
-    mode = _get(config, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla")
-    if mode in CURRENT_POLICY_SEQUENCE_RATIOS:
-        raise TrajConfigError(
-            f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r} computes a sequence ratio from the current policy "
-            "inside each micro-batch, so with step rows it is per row, not per trajectory (traj.ratio_scope=trajectory, "
-            "the default). Fix: set traj.ratio_scope=row to train with per-row sequence ratios, or traj.step_wise=false "
-            "(one row per trajectory: the row is the trajectory).", field="traj.ratio_scope")
 
 
 def _check_policy_loss(config: Any) -> None:

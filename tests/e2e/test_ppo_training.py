@@ -30,6 +30,11 @@ def _check(run, *, actor_steps: int, critic_steps: int, n_steps: int = STEPS):
         assert m["critic/num_optimizer_steps"] == critic_steps and m["actor/num_optimizer_steps"] == actor_steps
         assert m["critic/micro_batches_per_epoch"] >= 1 and m["traj_plan/split_groups"] == 0
         assert m["critic/grad_norm"] > 0
+        # the trainer's loss weights reached both losses: weight x tokens sums to 1 per optimizer step (token-mean).
+        # Regression: on v1 the workers read the batch's field list, which did not name loss_weight, so both
+        # losses silently fell back to verl's own aggregation (and traj.loss_agg_mode had no effect on v1)
+        assert m["actor/loss_weight_mass"] == pytest.approx(1.0, rel=1e-5), m
+        assert m["critic/loss_weight_mass"] == pytest.approx(1.0, rel=1e-5), m
     return steps
 
 

@@ -115,6 +115,26 @@ def test_trajectory_ratios_in_colocate_async_on_step_rows(tool_home, tmp_path):
     assert all(abs(m["traj_ratio/weight_mean"] - 1) > 1e-3 for m in stale), summary
 
 
+def test_gspo_over_the_trajectory_on_step_rows_equals_the_merged_row(tool_home, tmp_path):
+    """GSPO (its sequence ratio from the current policy) on unmerged step rows at ``traj.ratio_scope=trajectory``:
+    before each optimizer step the actor sums every trajectory's log-ratios over its rows, so one mini-batch trained
+    for two epochs (the second epoch off pi_old) gives the same gradients and loss as the same rollouts with every
+    trajectory prefix-merged into one row (whose row is the trajectory). The shift is 0 on the first optimizer step
+    (on-policy) and not on the second: per-row ratios would have differed there."""
+    extra = ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+             "actor_rollout_ref.actor.ppo_epochs=2")
+    runs = {merge: _run_stepwise(tool_home, tmp_path / f"merge_{merge}", "v1", merge, steps=1, extra=extra)[0][0]
+            for merge in (False, True)}
+    unmerged, merged = runs[False], runs[True]
+    assert unmerged["traj_stepwise/rows_after"] > unmerged["traj_stepwise/trajectories"]
+    assert unmerged["traj_stepwise/loss_tokens"] == merged["traj_stepwise/loss_tokens"]  # the same rollouts
+    assert unmerged["actor/num_optimizer_steps"] == merged["actor/num_optimizer_steps"] == 2
+    assert unmerged["actor/traj_seq_ratio_shift_abs_max"] > 1e-4  # the trajectory's ratio is not a row's
+    assert merged["actor/traj_seq_ratio_shift_abs_max"] < 1e-5  # one row per trajectory: nothing to shift
+    assert unmerged["actor/grad_norm"] == pytest.approx(merged["actor/grad_norm"], rel=1e-4)
+    assert unmerged["actor/pg_loss"] == pytest.approx(merged["actor/pg_loss"], rel=1e-4, abs=1e-7)
+
+
 def _check(metrics, merge):
     saw_multi_step = False
     for m in metrics:

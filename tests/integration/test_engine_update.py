@@ -36,7 +36,19 @@ def _batch(vocab: int):
                                   vocab=vocab))
 
 
-def _proc(rank, world, port, home, cap, out_path, planned, mini_batches):
+def _ratio_groups(batch) -> None:
+    """GSPO at trajectory scope: each GRPO group's rows share one sequence ratio (a "trajectory" of 3 rows that the
+    plan spreads over both ranks), padding rows none."""
+    import numpy as np
+    import torch
+
+    from verl_traj.core.keys import IS_PADDING, RATIO_GROUP
+
+    group = torch.as_tensor(np.unique(batch.non_tensor_batch["uid"].astype(str), return_inverse=True)[1].reshape(-1))
+    batch.batch[RATIO_GROUP] = torch.where(batch.batch[IS_PADDING], -1, group)
+
+
+def _proc(rank, world, port, home, cap, out_path, planned, mini_batches, gspo=None):
     from verl_traj.testing.engine import actor_worker, init_rank, plan_for_update, rank_tensordict
 
     init_rank(rank, world, port, home)
@@ -44,14 +56,19 @@ def _proc(rank, world, port, home, cap, out_path, planned, mini_batches):
     from verl.utils import tensordict_utils as tu
 
     try:
-        cfg = _config(cap, mini_batches)
+        extra = ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.ppo_epochs=2") if gspo else ()
+        cfg = _config(cap, mini_batches, extra)
         worker = actor_worker(cfg, planned)
         batch = _batch(int(worker.model_config.hf_config.vocab_size))
         plan = plan_for_update(batch, cfg, world) if planned else None
-        out = worker.train_mini_batch(rank_tensordict(batch, rank, world, GROUPS // mini_batches * N))
+        if gspo == "trajectory":
+            _ratio_groups(batch)
+        out = worker.train_mini_batch(rank_tensordict(batch, rank, world, GROUPS // mini_batches * N,
+                                                      epochs=2 if gspo else 1))
         if rank == 0:
             metrics = tu.get(out, "metrics")
             res = {"grad_norm": [float(x) for x in metrics["grad_norm"]],
+                   "shift": [float(x) for x in metrics.get("actor/traj_seq_ratio_shift_abs_max", [])],
                    "pg_loss": [float(x) for x in metrics["actor/pg_loss"]],
                    "num_optimizer_steps": metrics.get("num_optimizer_steps"),
                    "micro_batches_run": metrics.get("micro_batches_per_epoch"),
@@ -64,9 +81,9 @@ def _proc(rank, world, port, home, cap, out_path, planned, mini_batches):
         dist.destroy_process_group()
 
 
-def _run(home, world, cap, planned, tmp_path, mini_batches=MINI_BATCHES):
-    out = str(tmp_path / f"w{world}_{cap}_{planned}_{mini_batches}.json")
-    mp.spawn(_proc, args=(world, free_port(), home, cap, out, planned, mini_batches), nprocs=world, join=True)
+def _run(home, world, cap, planned, tmp_path, mini_batches=MINI_BATCHES, gspo=None):
+    out = str(tmp_path / f"w{world}_{cap}_{planned}_{mini_batches}_{gspo}.json")
+    mp.spawn(_proc, args=(world, free_port(), home, cap, out, planned, mini_batches, gspo), nprocs=world, join=True)
     with open(out) as f:
         return json.load(f)
 
@@ -101,6 +118,23 @@ def test_real_engine_traj_update_equals_stock_on_the_same_rows(tiny_home, tmp_pa
     assert traj["grad_norm"][0] == pytest.approx(stock["grad_norm"][0], rel=1e-4), (traj, stock)
     assert sum(traj["pg_loss"]) == pytest.approx(sum(stock["pg_loss"]), rel=1e-4, abs=1e-6), (traj, stock)
     assert traj["lr"] == stock["lr"]
+
+
+def test_real_engine_gspo_over_trajectories_split_across_ranks(tiny_home, tmp_path):
+    """GSPO at trajectory scope on verl's real engine: each trajectory (here a group's 3 rows) gets one sequence ratio
+    from the current policy, its rows on both ranks and in several micro-batches. Before each optimizer step the
+    actor sums the trajectory's log-ratios over all of them (a no-grad pass and one all-reduce), so the 4 optimizer
+    steps (2 mini-batches x 2 epochs) at dp=2 under a small cap equal dp=1's. The synthetic old log-probs are not the
+    model's, so the rows' own mean log-ratios differ from their trajectory's from the first step (the shift is not 0)
+    and per-row ratios (row scope) train differently."""
+    ref = _run(tiny_home.parent, 1, 4096, True, tmp_path, gspo="trajectory")
+    got = _run(tiny_home.parent, 2, 140, True, tmp_path, gspo="trajectory")
+    rows = _run(tiny_home.parent, 1, 4096, True, tmp_path, gspo="row")
+    assert len(ref["grad_norm"]) == len(got["grad_norm"]) == 4 and got["planned_micro_batches"] > 2  # several a step
+    for a, b in zip(ref["grad_norm"], got["grad_norm"]):
+        assert b == pytest.approx(a, rel=1e-4), (ref, got)
+    assert min(ref["shift"]) > 1e-3 and got["shift"] == pytest.approx(ref["shift"], rel=1e-4), (ref, got)
+    assert rows["shift"] == [] and rows["grad_norm"] != pytest.approx(ref["grad_norm"], rel=1e-3)
 
 
 # ---- critic: TrajCriticWorker + traj_value_loss on verl's value-model engine ----------------------

@@ -195,7 +195,12 @@ def test_update_spec_one_derivation_for_both_trainers():
     assert v0.critic_loss == LossSpec("token-mean", 12.0)
     critic8 = OmegaConf.create({**base, "critic": {"ppo_mini_batch_size": 8, "loss_scale_factor": 3}})
     spec = UpdateSpec.derive(critic8, TrajConfig(critic_loss_agg_mode="traj-mean"), None)
-    assert spec.critic_union == 4 and spec.critic_loss == LossSpec("traj-mean", 3.0)  # one step: all four
+    assert spec.critic_union == 4 and spec.critic_loss == LossSpec("traj-mean", 3.0, union=4)  # one step: all four
+    # the critic's weights are normalised over its own optimizer step (the union), not per actor mini-batch:
+    # regression of the first PPO runs, whose critic steps on a union of 2 carried twice the weight
+    mb = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    w = spec.critic_loss.weights(torch.ones(8, 5), mb, torch.arange(8), torch.zeros(8, dtype=torch.bool))
+    assert float((w * 5).sum()) == pytest.approx(1.0)
     sync4 = OmegaConf.create({**base, "trainer": {"use_v1": True, "v1": {"trainer_mode": "sync",
                                                                          "sync": {"parameter_sync_step": 2}}}})
     spec = UpdateSpec.derive(sync4, TrajConfig(seed=10), None)

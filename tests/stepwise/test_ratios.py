@@ -147,3 +147,68 @@ def test_a_rejected_trajectory_loses_every_row_never_half():
     assert got.kept.tolist() == [False, True]
     metrics = trajectory_ratio_metrics(got, ((old - roll) * mask).sum(-1), traj)
     assert metrics["traj_ratio/rejected_share"] == 0.5
+
+
+# ---- GSPO's sequence ratio over the trajectory (computed from the current policy inside the actor's loss) --------
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=trajectories(), split=st.integers(0, 3), padding_rows=st.integers(0, 2))
+def test_the_shift_gives_every_row_its_trajectorys_mean_log_ratio(batch, split, padding_rows):
+    """After the shift, each row's mean log-ratio (what verl's GSPO loss computes per row) is its trajectory's mean
+    over all its rows, whatever subset of rows each of several workers holds (their sums add up: the all-reduce);
+    padding rows (group -1) are not shifted."""
+    from verl_traj.stepwise.ratios import group_log_ratio_sums, sequence_ratio_shift
+
+    steps, _ = _layouts(*batch)
+    old, roll, mask, traj, _ = _batch(steps, padding_rows)
+    lp = roll  # any "current policy" log-probs
+    T = int(traj.max()) + 1
+    parts = [torch.arange(len(traj)) % (split + 1) == k for k in range(split + 1)]  # rows held by each worker
+    sums = sum(group_log_ratio_sums(lp[p], old[p], mask[p], traj[p], T) for p in parts)
+    shift = sequence_ratio_shift(lp, old, mask, traj, sums)
+    shifted = ((lp - old - shift[:, None]) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    want = {t: float(((lp - old) * mask)[traj == t].sum() / mask[traj == t].sum()) for t in range(T)}
+    for b in range(len(traj)):
+        if traj[b] >= 0 and mask[b].sum() > 0:
+            assert float(shifted[b]) == pytest.approx(want[int(traj[b])], rel=1e-5, abs=1e-6)
+    assert torch.all(shift[traj < 0] == 0)
+
+
+def _gspo_config():
+    from verl.workers.config import ActorConfig, PolicyLossConfig
+
+    return ActorConfig(strategy="fsdp2", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, rollout_n=1,
+                       clip_ratio=0.2, entropy_coeff=0.0, use_kl_loss=False, loss_agg_mode="token-mean",
+                       policy_loss=PolicyLossConfig(loss_mode="gspo"))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gspo_on_shifted_step_rows_is_gspo_on_the_merged_row(seed, monkeypatch):
+    """verl's GSPO loss (through verl_traj's weighted policy loss, one global weight per token) on three
+    trajectories as step rows with the shift == on the same trajectories as merged rows: the same loss and the same
+    gradient on every loss token's log-prob (fp32); without the shift (row scope) it differs."""
+    from tests.integration import grad_harness as H
+    from verl_traj.integration.losses import weighted_policy_loss
+    from verl_traj.stepwise.ratios import group_log_ratio_sums, sequence_ratio_shift
+
+    H.patch_verl_device(monkeypatch)
+    steps, merged = _layouts([[(3, 2), (2, 1), (4, 0)], [(2, 0), (3, 0)], [(5, 0)]], seed)
+    results = {}
+    for name, rows in (("steps", steps), ("merged", merged), ("row scope", steps)):
+        old, cur, mask, traj, step = _batch(rows)
+        cur = (old + 0.4 * (cur - old)).clone().requires_grad_(True)  # ratios around the clip range
+        adv = torch.tensor([1.0, -0.5, 0.3])[traj.clamp(min=0)][:, None].expand_as(mask)
+        shift = None
+        if name == "steps":
+            shift = sequence_ratio_shift(cur.detach(), old, mask, traj,
+                                         group_log_ratio_sums(cur.detach(), old, mask, traj, 3))
+        weight = torch.full((len(traj),), 1.0 / float(mask.sum()))  # token-mean over the whole batch
+        loss, _ = weighted_policy_loss(_gspo_config(), log_prob=cur, old_log_prob=old, advantages=adv,
+                                       response_mask=mask, loss_weight=weight, dp_size=1, seq_ratio_shift=shift)
+        loss.backward()
+        results[name] = (float(loss.detach()), _per_loss_token(cur.grad, mask, traj, step))
+    assert results["steps"][0] == pytest.approx(results["merged"][0], rel=1e-5)
+    for key, grad in results["merged"][1].items():
+        assert results["steps"][1][key] == pytest.approx(grad, rel=1e-4, abs=1e-7), key
+    assert results["row scope"][1] != pytest.approx(results["merged"][1], rel=1e-3)

@@ -12,6 +12,8 @@ key                    written by              read by
 ``is_padding``         :func:`apply_plan`      real-row views (metrics, advantages), loss weights
 ``is_last_step``       step-wise expansion     layout validation, step-wise advantages
 ``loss_weight``        trainer, per update     the loss functions (actor and critic)
+``ratio_group``        trainer, per update     actor worker: trajectory-scoped GSPO (``traj.ratio_scope``)
+``seq_ratio_shift``    actor worker, per step  the policy loss (GSPO's sequence ratio over the trajectory)
 =====================  ======================  ==========================================================
 
 All of them but ``is_last_step`` (a ``non_tensor_batch`` field, as the expansion writes it) are
@@ -24,10 +26,12 @@ TRAJ_INDEX = "traj_index"
 IS_PADDING = "is_padding"
 IS_LAST_STEP = "is_last_step"
 LOSS_WEIGHT = "loss_weight"
+RATIO_GROUP = "ratio_group"  # [B] the trajectory whose sequence ratio a row shares (GSPO at trajectory scope)
+SEQ_RATIO_SHIFT = "seq_ratio_shift"  # [b] per-row shift of old log-probs that makes GSPO's row mean the trajectory's
 TURN_REWARDS = "turn_rewards"  # [B, R] per-step (turn) rewards of step rows, each on its call's last response token
 
 # Tensor fields apply_plan adds (replaced if the input already carries them).
 PLAN_KEYS = (MINI_BATCH_ID, MICRO_BATCH_ID, TRAJ_INDEX, IS_PADDING)
 
 __all__ = ["MINI_BATCH_ID", "MICRO_BATCH_ID", "TRAJ_INDEX", "IS_PADDING", "IS_LAST_STEP", "LOSS_WEIGHT", "PLAN_KEYS",
-           "TURN_REWARDS"]
+           "RATIO_GROUP", "SEQ_RATIO_SHIFT", "TURN_REWARDS"]

@@ -34,7 +34,7 @@ from verl.utils.torch_functional import masked_mean
 from verl.workers.utils.losses import ppo_loss, value_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
-from verl_traj.core.keys import LOSS_WEIGHT
+from verl_traj.core.keys import LOSS_WEIGHT, SEQ_RATIO_SHIFT
 
 def _set_global_batch_info(config: Any, dp_size: int) -> None:
     # token-sum needs only dp_size; the other keys must not leak a stale value into agg_loss.
@@ -57,9 +57,14 @@ def weighted_policy_loss(
     entropy: Optional[torch.Tensor] = None,
     ref_log_prob: Optional[torch.Tensor] = None,
     rollout_is_weights: Optional[torch.Tensor] = None,
+    seq_ratio_shift: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Policy (+ entropy + KL) loss of one micro-batch on padded ``[b, R]`` tensors (see module doc)."""
+    """Policy (+ entropy + KL) loss of one micro-batch on padded ``[b, R]`` tensors (see module doc).
+    ``seq_ratio_shift`` ``[b]``: GSPO at trajectory scope, each row's old log-probs shifted by a constant so that the
+    loss fn's per-row mean log-ratio is its trajectory's (:func:`~verl_traj.stepwise.ratios.sequence_ratio_shift`)."""
     _set_global_batch_info(config, dp_size)
+    if seq_ratio_shift is not None:
+        old_log_prob = old_log_prob + seq_ratio_shift.to(device=old_log_prob.device, dtype=old_log_prob.dtype)[:, None]
     mask = response_mask.to(torch.bool)
     w_row = loss_weight.to(torch.float32)[:, None]  # [b, 1]: fp32 whatever the log-probs' dtype (bf16 rounds 1/3)
     token_weights = w_row.expand(log_prob.shape)
@@ -74,7 +79,14 @@ def weighted_policy_loss(
     # each micro-batch holds a partial sum of the mini-batch loss: SUM over micro-batches, mean over DP
     # (= sum over ranks / dp, and every rank's partial sum carries the * dp_size factor).
     metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=AggregationType.SUM)
+    if seq_ratio_shift is not None:  # how far each row's own sequence ratio was from its trajectory's
+        metrics["actor/traj_seq_ratio_shift_abs_max"] = Metric(value=seq_ratio_shift.detach().abs().max(),
+                                                                aggregation=AggregationType.MAX)
     weighted_mask = mask.to(torch.float32) * w_row  # [b, R] fp32
+    # sum of weight x tokens over the mini-batch (x dp: verl averages metrics over ranks): 1 for the token-mean,
+    # seq-mean-token-mean and traj-mean modes; shows the trainer's weights reached this loss
+    metrics["actor/loss_weight_mass"] = Metric(value=weighted_mask.sum().detach() * dp_size,
+                                               aggregation=AggregationType.SUM)
     extra, extra_metrics = _entropy_and_kl(config, log_prob, weighted_mask, dp_size, entropy, ref_log_prob)
     metrics.update(extra_metrics)
     return pg_loss + extra, metrics
@@ -129,6 +141,7 @@ def weighted_value_loss(
         )
     metrics = {
         "critic/vf_loss": Metric(value=vf_loss, aggregation=AggregationType.SUM),
+        "critic/loss_weight_mass": Metric(value=weighted_mask.sum().detach() * dp_size, aggregation=AggregationType.SUM),
         "critic/vf_clipfrac": vf_clipfrac.detach().item(),
         "critic/vpred_mean": masked_mean(vpreds, mask).detach().item(),
     }
@@ -145,7 +158,7 @@ def traj_ppo_loss(config: Any, model_output, data: TensorDict, dp_group=None):
         entropy = no_padding_2_padding(entropy, data)
     dp_size = int(data["dp_size"])
     fields = ["response_mask", "old_log_probs", "advantages", LOSS_WEIGHT]
-    for optional in ("rollout_is_weights", "ref_log_prob"):
+    for optional in ("rollout_is_weights", "ref_log_prob", SEQ_RATIO_SHIFT):
         if optional in data.keys():
             fields.append(optional)
     padded = data.select(*fields).to_padded_tensor()
@@ -153,6 +166,7 @@ def traj_ppo_loss(config: Any, model_output, data: TensorDict, dp_group=None):
         config, log_prob=log_prob, old_log_prob=padded["old_log_probs"], advantages=padded["advantages"],
         response_mask=padded["response_mask"], loss_weight=padded[LOSS_WEIGHT], dp_size=dp_size, entropy=entropy,
         ref_log_prob=padded.get("ref_log_prob", None), rollout_is_weights=padded.get("rollout_is_weights", None),
+        seq_ratio_shift=padded.get(SEQ_RATIO_SHIFT, None),
     )
 
 

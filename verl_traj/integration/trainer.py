@@ -34,7 +34,7 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 from verl_traj.config import TrajConfig
 from verl_traj.core import MiniBatchPlan, apply_plan, build_layout
-from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MINI_BATCH_ID, TRAJ_INDEX
+from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MINI_BATCH_ID, RATIO_GROUP, TRAJ_INDEX
 from verl_traj.core.padding import resolve_pad_token_id
 from verl_traj.integration.checkpoints import CompleteCheckpoints
 from verl_traj.integration.patches import fit_patches, patched
@@ -161,16 +161,20 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
     # ---- updates ---------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _planned_update(self, batch: DataProto, loss: LossSpec, union: int = 1) -> Iterator[None]:
-        """Attach ``loss_weight`` (and the critic's mini-batch union) for one update call."""
+    def _planned_update(self, batch: DataProto, loss: LossSpec, union: int = 1,
+                        ratio_groups: bool = False) -> Iterator[None]:
+        """Attach ``loss_weight`` (and the critic's mini-batch union, the actor's ``ratio_group``) for one update."""
         td = batch.batch
         td[LOSS_WEIGHT] = loss.weights(td["response_mask"], td[MINI_BATCH_ID], td[TRAJ_INDEX], td[IS_PADDING])
+        if ratio_groups:
+            td[RATIO_GROUP] = td[TRAJ_INDEX].clone()
         if union > 1:
             batch.meta_info[CRITIC_UNION_KEY] = union
         try:
             yield
         finally:
             td.pop(LOSS_WEIGHT, None)
+            td.pop(RATIO_GROUP, None)
             batch.meta_info.pop(CRITIC_UNION_KEY, None)
 
     def _planned(self, batch: DataProto) -> bool:
@@ -179,7 +183,7 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
     def _update_actor(self, batch: DataProto) -> DataProto:
         if not self._planned(batch):
             return super()._update_actor(batch)
-        with self._planned_update(batch, self.spec.actor_loss):
+        with self._planned_update(batch, self.spec.actor_loss, ratio_groups=self.spec.ratio_groups):
             return super()._update_actor(batch)
 
     def _update_critic(self, batch: DataProto) -> DataProto:

@@ -11,7 +11,8 @@ micro-batch settings. Both adapters read every fact from it; none re-derives one
   verl's ``loss_agg_mode``) with the constant ``S`` of ``seq-mean-token-sum-norm`` (``loss_scale_factor``, else
   ``data.max_response_length``: the same on both trainers and on every step, whatever the batch's response
   width; with step rows that width changes from step to step);
-* the planner's seed of one update and the micro-batch settings (:class:`PlanSettings`).
+* the planner's seed of one update and the micro-batch settings (:class:`PlanSettings`);
+* whether the actor's rows carry their trajectory as ``ratio_group`` (GSPO at ``traj.ratio_scope=trajectory``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any, Optional
 
 import torch
 
-from verl_traj.config import TrajConfig, TrajConfigError, parameter_sync_step, prompts_per_update, uses_critic
+from verl_traj.config import (CURRENT_POLICY_SEQUENCE_RATIOS, TrajConfig, TrajConfigError, parameter_sync_step,
+                              prompts_per_update, uses_critic)
 from verl_traj.core import compute_loss_weights
 from verl_traj.core.errors import check_positive_number
 from verl_traj.integration.verl_config import PlanSettings, prepare_config
@@ -31,26 +33,29 @@ __all__ = ["LossSpec", "UpdateSpec"]
 
 @dataclass(frozen=True)
 class LossSpec:
-    """One model's loss aggregation: the ``loss_weight`` mode and ``S`` of ``seq-mean-token-sum-norm``."""
+    """One model's loss aggregation: the ``loss_weight`` mode, ``S`` of ``seq-mean-token-sum-norm`` and how many of the
+    plan's (actor) mini-batches one of its optimizer steps takes (``union``: the critic may step on unions)."""
 
     mode: str
     scale: Optional[float]  # None: the batch's response width (core default; only where the config has no length)
+    union: int = 1
 
     def weights(self, response_mask: torch.Tensor, mini_batch_id: torch.Tensor, traj_index: torch.Tensor,
                 is_padding: torch.Tensor) -> torch.Tensor:
-        """``[B]`` float32 ``loss_weight`` of every planned row (:func:`~verl_traj.core.compute_loss_weights`)."""
-        return compute_loss_weights(self.mode, response_mask, mini_batch_id, traj_index, is_padding.bool(),
-                                    loss_scale_factor=self.scale)
+        """``[B]`` float32 ``loss_weight`` of every planned row (:func:`~verl_traj.core.compute_loss_weights`),
+        normalised over each optimizer step's rows (``mini_batch_id // union``)."""
+        return compute_loss_weights(self.mode, response_mask, torch.div(mini_batch_id, self.union, rounding_mode="floor"),
+                                    traj_index, is_padding.bool(), loss_scale_factor=self.scale)
 
 
-def _loss_spec(section: Any, name: str, override: Optional[str], max_response_length: int) -> LossSpec:
+def _loss_spec(section: Any, name: str, override: Optional[str], max_response_length: int, union: int = 1) -> LossSpec:
     mode = str(override or section.get("loss_agg_mode", "token-mean"))
     scale = section.get("loss_scale_factor", None)
     if scale is not None:
         return LossSpec(mode, check_positive_number(
             f"{name}.loss_scale_factor", scale, f"set {name}.loss_scale_factor to a positive number (the constant S of "
-            "seq-mean-token-sum-norm) or null for data.max_response_length", error=TrajConfigError))
-    return LossSpec(mode, float(max_response_length) if max_response_length > 0 else None)
+            "seq-mean-token-sum-norm) or null for data.max_response_length", error=TrajConfigError), union)
+    return LossSpec(mode, float(max_response_length) if max_response_length > 0 else None, union)
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class UpdateSpec:
     actor_loss: LossSpec
     critic_loss: Optional[LossSpec]  # None without a critic
     critic_union: int  # actor mini-batches per critic optimizer step
+    ratio_groups: bool = False  # the actor's rows carry ratio_group: GSPO's sequence ratio over the trajectory
 
     @classmethod
     def prepare(cls, config: Any, traj_config: TrajConfig) -> "UpdateSpec":
@@ -81,13 +87,17 @@ class UpdateSpec:
         max_response = int(config.data.get("max_response_length", 0) or 0)
         critic = config.get("critic", None) if uses_critic(config) else None
         critic_mini = int(critic.get("ppo_mini_batch_size", 0) or mini) if critic is not None else mini
+        union = (prompts // mini) // max(prompts // critic_mini, 1)
         return cls(
             traj_config=traj_config, plan=plan, prompts_per_update=prompts, num_mini_batches=prompts // mini,
             epochs=int(actor.get("ppo_epochs", 1) or 1), parameter_sync_step=parameter_sync_step(config),
             actor_loss=_loss_spec(actor, "actor_rollout_ref.actor", traj_config.loss_agg_mode, max_response),
-            critic_loss=(_loss_spec(critic, "critic", traj_config.critic_loss_agg_mode, max_response)
+            critic_loss=(_loss_spec(critic, "critic", traj_config.critic_loss_agg_mode, max_response, union)
                          if critic is not None else None),
-            critic_union=(prompts // mini) // max(prompts // critic_mini, 1),
+            critic_union=union,
+            ratio_groups=(traj_config.step_wise and traj_config.ratio_scope == "trajectory"
+                          and (actor.get("policy_loss", None) or {}).get("loss_mode", "vanilla")
+                          in CURRENT_POLICY_SEQUENCE_RATIOS),
         )
 
     def plan_seed(self, global_step: int, local_step: int = 0) -> int:

@@ -50,8 +50,8 @@ from tensordict import TensorDict
 
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core import MiniBatchPlan, build_layout_from_counts
-from verl_traj.core.keys import (IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MICRO_BATCH_ID, MINI_BATCH_ID, TRAJ_INDEX,
-                                 TURN_REWARDS)
+from verl_traj.core.keys import (IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MICRO_BATCH_ID, MINI_BATCH_ID, RATIO_GROUP,
+                                 TRAJ_INDEX, TURN_REWARDS)
 from verl_traj.core.row_key import parse_row_keys, row_key, row_key_order
 
 STEP_INDEX = "step_index"  # the field the step-wise advantage reads each row's step from (v1: traj.step_index_key is fixed)
@@ -433,9 +433,9 @@ class TrajV1Mixin(CompleteCheckpoints):
         with patched(v1_advantage_patches(planned_advantage(rows), trajectory_correction(rows) if scoped else None)):
             return super()._compute_advantage(batch, metrics)
 
-    def _put_loss_weights(self, batch: Any, loss: LossSpec) -> None:
+    def _put_loss_weights(self, batch: Any, loss: LossSpec, ratio_groups: bool = False) -> None:
         """``loss_weight`` of every row for one update, from the final ``response_mask`` (rollout correction may
-        have changed it) and the plan."""
+        have changed it) and the plan; with ``ratio_groups`` also each row's trajectory as ``ratio_group``."""
         import transfer_queue as tq
 
         rows = self._planned
@@ -443,9 +443,13 @@ class TrajV1Mixin(CompleteCheckpoints):
         mask = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
                                select_fields=["response_mask"])["response_mask"]
         dense = mask.to_padded_tensor(0) if mask.is_nested else mask
-        weights = loss.weights(dense, rows.mini_batch_id, rows.traj_index, rows.is_padding)
+        fields = {LOSS_WEIGHT: loss.weights(dense, rows.mini_batch_id, rows.traj_index, rows.is_padding)}
+        if ratio_groups:
+            fields[RATIO_GROUP] = rows.traj_index.clone()
         tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
-                        fields=TensorDict({LOSS_WEIGHT: weights}, batch_size=[len(batch)]))
+                        fields=TensorDict(fields, batch_size=[len(batch)]))
+        if batch.fields is not None:  # the workers read the meta's field list: name the new fields in it
+            batch.fields = list(dict.fromkeys([*batch.fields, *fields]))
 
     def _update_critic(self, batch: Any, metrics: dict) -> Any:
         if not self.traj_config.enable:
@@ -461,7 +465,7 @@ class TrajV1Mixin(CompleteCheckpoints):
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
         if not self.traj_config.enable:
             return super()._update_actor(batch, metrics)
-        self._put_loss_weights(batch, self.spec.actor_loss)
+        self._put_loss_weights(batch, self.spec.actor_loss, ratio_groups=self.spec.ratio_groups)
         return super()._update_actor(batch, metrics)
 
     def _real_rows_of_step(self, keys: list[str]) -> np.ndarray:

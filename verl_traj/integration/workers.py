@@ -33,10 +33,11 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
 from verl_traj.core import mini_batch_order
-from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID
+from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID, RATIO_GROUP, SEQ_RATIO_SHIFT
 from verl_traj.integration.patches import patched, update_patches
 
-__all__ = ["PlannedUpdate", "TrajActorMixin", "TrajActorRolloutRefWorker", "TrajCriticWorker", "TrajTrainingWorker",
+__all__ = ["PlannedUpdate", "TrajActorMixin", "TrajActorRolloutRefWorker", "TrajActorTrainingWorker", "TrajCriticWorker",
+           "TrajTrainingWorker",
            "mini_batch_slices", "traj_actor_worker"]
 
 # non-tensor key the trainer sets when the critic steps on unions of the actor's mini-batches
@@ -141,6 +142,59 @@ class TrajTrainingWorker(TrainingWorker):
         return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics}).cpu()
 
 
+class TrajActorTrainingWorker(TrajTrainingWorker):
+    """The actor: :class:`TrajTrainingWorker` plus GSPO at trajectory scope. When the rows carry ``ratio_group``
+    (``traj.ratio_scope=trajectory`` with step rows and ``loss_mode=gspo``), each optimizer step first runs one
+    no-grad forward over its mini-batch (the plan's micro-batches, the parameters of this step), sums each
+    trajectory's log-ratios over its rows on every rank (one all-reduce), and gives the loss each row's
+    ``seq_ratio_shift`` (:mod:`verl_traj.stepwise.ratios`): GSPO's sequence ratio over the whole trajectory, wherever
+    its rows sit. The engine's ``forward_backward_batch`` is wrapped on the instance for that one call (restored
+    after it), because only there does verl's data carry the engine settings ``train_batch`` injects."""
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
+    def train_batch(self, data: TensorDict) -> TensorDict:
+        if RATIO_GROUP not in data.keys():
+            return super().train_batch(data)
+        engine = self.engine
+        verl_forward_backward = engine.forward_backward_batch
+
+        def forward_backward(batch: TensorDict, loss_function: Callable, forward_only: bool = False):
+            if not forward_only:
+                batch[SEQ_RATIO_SHIFT] = self._sequence_ratio_shift(verl_forward_backward, batch)
+            return verl_forward_backward(batch, loss_function, forward_only=forward_only)
+
+        engine.forward_backward_batch = forward_backward
+        try:
+            return super().train_batch(data)
+        finally:
+            del engine.forward_backward_batch  # the class's method again
+
+    def _sequence_ratio_shift(self, verl_forward_backward: Callable, batch: TensorDict) -> torch.Tensor:
+        """``[b]`` shift of each row's old log-probs (:func:`~verl_traj.stepwise.ratios.sequence_ratio_shift`)."""
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        from verl_traj.stepwise.ratios import group_log_ratio_sums, sequence_ratio_shift
+
+        module = self.engine.module
+        training = module.training
+        module.eval()  # as verl's log-prob passes (no dropout): the parameters this optimizer step starts from
+        try:
+            with torch.no_grad():
+                output = verl_forward_backward(batch, None, forward_only=True)
+        finally:
+            module.train(training)
+        log_prob = no_padding_2_padding(output["model_output"]["log_probs"], batch)
+        padded = batch.select("old_log_probs", "response_mask").to_padded_tensor()
+        old, mask = padded["old_log_probs"].to(log_prob.device), padded["response_mask"].to(log_prob.device)
+        group = batch[RATIO_GROUP].to(log_prob.device).long()
+        group_dp = self.engine.get_data_parallel_group()
+        size = torch.tensor([int(group.max()) + 1], device=log_prob.device)
+        torch.distributed.all_reduce(size, op=torch.distributed.ReduceOp.MAX, group=group_dp)
+        sums = group_log_ratio_sums(log_prob, old, mask, group, int(size))
+        torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM, group=group_dp)
+        return sequence_ratio_shift(log_prob, old, mask, group, sums).to(batch[RATIO_GROUP].device)
+
+
 class TrajCriticWorker(TrajTrainingWorker):
     """The critic: verl's ``TrainingWorker`` (value model) running the planned mini-batches.
 
@@ -158,7 +212,7 @@ class TrajActorMixin:
     """The actor side of verl_traj for any of verl's actor workers: ``TrajTrainingWorker`` as the actor and
     ``traj_ppo_loss`` as its loss (first base: ``class W(TrajActorMixin, SomeActorWorker)``)."""
 
-    actor_worker_cls = TrajTrainingWorker
+    actor_worker_cls = TrajActorTrainingWorker
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self):

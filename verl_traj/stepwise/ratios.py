@@ -15,6 +15,13 @@ Token-level modes give the same values either way (the timeline holds every loss
 to each row's own tokens with one scatter. Exact: a trajectory as k step rows, in any order and with padding rows,
 gets the weights and mask of the same trajectory as one merged row.
 
+GSPO's sequence ratio is computed inside the actor's loss from the *current* policy, per row:
+``exp(mean over the row's tokens of (log_prob - old_log_prob))``, detached. At trajectory scope the mean runs over
+every loss token of the trajectory, wherever its rows sit (other micro-batches, other ranks): the actor runs one
+no-grad forward over each mini-batch under the parameters of that optimizer step, sums each trajectory's log-ratios
+(:func:`group_log_ratio_sums`, all-reduced over the ranks) and shifts each row's old log-probs by a constant
+(:func:`sequence_ratio_shift`) so that verl's own GSPO loss sees the trajectory's mean as the row's.
+
 Pure module (torch only); verl's function is passed in as a callable.
 """
 
@@ -28,7 +35,8 @@ import torch
 from verl_traj.core.errors import TrajInputError
 from verl_traj.stepwise.timeline import Timeline
 
-__all__ = ["RATIO_SCOPES", "TrajectoryCorrection", "trajectory_ratio_metrics", "trajectory_rollout_correction"]
+__all__ = ["RATIO_SCOPES", "TrajectoryCorrection", "group_log_ratio_sums", "sequence_ratio_shift",
+           "trajectory_ratio_metrics", "trajectory_rollout_correction"]
 
 RATIO_SCOPES = ("row", "trajectory")
 SAFETY_BOUND = 20.0  # verl's clamp of a log-ratio sum before exp (rollout_corr_helper.SAFETY_BOUND)
@@ -103,3 +111,31 @@ def trajectory_ratio_metrics(correction: TrajectoryCorrection, row_log_ratio_sum
             f"{prefix}/rejected_share": float((~correction.kept).float().mean()),
             f"{prefix}/trajectories": float(s.numel()),
             f"{prefix}/max_abs_row_gap": float((s - rows_total).abs().max())}
+
+
+def group_log_ratio_sums(log_prob: torch.Tensor, old_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                         group: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """``[num_groups, 2]`` float64: per group (trajectory), the sum of ``log_prob - old_log_prob`` over its loss
+    tokens among these rows, and their count; rows with ``group < 0`` (padding) count nowhere. Sums of disjoint row
+    sets add up (all-reduce them over ranks and micro-batches).
+
+    Args:
+        log_prob, old_log_prob, response_mask: ``[b, R]``; group: ``[b]`` int64 in ``[-1, num_groups)``."""
+    mask = (response_mask != 0).to(torch.float64)
+    per_row = torch.stack([((log_prob.double() - old_log_prob.double()) * mask).sum(-1), mask.sum(-1)], -1)
+    real = group >= 0
+    return per_row.new_zeros((int(num_groups), 2)).index_add_(0, group[real].long(), per_row[real])
+
+
+def sequence_ratio_shift(log_prob: torch.Tensor, old_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                         group: torch.Tensor, group_sums: torch.Tensor) -> torch.Tensor:
+    """``[b]`` (``old_log_prob``'s dtype) the constant ``c`` per row with ``mean over the row's loss tokens of
+    (log_prob - (old_log_prob + c)) == the row's group's mean log-ratio`` (``group_sums``: the global
+    :func:`group_log_ratio_sums`); 0 on rows with ``group < 0`` or no loss token. Detached: GSPO uses the sequence
+    ratio only as a stop-gradient factor."""
+    mine = group_log_ratio_sums(log_prob, old_log_prob, response_mask, torch.arange(group.numel()), group.numel())
+    row_mean = mine[:, 0] / mine[:, 1].clamp(min=1)
+    g = group.long().clamp(min=0)
+    traj_mean = group_sums[g, 0] / group_sums[g, 1].clamp(min=1)
+    keep = (group >= 0) & (mine[:, 1] > 0)
+    return torch.where(keep, row_mean - traj_mean, torch.zeros_like(row_mean)).to(old_log_prob.dtype).detach()

@@ -73,18 +73,18 @@ def _worker(cls: type, model_type: str, model_config: Any, section_config: Any, 
 
 
 def actor_worker(cfg: Any, planned: bool) -> Any:
-    """The actor's engine worker: ``TrajTrainingWorker`` + ``traj_ppo_loss`` or verl's own pair."""
+    """The actor's engine worker: ``TrajActorTrainingWorker`` + ``traj_ppo_loss`` or verl's own pair."""
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
 
     from verl_traj.integration.losses import traj_ppo_loss
-    from verl_traj.integration.workers import TrajTrainingWorker
+    from verl_traj.integration.workers import TrajActorTrainingWorker
 
     model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
     actor_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     actor_config.model_config = model_config
-    return _worker(TrajTrainingWorker if planned else TrainingWorker, "language_model", model_config, actor_config,
+    return _worker(TrajActorTrainingWorker if planned else TrainingWorker, "language_model", model_config, actor_config,
                    int(cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu),
                    traj_ppo_loss if planned else ppo_loss)
 
