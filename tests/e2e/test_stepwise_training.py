@@ -93,12 +93,14 @@ def test_ppo_with_gae_across_turns_on_step_rows(tool_home, tmp_path, trainer):
 
 def test_trajectory_ratios_in_colocate_async_on_step_rows(tool_home, tmp_path):
     """Asynchronous training (v1 ``colocate_async``) on unmerged step rows with verl's rollout correction
-    (``rollout_is=sequence``, geometric-mean rejection ``seq_mean_k1``) at ``traj.ratio_scope=trajectory`` (the
-    default): every step logs ``traj_ratio/*`` over the 32 trajectories; on step 1 (on-policy) every trajectory weight
-    is 1; rows one policy version old get trajectory weights != 1, each the product of its rows' weights
-    (``max_abs_row_gap``); the versions are reported per trajectory; training proceeds."""
+    (``rollout_is=sequence``, geometric-mean rejection ``seq_mean_k1``) and GSPO at ``traj.ratio_scope=trajectory``
+    (the default): every step logs ``traj_ratio/*`` over the 32 trajectories; on step 1 (on-policy) every trajectory
+    weight is 1; rows one policy version old get trajectory weights != 1, each the product of its rows' weights
+    (``max_abs_row_gap``); GSPO's ratio is summed over each trajectory's rows every optimizer step (the shift is
+    logged); the versions are reported per trajectory; training proceeds."""
     metrics, out = _run_stepwise(tool_home, tmp_path, "v1", False, steps=3, extra=(
-        "trainer.v1.trainer_mode=colocate_async", "algorithm.rollout_correction.rollout_is=sequence",
+        "trainer.v1.trainer_mode=colocate_async", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+        "algorithm.rollout_correction.rollout_is=sequence",
         "algorithm.rollout_correction.rollout_is_threshold=2.0", "algorithm.rollout_correction.rollout_rs=seq_mean_k1",
         "algorithm.rollout_correction.rollout_rs_threshold='0.5_2.0'"))
     summary = json.dumps([{k: v for k, v in m.items() if k.startswith(("traj_ratio/", "traj_version/"))}
@@ -107,6 +109,7 @@ def test_trajectory_ratios_in_colocate_async_on_step_rows(tool_home, tmp_path):
         assert m["traj_ratio/trajectories"] == 32 and m["traj_version/span_max"] == 1, summary
         assert m["traj_ratio/max_abs_row_gap"] < 1e-3, summary  # the trajectory weight = the product of its rows'
         assert 0 <= m["traj_ratio/rejected_share"] <= 1 and m["actor/grad_norm"] > 0, summary
+        assert m["actor/traj_seq_ratio_shift_abs_max"] >= 0 and m["actor/loss_weight_mass"] == pytest.approx(1.0)
     first = metrics[0]
     assert first["traj_version/staleness_max"] == 0, summary
     assert abs(first["traj_ratio/weight_min"] - 1) < 1e-3 and abs(first["traj_ratio/weight_max"] - 1) < 1e-3, summary
