@@ -41,14 +41,14 @@ from pathlib import Path
 from verl_traj.metrics_log import load_metrics
 
 # (label, key in a verl_traj run, key in a stock run)
-ROWS = [
+ROWS = [  # the issue's five first (the README plot shows them: --panels 5)
     ("mean reward per trajectory", "traj_reward/mean", "traj_reward/mean"),
     ("optimizer steps per step", "actor/num_optimizer_steps", "stock_plan/expected_optimizer_steps"),
+    ("tokens trained per step", "perf/total_num_tokens", "perf/total_num_tokens"),
+    ("trajectories split over mini-batches", "traj_plan/split_trajectories", "stock_plan/split_trajectories"),
     ("learning rate", "actor/lr", "actor/lr"),
     ("groups split over mini-batches", "traj_plan/split_groups", "stock_plan/split_groups"),
-    ("trajectories split over mini-batches", "traj_plan/split_trajectories", "stock_plan/split_trajectories"),
     ("padding rows", "traj_plan/padding_rows", "stock_plan/padding_rows"),
-    ("tokens trained per step", "perf/total_num_tokens", "perf/total_num_tokens"),
     ("step time (s)", "timing_s/step", "timing_s/step"),
     ("actor grad norm", "actor/grad_norm", "actor/grad_norm"),
 ]
@@ -135,22 +135,30 @@ def tables(runs: dict[Variant, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: dict[Variant, list[dict]], path: Path, title: str) -> None:
+def _rolling(values: list[float], window: int) -> list[float]:
+    """Mean of the last ``window`` values at each step (fewer at the start)."""
+    return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+            for i in range(len(values))]
+
+
+def plot(runs: dict[Variant, list[dict]], path: Path, title: str, panels: int = len(ROWS), window: int = 1) -> None:
+    """One panel per metric of the first ``panels`` rows of :data:`ROWS`; ``window`` > 1 plots rolling means."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(ROWS), 1, figsize=(8, 2.0 * len(ROWS)), sharex=True)
-    for ax, row in zip(axes, ROWS):
+    rows_shown = ROWS[:panels]
+    fig, axes = plt.subplots(len(rows_shown), 1, figsize=(8, 2.0 * len(rows_shown)), sharex=True, squeeze=False)
+    for ax, row in zip(axes[:, 0], rows_shown):
         for variant, rows in runs.items():
             pts = [(r["step"], float(r[variant.key(row)])) for r in rows if variant.key(row) in r]
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", linewidth=1.2, label=variant.name)
-        ax.set_ylabel(row[0], fontsize=8)
+                ax.plot([p[0] for p in pts], _rolling([p[1] for p in pts], window), linewidth=1.4, label=variant.name)
+        ax.set_ylabel(row[0] + (f"\n(mean of {window} steps)" if window > 1 else ""), fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    axes[-1].set_xlabel("training step")
+    axes[-1, 0].set_xlabel("training step")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -163,6 +171,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="compare")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=[@CONFIG] [OVERRIDES]",
                     help="a run of its own (repeatable; default: traj and stock)")
+    ap.add_argument("--panels", type=int, default=len(ROWS), help="plot the first N metrics only (reward first)")
+    ap.add_argument("--window", type=int, default=1, help="plot rolling means over this many steps")
     ap.add_argument("--report-only", action="store_true",
                     help="run nothing: rebuild the tables and the plot from the variants' OUT/NAME.jsonl")
     ap.add_argument("overrides", nargs="*", help="hydra overrides applied to every run")
@@ -187,7 +197,8 @@ def main(argv=None) -> int:
         {"command": cmd, "runs": {v.name: {"config_name": v.config_name or args.config_name,
                                            "overrides": list(v.overrides), "metrics": rows}
                                   for v, rows in runs.items()}}, indent=1))
-    plot(runs, out / "compare.png", f"{args.config_name}: {' vs '.join(v.name for v in variants)}, same seed and data")
+    plot(runs, out / "compare.png", f"{args.config_name}: {' vs '.join(v.name for v in variants)}, same seed and data",
+         panels=max(1, min(args.panels, len(ROWS))), window=max(1, args.window))
     print(text)
     print(f"\nwrote {out / 'compare.md'}, {out / 'compare.png'}, {out / 'compare.json'}")
     return 0
