@@ -175,14 +175,16 @@ class TrajActorTrainingWorker(TrajTrainingWorker):
 
         from verl_traj.stepwise.ratios import group_log_ratio_sums, sequence_ratio_shift
 
-        module = self.engine.module
-        training = module.training
-        module.eval()  # as verl's log-prob passes (no dropout): the parameters this optimizer step starts from
+        module = getattr(self.engine, "module", None)  # FSDP's; an engine without one runs its forward as is
+        training = bool(getattr(module, "training", False))
+        if module is not None:
+            module.eval()  # as verl's log-prob passes (no dropout): the parameters this optimizer step starts from
         try:
             with torch.no_grad():
                 output = verl_forward_backward(batch, None, forward_only=True)
         finally:
-            module.train(training)
+            if module is not None:
+                module.train(training)
         log_prob = no_padding_2_padding(output["model_output"]["log_probs"], batch)
         padded = batch.select("old_log_probs", "response_mask").to_padded_tensor()
         old, mask = padded["old_log_probs"].to(log_prob.device), padded["response_mask"].to(log_prob.device)
