@@ -20,6 +20,7 @@ import functools
 import inspect
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 from verl_traj.core.errors import check_finite
@@ -90,8 +91,6 @@ def _with_turn_rewards(data: Any, on_last_row: bool = False) -> Any:
     each on its call's last response token), or the rewards alone when the batch has none. ``on_last_row``: for an
     outcome estimator that reads each trajectory's last row, the trajectory's turn-reward total is added there
     instead (so the trajectory's score is its outcome plus every turn reward, each counted once)."""
-    import torch
-
     td = data.batch
     rewards = td["token_level_rewards"]
     if TURN_REWARDS not in td.keys():
@@ -111,8 +110,6 @@ def _with_turn_rewards(data: Any, on_last_row: bool = False) -> Any:
 def batch_timeline(data: Any, step_index_key: str) -> Any:
     """The :class:`~verl_traj.stepwise.timeline.Timeline` of a planned step-wise batch: ``traj_index`` from the
     plan, each row's step from ``non_tensor_batch[step_index_key]``, the current ``response_mask``."""
-    import numpy as np
-    import torch
 
     from verl_traj.stepwise.timeline import Timeline
 
@@ -130,8 +127,6 @@ def _timeline_advantage(data: Any, fn: Callable, extra: dict, gamma: float, lam:
                         step_index_key: str) -> tuple[Any, Any]:
     """A temporal estimator on each trajectory's timeline (:mod:`verl_traj.stepwise.timeline`): its rows in step
     order, values and rewards per token as the rows hold them; ``index`` (group baselines) per trajectory."""
-    import numpy as np
-    import torch
 
     from verl_traj.stepwise.timeline import timeline_advantages
 
