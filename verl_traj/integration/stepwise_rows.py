@@ -194,17 +194,19 @@ def trajectory_scoped_correction(verl_add_to_batch: Callable, step_index_key: st
     def compute(batch: Any, rollout_corr_config: Any) -> tuple[Any, dict]:
         if not is_stepwise_batch(batch):
             return verl_add_to_batch(batch, rollout_corr_config)
-        from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
-
         from verl_traj.stepwise.ratios import trajectory_ratio_metrics, trajectory_rollout_correction
 
-        td, cfg = batch.batch, rollout_corr_config
+        def on_timelines(old_t: torch.Tensor, rollout_t: torch.Tensor, mask_t: torch.Tensor) -> tuple:
+            """verl's own entry (its config reading and defaults) on the ``[T, L]`` timelines as a batch."""
+            proto = type(batch).from_dict(tensors={"old_log_probs": old_t, "rollout_log_probs": rollout_t,
+                                                   "response_mask": mask_t})
+            proto, metrics = verl_add_to_batch(proto, rollout_corr_config)
+            weights = proto if "rollout_is_weights" in proto.batch.keys() else None
+            return weights, proto.batch["response_mask"], metrics
+
+        td = batch.batch
         old, rollout, mask = td["old_log_probs"], td["rollout_log_probs"], td["response_mask"]
-        corr = trajectory_rollout_correction(
-            compute_rollout_correction_and_rejection_mask, batch_timeline(batch, step_index_key), old, rollout, mask,
-            rollout_is=cfg.get("rollout_is", None), rollout_is_threshold=cfg.get("rollout_is_threshold", 2.0),
-            rollout_is_batch_normalize=cfg.get("rollout_is_batch_normalize", False),
-            rollout_rs=cfg.get("rollout_rs", None), rollout_rs_threshold=cfg.get("rollout_rs_threshold", None))
+        corr = trajectory_rollout_correction(on_timelines, batch_timeline(batch, step_index_key), old, rollout, mask)
         real = (td[TRAJ_INDEX] >= 0)[:, None]
         td["response_mask"] = torch.where(real, corr.response_mask, mask)
         if corr.weights is not None:
