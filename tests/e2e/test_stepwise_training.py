@@ -106,7 +106,10 @@ def test_trajectory_ratios_in_colocate_async_on_step_rows(tool_home, tmp_path):
     summary = json.dumps([{k: v for k, v in m.items() if k.startswith(("traj_ratio/", "traj_version/"))}
                           for m in metrics])
     for m in metrics:
-        assert m["traj_ratio/trajectories"] == 32 and m["traj_version/span_max"] == 1, summary
+        assert m["traj_ratio/trajectories"] == 32, summary
+        # a trajectory may be generated across two policy versions (partial rollout, timing-dependent): reported
+        assert m["traj_version/span_max"] >= 1 and (m["traj_version/span_max"] > 1) == (
+            m["traj_version/multi_version_share"] > 0), summary
         assert m["traj_ratio/max_abs_row_gap"] < 1e-3, summary  # the trajectory weight = the product of its rows'
         assert 0 <= m["traj_ratio/rejected_share"] <= 1 and m["actor/grad_norm"] > 0, summary
         assert m["actor/traj_seq_ratio_shift_abs_max"] >= 0 and m["actor/loss_weight_mass"] == pytest.approx(1.0)
