@@ -81,6 +81,8 @@ def batches(draw):
         steps[rows] = np.arange(int(rows.sum()))
     tokens = np.array(draw(st.lists(st.integers(1, 40), min_size=n, max_size=n)), dtype=np.int64)
     loss = np.minimum(tokens - 1, np.array(draw(st.lists(st.integers(0, 40), min_size=n, max_size=n))))
+    if pad is not None:
+        loss[pad] = 0  # a row flagged padding carries no loss token (one that does is refused)
     use_traj = draw(st.booleans())
     int_ids = draw(st.booleans())
     uid = traj_group[row_traj] if int_ids else np.array([f"g{g}" for g in traj_group[row_traj]], dtype=object)
@@ -294,7 +296,7 @@ def test_group_and_trajectory_ids_are_one_type_never_none_or_nan(column, values,
 
 
 def test_ids_on_input_padding_rows_are_not_checked():
-    lay = build_layout_from_counts([5, 6, 4], [1, 1, 1], np.array(["a", None, "b"], dtype=object),
+    lay = build_layout_from_counts([5, 6, 4], [1, 0, 1], np.array(["a", None, "b"], dtype=object),
                                    is_padding=[False, True, False])
     assert lay.num_groups == 2
 

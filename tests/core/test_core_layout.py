@@ -135,7 +135,7 @@ def test_padding_rows_are_ignored_by_checks():
     pad = np.array([False, False, False, True])
     # the padding row carries garbage ids: no error
     lay = build_layout_from_counts(
-        torch.full((4,), 10), torch.full((4,), 2), uid, np.array(["t0", "t0", "t1", "t0"], dtype=object),
+        torch.full((4,), 10), torch.tensor([2, 2, 2, 0]), uid, np.array(["t0", "t0", "t1", "t0"], dtype=object),
         np.array([0, 1, 0, 0]), is_padding=pad,
     )
     assert lay.traj_index.tolist() == [0, 0, 1, -1]

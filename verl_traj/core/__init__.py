@@ -11,7 +11,8 @@ see :mod:`verl_traj.core.errors`.
 
 from . import keys
 from .balancing import WORKLOAD_MODELS, balance_equal_size, calculate_workload, round_robin_equal_size
-from .errors import TrajInputError, check_binary_mask, check_finite, check_positive_number
+from .errors import (TrajInputError, check_binary_mask, check_choice, check_finite, check_index, check_int,
+                     check_options, check_positive_number, check_shape)
 from .layout import BatchLayout, BatchLayoutError, build_layout, build_layout_from_counts, check_ids, factorize
 from .loss_weights import RowStats, compute_loss_weights, loss_weight_modes, register_loss_weight
 from .packing import MICRO_BATCH_COSTS, MicroBatchPacking, PackingError, min_micro_batches, pack_micro_batches
@@ -35,9 +36,14 @@ __all__ = [
     "keys",
     "TrajInputError",
     "check_binary_mask",
+    "check_choice",
     "check_finite",
     "check_ids",
+    "check_index",
+    "check_int",
+    "check_options",
     "check_positive_number",
+    "check_shape",
     "resolve_pad_token_id",
     "BatchLayout",
     "BatchLayoutError",

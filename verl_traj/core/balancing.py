@@ -23,6 +23,8 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 
+from .errors import TrajInputError
+
 __all__ = ["WORKLOAD_MODELS", "calculate_workload", "balance_equal_size", "lpt", "round_robin_equal_size"]
 
 WORKLOAD_MODELS = ("verl", "tokens")
@@ -38,7 +40,8 @@ def calculate_workload(num_tokens: np.ndarray | torch.Tensor, model: WorkloadMod
         return 24576 * lengths + lengths * lengths
     if model == "tokens":
         return lengths.copy()
-    raise ValueError(f"workload={model!r} is not a workload model; choose one of {WORKLOAD_MODELS}.")
+    raise TrajInputError(f"workload={model!r} is not a workload model. Fix: choose one of {WORKLOAD_MODELS}.",
+                         field="workload")
 
 
 def lpt(costs: np.ndarray, num_bins: int, *, order: Optional[np.ndarray] = None,
@@ -113,7 +116,9 @@ def balance_equal_size(
     costs = costs.astype(np.int64, copy=False)
     sizes = np.bincount(block, minlength=num_blocks)
     if np.any(sizes % num_bins):
-        raise ValueError(f"block sizes {sizes.tolist()} are not all divisible by num_bins={num_bins}")
+        raise TrajInputError(f"block sizes {sizes.tolist()} are not all divisible by num_bins={num_bins}. Fix: give "
+                             "every block a multiple of num_bins items (the planner pads each mini-batch).",
+                             field="block")
     if num_bins == 1:
         return np.zeros(n, dtype=np.int64)
     order = np.lexsort((np.arange(n) if tiebreak is None else tiebreak, -costs, block))

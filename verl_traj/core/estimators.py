@@ -2,9 +2,9 @@
 (:mod:`verl_traj.config`), the step-wise advantage path (:mod:`verl_traj.stepwise.advantages`) and the
 real-row wrapper (:mod:`verl_traj.integration.real_rows`), so they cannot disagree.
 
-Pure module (stdlib only). The names are verl 0.9.1's ``AdvantageEstimator`` values; a test walks every
-estimator verl registers (``core_algos.ADV_ESTIMATOR_REGISTRY``) and checks it has an entry here. A name
-verl_traj does not know (a user's ``register_adv_est``) gets :data:`CUSTOM`: refused with step rows unless
+Pure module (stdlib and :mod:`verl_traj.core.errors`). The names are verl 0.9.1's ``AdvantageEstimator``
+values; a test walks every estimator verl registers (``core_algos.ADV_ESTIMATOR_REGISTRY``) and checks it has an
+entry here. A name verl_traj does not know (a user's ``register_adv_est``) gets :data:`CUSTOM`: refused with step rows unless
 its output is checked to be ``scalar * response_mask`` (the step-wise adapter does this at run time).
 
 Traits:
@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from .errors import TrajInputError
 
 __all__ = ["CUSTOM", "ESTIMATORS", "EstimatorTraits", "estimator_name", "estimator_traits", "register_estimator_traits",
            "step_row_estimators", "step_row_refusal"]
@@ -57,8 +59,8 @@ def register_estimator_traits(name: str, traits: EstimatorTraits, *, override: b
     """Declare ``traits`` for estimator ``name`` (for a user's ``register_adv_est`` estimator). A name already
     declared is refused unless ``override=True`` (verl's ``register_adv_est`` refuses duplicates too)."""
     if name in ESTIMATORS and not override and ESTIMATORS[name] != traits:
-        raise ValueError(f"advantage estimator {name!r} already has traits {ESTIMATORS[name]}; pass override=True "
-                         "to replace them.")
+        raise TrajInputError(f"advantage estimator {name!r} already has traits {ESTIMATORS[name]}. Fix: pass "
+                             "override=True to replace them.", field="adv_estimator")
     ESTIMATORS[name] = traits
     return traits
 

@@ -8,12 +8,13 @@ numpy / torch ops (no Python loop over rows).
 
 Rows flagged ``is_padding`` on input (left over from an earlier plan) are not part of any
 trajectory or group: they get ``traj_index == group_index == -1``, are excluded from every check
-and count, and are dropped by :func:`verl_traj.core.planning.plan_mini_batches` (which adds the
+and count (but must carry no loss token: their loss would vanish), and are dropped by :func:`verl_traj.core.planning.plan_mini_batches` (which adds the
 padding the new plan needs).
 """
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -94,7 +95,11 @@ def factorize(values: np.ndarray, name: str = "ids") -> tuple[np.ndarray, np.nda
 
 
 def _as_1d(name: str, value: Any, n: Optional[int]) -> np.ndarray:
-    arr = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    try:
+        arr = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    except (TypeError, ValueError) as exc:  # ragged nested lists
+        raise BatchLayoutError.invalid(name, value, f"is not a 1-D array ({exc})",
+                                       f"pass {name} as a numpy array of length B") from exc
     if arr.ndim != 1:
         raise BatchLayoutError(
             f"{name} must be 1-D with one entry per row; got shape {tuple(arr.shape)}. "
@@ -106,6 +111,18 @@ def _as_1d(name: str, value: Any, n: Optional[int]) -> np.ndarray:
             f"Fix: {name} must carry exactly one entry per row, in row order.", field=name,
         )
     return arr
+
+
+def _as_flags(name: str, value: Any, n: int) -> np.ndarray:
+    """``[n]`` bool flags from bools or 0/1 numbers; anything else (2, NaN, None, strings) is refused."""
+    arr = _as_1d(name, value, n)
+    if arr.dtype == bool:
+        return arr
+    fix = f"pass {name} as bools (or 0/1), one per row"
+    if arr.dtype.kind not in "iuf":
+        arr = _numeric_array(name, arr)
+    check_binary_mask(name, arr, fix, error=BatchLayoutError)
+    return arr.astype(bool)
 
 
 def _row_counts(name: str, mask: Any) -> Any:
@@ -187,7 +204,9 @@ def build_layout_from_counts(
             a trajectory with zero or several last steps or a last step that is not its max step,
             a batch without any real row; token counts that are not whole numbers >= 0 (NaN, inf,
             fractional, negative), a real row with no attended token or with more loss tokens than
-            tokens; ``None`` / NaN ids or ids that mix str with other types.
+            tokens, a row flagged padding that carries loss tokens (it would be dropped with its loss);
+            ``None`` / NaN ids or ids that mix str with other types; ``is_padding`` / ``is_last_step`` other
+            than bools or 0/1; arrays that are ragged, of strings or of complex numbers.
     """
     return _build(num_tokens, num_loss_tokens, ("num_tokens", "num_loss_tokens"), uid, traj_id, step_index,
                   is_last_step, is_padding)
@@ -198,9 +217,10 @@ def _build(num_tokens: Any, num_loss_tokens: Any, count_names: tuple[str, str], 
     num_tokens, num_loss_tokens = _row_count_pair(num_tokens, num_loss_tokens, count_names)
     n = int(num_tokens.shape[0])
     uid_arr = _required_uid(uid, n)
-    pad = np.zeros(n, dtype=bool) if is_padding is None else _as_1d("is_padding", is_padding, n).astype(bool)
+    pad = np.zeros(n, dtype=bool) if is_padding is None else _as_flags("is_padding", is_padding, n)
     real = _RealRows(pad)
     _check_real_counts(num_tokens, num_loss_tokens, count_names, real)
+    _check_padding_has_no_loss(num_loss_tokens, count_names[1], real)
     real_uid = real.take(uid_arr)
     check_ids("uid", real_uid, real.index)
     groups = factorize(real_uid, "uid")[0]
@@ -212,7 +232,7 @@ def _build(num_tokens: Any, num_loss_tokens: Any, count_names: tuple[str, str], 
         _check_steps(ids, counts)
     derived_last = ids.steps == (counts[ids.codes] - 1)
     if is_last_step is not None:
-        given_last = real.take(_as_1d("is_last_step", is_last_step, n)).astype(bool)
+        given_last = real.take(_as_flags("is_last_step", is_last_step, n))
         _check_last_steps(ids, given_last, derived_last)
     return BatchLayout(
         traj_index=torch.from_numpy(real.scatter(ids.codes, -1, np.int64)),
@@ -232,7 +252,10 @@ def _build(num_tokens: Any, num_loss_tokens: Any, count_names: tuple[str, str], 
 
 def _numeric_array(name: str, value: Any) -> np.ndarray:
     """``value`` as a numeric numpy array (``None`` entries, strings, ... refused)."""
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError) as exc:  # ragged nested lists
+        raise BatchLayoutError.invalid(name, value, f"is not an array ({exc})", f"pass {name} as one tensor") from exc
     if arr.dtype.kind in "biuf":
         return arr
     if arr.dtype == object:  # astype(float) would turn None into NaN: name it as given
@@ -240,6 +263,11 @@ def _numeric_array(name: str, value: Any) -> np.ndarray:
         if none.size:
             raise BatchLayoutError.invalid(f"{name}[{int(none[0])}]", None, "is None",
                                            f"every row needs a whole number for {name}")
+    numeric = _is_instance(arr, numbers.Real).astype(bool) if arr.dtype == object else np.zeros(1, dtype=bool)
+    if not numeric.all():  # strings ("1" would parse), complex numbers, bytes, arbitrary objects
+        raise BatchLayoutError.invalid(name, arr, f"is not numeric (dtype {arr.dtype}: strings, complex numbers or "
+                                       "other objects)",
+                                       f"pass {name} as int counts / a 0/1 mask, one entry per row")
     try:
         return arr.astype(np.float64)
     except (TypeError, ValueError) as exc:
@@ -278,6 +306,20 @@ def _row_count_pair(num_tokens: Any, num_loss_tokens: Any,
             field=names[1],
         )
     return a, b
+
+
+def _check_padding_has_no_loss(num_loss_tokens: torch.Tensor, name: str, real: "_RealRows") -> None:
+    """A row flagged padding carries no loss token (the plan drops input padding: its loss would vanish)."""
+    if real.index is None:
+        return
+    bad = np.flatnonzero(real.pad & (num_loss_tokens.numpy() > 0))
+    if bad.size:
+        r = int(bad[0])
+        raise BatchLayoutError.invalid(
+            f"is_padding[{r}]", True, f"flags a row with {name}[{r}]={int(num_loss_tokens[r])} loss tokens "
+            "(a padding row's loss would be dropped silently)",
+            "flag only rows without loss tokens as padding (zero their response_mask), or set is_padding=False",
+        )
 
 
 def _check_real_counts(num_tokens: torch.Tensor, num_loss_tokens: torch.Tensor, names: tuple[str, str],
@@ -351,18 +393,14 @@ def _required_uid(uid: Any, n: int) -> np.ndarray:
 
 
 def _int_steps(steps: np.ndarray) -> np.ndarray:
-    """``[N]`` int64 steps; floats must be whole numbers, objects must convert to int."""
+    """``[N]`` int64 steps; floats must be whole numbers; ``None``, strings and other objects are refused."""
     if steps.dtype.kind in "iub":
         return steps.astype(np.int64)
-    try:
-        as_float = steps.astype(np.float64)
-    except (TypeError, ValueError) as exc:
+    as_float = _numeric_array("step_index", steps).astype(np.float64)
+    whole = np.isfinite(as_float) & (np.mod(as_float, 1) == 0) & (np.abs(as_float) < 2**62)
+    if not np.all(whole):
         raise BatchLayoutError(
-            f"step_index must be integers; got dtype {steps.dtype}. Fix: pass int step numbers.", field="step_index",
-        ) from exc
-    if not np.all(np.mod(as_float, 1) == 0):
-        raise BatchLayoutError(
-            f"step_index must be whole numbers; got {as_float[np.mod(as_float, 1) != 0][:4].tolist()}. "
+            f"step_index must be whole numbers; got {as_float[~whole][:4].tolist()}. "
             "Fix: pass int step numbers.", field="step_index",
         )
     return as_float.astype(np.int64)

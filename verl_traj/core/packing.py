@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
 import numpy as np
 
 from .balancing import lpt
-from .errors import TrajInputError
+from .errors import TrajInputError, check_choice, check_index, check_int
 
 __all__ = [
     "EXACT_MAX_ROWS",
@@ -90,8 +91,29 @@ def _check_cap(tokens: np.ndarray, cap: int) -> None:
         raise PackingError(
             f"micro_batch_max_tokens={cap} is below the longest row ({int(tokens.max())} tokens). "
             "Fix: raise the micro-batch token cap to at least the max prompt+response length "
-            "(a row cannot be split across micro-batches)."
+            "(a row cannot be split across micro-batches).", field="micro_batch_max_tokens",
         )
+
+
+def _checked_inputs(tokens: Any, block: Any, block_sync: Any, num_blocks: Any, cap: Any, cost: Any,
+                    partitioner: Any, pass_cost: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """:func:`pack_micro_batches`' inputs checked (one pass each): ``(tokens, block, block_sync, num_blocks, cap)``."""
+    check_choice("cost", cost, MICRO_BATCH_COSTS, error=PackingError)
+    num_blocks = check_int("num_blocks", num_blocks, "pass mini-batches x dp_size", minimum=0, error=PackingError)
+    cap = check_int("micro_batch_max_tokens", cap, "set the micro-batch cap to an int >= 1 (tokens, or padded "
+                    "positions with cost='padded_area')", minimum=1, error=PackingError)
+    tok = check_index("tokens", tokens, "pass each row's attended tokens as whole numbers >= 0", error=PackingError)
+    blk = check_index("block", block, f"pass each row's block (mini_batch * dp + rank) in [0, {num_blocks})",
+                      rows=tok.shape[0], high=num_blocks, error=PackingError)
+    sync = check_index("block_sync", block_sync, "pass each block's sync set (its mini-batch), one per block",
+                       rows=num_blocks, error=PackingError)
+    if partitioner is not None and not callable(partitioner):
+        raise PackingError.invalid("partitioner", partitioner, "is not callable", "pass fn(sizes, k) -> parts, or None")
+    if pass_cost is not None and (isinstance(pass_cost, (bool, np.bool_)) or not isinstance(pass_cost, numbers.Real)
+                                  or not 0 <= float(pass_cost) < math.inf):
+        raise PackingError.invalid("pass_cost", pass_cost, "is not a finite number >= 0",
+                                   "give the padded positions of one pass, or None")
+    return tok.numpy(), blk.numpy(), sync.numpy(), num_blocks, cap
 
 
 def _bins_of(assign: Sequence[int], k: int) -> list[list[int]]:
@@ -339,11 +361,10 @@ def pack_micro_batches(
             more micro-batches than the token cost's count are cut where the padded area they save exceeds
             it. ``None``: the token cost's count (at most verl's).
     Raises:
-        PackingError: a row is longer than ``cap``.
+        PackingError: a row is longer than ``cap``; an input of the wrong shape, dtype or range (field: its name).
     """
-    if cost not in MICRO_BATCH_COSTS:
-        raise ValueError(f"cost={cost!r} is not one of {MICRO_BATCH_COSTS}")
-    tokens = np.asarray(tokens, dtype=np.int64)
+    tokens, block, block_sync, num_blocks, cap = _checked_inputs(tokens, block, block_sync, num_blocks, cap, cost,
+                                                                 partitioner, pass_cost)
     _check_cap(tokens, cap)
     order = np.lexsort((-tokens, block))  # by block, longest first
     sizes_all = np.bincount(block, minlength=num_blocks)

@@ -23,12 +23,12 @@ The plan's per-row facts travel with the batch (:mod:`verl_traj.core.keys`): ``m
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
 
-from .errors import TrajInputError, show_value
+from .errors import TrajInputError, check_int, show_value
 from .keys import IS_LAST_STEP, IS_PADDING, MICRO_BATCH_ID, MINI_BATCH_ID, PLAN_KEYS, TRAJ_INDEX
 from .planning import PAD_ROW_TOKENS, PAD_UID_PREFIX, MiniBatchPlan
 
@@ -51,14 +51,24 @@ def pad_position_ids(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _prompt_length(tensors: dict[str, torch.Tensor], prompt_length: Optional[int]) -> Optional[int]:
-    if "prompts" in tensors:
-        return int(tensors["prompts"].shape[1])
-    if prompt_length is not None:
-        return int(prompt_length)
+    """``P``: ``prompts``' width, else ``prompt_length``, else ``L - R``; checked against the attention mask:
+    ``1 <= P < L`` (a padding row attends the last prompt position and the first response position)."""
     am, rm = tensors.get("attention_mask"), tensors.get("response_mask")
-    if am is not None and rm is not None and am.dim() == 2 and rm.dim() == 2:
-        return int(am.shape[1] - rm.shape[1])  # verl: L = P + R
-    return None
+    if "prompts" in tensors:
+        name, p = "tensors['prompts'].shape[1]", int(tensors["prompts"].shape[1]) if tensors["prompts"].dim() > 1 else 0
+    elif prompt_length is not None:
+        name = "prompt_length"
+        p = check_int(name, prompt_length, "pass the prompt width P (attention_mask is [B, P + R])", minimum=1)
+    elif am is not None and rm is not None and am.dim() == 2 and rm.dim() == 2:
+        name, p = "attention_mask.shape[1] - response_mask.shape[1]", int(am.shape[1] - rm.shape[1])  # verl: L = P + R
+    else:
+        return None
+    if am is not None and am.dim() == 2 and not 1 <= p < am.shape[1]:
+        raise TrajInputError.invalid(
+            name, p, f"does not fit the attention mask's {am.shape[1]} positions (expected 1 <= P < L = P + R)",
+            "pass the batch's own prompts / attention_mask (verl: attention_mask is [B, prompt width + response "
+            "width])")
+    return p
 
 
 def _is_int(value: Any) -> bool:
@@ -99,6 +109,14 @@ def resolve_pad_token_id(pad_token_id: Any, eos_token_id: Any = None) -> int:
 
 
 def _check_rows(tensors: dict[str, torch.Tensor], non_tensors: dict[str, np.ndarray], rows: int) -> None:
+    for name, value in (("tensors", tensors), ("non_tensors", non_tensors)):
+        if not isinstance(value, Mapping):
+            raise TrajInputError.invalid(name, value, f"is a {type(value).__name__}, not a mapping",
+                                         f"pass {name} as {{name: column}} (batch.batch / batch.non_tensor_batch)")
+    am = tensors.get("attention_mask")
+    if isinstance(am, torch.Tensor) and am.dim() != 2:
+        raise TrajInputError.invalid("tensors['attention_mask']", am, f"has {am.dim()} dims, expected [B, L]",
+                                     "pass the batch's attention_mask ([B, prompt width + response width])")
     for name, t in tensors.items():
         field = f"tensors[{name!r}]"
         if not isinstance(t, torch.Tensor):
@@ -113,6 +131,11 @@ def _check_rows(tensors: dict[str, torch.Tensor], non_tensors: dict[str, np.ndar
                                  "the plan to the batch it was built from.", field=field)
     for name, arr in non_tensors.items():
         field = f"non_tensors[{name!r}]"
+        try:
+            np.shape(arr)
+        except (TypeError, ValueError) as exc:  # ragged nested lists
+            raise TrajInputError.invalid(field, arr, f"is not an array ({exc})", "pass each non-tensor column as a "
+                                         "numpy array of B entries (dtype=object)") from exc
         if np.ndim(arr) == 0:
             raise TrajInputError(f"{field} is a scalar ({show_value(arr)}), not one entry per row. Fix: keep it in "
                                  "meta_info, or give every row an entry.", field=field)
@@ -186,6 +209,9 @@ def apply_plan(
         New ``(tensors, non_tensors)`` with ``B_out`` rows; tensors gain :data:`~verl_traj.core.keys.PLAN_KEYS`
         (an input copy of any of them, tensor or non-tensor, is replaced).
     """
+    if not isinstance(plan, MiniBatchPlan):
+        raise TrajInputError.invalid("plan", plan, "is not a MiniBatchPlan",
+                                     "pass the result of plan_mini_batches(...)")
     _check_rows(tensors, non_tensors, plan.num_source_rows)
     if not _is_int(pad_token_id) or int(pad_token_id) < 0:
         raise TrajInputError.invalid("pad_token_id", pad_token_id, "is not a non-negative int token id",

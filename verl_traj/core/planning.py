@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 from .balancing import WORKLOAD_MODELS, balance_equal_size, calculate_workload, lpt, round_robin_equal_size
-from .errors import TrajInputError
+from .errors import TrajInputError, check_choice, check_int, check_options
 from .layout import BatchLayout
 from .packing import MICRO_BATCH_COSTS, Partitioner, pack_micro_batches
 from .plan_metrics import plan_metrics
@@ -82,23 +83,36 @@ class PlanSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        checks = (("group_by", GROUP_BY_CHOICES), ("mini_batch_balance", MINI_BATCH_BALANCE_CHOICES),
-                  ("workload", WORKLOAD_MODELS), ("micro_batch_cost", MICRO_BATCH_COSTS))
-        for name, choices in checks:
-            if getattr(self, name) not in choices:
-                raise PlanError(f"{name}={getattr(self, name)!r}; choose one of {list(choices)}.")
-        if int(self.num_mini_batches) < 1 or int(self.dp_size) < 1:
-            raise PlanError(f"num_mini_batches={self.num_mini_batches} and dp_size={self.dp_size} must both be >= 1.")
-        cap = self.micro_batch_max_tokens
-        if cap is not None and int(cap) < 1:
-            raise PlanError(f"micro_batch_max_tokens={cap} must be >= 1 (or None for no cap).")
-        pass_cost = self.micro_batch_pass_cost
-        if pass_cost is not None and (isinstance(pass_cost, bool) or not isinstance(pass_cost, (int, float))
-                                      or not 0 <= pass_cost < float("inf")):
-            raise PlanError(f"micro_batch_pass_cost={pass_cost!r} must be a finite number >= 0 (padded positions "
-                            "per forward/backward pass), or None for the token cost's micro-batch count.")
-        if int(self.pad_row_tokens) < 2:
-            raise PlanError(f"pad_row_tokens={self.pad_row_tokens} must be >= 2 (one prompt and one response position).")
+        """Every field checked (a :class:`PlanError` naming it) and normalised (numpy ints -> int)."""
+        for name, value in _checked_spec(self).items():
+            object.__setattr__(self, name, value)
+
+
+def _checked_spec(spec: PlanSpec) -> dict:
+    """The spec's fields, checked: ints >= their minimum, choices among theirs, a bool, costs finite."""
+    def whole(name: str, minimum: int, what: str) -> int:
+        return check_int(name, getattr(spec, name), f"set {name} to an int >= {minimum} ({what})", minimum=minimum,
+                         error=PlanError)
+
+    out = {"num_mini_batches": whole("num_mini_batches", 1, "train_batch_size / ppo_mini_batch_size"),
+           "dp_size": whole("dp_size", 1, "the data-parallel size"),
+           "pad_row_tokens": whole("pad_row_tokens", 2, "one prompt and one response position"),
+           "seed": whole("seed", 0, "the plan's random seed")}
+    for name, choices in (("group_by", GROUP_BY_CHOICES), ("mini_batch_balance", MINI_BATCH_BALANCE_CHOICES),
+                          ("workload", WORKLOAD_MODELS), ("micro_batch_cost", MICRO_BATCH_COSTS)):
+        check_choice(name, getattr(spec, name), choices, error=PlanError)
+    if not isinstance(spec.balance_dp, (bool, np.bool_)):
+        raise PlanError.invalid("balance_dp", spec.balance_dp, "is not a bool", "pass balance_dp=True or False")
+    out["balance_dp"] = bool(spec.balance_dp)
+    if spec.micro_batch_max_tokens is not None:
+        out["micro_batch_max_tokens"] = whole("micro_batch_max_tokens", 1, "tokens per micro-batch, or None for no cap")
+    pass_cost = spec.micro_batch_pass_cost
+    if pass_cost is not None and (isinstance(pass_cost, (bool, np.bool_)) or not isinstance(pass_cost, numbers.Real)
+                                  or not 0 <= float(pass_cost) < float("inf")):
+        raise PlanError.invalid("micro_batch_pass_cost", pass_cost, "must be a finite number >= 0",
+                                "give the padded positions per forward/backward pass, or None for the token cost's "
+                                "micro-batch count")
+    return out
 
 
 @dataclass(frozen=True)
@@ -232,7 +246,8 @@ def _real_items(layout: BatchLayout, spec: PlanSpec, rng: np.random.Generator) -
             f"(train_batch_size / ppo_mini_batch_size); each mini-batch is one optimizer step and needs at least "
             f"one whole {'group' if spec.group_by == 'group' else 'trajectory'}, and an empty mini-batch would change "
             "the number of optimizer steps. Fix: lower the number of mini-batches (raise ppo_mini_batch_size), "
-            "raise train_batch_size" + (", or use group_by='trajectory'" if spec.group_by == "group" else "") + "."
+            "raise train_batch_size" + (", or use group_by='trajectory'" if spec.group_by == "group" else "") + ".",
+            field="num_mini_batches",
         )
     unit_tokens = np.bincount(unit, weights=tokens, minlength=num_units).astype(np.int64)
     unit_mb = assign_units(unit_tokens, m, spec.mini_batch_balance, rng)
@@ -284,10 +299,17 @@ def plan_mini_batches(
     ``partitioner`` is an extra micro-batch candidate (:func:`~verl_traj.core.packing.min_micro_batches`).
 
     Raises:
-        PlanError: bad spec, or fewer units than mini-batches.
+        PlanError: bad spec (a misspelled option, a count that is not a whole number >= 1, NaN cap, an unknown
+            choice), or fewer units than mini-batches.
         PackingError: the micro-batch cap is below the longest row.
     """
-    spec = PlanSpec(int(num_mini_batches), int(dp_size), **options)
+    if not isinstance(layout, BatchLayout):
+        raise PlanError.invalid("layout", layout, "is not a BatchLayout", "pass the result of build_layout(...)")
+    check_options("plan_mini_batches (a PlanSpec field)", options, PlanSpec.__dataclass_fields__, error=PlanError)
+    if partitioner is not None and not callable(partitioner):
+        raise PlanError.invalid("partitioner", partitioner, "is not callable",
+                                "pass fn(sizes, k) -> parts (verl's partition), or None")
+    spec = PlanSpec(num_mini_batches, dp_size, **options)
     rng = np.random.default_rng(spec.seed)
     clock = _Clock()
     items, larger = _real_items(layout, spec, rng)

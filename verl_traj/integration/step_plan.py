@@ -10,6 +10,9 @@ import os
 from typing import Any, Optional
 
 import numpy as np
+import torch
+
+from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
 
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core import PAD_ROW_TOKENS, BatchLayout, MiniBatchPlan, build_layout_from_counts, count_splits, plan_mini_batches
@@ -24,10 +27,6 @@ DEBUG_DUMP_ENV = "VERL_TRAJ_DEBUG_DUMP"  # a directory: one JSON line per step w
 def verl_partitioner(sizes: list[int], k: int) -> list[list[int]]:
     """verl's own micro-batch partition (Karmarkar-Karp on its workload model, ``equal_size=False``), offered
     to the planner as a candidate so a planned count never exceeds verl's ``rearrange_micro_batches``."""
-    import torch
-
-    from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
-
     workloads = calculate_workload(torch.tensor(sizes, dtype=torch.long)).tolist()
     return get_seqlen_balanced_partitions(workloads, k, equal_size=False)
 
@@ -83,8 +82,8 @@ def stock_plan_metrics(uid: Any, traj_id: Optional[Any], is_padding: Optional[An
     n = len(uid)
     per_rank, per_mb = n // dp_size, max(rows_per_mini_batch // dp_size, 1)
     mini_batch = (np.arange(n) % max(per_rank, 1)) // per_mb
-    ones = np.ones(n, dtype=np.int64)  # lengths do not enter the split counts
-    layout = build_layout_from_counts(ones, ones, uid, traj_id=traj_id,
+    # lengths do not enter the split counts (no loss tokens: verl's padding rows carry none either)
+    layout = build_layout_from_counts(np.ones(n, dtype=np.int64), np.zeros(n, dtype=np.int64), uid, traj_id=traj_id,
                                       step_index=None if traj_id is None else _step_numbers(traj_id),
                                       is_padding=is_padding)
     split_traj, split_grp = count_splits(layout.traj_index.numpy(), layout.group_index.numpy(), mini_batch)

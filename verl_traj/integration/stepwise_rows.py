@@ -29,6 +29,7 @@ from verl_traj.core.keys import IS_LAST_STEP, TRAJ_INDEX, TURN_REWARDS
 from verl_traj.stepwise.advantages import (StepwiseAdvantageError, check_stepwise_estimator,
                                            compute_trajectory_advantages)
 from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, expand_step_rows
+from verl_traj.stepwise.inputs import checked_flags, checked_traj_index
 
 __all__ = ["batch_timeline", "expand_dataproto_step_rows", "is_stepwise_batch", "stepwise_advantage",
            "trajectory_scoped_correction"]
@@ -92,16 +93,22 @@ def _with_turn_rewards(data: Any, on_last_row: bool = False) -> Any:
     outcome estimator that reads each trajectory's last row, the trajectory's turn-reward total is added there
     instead (so the trajectory's score is its outcome plus every turn reward, each counted once)."""
     td = data.batch
-    rewards = td["token_level_rewards"]
+    rewards = _column(td, "token_level_rewards", "the reward step (verl's compute_reward) writes it")
     if TURN_REWARDS not in td.keys():
         return rewards
-    turn = td[TURN_REWARDS].to(rewards)
+    turn = td[TURN_REWARDS]
+    if tuple(turn.shape) != tuple(rewards.shape):
+        raise StepwiseAdvantageError.invalid(TURN_REWARDS, turn, f"has shape {tuple(turn.shape)}, token_level_rewards "
+                                             f"{tuple(rewards.shape)}", "keep turn_rewards as the expansion wrote them")
+    traj = checked_traj_index(td[TRAJ_INDEX], rewards.shape[0]).to(rewards.device)
+    real = traj >= 0
+    check_finite(TURN_REWARDS, turn[real], "make the agent loop's step_rewards (each LLM call's turn reward, carried "
+                 "as the rows' turn_rewards) return finite numbers", error=StepwiseAdvantageError)
+    turn = turn.to(rewards)
     if not on_last_row:
         return rewards + turn
-    traj = td[TRAJ_INDEX].to(rewards.device).long()
-    real = traj >= 0
     total = rewards.new_zeros(int(traj.max()) + 1 if real.any() else 1).index_add_(0, traj[real], turn.sum(-1)[real])
-    last = torch.as_tensor(data.non_tensor_batch[IS_LAST_STEP].astype(bool), device=rewards.device) & real
+    last = checked_flags(IS_LAST_STEP, data.non_tensor_batch[IS_LAST_STEP], rewards.shape[0]).to(rewards.device) & real
     extra = torch.zeros_like(rewards)
     extra[last, 0] = total[traj[last]]
     return rewards + extra
@@ -119,8 +126,23 @@ def batch_timeline(data: Any, step_index_key: str) -> Any:
             f"non_tensor_batch[{step_index_key!r}] is missing: a trajectory's timeline of step rows needs each row's "
             "step (the step-wise expansion writes it under traj.step_index_key). Keep the field through the batch.",
             field=step_index_key)
-    return Timeline.build(data.batch[TRAJ_INDEX], torch.as_tensor(np.asarray(nt[step_index_key], dtype=np.int64)),
-                          data.batch["response_mask"])
+    steps = np.asarray(nt[step_index_key])
+    if steps.dtype == object:  # a column that went through object arrays: numbers are read, anything else refused
+        try:
+            steps = steps.astype(np.float64)
+        except (TypeError, ValueError) as exc:
+            raise StepwiseAdvantageError.invalid(step_index_key, steps, f"holds non-numbers ({exc})",
+                                                 "keep each row's int step as the expansion wrote it") from exc
+    return Timeline.build(data.batch[TRAJ_INDEX], steps, _column(data.batch, "response_mask", "verl's "
+                                                                 "compute_response_mask writes it"))
+
+
+def _column(td: Any, key: str, where: str) -> torch.Tensor:
+    """``td[key]``, or a :class:`StepwiseAdvantageError` naming the missing field."""
+    if key not in td.keys():
+        raise StepwiseAdvantageError(f"batch[{key!r}] is missing on a step-row batch. Fix: {where}; keep it through "
+                                     "the batch.", field=key)
+    return td[key]
 
 
 def _timeline_advantage(data: Any, fn: Callable, extra: dict, gamma: float, lam: float,
@@ -136,8 +158,9 @@ def _timeline_advantage(data: Any, fn: Callable, extra: dict, gamma: float, lam:
     kwargs = dict(extra, **{k: v for k, v in (("gamma", gamma), ("lam", lam)) if k in params})
     index = None
     if "index" in params:
-        index = np.asarray(nt["uid"], dtype=object)[timeline.first_row.numpy()]
-    values = td["values"] if "values" in params else None
+        index = np.asarray(_uid(nt, td.batch_size[0]), dtype=object)[timeline.first_row.numpy()]
+    values = _column(td, "values", "the critic's value pass writes it (GAE needs a critic)") if "values" in params \
+        else None
     real = td[TRAJ_INDEX] >= 0
     rewards = _with_turn_rewards(data)
     for name, tensor in (("token_level_rewards", rewards), ("values", values)):
@@ -146,6 +169,18 @@ def _timeline_advantage(data: Any, fn: Callable, extra: dict, gamma: float, lam:
                          "return finite numbers for every row", error=StepwiseAdvantageError)
     return timeline_advantages(fn, timeline, rewards, td["response_mask"], values=values,
                                index=index, estimator_kwargs=kwargs)
+
+
+def _uid(nt: Any, rows: int) -> np.ndarray:
+    """``non_tensor_batch["uid"]``: one GRPO group id per row (a missing or misshapen column refused)."""
+    if "uid" not in nt:
+        raise StepwiseAdvantageError("non_tensor_batch['uid'] is missing. Fix: verl's fit() assigns one uid per "
+                                     "prompt; keep it through the batch.", field="uid")
+    uid = np.asarray(nt["uid"], dtype=object)
+    if uid.shape != (rows,):
+        raise StepwiseAdvantageError.invalid("uid", uid, f"has shape {uid.shape}, expected [{rows}]",
+                                             "keep one uid per row")
+    return uid
 
 
 def stepwise_advantage(verl_compute_advantage: Callable, step_index_key: str = "step_index") -> Callable:
@@ -171,9 +206,10 @@ def stepwise_advantage(verl_compute_advantage: Callable, step_index_key: str = "
             return data
         use_kl = bool(config.get("use_kl_in_reward", False)) if config is not None and hasattr(config, "get") else False
         adv, ret, _ = compute_trajectory_advantages(
-            _with_turn_rewards(data, on_last_row=not use_kl), td["response_mask"], td[TRAJ_INDEX],
-            data.non_tensor_batch[IS_LAST_STEP],
-            data.non_tensor_batch["uid"], estimator_fn=fn, estimator_name=name,
+            _with_turn_rewards(data, on_last_row=not use_kl), _column(td, "response_mask", "verl's "
+                                                                      "compute_response_mask writes it"),
+            td[TRAJ_INDEX], data.non_tensor_batch[IS_LAST_STEP],
+            _uid(data.non_tensor_batch, td.batch_size[0]), estimator_fn=fn, estimator_name=name,
             reward_reduction="sum" if use_kl else "last_step",
             reward_baselines=td["reward_baselines"] if "reward_baselines" in td.keys() else None,
             estimator_kwargs=extra, allow_custom=True,
@@ -205,13 +241,16 @@ def trajectory_scoped_correction(verl_add_to_batch: Callable, step_index_key: st
             return weights, proto.batch["response_mask"], metrics
 
         td = batch.batch
-        old, rollout, mask = td["old_log_probs"], td["rollout_log_probs"], td["response_mask"]
+        old = _column(td, "old_log_probs", "the actor's log-prob pass writes it")
+        rollout = _column(td, "rollout_log_probs", "set actor_rollout_ref.rollout.calculate_log_probs=true for rollout "
+                                                   "correction")
+        mask = _column(td, "response_mask", "verl's compute_response_mask writes it")
         corr = trajectory_rollout_correction(on_timelines, batch_timeline(batch, step_index_key), old, rollout, mask)
         real = (td[TRAJ_INDEX] >= 0)[:, None]
         td["response_mask"] = torch.where(real, corr.response_mask, mask)
         if corr.weights is not None:
             td["rollout_is_weights"] = corr.weights
-        row_sum = ((old - rollout) * (mask != 0)).sum(-1)
+        row_sum = torch.where(mask != 0, old - rollout, 0.0).sum(-1)
         return batch, {**corr.metrics, **trajectory_ratio_metrics(corr, row_sum, td[TRAJ_INDEX])}
 
     return compute

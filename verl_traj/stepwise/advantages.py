@@ -30,9 +30,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from verl_traj.core.errors import TrajInputError, check_finite
+from verl_traj.core.errors import check_finite, check_index
 from verl_traj.core.estimators import ESTIMATORS, estimator_traits, step_row_refusal
 from verl_traj.core.estimators import estimator_name as name_of
+from verl_traj.stepwise.inputs import (StepwiseAdvantageError, check_per_row, check_per_trajectory, checked_flags,
+                                       checked_rows, checked_traj_index)
 
 __all__ = [
     "StepwiseAdvantageError",
@@ -43,10 +45,6 @@ __all__ = [
     "broadcast_step_advantages",
     "compute_trajectory_advantages",
 ]
-
-
-class StepwiseAdvantageError(TrajInputError):
-    """Step-wise advantage inputs are inconsistent; the message names the field and the fix."""
 
 
 def check_stepwise_estimator(adv_estimator: Any, *, allow_custom: bool = False) -> str:
@@ -61,7 +59,7 @@ def check_stepwise_estimator(adv_estimator: Any, *, allow_custom: bool = False) 
         if name_of(adv_estimator) not in ESTIMATORS:
             reason += (" A custom estimator that returns one scalar per response (scalar * response_mask) may pass "
                        "allow_custom=True.")
-        raise StepwiseAdvantageError(reason)
+        raise StepwiseAdvantageError(reason, field="adv_estimator")
     return name_of(adv_estimator)
 
 
@@ -70,20 +68,23 @@ def last_step_rows(traj_index: torch.Tensor, is_last_step: Any) -> torch.Tensor:
 
     The layout already validated one last step per trajectory; a batch that breaks it here was changed
     after planning, and the message says which trajectory."""
-    traj_index = torch.as_tensor(traj_index).reshape(-1).long().cpu()
-    last = torch.as_tensor(np.asarray(is_last_step, dtype=bool) if not isinstance(is_last_step, torch.Tensor)
-                           else is_last_step).reshape(-1).bool().cpu()
-    if last.numel() != traj_index.numel():
-        raise StepwiseAdvantageError(f"is_last_step has {last.numel()} entries but the batch has {traj_index.numel()} rows.")
+    traj_index = checked_traj_index(traj_index, None)
+    last = checked_flags("is_last_step", is_last_step, traj_index.numel())
     real_last = torch.nonzero(last & (traj_index >= 0)).reshape(-1)
     num_t = int(traj_index.max()) + 1 if traj_index.numel() else 0
+    rows = torch.bincount(traj_index[traj_index >= 0], minlength=num_t)
+    if num_t and not bool((rows > 0).all()):
+        bad = int(torch.nonzero(rows == 0)[0, 0])
+        raise StepwiseAdvantageError.invalid(
+            "traj_index", traj_index, f"skips trajectory {bad} (no row has it)",
+            "pass the plan's dense traj_index 0..T-1 as apply_plan wrote it (do not drop or renumber rows)")
     counts = torch.bincount(traj_index[real_last], minlength=num_t)
     if num_t and not bool((counts == 1).all()):
         bad = int(torch.nonzero(counts != 1)[0, 0])
         raise StepwiseAdvantageError(
             f"trajectory index {bad} has {int(counts[bad])} rows with is_last_step=True; every trajectory needs "
             "exactly one (the row carrying its outcome reward). The batch was changed after planning: keep "
-            "is_last_step and traj_index as apply_plan wrote them."
+            "is_last_step and traj_index as apply_plan wrote them.", field="is_last_step",
         )
     out = torch.empty(num_t, dtype=torch.long)
     out[traj_index[real_last]] = real_last
@@ -99,14 +100,20 @@ def trajectory_scores(token_level_rewards: torch.Tensor, traj_index: torch.Tenso
     ``"sum"``: the sum over ALL rows of the trajectory (use with KL-in-reward, whose per-token
     penalties sit on every step row).
     """
+    if not isinstance(token_level_rewards, torch.Tensor) or token_level_rewards.dim() != 2:
+        raise StepwiseAdvantageError.invalid("token_level_rewards", token_level_rewards, "is not a [B, R] tensor",
+                                             "pass the batch's token_level_rewards")
+    traj_index = checked_traj_index(traj_index, token_level_rewards.shape[0])
+    last_row = check_index("last_row", last_row, "pass last_step_rows(traj_index, is_last_step)",
+                           high=token_level_rewards.shape[0], error=StepwiseAdvantageError)
     row_sum = token_level_rewards.sum(dim=-1)
     if reduction == "last_step":
         scores = row_sum[last_row.to(row_sum.device)]
     elif reduction == "sum":
         scores = _per_trajectory_sum(row_sum, traj_index, last_row.numel())
     else:
-        raise StepwiseAdvantageError(f"reward_reduction={reduction!r} is not one of ['last_step', 'sum'].",
-                                     field="reward_reduction")
+        raise StepwiseAdvantageError(f"reward_reduction={reduction!r} is not one of ['last_step', 'sum']. Fix: pass "
+                                     "one of them.", field="reward_reduction")
     if scores.is_floating_point() and not bool(torch.isfinite(scores).all()):  # one reduction on clean batches
         t = int(torch.nonzero(~torch.isfinite(scores))[0, 0])
         row = int(last_row[t])
@@ -129,6 +136,18 @@ def _per_trajectory_sum(per_row: torch.Tensor, traj_index: torch.Tensor, num_t: 
     return per_row.new_zeros(num_t).index_add_(0, idx, per_row[real])
 
 
+def _remax_baselines(reward_baselines: Optional[torch.Tensor], num_t: int) -> torch.Tensor:
+    """``[T]`` float32 greedy-rollout rewards that ``remax`` subtracts, checked present and finite."""
+    if reward_baselines is None:
+        raise StepwiseAdvantageError(
+            "adv_estimator='remax' needs reward_baselines (one per trajectory: the greedy rollout's reward). "
+            "Fix: keep the batch's reward_baselines.", field="reward_baselines")
+    out = reward_baselines.to(torch.float32).reshape(num_t)
+    check_finite("reward_baselines", out, "the greedy rollout's reward of every trajectory must be finite (score "
+                 "failures as 0 or a penalty, not NaN).", error=StepwiseAdvantageError)
+    return out
+
+
 def run_outcome_estimator(
     estimator_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     scores: torch.Tensor,
@@ -145,7 +164,13 @@ def run_outcome_estimator(
     (for length-aware estimators such as ``opo`` the mask holds each trajectory's loss-token count,
     and the result is divided back by it, which is exact because they return ``scalar * mask``).
     """
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 1:
+        raise StepwiseAdvantageError.invalid("scores", scores, "is not a [T] tensor", "pass one score per trajectory")
     num_t = scores.shape[0]
+    check_per_trajectory(num_t, group_uid=group_uid, loss_tokens=loss_tokens, reward_baselines=reward_baselines)
+    if estimator_kwargs is not None and not isinstance(estimator_kwargs, Mapping):
+        raise StepwiseAdvantageError.invalid("estimator_kwargs", estimator_kwargs, "is not a mapping",
+                                             "pass a dict or None")
     if num_t == 0:
         return scores.new_zeros(0), scores.new_zeros(0)
     check_finite("scores", scores, "every trajectory needs a finite outcome score (a NaN poisons its whole group).",
@@ -153,26 +178,22 @@ def run_outcome_estimator(
     rewards = scores.detach().to(torch.float32).reshape(num_t, 1).clone()
     if estimator_traits(estimator_name).length_aware:
         if loss_tokens is None:
-            raise StepwiseAdvantageError(f"estimator {estimator_name!r} needs loss_tokens per trajectory.")
+            raise StepwiseAdvantageError(f"estimator {estimator_name!r} needs loss_tokens per trajectory. Fix: pass "
+                                         "each trajectory's loss-token count.", field="loss_tokens")
         mask = loss_tokens.to(torch.float32).reshape(num_t, 1)
     else:
         mask = torch.ones(num_t, 1, dtype=torch.float32, device=rewards.device)
     kwargs: dict[str, Any] = dict(estimator_kwargs or {})
     kwargs.update(token_level_rewards=rewards, response_mask=mask, index=np.asarray(group_uid, dtype=object))
     if estimator_name == "remax":
-        if reward_baselines is None:
-            raise StepwiseAdvantageError(
-                "adv_estimator='remax' needs reward_baselines (one per trajectory: the greedy rollout's reward)."
-            )
-        kwargs["reward_baselines"] = reward_baselines.to(torch.float32).reshape(num_t)
-        check_finite("reward_baselines", kwargs["reward_baselines"], "the greedy rollout's reward of every trajectory "
-                     "must be finite (score failures as 0 or a penalty, not NaN).", error=StepwiseAdvantageError)
+        kwargs["reward_baselines"] = _remax_baselines(reward_baselines, num_t)
     adv, ret = estimator_fn(**kwargs)
-    if tuple(adv.shape) != (num_t, 1):
-        raise StepwiseAdvantageError(
-            f"estimator {estimator_name!r} returned advantages of shape {tuple(adv.shape)}, expected ({num_t}, 1): "
-            "it is not a scalar-outcome estimator."
-        )
+    for out in (adv, ret):
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (num_t, 1):
+            raise StepwiseAdvantageError(
+                f"estimator {estimator_name!r} returned {type(out).__name__} of shape "
+                f"{tuple(getattr(out, 'shape', ()))}, expected ({num_t}, 1): it is not a scalar-outcome estimator. Fix: use an estimator that returns "
+                "scalar * response_mask.", field="adv_estimator")
     adv = adv.reshape(num_t)
     ret = ret.reshape(num_t)
     if estimator_traits(estimator_name).length_aware:
@@ -193,10 +214,15 @@ def broadcast_step_advantages(
     ``out[b, t] = traj_scalar_adv[traj_index[b]] * response_mask[b, t]``; rows with
     ``traj_index < 0`` (padding) get 0. Vectorised: one gather and one multiply.
     """
-    if traj_index.numel() != response_mask.shape[0]:
-        raise StepwiseAdvantageError(
-            f"traj_index has {traj_index.numel()} rows but response_mask has {response_mask.shape[0]}."
-        )
+    if not isinstance(response_mask, torch.Tensor) or response_mask.dim() != 2:
+        raise StepwiseAdvantageError.invalid("response_mask", response_mask, "is not a [B, R] tensor",
+                                             "pass the batch's response_mask")
+    traj_index = checked_traj_index(traj_index, response_mask.shape[0])
+    num_t = int(traj_index.max()) + 1 if traj_index.numel() else 0
+    if not isinstance(traj_scalar_adv, torch.Tensor) or traj_scalar_adv.dim() != 1 or traj_scalar_adv.numel() < num_t:
+        raise StepwiseAdvantageError.invalid("traj_scalar_adv", traj_scalar_adv, f"is not a [T] tensor with T >= "
+                                             f"{num_t} (traj_index reaches {num_t - 1})",
+                                             "pass one value per trajectory")
     device = response_mask.device
     dtype = traj_scalar_adv.dtype if traj_scalar_adv.is_floating_point() else torch.float32
     idx = traj_index.to(device=device, dtype=torch.long)
@@ -243,12 +269,10 @@ def compute_trajectory_advantages(
     if estimator_traits(name).temporal:  # per token: verl_traj.stepwise.timeline, not once per trajectory
         raise StepwiseAdvantageError(f"estimator {name!r} is temporal: call stepwise.timeline.timeline_advantages",
                                      field="adv_estimator")
-    if token_level_rewards.shape != response_mask.shape:
-        raise StepwiseAdvantageError(
-            f"token_level_rewards {tuple(token_level_rewards.shape)} and response_mask "
-            f"{tuple(response_mask.shape)} must have the same [B, R] shape."
-        )
-    traj_index = torch.as_tensor(traj_index).reshape(-1).long().cpu()
+    checked_rows(token_level_rewards, response_mask)
+    rows = response_mask.shape[0]
+    traj_index = checked_traj_index(traj_index, rows)
+    check_per_row(rows, uid=uid, reward_baselines=reward_baselines)
     last_row = last_step_rows(traj_index, is_last_step)
     loss_tokens = None
     if estimator_traits(name).length_aware:

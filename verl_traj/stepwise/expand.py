@@ -37,9 +37,11 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import IS_LAST_STEP, TURN_REWARDS
 from verl_traj.core.padding import pad_position_ids
+from verl_traj.stepwise.expand_inputs import (StepExpansionError, check_expand_options, check_source_tensors,
+                                              checked_log_probs, checked_loss_mask, checked_prefix_len, located,
+                                              token_ids)
 from verl_traj.stepwise.prefix_merge import MergedRow, MergeStats, RowBuilder, merge_trajectory_steps
 
 __all__ = [
@@ -62,10 +64,6 @@ _REBUILT = ("prompts", "responses", "input_ids", "attention_mask", "position_ids
 _PER_TOKEN_UNSUPPORTED = ("routed_experts", "teacher_logprobs", "teacher_ids")
 
 
-class StepExpansionError(TrajInputError):
-    """The batch cannot be expanded into step rows; the message names the field and the fix."""
-
-
 def _check_record(rec: Any, where: str) -> None:
     """A step record is a mapping with non-None ``response_ids`` (what every reader indexes first)."""
     if not isinstance(rec, Mapping):
@@ -81,18 +79,23 @@ def _check_record(rec: Any, where: str) -> None:
         )
 
 
-def _check_records(records: Any, b: int) -> Any:
+def _check_records(records: Any, b: Optional[int]) -> Any:
     """The step records of source row ``b``: ``None``, a list of records, or ``{"steps": [...]}``; returns the list."""
-    steps = records.get("steps", []) if isinstance(records, Mapping) else records
+    row = "" if b is None else f"row {b} "
+    if isinstance(records, Mapping) and "steps" not in records:
+        raise StepExpansionError(f"{row or 'the '}step records are a mapping without 'steps' (keys: "
+                                 f"{sorted(map(str, records))[:6]}). Fix: carry a list of per-call dicts, or "
+                                 "{'steps': [...]} (encode_step_records builds it).", field="steps")
+    steps = records["steps"] if isinstance(records, Mapping) else records
     if steps is None:
         return None
-    if isinstance(steps, (str, bytes)) or not hasattr(steps, "__len__"):
+    if isinstance(steps, (str, bytes, Mapping)) or not hasattr(steps, "__len__") or not hasattr(steps, "__iter__"):
         raise StepExpansionError(
-            f"row {b}: the step records are a {type(steps).__name__}, not a list of records. Fix: carry a list of "
+            f"{row or 'the '}step records are a {type(steps).__name__}, not a list of records. Fix: carry a list of "
             "per-call dicts (or {'steps': [...]}) in the steps field.", field="steps",
         )
     for k, rec in enumerate(steps):
-        _check_record(rec, f"row {b} step record {k}")
+        _check_record(rec, f"{row}step record {k}")
     return steps
 
 
@@ -183,8 +186,8 @@ def encode_step_records(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if call.get("prompt_ids") is None:
             raise StepExpansionError(f"LLM call {k} has no prompt_ids. Fix: record the prompt token ids of every "
                                      "LLM call.", field="prompt_ids")
-        prompt = np.asarray(call["prompt_ids"], dtype=np.int64).reshape(-1)
-        resp = np.asarray(call["response_ids"], dtype=np.int64).reshape(-1)
+        prompt = token_ids("prompt_ids", call["prompt_ids"], f"LLM call {k}").numpy()
+        resp = token_ids("response_ids", call["response_ids"], f"LLM call {k}").numpy()
         shared = _common_prefix_len(prev_full, prompt) if prev_full is not None else 0
         rec: dict[str, Any] = {
             "prompt_prefix_len": shared,
@@ -204,24 +207,18 @@ def encode_step_records(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def decode_step_records(records: Any) -> list[dict[str, Any]]:
     """Records (list, or ``{"steps": [...]}``, full or delta-encoded) -> list of full records."""
-    if isinstance(records, Mapping):
-        records = records.get("steps", [])
+    records = _check_records(records, None) or []
     out: list[dict[str, Any]] = []
     prev_full: Optional[torch.Tensor] = None
     for k, rec in enumerate(records):
-        _check_record(rec, f"step record {k}")
-        resp = _as_long(rec["response_ids"])
+        where = f"step record {k}"
+        resp = token_ids("response_ids", rec["response_ids"], where)
         if "prompt_ids" in rec and rec["prompt_ids"] is not None:
-            prompt = _as_long(rec["prompt_ids"])
+            prompt = token_ids("prompt_ids", rec["prompt_ids"], where)
         elif "prompt_tail_ids" in rec:
-            shared = int(rec.get("prompt_prefix_len", 0))
-            if shared and (prev_full is None or shared > prev_full.numel()):
-                raise StepExpansionError(
-                    f"step record {k}: prompt_prefix_len={shared} exceeds the previous step's context "
-                    f"({0 if prev_full is None else prev_full.numel()} tokens)."
-                )
+            shared = checked_prefix_len(rec, where, 0 if prev_full is None else prev_full.numel())
             head = prev_full[:shared] if shared else torch.zeros(0, dtype=torch.long)
-            prompt = torch.cat([head, _as_long(rec["prompt_tail_ids"])])
+            prompt = torch.cat([head, token_ids("prompt_tail_ids", rec["prompt_tail_ids"], where)])
         else:
             raise StepExpansionError(f"step record {k} has neither prompt_ids nor prompt_tail_ids. Fix: record "
                                      "prompt_ids (or prompt_prefix_len + prompt_tail_ids).", field="prompt_ids")
@@ -251,22 +248,18 @@ def _turn_reward(rec: Mapping[str, Any], n: int, b: int, k: int) -> torch.Tensor
 
 def _response_parts(rec: Mapping[str, Any], b: int, k: int, has_lp: bool):
     """(response ids, response mask, log-probs or None, turn reward per token) of one record, validated."""
-    r = _as_long(rec["response_ids"])
-    m = rec.get("response_mask")
-    m = torch.ones(r.numel(), dtype=torch.long) if m is None else _as_long(m)
-    if m.numel() != r.numel():
-        raise StepExpansionError(f"row {b} step {k}: response_mask has {m.numel()} entries for {r.numel()} tokens.")
+    where = f"row {b} step {k}"
+    r = token_ids("response_ids", rec["response_ids"], where)
+    m = checked_loss_mask(rec.get("response_mask"), where, r.numel())
     lp = None
     if has_lp:
         lp = rec.get("response_logprobs")
         if lp is None:
             raise StepExpansionError(
-                f"row {b} step {k}: the batch has rollout_log_probs but the step record has no "
-                "response_logprobs; record the log-probs of every LLM call (or drop rollout_log_probs)."
+                f"{where}: the batch has rollout_log_probs but the step record has no response_logprobs. Fix: record "
+                "the log-probs of every LLM call (or drop rollout_log_probs).", field="response_logprobs",
             )
-        lp = (lp.detach().cpu() if isinstance(lp, torch.Tensor) else torch.as_tensor(lp)).reshape(-1).float()
-        if lp.numel() != r.numel():
-            raise StepExpansionError(f"row {b} step {k}: response_logprobs has {lp.numel()} entries for {r.numel()} tokens.")
+        lp = checked_log_probs(lp, where, r.numel())
     return r, m, lp, _turn_reward(rec, r.numel(), b, k)
 
 
@@ -278,15 +271,12 @@ def _merge_delta_encoded(steps: Sequence[Mapping[str, Any]], b: int, has_lp: boo
     """
     n = len(steps)
     parts = [_response_parts(rec, b, k, has_lp) for k, rec in enumerate(steps)]
-    tails = [_as_long(rec["prompt_tail_ids"]) for rec in steps]
-    pre = [int(rec.get("prompt_prefix_len", 0)) for rec in steps]
-    full_len = [pre[k] + tails[k].numel() + parts[k][0].numel() for k in range(n)]
+    tails = [token_ids("prompt_tail_ids", rec["prompt_tail_ids"], f"row {b} step record {k}")
+             for k, rec in enumerate(steps)]
+    pre, full_len = [], []
     for k in range(n):
-        limit = full_len[k - 1] if k else 0
-        if pre[k] < 0 or pre[k] > limit:
-            raise StepExpansionError(
-                f"row {b} step record {k}: prompt_prefix_len={pre[k]} exceeds the previous step's context ({limit} tokens)."
-            )
+        pre.append(checked_prefix_len(steps[k], f"row {b} step record {k}", full_len[k - 1] if k else 0))
+        full_len.append(pre[k] + tails[k].numel() + parts[k][0].numel())
     rows: list[MergedRow] = []
     names = [TURN_REWARD] + (["lp"] if has_lp else [])
     row = RowBuilder(tails[0], 0, names)
@@ -373,22 +363,26 @@ class _Source:
 def _check_expandable(tensors: Mapping[str, torch.Tensor], non_tensors: Mapping[str, np.ndarray], drop: set) -> None:
     for key in ("prompts", "responses", "attention_mask", "response_mask"):
         if key not in tensors:
-            raise StepExpansionError(f"tensor field {key!r} is missing; step expansion needs the rollout output's "
-                                     "prompts, responses, attention_mask and response_mask.")
-    if "position_ids" in tensors and tensors["position_ids"].dim() != 2:
+            raise StepExpansionError(f"tensor field {key!r} is missing. Fix: step expansion needs the rollout output's "
+                                     "prompts, responses, attention_mask and response_mask.", field=key)
+    pos = tensors.get("position_ids")
+    if pos is not None and (not isinstance(pos, torch.Tensor) or pos.dim() != 2):
         raise StepExpansionError(
-            f"position_ids has shape {tuple(tensors['position_ids'].shape)}: multi-dimensional (VLM M-RoPE) position ids "
-            "are not supported with step-wise rows yet. Use traj.step_wise=false for multi-modal models."
+            f"position_ids has shape {tuple(getattr(pos, 'shape', ()))}: multi-dimensional (VLM M-RoPE) position ids "
+            "are not supported with step-wise rows yet. Fix: use traj.step_wise=false for multi-modal models.",
+            field="position_ids",
         )
     for key in _PER_TOKEN_UNSUPPORTED:
         if key in tensors and key not in drop:
             raise StepExpansionError(
-                f"tensor field {key!r} is per token and cannot be re-derived for step rows; pass drop_keys=[{key!r}] "
-                "(e.g. disable router replay / distillation) or use traj.step_wise=false."
+                f"tensor field {key!r} is per token and cannot be re-derived for step rows. Fix: pass "
+                f"drop_keys=[{key!r}] (e.g. disable router replay / distillation) or use traj.step_wise=false.",
+                field=key,
             )
     mmi = non_tensors.get("multi_modal_inputs")
     if mmi is not None and "multi_modal_inputs" not in drop and any(x is not None and len(x) for x in mmi):
-        raise StepExpansionError("multi_modal_inputs are not supported with step-wise rows yet; use traj.step_wise=false.")
+        raise StepExpansionError("multi_modal_inputs are not supported with step-wise rows yet. Fix: use "
+                                 "traj.step_wise=false.", field="multi_modal_inputs")
 
 
 def _source_rows(src: _Source, b: int, raw: Any, merge_prefix: bool) -> tuple[list[MergedRow], MergeStats]:
@@ -399,10 +393,16 @@ def _source_rows(src: _Source, b: int, raw: Any, merge_prefix: bool) -> tuple[li
     ):
         # delta-encoded records decide every boundary from their prefix lengths: O(T) copies
         return _merge_delta_encoded(raw_steps, b, src.has_lp)
-    recs = decode_step_records(raw) if raw is not None else None
+    with located(f"row {b}"):
+        recs = decode_step_records(raw) if raw is not None else None
     if not recs:
         P = src.prompts.shape[1]
         pl, rl = int(src.attention_mask[b, :P].sum()), int(src.attention_mask[b, P:].sum())
+        if int(src.attention_mask[b, P - pl:P + rl].sum()) != pl + rl:
+            raise StepExpansionError.invalid(
+                f"attention_mask[{b}]", src.attention_mask[b], "is not a left-padded prompt followed by a right-padded "
+                "response (the row without step records is cut from its attended tokens)",
+                "pass verl's layout, or record the row's LLM calls as step records")
         lp = src.log_probs[b, :rl] if src.has_lp else None
         recs = steps_from_row(src.prompts[b, P - pl:], src.responses[b, :rl], src.response_mask[b, :rl], lp)
     parts = [_response_parts(rec, b, k, src.has_lp) for k, rec in enumerate(recs)]
@@ -419,7 +419,8 @@ def _width(given: Optional[int], lens: torch.Tensor, name: str, multiple: int) -
         mult = max(int(multiple), 1)
         return -(-max(longest, 1) // mult) * mult
     if longest > given:
-        raise StepExpansionError(f"a step row has a {name} of {longest} tokens, above {name}_width={given}.")
+        raise StepExpansionError(f"a step row has a {name} of {longest} tokens, above {name}_width={given}. Fix: raise "
+                                 f"{name}_width or pass None (the longest step row).", field=f"{name}_width")
     return int(given)
 
 
@@ -468,12 +469,12 @@ def _carry_tensors(tensors: Mapping[str, torch.Tensor], src_index: torch.Tensor,
     for key, value in tensors.items():
         if key in _REBUILT or key in drop:
             continue
-        if value.dim() >= 1 and value.shape[0] == B and (value.dim() == 1 or value.shape[1] not in (P, R, P + R)):
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == B and (value.dim() == 1 or value.shape[1] not in (P, R, P + R)):
             out[key] = value.detach().cpu()[src_index]
         else:
             raise StepExpansionError(
-                f"tensor field {key!r} with shape {tuple(value.shape)} looks per-token; it cannot be carried onto step rows. "
-                f"Pass drop_keys=[{key!r}] or compute it after the expansion."
+                f"tensor field {key!r} with shape {tuple(getattr(value, 'shape', ()))} looks per-token; it cannot be "
+                f"carried onto step rows. Fix: pass drop_keys=[{key!r}] or compute it after the expansion.", field=key,
             )
     return out
 
@@ -486,9 +487,14 @@ def _carry_non_tensors(non_tensors: Mapping[str, np.ndarray], rows: _StepRows, s
     for key, value in non_tensors.items():
         if key in skip:
             continue
-        arr = np.asarray(value)
+        try:
+            arr = np.asarray(value)
+        except (TypeError, ValueError) as exc:  # a ragged list
+            raise StepExpansionError.invalid(key, value, f"is not an array ({exc})", "carry each non-tensor field as "
+                                             "a numpy array of one entry per row (dtype=object)") from exc
         if arr.shape[:1] != (B,):
-            raise StepExpansionError(f"non_tensor field {key!r} has shape {arr.shape}, expected [{B}, ...].")
+            raise StepExpansionError(f"non_tensor field {key!r} has shape {arr.shape}, expected [{B}, ...]. Fix: carry "
+                                     "one entry per row.", field=key)
         out[key] = arr[src]
     traj_key, step_key = keys
     out[traj_key] = np.empty(len(rows.traj_ids), dtype=object)
@@ -496,6 +502,18 @@ def _carry_non_tensors(non_tensors: Mapping[str, np.ndarray], rows: _StepRows, s
     out[step_key] = np.asarray(rows.step_index, dtype=np.int64)
     out[IS_LAST_STEP] = np.asarray(rows.is_last, dtype=bool)
     return out
+
+
+def _check_expand_inputs(tensors: Any, non_tensors: Any, steps_key: str, traj_id_key: str, options: tuple) -> set:
+    """Every input of :func:`expand_step_rows` checked where it enters; returns the fields to drop."""
+    for name, value in (("tensors", tensors), ("non_tensors", non_tensors)):
+        if not isinstance(value, Mapping):
+            raise StepExpansionError.invalid(name, value, "is not a mapping", f"pass {name} as {{name: column}}")
+    check_expand_options(*options)
+    drop = set(options[-1])
+    _check_expandable(tensors, non_tensors, drop)
+    check_source_tensors(tensors, non_tensors.get(steps_key), non_tensors.get(traj_id_key))
+    return drop
 
 
 def expand_step_rows(
@@ -531,8 +549,8 @@ def expand_step_rows(
         :class:`ExpandedBatch` with ``traj_id_key``, ``step_index_key`` and ``is_last_step``
         (:data:`~verl_traj.core.keys.IS_LAST_STEP`) per row. Step rows are grouped by source row, in step order.
     """
-    drop = set(drop_keys)
-    _check_expandable(tensors, non_tensors, drop)
+    drop = _check_expand_inputs(tensors, non_tensors, steps_key, traj_id_key,
+                                (pad_token_id, prompt_width, response_width, pad_to_multiple_of, drop_keys))
     lp = tensors.get("rollout_log_probs")
     src = _Source(*(tensors[k].detach().cpu() for k in ("prompts", "responses", "attention_mask", "response_mask")),
                   lp.detach().cpu() if lp is not None else None)
@@ -570,9 +588,11 @@ def trajectory_step_rows(
     response mask, optional rollout log-probs) and its step records (as :func:`expand_step_rows` reads them;
     ``None``: cut the output with :func:`steps_from_row`). Rows in step order; ``per_token["lp"]`` holds the
     log-probs when given."""
-    prompt, response = _as_long(prompt_ids), _as_long(response_ids)
-    lp = None if log_probs is None else torch.as_tensor(np.asarray(log_probs, dtype=np.float32)).reshape(1, -1)
+    where = "the trajectory's"
+    prompt, response = token_ids("prompt_ids", prompt_ids, where), token_ids("response_ids", response_ids, where)
+    mask = checked_loss_mask(response_mask, where, response.numel())
+    lp = None if log_probs is None else checked_log_probs(log_probs, where, response.numel()).reshape(1, -1)
     src = _Source(prompt[None], response[None], torch.ones(1, prompt.numel() + response.numel(), dtype=torch.long),
-                  _as_long(response_mask)[None], lp)
+                  mask[None], lp)
     return _source_rows(src, 0, records, merge_prefix)
 

@@ -23,7 +23,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
-from verl_traj.core.errors import TrajInputError
+from verl_traj.core.errors import TrajInputError, check_binary_mask
 
 __all__ = [
     "MergedRow",
@@ -174,9 +174,16 @@ def merge_trajectory_steps(
     Returns:
         ``(rows, stats)``; rows in step order.
     """
+    for name, value in (("prompts", prompts), ("responses", responses), ("response_masks", response_masks)):
+        if value is not None and (isinstance(value, (str, bytes, torch.Tensor)) or not hasattr(value, "__len__")):
+            raise PrefixMergeError.invalid(name, value, "is not a sequence of per-step tensors",
+                                           "pass a list of 1-D tensors, one per step")
+    if per_token is not None and not isinstance(per_token, Mapping):
+        raise PrefixMergeError.invalid("per_token", per_token, "is not a mapping", "pass {name: [tensor per step]}")
     n = len(prompts)
     if response_masks is None:
-        response_masks = [torch.ones(r.numel(), dtype=torch.long) for r in responses]
+        response_masks = [torch.ones(r.numel() if isinstance(r, torch.Tensor) else 0, dtype=torch.long)
+                          for r in responses]
     per_token = dict(per_token or {})
     _check_steps(prompts, responses, response_masks, per_token)
     stats = MergeStats(rows_before=n)
@@ -203,27 +210,27 @@ def merge_trajectory_steps(
 
 def _check_steps(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor],
                  masks: Sequence[torch.Tensor], per_token: Mapping[str, Sequence[torch.Tensor]]) -> None:
-    """One prompt, response and mask (and per-token value) per step; 1-D; masks aligned with responses."""
+    """One prompt, response and mask (and per-token value) per step; 1-D tensors; masks 0/1 and aligned with the
+    responses (every refusal a :class:`PrefixMergeError` naming the field)."""
     n = len(prompts)
-    if len(responses) != n:
-        raise PrefixMergeError(f"{n} prompts but {len(responses)} responses: one of each per step.")
-    if len(masks) != n:
-        raise PrefixMergeError(f"{len(masks)} response masks for {n} steps.")
-    for name, values in per_token.items():
-        if len(values) != n:
-            raise PrefixMergeError(f"per_token[{name!r}] has {len(values)} entries for {n} steps.")
+    for name, values in (("responses", responses), ("response_masks", masks),
+                         *((f"per_token[{k!r}]", v) for k, v in per_token.items())):
+        if not hasattr(values, "__len__") or len(values) != n:
+            raise PrefixMergeError.invalid(name, values, f"does not have one entry per step ({n} prompts)",
+                                           "pass one entry per step")
     for i in range(n):
-        if prompts[i].dim() != 1 or responses[i].dim() != 1:
-            raise PrefixMergeError(f"step {i}: prompt and response must be 1-D token tensors (no padding).")
-        if masks[i].numel() != responses[i].numel():
-            raise PrefixMergeError(
-                f"step {i}: response_mask has {masks[i].numel()} entries, response has {responses[i].numel()}."
-            )
-        for name, values in per_token.items():
-            if values[i].numel() != responses[i].numel():
-                raise PrefixMergeError(
-                    f"step {i}: per_token[{name!r}] has {values[i].numel()} entries, response has {responses[i].numel()}."
-                )
+        for name, t in (("prompts", prompts[i]), ("responses", responses[i]), ("response_masks", masks[i])):
+            if not isinstance(t, torch.Tensor) or t.dim() != 1:
+                raise PrefixMergeError.invalid(f"{name}[{i}]", t, "is not a 1-D tensor",
+                                               "pass unpadded 1-D token tensors, one per step")
+        for name, t in (("prompts", prompts[i]), ("responses", responses[i])):
+            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                raise PrefixMergeError.invalid(f"{name}[{i}]", t, f"has dtype {t.dtype}", "pass int64 token ids")
+        check_binary_mask(f"response_masks[{i}]", masks[i], error=PrefixMergeError)
+        for name, t in (("response_masks", masks[i]), *((f"per_token[{k!r}]", v[i]) for k, v in per_token.items())):
+            if not isinstance(t, torch.Tensor) or t.numel() != responses[i].numel():
+                raise PrefixMergeError.invalid(f"{name}[{i}]", t, f"does not have the response's "
+                                               f"{responses[i].numel()} entries", "align it with the response tokens")
 
 
 def _assemble(prompts, responses, masks, per_token, start: int, end: int, step_index: int, is_last: bool) -> MergedRow:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from verl_traj.core.errors import TrajInputError
+from verl_traj.core.errors import TrajInputError, check_finite, check_index, check_int, check_shape
 from verl_traj.stepwise.timeline import Timeline
 
 __all__ = ["RATIO_SCOPES", "TrajectoryCorrection", "group_log_ratio_sums", "sequence_ratio_shift",
@@ -71,12 +71,13 @@ def trajectory_rollout_correction(
         response_mask: ``[B, R]``; the timeline must have been built from it.
     Returns:
         :class:`TrajectoryCorrection`; masked positions and padding rows get weight 0 and mask 0, as verl's do."""
-    if old_log_prob.shape != timeline.shape or rollout_log_prob.shape != timeline.shape:
-        raise TrajInputError(
-            f"old_log_prob {tuple(old_log_prob.shape)} / rollout_log_prob {tuple(rollout_log_prob.shape)} do not match "
-            f"the timeline's rows {timeline.shape}. Fix: build the timeline from the batch's response_mask.",
-            field="rollout_log_probs")
+    fix = "pass [B, R] tensors of the batch the timeline was built from (Timeline.build on its response_mask)"
+    for name, tensor in (("old_log_prob", old_log_prob), ("rollout_log_prob", rollout_log_prob),
+                         ("response_mask", response_mask)):
+        check_shape(name, tensor, timeline.shape, fix)
     old_t, roll_t = timeline.gather(old_log_prob.float()), timeline.gather(rollout_log_prob.float())
+    _check_log_probs("old_log_prob", old_t, "the trainer's log-prob pass returned NaN: check the model / its inputs")
+    _check_log_probs("rollout_log_prob", roll_t, "the rollout engine returned NaN log-probs: record them per token")
     mask_t = timeline.mask(old_t)
     weights_proto, kept_mask_t, metrics = correction_fn(old_t, roll_t, mask_t, **correction_kwargs)
     weights = None
@@ -113,6 +114,27 @@ def trajectory_ratio_metrics(correction: TrajectoryCorrection, row_log_ratio_sum
             f"{prefix}/max_abs_row_gap": float((s - rows_total).abs().max())}
 
 
+def _check_log_probs(name: str, t: torch.Tensor, fix: str) -> None:
+    """Refuse NaN and +inf log-probs (a log-prob is <= 0; -inf is clamped by verl's safety bound)."""
+    bad = torch.isnan(t) | (t == float("inf"))
+    if bool(bad.any()):
+        raise TrajInputError(f"{name} holds {int(bad.sum())} NaN / +inf value(s) on loss tokens (first: "
+                             f"{t[bad][0].item()}). Fix: {fix}.", field=name)
+
+
+def _check_rows(log_prob: Any, old_log_prob: Any, response_mask: Any, group: Any, num_groups: Any) -> tuple:
+    """Shapes ``[b, R]`` x 3 and ``[b]``, ``group`` in ``[-1, num_groups)``: ``(group, num_groups)`` checked."""
+    if not isinstance(log_prob, torch.Tensor) or log_prob.dim() != 2:
+        raise TrajInputError.invalid("log_prob", log_prob, "is not a [b, R] tensor", "pass the forward's log-probs")
+    fix = "pass [b, R] tensors of the same rows (log_prob, old_log_prob, response_mask)"
+    check_shape("old_log_prob", old_log_prob, tuple(log_prob.shape), fix)
+    check_shape("response_mask", response_mask, tuple(log_prob.shape), fix)
+    num_groups = check_int("num_groups", num_groups, "pass the number of trajectories (max group + 1)", minimum=0)
+    group = check_index("group", group, f"pass each row's trajectory in [-1, {num_groups}) (-1: padding)",
+                        rows=log_prob.shape[0], low=-1, high=max(num_groups, 0)).to(log_prob.device)
+    return group, num_groups
+
+
 def group_log_ratio_sums(log_prob: torch.Tensor, old_log_prob: torch.Tensor, response_mask: torch.Tensor,
                          group: torch.Tensor, num_groups: int) -> torch.Tensor:
     """``[num_groups, 2]`` float64: per group (trajectory), the sum of ``log_prob - old_log_prob`` over its loss
@@ -120,11 +142,20 @@ def group_log_ratio_sums(log_prob: torch.Tensor, old_log_prob: torch.Tensor, res
     sets add up (all-reduce them over ranks and micro-batches).
 
     Args:
-        log_prob, old_log_prob, response_mask: ``[b, R]``; group: ``[b]`` int64 in ``[-1, num_groups)``."""
-    mask = (response_mask != 0).to(torch.float64)
-    per_row = torch.stack([((log_prob.double() - old_log_prob.double()) * mask).sum(-1), mask.sum(-1)], -1)
+        log_prob, old_log_prob, response_mask: ``[b, R]``; group: ``[b]`` int64 in ``[-1, num_groups)``.
+    Raises:
+        TrajInputError: shapes that differ, a group out of range, a NaN / inf log-ratio on a real row's loss token."""
+    group, num_groups = _check_rows(log_prob, old_log_prob, response_mask, group, num_groups)
+    on = response_mask != 0
+    diff = torch.where(on, log_prob.double() - old_log_prob.double(), 0.0)  # masked positions never enter (NaN too)
+    per_row = torch.stack([diff.sum(-1), on.sum(-1).to(torch.float64)], -1)
     real = group >= 0
-    return per_row.new_zeros((int(num_groups), 2)).index_add_(0, group[real].long(), per_row[real])
+    if not bool(torch.isfinite(per_row[real]).all()):  # one reduction on a clean batch
+        on_loss = on & real[:, None]
+        name = "old_log_prob" if not bool(torch.isfinite(old_log_prob[on_loss]).all()) else "log_prob"
+        check_finite(name, (log_prob if name == "log_prob" else old_log_prob)[on_loss],
+                     "a non-finite log-prob on a loss token poisons its trajectory's sequence ratio")
+    return per_row.new_zeros((num_groups, 2)).index_add_(0, group[real], per_row[real])
 
 
 def sequence_ratio_shift(log_prob: torch.Tensor, old_log_prob: torch.Tensor, response_mask: torch.Tensor,
@@ -133,7 +164,12 @@ def sequence_ratio_shift(log_prob: torch.Tensor, old_log_prob: torch.Tensor, res
     (log_prob - (old_log_prob + c)) == the row's group's mean log-ratio`` (``group_sums``: the global
     :func:`group_log_ratio_sums`); 0 on rows with ``group < 0`` or no loss token. Detached: GSPO uses the sequence
     ratio only as a stop-gradient factor."""
-    mine = group_log_ratio_sums(log_prob, old_log_prob, response_mask, torch.arange(group.numel()), group.numel())
+    if not isinstance(group_sums, torch.Tensor) or group_sums.dim() != 2 or group_sums.shape[1] != 2:
+        raise TrajInputError.invalid("group_sums", group_sums, "is not a [G, 2] tensor",
+                                     "pass group_log_ratio_sums(...) (all-reduced over the ranks)")
+    group, _ = _check_rows(log_prob, old_log_prob, response_mask, group, group_sums.shape[0])
+    own = torch.where(group >= 0, torch.arange(group.numel(), device=group.device), -1)  # each real row its own group
+    mine = group_log_ratio_sums(log_prob, old_log_prob, response_mask, own, group.numel())
     row_mean = mine[:, 0] / mine[:, 1].clamp(min=1)
     g = group.long().clamp(min=0)
     traj_mean = group_sums[g, 0] / group_sums[g, 1].clamp(min=1)

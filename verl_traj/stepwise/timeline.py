@@ -18,7 +18,7 @@ their response masks; :meth:`Timeline.gather` / :meth:`Timeline.scatter` move ``
 back with one advanced index each (no loop over rows). Padding rows (``traj_index == -1``) are not on any timeline
 and get zeros.
 
-Pure module (torch only). verl's estimator is passed in as a callable.
+Pure module (torch and numpy). verl's estimator is passed in as a callable.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
+import numpy as np
 import torch
 
-from verl_traj.core.errors import TrajInputError
+from verl_traj.core.errors import TrajInputError, check_binary_mask, check_finite, check_index, check_shape
 
 __all__ = ["Timeline", "timeline_advantages"]
 
@@ -55,26 +56,28 @@ class Timeline:
 
     @classmethod
     def build(cls, traj_index: torch.Tensor, step_index: torch.Tensor, response_mask: torch.Tensor) -> "Timeline":
-        """From the plan's ``traj_index`` ``[B]`` (``-1`` on padding), each row's step ``[B]`` (any increasing order
-        within a trajectory: the expansion's ``step_index``, v1's output index) and ``response_mask`` ``[B, R]``."""
-        traj_index = torch.as_tensor(traj_index).reshape(-1).long().cpu()
-        step_index = torch.as_tensor(step_index).reshape(-1).long().cpu()
-        mask = torch.as_tensor(response_mask).detach().cpu() != 0
-        if not (step_index.numel() == traj_index.numel() == mask.shape[0]):
-            raise TrajInputError(
-                f"traj_index has {traj_index.numel()} rows, step_index {step_index.numel()}, response_mask "
-                f"{mask.shape[0]}: all three describe the same rows. Fix: pass them from one batch.", field="step_index")
+        """From the plan's ``traj_index`` ``[B]`` (dense ``0..T-1``, ``-1`` on padding), each row's step ``[B]`` (any
+        increasing order within a trajectory, no step twice: the expansion's ``step_index``, v1's output index) and
+        ``response_mask`` ``[B, R]`` (0/1). Anything else is a :class:`TrajInputError` naming the field."""
+        mask = _checked_mask(response_mask)
+        rows_in = mask.shape[0]
+        traj_index = check_index("traj_index", traj_index, "pass the traj_index apply_plan wrote (dense 0..T-1, -1 on "
+                                 "padding rows), one per row of response_mask", rows=rows_in, low=-1)
+        step_index = check_index("step_index", step_index, "pass each row's step (>= 0, one per row of "
+                                 "response_mask)", rows=rows_in)
         rows = torch.nonzero(traj_index >= 0).reshape(-1)
-        span = int(step_index.max()) + 2 if step_index.numel() else 1
-        rows = rows[torch.argsort(traj_index[rows] * span + step_index[rows], stable=True)]  # (trajectory, step)
+        rows = rows[torch.argsort(step_index[rows], stable=True)]
+        rows = rows[torch.argsort(traj_index[rows], stable=True)]  # (trajectory, step)
         traj = traj_index[rows]
         num_t = int(traj.max()) + 1 if traj.numel() else 0
+        rows_per_traj = torch.bincount(traj, minlength=num_t)
+        _check_trajectories(traj, step_index[rows], rows, rows_per_traj)
         counts = mask[rows].sum(-1)  # loss tokens per row
         per_traj = torch.zeros(num_t, dtype=torch.long).index_add_(0, traj, counts)
         offset = torch.cumsum(counts, 0) - counts - (torch.cumsum(per_traj, 0) - per_traj)[traj]  # within trajectory
         n, col = torch.nonzero(mask[rows], as_tuple=True)
         pos = offset[n] + torch.cumsum(mask[rows].long(), -1)[n, col] - 1
-        starts = torch.cumsum(torch.bincount(traj, minlength=num_t), 0) - torch.bincount(traj, minlength=num_t)
+        starts = torch.cumsum(rows_per_traj, 0) - rows_per_traj
         return cls(row=rows[n], col=col, traj=traj[n], pos=pos, first_row=rows[starts[:num_t]] if rows.numel() else rows,
                    num_trajectories=num_t, length=int(per_traj.max()) if num_t else 0, shape=tuple(mask.shape))
 
@@ -98,6 +101,32 @@ class Timeline:
         return out
 
 
+def _checked_mask(response_mask: Any) -> torch.Tensor:
+    """``[B, R]`` bool of a 0/1 ``response_mask`` (CPU)."""
+    if not isinstance(response_mask, torch.Tensor) or response_mask.dim() != 2:
+        raise TrajInputError.invalid("response_mask", response_mask, "is not a [B, R] tensor",
+                                     "pass the batch's response_mask")
+    check_binary_mask("response_mask", response_mask)
+    return response_mask.detach().cpu() != 0
+
+
+def _check_trajectories(traj: torch.Tensor, steps: torch.Tensor, rows: torch.Tensor,
+                        rows_per_traj: torch.Tensor) -> None:
+    """Real rows sorted by (trajectory, step): every trajectory ``0..T-1`` has a row, no step repeats in one."""
+    if rows_per_traj.numel() and not bool((rows_per_traj > 0).all()):
+        t = int(torch.nonzero(rows_per_traj == 0)[0, 0])
+        raise TrajInputError.invalid(
+            "traj_index", traj, f"skips trajectory {t} (no row has it; {rows_per_traj.numel()} trajectories)",
+            "pass the plan's dense traj_index 0..T-1 (apply_plan writes it; do not drop or renumber rows)")
+    dup = (traj[1:] == traj[:-1]) & (steps[1:] == steps[:-1])
+    if bool(dup.any()):
+        i = int(torch.nonzero(dup)[0, 0])
+        raise TrajInputError.invalid(
+            f"step_index[{int(rows[i + 1])}]", int(steps[i + 1]), f"repeats the step of row {int(rows[i])} in "
+            f"trajectory {int(traj[i])}: its timeline order is ambiguous",
+            "give every row of a trajectory its own step (the expansion's step_index; keep each step row once)")
+
+
 def timeline_advantages(
     estimator_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     timeline: Timeline,
@@ -114,16 +143,31 @@ def timeline_advantages(
     Args:
         estimator_fn: verl's registered estimator (called with the timeline tensors and ``estimator_kwargs``).
         timeline: the batch's :class:`Timeline`.
-        token_level_rewards, response_mask, values: ``[B, R]`` per row (values for GAE).
+        token_level_rewards, response_mask, values: ``[B, R]`` per row (values for GAE), the timeline's shape;
+            rewards and values finite on the loss tokens.
         index: per-trajectory ``[T]`` group ids (estimators with a group baseline).
     Returns:
         ``(advantages [B, R], returns [B, R])``, zero on padding rows and masked positions as verl's are.
     """
+    fix = "pass [B, R] tensors of the batch the timeline was built from (Timeline.build on its response_mask)"
+    for name, tensor in (("token_level_rewards", token_level_rewards), ("response_mask", response_mask),
+                         ("values", values)):
+        if tensor is not None or name != "values":
+            check_shape(name, tensor, timeline.shape, fix)
+    if estimator_kwargs is not None and not isinstance(estimator_kwargs, Mapping):
+        raise TrajInputError.invalid("estimator_kwargs", estimator_kwargs, "is not a mapping", "pass a dict or None")
+    if index is not None and np.shape(index)[:1] != (timeline.num_trajectories,):
+        raise TrajInputError.invalid("index", index, f"has shape {np.shape(index)}, expected "
+                                     f"[{timeline.num_trajectories}] (one group id per trajectory)",
+                                     "pass uid[timeline.first_row]")
     kwargs: dict[str, Any] = dict(estimator_kwargs or {})
     kwargs.update(token_level_rewards=timeline.gather(token_level_rewards),
                   response_mask=timeline.mask(token_level_rewards))
+    check_finite("token_level_rewards", kwargs["token_level_rewards"], "make the reward function return finite "
+                 "numbers for every row (a NaN spreads through every earlier turn of its trajectory)")
     if values is not None:
         kwargs["values"] = timeline.gather(values.to(token_level_rewards.dtype))
+        check_finite("values", kwargs["values"], "the critic returned non-finite values: check its training")
     if index is not None:
         kwargs["index"] = index
     advantages, returns = estimator_fn(**kwargs)
