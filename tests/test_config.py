@@ -1,10 +1,13 @@
 """The traj: section: defaults, validation messages that name field, value and fix."""
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from verl_traj.config import TrajConfig, TrajConfigError, validate_against_verl
+from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core import loss_weight_modes
+from verl_traj.integration.verl_checks import validate_against_verl
 
 
 def test_defaults_are_trajectory_aware():
@@ -205,3 +208,128 @@ def test_v1_refuses_row_field_names_it_cannot_use():
 def test_pf_ppo_is_refused_with_planned_batches():
     with pytest.raises(TrajConfigError, match="algorithm.use_pf_ppo=true"):
         validate_against_verl(TrajConfig(), {"algorithm": {"use_pf_ppo": True}})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Property test: random, partly malformed traj: sections and verl settings through the start-up checks
+# ---------------------------------------------------------------------------------------------------------------------
+NAN = float("nan")
+BAD_VALUES = [None, "", "true", "false", "1", "abc", 1.5, 2.0, NAN, float("inf"), -1, -7, 0, 10**12, True, False,
+              [], ["x"], {}, {"a": 1}]
+VALID_TRAJ = {
+    "enable": [True, False], "group_by": ["group", "trajectory"], "mini_batch_balance": ["tokens", "units"],
+    "balance_dp": [True, False], "workload": ["verl", "tokens"], "micro_batch_max_tokens": [None, 64, 512, 4096],
+    "infer_micro_batch_max_tokens": [None, 128], "padded_cap": ["tokens", "area"], "pass_cost_tokens": [None, 0, 1024],
+    "loss_agg_mode": [None, "token-mean", "traj-mean"], "critic_loss_agg_mode": [None, "token-mean"],
+    "traj_id_key": ["traj_id", "episode"], "step_index_key": ["step_index", "step"], "step_wise": [True, False],
+    "merge_prefix": [True, False], "seed": [0, 3], "ratio_scope": ["trajectory", "row"],
+}
+# the verl settings the start-up checks read, each with valid values
+VALID_VERL = {
+    "algorithm.adv_estimator": ["grpo", "gae", "rloo", "reinforce_plus_plus", "gdpo", "remax"],
+    "algorithm.use_pf_ppo": [False, True], "algorithm.use_kl_in_reward": [False, True],
+    "algorithm.rollout_correction.bypass_mode": [False, True], "critic.enable": [None, True, False],
+    "trainer.use_v1": [True, False], "trainer.v1.trainer_mode": ["sync", "separate_async"],
+    "trainer.v1.sync.parameter_sync_step": [1, 2], "data.train_batch_size": [0, 4, 8, 6],
+    "data.max_prompt_length": [32, 256], "data.max_response_length": [16, 256],
+    "actor_rollout_ref.actor.ppo_mini_batch_size": [2, 4, 3], "critic.ppo_mini_batch_size": [4, 8, 3],
+    "actor_rollout_ref.actor.policy_loss.loss_mode": ["vanilla", "gspo", "sapo"],
+    "actor_rollout_ref.actor.use_kl_loss": [False, True], "actor_rollout_ref.actor.use_prefix_grouper": [False, True],
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": [1, 2],
+    "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size": [1, 2],
+    "critic.fsdp.ulysses_sequence_parallel_size": [1, 2], "actor_rollout_ref.model.use_remove_padding": [False, True],
+    "critic.model.use_remove_padding": [False, True], "actor_rollout_ref.actor.calculate_sum_pi_squared": [False, True],
+    "distillation.enabled": [False, True], "trainer.device": ["cpu", "cuda"],
+    "actor_rollout_ref.model.lora_rank": [0, 8], "actor_rollout_ref.model.lora.merge": [False, True],
+    "actor_rollout_ref.rollout.name": ["cpu", "vllm"],
+    "actor_rollout_ref.model.override_config.attn_implementation": [None, "sdpa", "eager", "cpu_varlen"],
+    "critic.model.override_config.attn_implementation": [None, "sdpa", "flash_attention_2"],
+}
+
+
+def _misspell(draw, name: str) -> str:
+    """``name`` with one character dropped, doubled or swapped (or a suffix): a key a user could type."""
+    i = draw(st.integers(0, len(name) - 1))
+    how = draw(st.sampled_from(["drop", "double", "swap", "suffix", "case"]))
+    if how == "drop":
+        return name[:i] + name[i + 1:]
+    if how == "double":
+        return name[:i] + name[i] + name[i:]
+    if how == "swap" and i < len(name) - 1:
+        return name[:i] + name[i + 1] + name[i] + name[i + 2:]
+    return name.upper() if how == "case" else name + "s"
+
+
+@st.composite
+def traj_sections(draw):
+    """A ``traj:`` mapping of valid values with a few corruptions: wrong types, unknown choices, misspelled keys."""
+    section = {k: draw(st.sampled_from(v)) for k, v in VALID_TRAJ.items() if draw(st.booleans())}
+    for _ in range(draw(st.integers(0, 2))):
+        key = draw(st.sampled_from(sorted(VALID_TRAJ)))
+        kind = draw(st.sampled_from(["value", "choice", "key"]))
+        if kind == "value":
+            section[key] = draw(st.sampled_from(BAD_VALUES))
+        elif kind == "choice":
+            section[key] = draw(st.sampled_from(["prompt", "seq-mean", "rows", "Trajectory", "sequence"]))
+        else:
+            section[_misspell(draw, key)] = section.pop(key, draw(st.sampled_from(VALID_TRAJ[key])))
+    return section
+
+
+@st.composite
+def verl_configs(draw):
+    """verl's sections (as OmegaConf) holding valid values of the settings the checks read, a few corrupted."""
+    config = OmegaConf.create({})
+    for path, values in VALID_VERL.items():
+        if draw(st.booleans()) or path == "algorithm.adv_estimator":
+            OmegaConf.update(config, path, draw(st.sampled_from(values)), force_add=True)
+    for _ in range(draw(st.integers(0, 2))):
+        path = draw(st.sampled_from(sorted(VALID_VERL)))
+        bad = draw(st.sampled_from(BAD_VALUES + ["simply", "GRPO", "grpo "]))
+        OmegaConf.update(config, path, bad, merge=False, force_add=True)
+    return config
+
+
+def _assert_names_field_and_fix(err: TrajConfigError) -> None:
+    """A refusal names its field (``.field``, also in the message) and the fix."""
+    import re
+
+    message = str(err)
+    assert err.field, f"no field on: {message}"
+    assert err.field in message, (err.field, message)
+    assert re.search(r"Fix|\b[Ss]et |\b[Uu]se |\b[Rr]aise |\b[Aa]dd |\b[Rr]emove ", message), message
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(section=traj_sections())
+def test_fuzzed_traj_sections_parse_or_name_field_and_fix(section):
+    """``TrajConfig.from_mapping`` on random, partly malformed sections: a valid config, or a refusal naming the
+    field and the fix (never another exception)."""
+    try:
+        parsed = TrajConfig.from_mapping(section)
+    except TrajConfigError as err:
+        _assert_names_field_and_fix(err)
+        return
+    assert {k: getattr(parsed, k) for k in section} == section  # every given value kept as given
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(section=traj_sections(), config=verl_configs())
+def test_fuzzed_verl_settings_pass_or_name_field_and_fix(section, config):
+    """The cross-checks, the verl-settings checks and the CPU platform's settings on random, partly malformed verl
+    sections (strings for bools and ints, NaN, negative numbers, unknown estimators and attentions): they pass, or
+    refuse naming the field and the fix."""
+    from verl_traj.cpu.settings import check_cpu_rollout_lora, select_cpu_attention
+    from verl_traj.integration.startup import check_adv_estimator, check_sequence_parallel
+
+    try:
+        traj_config = TrajConfig.from_mapping(section)
+    except TrajConfigError:
+        traj_config = TrajConfig()
+    for check in (lambda: validate_against_verl(traj_config, config), lambda: check_adv_estimator(config),
+                  lambda: check_sequence_parallel(config), lambda: select_cpu_attention(config),
+                  lambda: check_cpu_rollout_lora(config)):
+        try:
+            check()
+        except TrajConfigError as err:
+            _assert_names_field_and_fix(err)

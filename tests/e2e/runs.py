@@ -52,12 +52,11 @@ DP2_CONFIG = "cpu_tiny_ppo"
 REMOVE_PADDING = ["actor_rollout_ref.model.use_remove_padding=true", "critic.model.use_remove_padding=true"]
 
 
-# Ulysses sequence parallelism over the two ranks (one data-parallel rank), actor and critic: verl's Ulysses code
-# (the all-to-all around flash-attention's varlen call) on the CPU platform's torch varlen attention
+# Ulysses sequence parallelism over the two ranks (one data-parallel rank), actor and critic, as a user types it (no
+# attention override): verl's Ulysses code (the all-to-all around flash-attention's varlen call) on the CPU platform's
+# torch varlen attention, which start-up selects for Ulysses (verl_traj/cpu/settings.py)
 ULYSSES_2 = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
-             "critic.ulysses_sequence_parallel_size=2", "critic.fsdp.ulysses_sequence_parallel_size=2", *REMOVE_PADDING,
-             "actor_rollout_ref.model.override_config.attn_implementation=cpu_varlen",
-             "critic.model.override_config.attn_implementation=cpu_varlen"]
+             "critic.ulysses_sequence_parallel_size=2", "critic.fsdp.ulysses_sequence_parallel_size=2", *REMOVE_PADDING]
 
 
 # bf16 compute, fp32 parameters and reductions (verl's GPU default mixed precision) for actor, reference and critic

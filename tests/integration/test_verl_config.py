@@ -83,7 +83,7 @@ def test_megatron_plans_no_micro_batches_and_reports_none():
     for settings, planned in ((plan_settings, False), (fsdp, True)):
         metrics = plan_step_metrics(plan_layout(layout, TrajConfig(), 1, 2, micro=settings), epochs=1)
         assert ("traj_plan/micro_batches" in metrics) == planned
-    assert set(PlannedUpdate(seed=0).metrics(epochs=1)) == {"num_optimizer_steps", "num_mini_batches"}
+    assert set(PlannedUpdate(seed=0, fields=()).metrics(epochs=1)) == {"num_optimizer_steps", "num_mini_batches"}
 
 
 def test_a_gpu_job_is_never_turned_into_a_cpu_job():
@@ -93,7 +93,7 @@ def test_a_gpu_job_is_never_turned_into_a_cpu_job():
     from omegaconf import OmegaConf
 
     from verl_traj.config import TrajConfigError
-    from verl_traj.integration.verl_config import check_platform
+    from verl_traj.integration.startup import check_platform
 
     gpu_job, cpu_job = (OmegaConf.create({"trainer": {"device": d}}) for d in ("cuda", "cpu"))
     check_platform(gpu_job, "cuda")
@@ -123,3 +123,203 @@ def test_the_gpu_launchers_keep_the_cpu_platform_out():
         out = subprocess.run(["bash", str(examples / "run_multinode.sh"), *role], env=env, capture_output=True,
                              text=True, check=True).stdout
         assert "scripts/install.sh --gpu vllm" in out and "VERL_TRAJ_CPU=0" in out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Start-up checks (issue 28): no silently wrong mode on the CPU platform, no late failure that start-up can see
+# ---------------------------------------------------------------------------------------------------------------------
+# what a new user types for Ulysses SP on CPU (docs/gpu.md): no attention override
+ULYSSES_USER = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.model.use_remove_padding=true",
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
+ACTOR_ATTN = "actor_rollout_ref.model.override_config.attn_implementation"
+CRITIC_ATTN = "critic.model.override_config.attn_implementation"
+
+
+def _cpu(overrides=(), name="cpu_tiny"):
+    return compose_config(name, list(overrides), resolve=False)
+
+
+def _attn(cfg, field):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, field)
+
+
+@pytest.mark.parametrize("overrides, name, actor, critic", [
+    (ULYSSES_USER, "cpu_tiny", "cpu_varlen", None),  # the plain command: the flash-attention path Ulysses wraps
+    ([], "cpu_tiny", "sdpa", None),
+    (["actor_rollout_ref.model.use_remove_padding=true"], "cpu_tiny", "sdpa", None),  # packed sdpa is exact on CPU
+    (ULYSSES_USER + ["critic.model.use_remove_padding=true", "critic.fsdp.ulysses_sequence_parallel_size=2"],
+     "cpu_tiny_ppo", "cpu_varlen", "cpu_varlen"),
+    (["actor_rollout_ref.model.override_config.attn_implementation=eager"], "cpu_tiny_ppo", "eager", "sdpa"),  # kept
+    (ULYSSES_USER + [f"{ACTOR_ATTN}=cpu_varlen"], "cpu_tiny", "cpu_varlen", None),
+])
+def test_the_cpu_platform_selects_the_attention_ulysses_needs(overrides, name, actor, critic):
+    """Regression (issue 28): Ulysses SP=2 on the CPU presets trained on sdpa, each rank attending to its own slice
+    of the sequence (rollout vs actor log-probs 4.3e-4 apart, first gradient norm 1.1% off the dp=2 run) unless the
+    user knew a second override. Now an unset attention is chosen at start-up for actor / reference and critic."""
+    from verl_traj.cpu.settings import select_cpu_attention
+
+    cfg = _cpu(overrides, name)
+    written = select_cpu_attention(cfg)
+    assert _attn(cfg, ACTOR_ATTN) == actor and _attn(cfg, CRITIC_ATTN) == critic
+    assert (f"{ACTOR_ATTN}={actor}" in written) == (f"{ACTOR_ATTN}=" not in " ".join(overrides))
+
+
+def test_the_reference_model_counts_for_the_shared_attention():
+    """The reference loads the actor's model config: a KL run whose reference alone runs Ulysses gets cpu_varlen."""
+    from verl_traj.cpu.settings import select_cpu_attention
+
+    cfg = _cpu(["actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2",
+                "actor_rollout_ref.actor.use_kl_loss=true"])
+    select_cpu_attention(cfg)
+    assert _attn(cfg, ACTOR_ATTN) == "cpu_varlen"
+
+
+@pytest.mark.parametrize("overrides, name, field, value", [
+    (ULYSSES_USER + [f"{ACTOR_ATTN}=sdpa"], "cpu_tiny", ACTOR_ATTN, "sdpa"),
+    (ULYSSES_USER + [f"{ACTOR_ATTN}=eager"], "cpu_tiny", ACTOR_ATTN, "eager"),
+    (ULYSSES_USER + ["critic.model.use_remove_padding=true", "critic.fsdp.ulysses_sequence_parallel_size=2",
+                     f"{CRITIC_ATTN}=sdpa"], "cpu_tiny_ppo", CRITIC_ATTN, "sdpa"),
+    ([f"{ACTOR_ATTN}=flash_attention_2"], "cpu_tiny", ACTOR_ATTN, "flash_attention_2"),  # CUDA-only: fails to load
+    ([f"{CRITIC_ATTN}=flash_attention_2"], "cpu_tiny_ppo", CRITIC_ATTN, "flash_attention_2"),  # quietly sdpa before
+])
+def test_an_attention_wrong_on_cpu_is_refused_naming_field_value_and_fix(overrides, name, field, value):
+    from verl_traj.config import TrajConfigError
+    from verl_traj.cpu.settings import select_cpu_attention
+
+    with pytest.raises(TrajConfigError) as err:
+        select_cpu_attention(_cpu(overrides, name))
+    assert err.value.field == field
+    assert f"{field}={value!r}" in str(err.value) and "Fix:" in str(err.value)
+    assert "cpu_varlen" in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
+     "actor_rollout_ref.model.use_remove_padding"),
+    (["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2"],
+     "actor_rollout_ref.model.use_remove_padding"),  # the engine key: verl's validate_config does not see it
+    (["trainer.n_gpus_per_node=2", "actor_rollout_ref.model.use_remove_padding=true",
+      "critic.fsdp.ulysses_sequence_parallel_size=2"], "critic.model.use_remove_padding"),
+])
+def test_ulysses_without_remove_padding_is_refused_at_start_up(overrides, field):
+    """verl's engine refuses Ulysses without remove-padding when the workers start (minutes in)."""
+    from verl_traj.config import TrajConfigError
+    from verl_traj.integration.startup import check_sequence_parallel
+
+    with pytest.raises(TrajConfigError, match=f"Fix: add {field}=true") as err:
+        check_sequence_parallel(_cpu(overrides, "cpu_tiny_ppo"))
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize("overrides, refused", [
+    (["actor_rollout_ref.model.lora_rank=8"], True),
+    (["actor_rollout_ref.model.lora.rank=8"], True),  # verl reads either key
+    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.merge=true"], False),
+    ([], False),
+])
+def test_lora_on_the_cpu_rollout_needs_merge(overrides, refused):
+    """Regression (issue 28): LoRA without model.lora.merge passed start-up and failed at the first weight sync (the
+    CPU rollout takes full weights only), 90 seconds in."""
+    from verl_traj.config import TrajConfigError
+    from verl_traj.cpu.settings import check_cpu_rollout_lora
+
+    cfg = _cpu(overrides)
+    if not refused:
+        check_cpu_rollout_lora(cfg)
+        return
+    with pytest.raises(TrajConfigError, match=r"Fix: add actor_rollout_ref.model.lora.merge=true") as err:
+        check_cpu_rollout_lora(cfg)
+    assert err.value.field == "actor_rollout_ref.model.lora.merge"
+
+
+def test_every_estimator_verl_dispatches_is_accepted_and_a_typo_is_refused():
+    """Regression (issue 28): algorithm.adv_estimator=simply passed start-up and failed after the first rollout with
+    verl's "Unknown advantage estimator simply: simply". The known names are verl's registry (and the enum values its
+    compute_advantage dispatches by name)."""
+    from verl_traj.config import TrajConfigError
+    from verl_traj.integration.startup import check_adv_estimator, known_adv_estimators
+
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, AdvantageEstimator
+
+    known = known_adv_estimators()
+    assert set(known) == set(ADV_ESTIMATOR_REGISTRY) | {e.value for e in AdvantageEstimator}
+    assert {"gae", "grpo", "reinforce_plus_plus", "rloo", "opo", "grpo_passk", "gpg", "remax"} <= set(known)
+    for name in known:
+        check_adv_estimator({"algorithm": {"adv_estimator": name}, "trainer": {"use_v1": False},
+                             "actor_rollout_ref": {"actor": {"calculate_sum_pi_squared": True}}})
+    for typo, hint in (("simply", ""), ("GRPO", ""), ("rlo", "did you mean 'rloo'?")):
+        with pytest.raises(TrajConfigError, match="is not an advantage estimator verl knows") as err:
+            check_adv_estimator({"algorithm": {"adv_estimator": typo}})
+        assert err.value.field == "algorithm.adv_estimator" and "'gae'" in str(err.value) and hint in str(err.value)
+
+
+def test_estimators_that_fail_after_the_first_rollout_on_this_trainer_are_refused():
+    from verl_traj.config import TrajConfigError
+    from verl_traj.integration.startup import check_adv_estimator
+
+    with pytest.raises(TrajConfigError, match="remax.*trainer.use_v1=false"):
+        check_adv_estimator({"algorithm": {"adv_estimator": "remax"}, "trainer": {"use_v1": True}})
+    with pytest.raises(TrajConfigError, match="calculate_sum_pi_squared=true") as err:
+        check_adv_estimator({"algorithm": {"adv_estimator": "optimal_token_baseline"}})
+    assert err.value.field == "actor_rollout_ref.actor.calculate_sum_pi_squared"
+
+
+@pytest.fixture
+def started(monkeypatch, tmp_path):
+    """``verl_traj.main_ppo.run`` on a CPU preset up to where training would start: returns the config handed to
+    verl's ``run_ppo`` (the model directory is a stub: nothing loads weights before Ray)."""
+    import verl.trainer.main_ppo as verl_main
+    import verl.utils.device as device
+
+    from verl_traj import main_ppo
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(device, "get_device_name", lambda: "cpu")
+    monkeypatch.setenv("PYTHONWARNINGS", "")
+    monkeypatch.setenv("RAY_prestart_worker_first_driver", "0")
+    handed = []
+    monkeypatch.setattr(verl_main, "run_ppo", lambda config, **_: handed.append(config))
+
+    def start(overrides):
+        cfg = _cpu([f"actor_rollout_ref.model.path={tmp_path}", *overrides])
+        main_ppo.run(cfg)
+        return handed[-1]
+
+    return start
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (ULYSSES_USER + [f"{ACTOR_ATTN}=sdpa"], ACTOR_ATTN),
+    (["actor_rollout_ref.model.lora_rank=8"], "actor_rollout_ref.model.lora.merge"),
+    (["algorithm.adv_estimator=simply"], "algorithm.adv_estimator"),
+    (["algorithm.adv_estimator=simply", "traj.enable=false"], "algorithm.adv_estimator"),
+])
+def test_main_ppo_refuses_before_training_starts(started, overrides, field):
+    from verl_traj.config import TrajConfigError
+
+    with pytest.raises(TrajConfigError) as err:
+        started(overrides)
+    assert err.value.field == field
+
+
+def test_main_ppo_trains_the_plain_ulysses_command_on_cpu_varlen(started):
+    cfg = started(ULYSSES_USER)
+    assert _attn(cfg, ACTOR_ATTN) == "cpu_varlen"
+
+
+def test_validation_runs_once_on_the_driver_and_the_trainer_only_adapts(monkeypatch):
+    """The checks run in one place (``check_startup``, from ``main_ppo.run``); the trainer's ``prepare_config``
+    adapts and re-validates nothing."""
+    from verl_traj.integration import startup
+
+    calls = []
+    monkeypatch.setattr(startup, "validate_against_verl", lambda *a: calls.append(a))
+    cfg = compose_config("traj_ppo", LONG + ["algorithm.adv_estimator=grpo"], resolve=False)
+    prepare_config(cfg, TrajConfig())
+    assert calls == []
+    monkeypatch.setattr(startup, "check_platform", lambda *a: None)
+    monkeypatch.setattr(startup, "check_models", lambda *a: None)
+    startup.check_startup(cfg, "cuda")
+    assert len(calls) == 1

@@ -140,7 +140,7 @@ def _load_model(config: Any, model_config: Any):
     dtype = _DTYPES.get(str(_cfg_get(config, "dtype", "float32")), torch.float32)
     hf_config = AutoConfig.from_pretrained(local_path, trust_remote_code=trust)
     model = AutoModelForCausalLM.from_pretrained(
-        local_path, dtype=dtype, attn_implementation=override.get("attn_implementation", "sdpa"), trust_remote_code=trust
+        local_path, dtype=dtype, attn_implementation=override.get("attn_implementation") or "sdpa", trust_remote_code=trust
     )
     model.eval()
     model.requires_grad_(False)

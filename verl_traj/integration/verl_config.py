@@ -1,8 +1,9 @@
-"""Start-up: check ``traj:`` against verl's config and set the verl settings the plan depends on (read once).
+"""Start-up: set the verl settings the plan depends on (read once), on a config the driver has checked.
 
 :func:`prepare_config` runs in ``TrajRayPPOTrainer.__init__``, before any worker is built, and returns
 :class:`PlanSettings`: the cap and cost model the planner packs the update's micro-batches with, and the
-length of padding rows.
+length of padding rows. It adapts and does not validate: the checks ran once, on the driver, before Ray started
+(:func:`verl_traj.integration.startup.check_startup`).
 
 * Update (actor and critic): the plan's micro-batches are what runs. Cap per sequence-parallel group =
   ``traj.micro_batch_max_tokens`` (per GPU, verl's ``ppo_max_token_len_per_gpu`` meaning) or, when unset,
@@ -31,13 +32,14 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf, open_dict
 
-from verl_traj.config import TrajConfig, TrajConfigError, ulysses_size, uses_critic, validate_against_verl
+from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core import PAD_ROW_TOKENS
+from verl_traj.integration.verl_checks import ulysses_size, uses_critic
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MICRO_BATCH_PASSES", "MicroBatchPass", "PlanSettings", "check_models", "check_platform", "fixed_to_dynamic_micro_batches",
-           "pad_row_tokens", "pin_micro_batch_settings", "prepare_config"]
+__all__ = ["MICRO_BATCH_PASSES", "MicroBatchPass", "PlanSettings", "fixed_to_dynamic_micro_batches", "pad_row_tokens",
+           "pin_micro_batch_settings", "prepare_config", "ray_init_address"]
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,7 @@ def fixed_to_dynamic_micro_batches(config: Any) -> list[str]:
         for p, section in _passes(config):
             if bool(section.get(p.flag, False)):
                 continue
-            sp = ulysses_size(OmegaConf.select(config, p.sp_section))
+            sp = ulysses_size(OmegaConf.select(config, p.sp_section), p.sp_section)
             sizes = [section.get(mbs_key, None) for mbs_key, _ in p.caps]
             fallback = next((int(m) for m in sizes if m), 1)
             section[p.flag] = True
@@ -221,16 +223,7 @@ def _is_traj_manager(fqn: str) -> bool:
 
 
 def prepare_config(config: Any, traj_config: TrajConfig) -> PlanSettings:
-    """Validate ``traj:`` against verl's sections and adapt the verl settings it depends on (see module doc)."""
-    validate_against_verl(traj_config, config)
-    if config.get("distillation") is not None:
-        from verl.trainer.distillation.losses import is_distillation_enabled
-
-        if is_distillation_enabled(config.get("distillation")):
-            raise TrajConfigError(
-                "distillation is enabled but verl_traj's loss aggregation does not cover verl's distillation loss. "
-                "Set traj.enable=false or disable distillation."
-            )
+    """Adapt the verl settings ``traj:`` depends on (see module doc); ``config`` passed the start-up checks."""
     if bool(config.trainer.get("use_v1", False)):
         prepare_v1_agent_loop(config, traj_config)
     else:
@@ -242,62 +235,6 @@ def prepare_config(config: Any, traj_config: TrajConfig) -> PlanSettings:
     if traj_config.infer_micro_batch_max_tokens is not None:
         _apply_infer_cap(config, int(traj_config.infer_micro_batch_max_tokens))
     return _plan_settings(config, traj_config)
-
-
-def _check_model_dir(key: str, path: Any) -> Optional[str]:
-    """A local model directory without ``config.json`` (or a local path that does not exist) is refused;
-    hub ids and remote paths are left to verl. Returns the directory when it is local and valid."""
-    import os
-
-    if not isinstance(path, str) or not path:
-        raise TrajConfigError(f"{key}={path!r} is not set: give the model directory (or hub id) to load.")
-    local = os.path.expanduser(path)
-    if os.path.isdir(local):
-        if not os.path.isfile(os.path.join(local, "config.json")):
-            raise TrajConfigError(
-                f"{key}={path!r} is a directory without config.json: point it at a Hugging Face model directory "
-                "(the folder holding config.json and the weights)."
-            )
-        return local
-    if path.startswith(("/", "./", "../", "~")):
-        raise TrajConfigError(f"{key}={path!r} does not exist. Fix the path (or build the model first).")
-    return None
-
-
-def _check_value_head(key: str, local: str) -> None:
-    """verl builds value models as ``AutoModelForTokenClassification`` (trl's value head as a fallback)."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING
-
-    from verl.utils.import_utils import is_trl_available
-
-    hf_config = AutoConfig.from_pretrained(local, trust_remote_code=True)
-    if type(hf_config) not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING and not is_trl_available():
-        raise TrajConfigError(
-            f"{key}={local!r} is a {hf_config.model_type!r} model, which has no token-classification class in "
-            "transformers: verl cannot build a value head on it (and trl is not installed). Use a critic model "
-            "with one (Qwen2, Llama, Mistral, ...) or install trl."
-        )
-
-
-def check_models(config: Any) -> None:
-    """Driver-side, before Ray starts: the actor's and (when on) the critic's model paths, the critic's value
-    head, and equal actor / critic data-parallel sizes (one rank-major plan serves both)."""
-    from verl.trainer.ppo.utils import need_critic
-
-    _check_model_dir("actor_rollout_ref.model.path", config.actor_rollout_ref.model.get("path"))
-    if not need_critic(config):
-        return
-    local = _check_model_dir("critic.model.path", config.critic.model.get("path"))
-    if local is not None:
-        _check_value_head("critic.model.path", local)
-    actor_sp, critic_sp = ulysses_size(config.actor_rollout_ref.actor), ulysses_size(config.critic)
-    if actor_sp != critic_sp:
-        raise TrajConfigError(
-            f"critic.fsdp.ulysses_sequence_parallel_size={critic_sp} differs from the actor's ({actor_sp}): the critic's "
-            "data-parallel size would differ from the actor's, and verl_traj plans one rank-major layout for both. "
-            f"Set critic.fsdp.ulysses_sequence_parallel_size={actor_sp} (or the actor's to {critic_sp})."
-        )
 
 
 def ray_init_address(config: Any, environ: Optional[dict] = None) -> Optional[str]:
@@ -326,24 +263,3 @@ def ray_init_address(config: Any, environ: Optional[dict] = None) -> Optional[st
     with open_dict(config):
         config.ray_kwargs.ray_init.address = "local"
     return "local"
-
-
-def check_platform(config: Any, platform_device: str, environ: Optional[dict] = None) -> None:
-    """The job's device (``trainer.device``) and the platform verl picked in this process (``platform_device``:
-    ``verl.utils.device.get_device_name()``) must agree: the CPU plugin switches a process without an accelerator to
-    the CPU platform, so on a CPU-only Ray head node (or one without ``nvidia-smi``) a GPU job would otherwise start
-    as a CPU job and fail later at placement. ``VERL_TRAJ_CPU=0`` (set by the GPU launchers) keeps the plugin out."""
-    environ = os.environ if environ is None else environ
-    device = str(config.trainer.get("device", "cuda"))
-    if platform_device == "cpu" and device != "cpu":
-        raise TrajConfigError(
-            f"trainer.device={device!r} asks for accelerators, but this process sees none and verl_traj's CPU platform "
-            "is active here (a CPU-only head node?). Fix: run with VERL_TRAJ_CPU=0 so the driver keeps verl's GPU "
-            "platform (examples/calc_agent/run_gpu.sh and run_multinode.sh set it), or choose a CPU preset "
-            "(trainer.device=cpu).", field="trainer.device")
-    if device == "cpu" and platform_device != "cpu":
-        forced = environ.get("VERL_TRAJ_CPU", "")
-        raise TrajConfigError(
-            f"trainer.device='cpu' (a CPU preset), but verl picked the {platform_device!r} platform in this process "
-            f"(an accelerator is visible{'; VERL_TRAJ_CPU=' + forced if forced else ''}). Fix: set VERL_TRAJ_CPU=1 to "
-            "train on CPU anyway, or use a GPU preset (e.g. --config-name calc_agent_gpu).", field="trainer.device")
