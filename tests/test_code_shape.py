@@ -1,6 +1,7 @@
 """The package stays readable and its changes to verl stay listed:
 
-* no function over 60 lines;
+* no function over 60 lines; no module of ``verl_traj/integration`` over 300 lines;
+* the v1 adapter's modules (``integration/v1*.py``) import at the top (a reader sees every dependency there);
 * every write to a verl module's attribute is declared in a patch catalogue: ``integration/patches.py``
   (scoped, restored) or ``integration/process_patches.py`` (process lifetime); the installers of those two
   modules are the only code that writes a name it does not spell out;
@@ -35,6 +36,22 @@ def test_no_function_over_sixty_lines():
     long = [f"{path}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
             for path, node in _functions() if node.end_lineno - node.lineno + 1 > MAX_LINES]
     assert not long, long
+
+
+MAX_INTEGRATION_MODULE_LINES = 300
+
+
+def test_no_integration_module_over_three_hundred_lines():
+    long = {path.name: len(path.read_text().splitlines()) for path in sorted((PACKAGE / "integration").glob("*.py"))}
+    over = {name: n for name, n in long.items() if n > MAX_INTEGRATION_MODULE_LINES}
+    assert not over, over
+
+
+def test_the_v1_adapter_imports_at_the_top():
+    local = [f"{path.name}:{node.lineno}" for path in sorted((PACKAGE / "integration").glob("v1*.py"))
+             for fn in ast.walk(ast.parse(path.read_text())) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for node in ast.walk(fn) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    assert not local, local
 
 
 # ----------------------------------------------------------------------------------------------

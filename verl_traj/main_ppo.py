@@ -24,7 +24,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from verl.trainer.main_ppo_v0 import BaseTaskRunner  # noqa: E402
 
-from verl_traj.config import TrajConfig, validate_against_verl  # noqa: E402
+from verl_traj.config import TrajConfig  # noqa: E402
 
 CONFIG_DIR = os.environ.get("VERL_TRAJ_CONFIG_DIR", str(Path(__file__).resolve().parent / "configs"))
 
@@ -37,13 +37,16 @@ def _verl_task_runner_run():
 
 
 class TrajTaskRunnerImpl(BaseTaskRunner):
-    """verl's v0 task runner with verl_traj's worker classes, and ``TrajRayPPOTrainer`` where verl's runner
-    builds ``RayPPOTrainer`` (:func:`verl_traj.integration.patches.task_runner_patches`)."""
+    """verl's v0 task runner with verl_traj's worker classes (``traj.enable=true``; they run planned updates only,
+    stock runs keep verl's), and ``TrajRayPPOTrainer`` where verl's runner builds ``RayPPOTrainer``
+    (:func:`verl_traj.integration.patches.task_runner_patches`)."""
 
     def add_actor_rollout_worker(self, config):
         from verl_traj.integration.workers import TrajActorRolloutRefWorker
 
         actor_rollout_cls, group_cls = super().add_actor_rollout_worker(config)
+        if not TrajConfig.of(config).enable:
+            return actor_rollout_cls, group_cls
         for role, cls in list(self.role_worker_mapping.items()):
             if getattr(cls, "__ray_actor_class__", None) is actor_rollout_cls:
                 self.role_worker_mapping[role] = ray.remote(TrajActorRolloutRefWorker)
@@ -55,7 +58,8 @@ class TrajTaskRunnerImpl(BaseTaskRunner):
         from verl_traj.integration.workers import TrajCriticWorker
 
         super().add_critic_worker(config)
-        self.role_worker_mapping[Role.Critic] = ray.remote(TrajCriticWorker)
+        if TrajConfig.of(config).enable:
+            self.role_worker_mapping[Role.Critic] = ray.remote(TrajCriticWorker)
 
     def run(self, config):
         from verl_traj.integration.patches import patched, task_runner_patches
@@ -100,19 +104,17 @@ def quiet_optional_engine_warnings(environ: dict) -> None:
 
 
 def run(config) -> None:
-    """Validate ``traj:`` and verl's config on the driver, then run training on Ray."""
+    """Check ``traj:`` and verl's config on the driver (once: :func:`~verl_traj.integration.startup.check_startup`),
+    then run training on Ray."""
     from verl.trainer.main_ppo import run_ppo
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device, get_device_name
 
-    from verl_traj.integration.verl_config import check_models, check_platform, ray_init_address
+    from verl_traj.integration.startup import check_startup
+    from verl_traj.integration.verl_config import ray_init_address
 
-    traj_config = TrajConfig.from_mapping(config.get("traj"))
-    validate_against_verl(traj_config, config)
-    if traj_config.enable:
-        check_models(config)
-    check_platform(config, get_device_name())  # before verl's auto_set_device rewrites trainer.device
+    check_startup(config, get_device_name())  # before verl's auto_set_device rewrites trainer.device
     auto_set_device(config)
     if config.trainer.get("device") == "cpu":
         # Ray prestarts one idle Python worker per logical CPU when the driver connects; the CPU presets declare

@@ -19,14 +19,18 @@ HERE = Path(__file__).resolve().parent
 STEPS = 2
 
 
+RECORDING_LOOP = "verl_traj.integration.stepwise_agent_loop.StepwiseToolAgentLoop"
+TURN_REWARD_LOOP = "verl_traj.testing.agent_loops.TurnRewardToolAgentLoop"
+
+
 def _run_stepwise(tiny, tmp_path, trainer: str, merge: bool, *, config_name: str = "cpu_tiny", steps: int = STEPS,
-                  extra: tuple = ()) -> tuple[list[dict], str]:
-    """A step-wise run on the tiny tool-calling model (verl's tool agent loop re-pointed to the recording loop);
-    returns the per-step metrics and the log."""
+                  extra: tuple = (), loop: str = RECORDING_LOOP) -> tuple[list[dict], str]:
+    """A step-wise run on the tiny tool-calling model (verl's tool agent loop re-pointed to ``loop``, a recording
+    loop); returns the per-step metrics and the log."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     yaml_path = tmp_path / "agent_loops.yaml"
     # verl's tool_agent name re-pointed to the step-recording loop (the dataset routes rows to "tool_agent")
-    yaml_path.write_text("- name: tool_agent\n  _target_: verl_traj.integration.stepwise_agent_loop.StepwiseToolAgentLoop\n")
+    yaml_path.write_text(f"- name: tool_agent\n  _target_: {loop}\n")
     metrics_path = tmp_path / "metrics.jsonl"
     env = dict(os.environ, VERL_TRAJ_HOME=str(tiny.parent), VERL_FILE_LOGGER_PATH=str(metrics_path),
                VERL_TRAJ_CKPT_DIR=str(tmp_path / "ckpt"), PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0")
@@ -57,12 +61,18 @@ def _run_stepwise(tiny, tmp_path, trainer: str, merge: bool, *, config_name: str
 @pytest.mark.parametrize("trainer, merge", [("v1", False), ("v0", False)])
 def test_stepwise_training_on_cpu(tool_home, tmp_path, trainer, merge):
     """v1: the agent-loop worker stores each session's step rows; v0: the trainer expands them (both merge
-    with traj.merge_prefix)."""
-    metrics, out = _run_stepwise(tool_home, tmp_path, trainer, merge)
+    with traj.merge_prefix). The loop gives every LLM call a turn reward (:class:`~verl_traj.testing.agent_loops.
+    TurnRewardToolAgentLoop`): each reaches the trainer, one per LLM call, on both trainers."""
+    from verl_traj.testing.agent_loops import TURN_REWARD
+
+    metrics, out = _run_stepwise(tool_home, tmp_path, trainer, merge, loop=TURN_REWARD_LOOP)
     keys = [k for k in metrics[0] if k.startswith(("traj_stepwise/", "traj_plan/", "actor/", "training/rollout_probs"))]
     summary = json.dumps([{k: m.get(k) for k in keys} for m in metrics], default=str)
     try:
         _check(metrics, merge)
+        for m in metrics:  # one turn reward per LLM call (a step row before merging), none lost or doubled
+            assert m["traj_stepwise/turn_rewards_nonzero"] == m["traj_stepwise/rows_before"]
+            assert m["traj_stepwise/turn_reward_sum"] == TURN_REWARD * m["traj_stepwise/rows_before"]
     except AssertionError as exc:
         raise AssertionError(f"{exc}\nmetrics: {summary}\nlog tail: {out[-4000:]}") from exc
 
@@ -93,13 +103,13 @@ def test_ppo_with_gae_across_turns_on_step_rows(tool_home, tmp_path, trainer):
 
 def test_trajectory_ratios_in_colocate_async_on_step_rows(tool_home, tmp_path):
     """Asynchronous training (v1 ``colocate_async``) on unmerged step rows with verl's rollout correction
-    (``rollout_is=sequence``, geometric-mean rejection ``seq_mean_k1``) and GSPO at ``traj.ratio_scope=trajectory``
-    (the default): every step logs ``traj_ratio/*`` over the 32 trajectories; on step 1 (on-policy) every trajectory
+    (``rollout_is=sequence``, geometric-mean rejection ``seq_mean_k1``) and GSPO at ``traj.ratio_scope=trajectory``: every step logs ``traj_ratio/*`` over the 32 trajectories; on step 1 (on-policy) every trajectory
     weight is 1; rows one policy version old get trajectory weights != 1, each the product of its rows' weights
     (``max_abs_row_gap``); GSPO's ratio is summed over each trajectory's rows every optimizer step (the shift is
     logged); the versions are reported per trajectory; training proceeds."""
     metrics, out = _run_stepwise(tool_home, tmp_path, "v1", False, steps=3, extra=(
         "trainer.v1.trainer_mode=colocate_async", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+        "traj.ratio_scope=trajectory",
         "algorithm.rollout_correction.rollout_is=sequence",
         "algorithm.rollout_correction.rollout_is_threshold=2.0", "algorithm.rollout_correction.rollout_rs=seq_mean_k1",
         "algorithm.rollout_correction.rollout_rs_threshold='0.5_2.0'"))
@@ -111,8 +121,11 @@ def test_trajectory_ratios_in_colocate_async_on_step_rows(tool_home, tmp_path):
         assert m["traj_version/span_max"] >= 1 and (m["traj_version/span_max"] > 1) == (
             m["traj_version/multi_version_share"] > 0), summary
         assert m["traj_ratio/max_abs_row_gap"] < 1e-3, summary  # the trajectory weight = the product of its rows'
-        assert 0 <= m["traj_ratio/rejected_share"] <= 1 and m["actor/grad_norm"] > 0, summary
-        assert m["actor/traj_seq_ratio_shift_abs_max"] >= 0 and m["actor/loss_weight_mass"] == pytest.approx(1.0)
+        assert m["actor/grad_norm"] > 0 and m["actor/loss_weight_mass"] == pytest.approx(1.0), summary
+        # GSPO's trajectory pre-pass: skipped on each update's first optimizer step (on-policy, deterministic forward),
+        # run apart from the planned micro-batches on the others
+        assert m["actor/prepass_skipped_steps"] == 1, summary
+        assert m["actor/micro_batches_per_epoch"] == m["traj_plan/micro_batches"], summary
     first = metrics[0]
     assert first["traj_version/staleness_max"] == 0, summary
     assert abs(first["traj_ratio/weight_min"] - 1) < 1e-3 and abs(first["traj_ratio/weight_max"] - 1) < 1e-3, summary
@@ -125,9 +138,12 @@ def test_gspo_over_the_trajectory_on_step_rows_equals_the_merged_row(tool_home, 
     """GSPO (its sequence ratio from the current policy) on unmerged step rows at ``traj.ratio_scope=trajectory``:
     before each optimizer step the actor sums every trajectory's log-ratios over its rows, so one mini-batch trained
     for two epochs (the second epoch off pi_old) gives the same gradients and loss as the same rollouts with every
-    trajectory prefix-merged into one row (whose row is the trajectory). The shift is 0 on the first optimizer step
-    (on-policy) and not on the second: per-row ratios would have differed there."""
-    extra = ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+    trajectory prefix-merged into one row (whose row is the trajectory). The first optimizer step (on-policy: every
+    log-ratio is rounding) skips the pre-pass; the second runs it, counted apart from the planned micro-batches, and
+    shifts the rows' ratios (per-row ratios would have differed there). Merged, no trajectory has several rows:
+    no ratio groups, no pre-pass."""
+    extra = ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "traj.ratio_scope=trajectory",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=8",
              "actor_rollout_ref.actor.ppo_epochs=2")
     runs = {merge: _run_stepwise(tool_home, tmp_path / f"merge_{merge}", "v1", merge, steps=1, extra=extra)[0][0]
             for merge in (False, True)}
@@ -135,8 +151,12 @@ def test_gspo_over_the_trajectory_on_step_rows_equals_the_merged_row(tool_home, 
     assert unmerged["traj_stepwise/rows_after"] > unmerged["traj_stepwise/trajectories"]
     assert unmerged["traj_stepwise/loss_tokens"] == merged["traj_stepwise/loss_tokens"]  # the same rollouts
     assert unmerged["actor/num_optimizer_steps"] == merged["actor/num_optimizer_steps"] == 2
-    assert unmerged["actor/traj_seq_ratio_shift_abs_max"] > 1e-4  # the trajectory's ratio is not a row's
-    assert merged["actor/traj_seq_ratio_shift_abs_max"] < 1e-5  # one row per trajectory: nothing to shift
+    assert unmerged["actor/traj_seq_ratio_shift_abs_max"] > 1e-4  # step 2: the trajectory's ratio is not a row's
+    assert unmerged["actor/prepass_skipped_steps"] == 1  # step 1
+    # one pre-pass over the one mini-batch in 2 epochs, apart from the planned micro-batches (run = planned)
+    assert unmerged["actor/prepass_micro_batches_per_epoch"] == unmerged["traj_plan/micro_batches"] / 2
+    assert unmerged["actor/micro_batches_per_epoch"] == unmerged["traj_plan/micro_batches"]
+    assert "actor/traj_seq_ratio_shift_abs_max" not in merged and "actor/prepass_skipped_steps" not in merged
     assert unmerged["actor/grad_norm"] == pytest.approx(merged["actor/grad_norm"], rel=1e-4)
     assert unmerged["actor/pg_loss"] == pytest.approx(merged["actor/pg_loss"], rel=1e-4, abs=1e-7)
 

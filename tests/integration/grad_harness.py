@@ -163,6 +163,7 @@ def engine_step(
     from verl.utils import tensordict_utils as tu
     from verl.workers.engine.utils import prepare_micro_batches
 
+    from verl_traj.core.keys import planned_update_fields
     from verl_traj.integration.workers import PlannedUpdate
 
     if planned:
@@ -172,7 +173,8 @@ def engine_step(
         td, dp_size=dp_size, batch_num_tokens=None, global_batch_size=None, use_dynamic_bsz=True,
         max_token_len_per_gpu=max_token_len, sp_size=1,
     )
-    cut = PlannedUpdate(seed=0).prepare_micro_batches(prepare_micro_batches) if planned else prepare_micro_batches
+    cut = (PlannedUpdate(seed=0, fields=planned_update_fields()).prepare_micro_batches(prepare_micro_batches) if planned
+           else prepare_micro_batches)
     micro_batches, _ = cut(td, dp_group=dp_group, same_micro_num_in_dp=True)
     for mb in micro_batches:
         ids = mb["input_ids"]

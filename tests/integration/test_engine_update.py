@@ -1,7 +1,8 @@
 """verl's real FSDP2 engine worker on CPU (gloo): a planned update through ``TrajTrainingWorker`` +
 ``traj_ppo_loss`` runs exactly one optimizer step per mini-batch and exactly the plan's micro-batches,
 and the per-mini-batch gradient norms at dp=2 (padding rows, a small token cap -> several micro-batches)
-equal those at dp=1 with one micro-batch per mini-batch. Without ``mini_batch_id`` the worker is verl's."""
+equal those at dp=1 with one micro-batch per mini-batch. A planned update missing any planned field raises, naming it.
+GSPO at trajectory scope (its pre-pass) gives every row its trajectory's ratio of the training forward, dropout on."""
 
 from __future__ import annotations
 
@@ -48,7 +49,46 @@ def _ratio_groups(batch) -> None:
     batch.batch[RATIO_GROUP] = torch.where(batch.batch[IS_PADDING], -1, group)
 
 
+def _recording_loss(inner, records: list):
+    """``inner`` (traj_ppo_loss), recording per row what GSPO's sequence ratio sees: (mini-batch, trajectory, the
+    live log-ratio sum, loss tokens, the row's mean log-ratio after the shift)."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from verl_traj.core.keys import MINI_BATCH_ID, RATIO_GROUP, SEQ_RATIO_SHIFT
+
+    def loss(config, model_output, data, dp_group=None):
+        log_prob = no_padding_2_padding(model_output["log_probs"], data).detach()
+        padded = data.select("old_log_probs", "response_mask").to_padded_tensor()
+        mask = padded["response_mask"].float()
+        live = ((log_prob - padded["old_log_probs"]) * mask).sum(-1)
+        tokens = mask.sum(-1)
+        shift = data[SEQ_RATIO_SHIFT] if SEQ_RATIO_SHIFT in data.keys() else live * 0
+        seen = live / tokens.clamp(min=1) - shift
+        records.extend(zip(data[MINI_BATCH_ID].tolist(), data[RATIO_GROUP].tolist(), live.tolist(), tokens.tolist(),
+                           seen.tolist()))
+        return inner(config, model_output, data, dp_group)
+
+    return loss
+
+
+def _trajectory_gaps(records: list) -> list[float]:
+    """Per optimizer step (a run of records with one mini-batch id), the largest gap between a row's sequence
+    log-ratio and its trajectory's mean log-ratio over the live log-probs of all its rows."""
+    import itertools
+
+    gaps = []
+    for _, step in itertools.groupby(records, key=lambda r: r[0]):
+        step = [r for r in step if r[1] >= 0 and r[3] > 0]
+        sums, toks = {}, {}
+        for _, g, live, n, _ in step:
+            sums[g], toks[g] = sums.get(g, 0.0) + live, toks.get(g, 0.0) + n
+        gaps.append(max(abs(seen - sums[g] / toks[g]) for _, g, _, _, seen in step))
+    return gaps
+
+
 def _proc(rank, world, port, home, cap, out_path, planned, mini_batches, gspo=None):
+    from functools import partial
+
     from verl_traj.testing.engine import actor_worker, init_rank, plan_for_update, rank_tensordict
 
     init_rank(rank, world, port, home)
@@ -57,17 +97,26 @@ def _proc(rank, world, port, home, cap, out_path, planned, mini_batches, gspo=No
 
     try:
         extra = ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.ppo_epochs=2") if gspo else ()
+        if gspo == "dropout":  # Qwen2's attention dropout, applied in training mode only
+            extra += ("+actor_rollout_ref.model.override_config.attention_dropout=0.2",)
         cfg = _config(cap, mini_batches, extra)
         worker = actor_worker(cfg, planned)
+        records = []
+        if gspo == "dropout":
+            worker.set_loss_fn(partial(_recording_loss(worker.loss_fn.func, records), **worker.loss_fn.keywords))
         batch = _batch(int(worker.model_config.hf_config.vocab_size))
-        plan = plan_for_update(batch, cfg, world) if planned else None
-        if gspo == "trajectory":
+        trajectory = gspo in ("trajectory", "dropout")
+        plan = plan_for_update(batch, cfg, world, ratio_groups=trajectory) if planned else None
+        if trajectory:
             _ratio_groups(batch)
         out = worker.train_mini_batch(rank_tensordict(batch, rank, world, GROUPS // mini_batches * N,
                                                       epochs=2 if gspo else 1))
         if rank == 0:
             metrics = tu.get(out, "metrics")
             res = {"grad_norm": [float(x) for x in metrics["grad_norm"]],
+                   "trajectory_gaps": _trajectory_gaps(records),
+                   "prepass_micro_batches": metrics.get("prepass_micro_batches_per_epoch"),
+                   "prepass_skipped": metrics.get("prepass_skipped_steps"),
                    "shift": [float(x) for x in metrics.get("actor/traj_seq_ratio_shift_abs_max", [])],
                    "pg_loss": [float(x) for x in metrics["actor/pg_loss"]],
                    "num_optimizer_steps": metrics.get("num_optimizer_steps"),
@@ -103,7 +152,7 @@ def test_real_engine_update_dp2_capped_equals_dp1(tiny_home, tmp_path):
         assert b == pytest.approx(a, rel=1e-4), (ref, got)
 
 
-def test_real_engine_stock_path_without_mini_batch_id(tiny_home, tmp_path):
+def test_real_engine_stock_worker_runs_verls_fixed_slices(tiny_home, tmp_path):
     res = _run(tiny_home.parent, 1, 4096, False, tmp_path)
     assert len(res["grad_norm"]) == 2 and res["num_optimizer_steps"] is None
 
@@ -135,6 +184,63 @@ def test_real_engine_gspo_over_trajectories_split_across_ranks(tiny_home, tmp_pa
         assert b == pytest.approx(a, rel=1e-4), (ref, got)
     assert min(ref["shift"]) > 1e-3 and got["shift"] == pytest.approx(ref["shift"], rel=1e-4), (ref, got)
     assert rows["shift"] == [] and rows["grad_norm"] != pytest.approx(ref["grad_norm"], rel=1e-3)
+    # the pre-pass ran on every step (the synthetic old log-probs are not the start parameters'), counted apart
+    assert ref["prepass_skipped"] == [0] and ref["prepass_micro_batches"] == [ref["micro_batches_run"][0]], ref
+    assert ref["micro_batches_run"] == [float(ref["planned_micro_batches"])], ref  # run = planned, GSPO too
+
+
+def test_gspo_prepass_with_dropout_gives_each_row_its_trajectorys_ratio(tiny_home, tmp_path):
+    """Attention dropout on (training mode draws random masks): the pre-pass runs in the training forward's mode
+    with its random numbers replayed, so the sequence log-ratio every row's GSPO loss computes equals its
+    trajectory's mean log-ratio over the log-probs of the training forward itself (an eval-mode pre-pass, or one
+    with fresh dropout masks, would be off by the dropout noise, ~1e-2 here), on each of the 4 optimizer steps."""
+    res = _run(tiny_home.parent, 1, 140, True, tmp_path, gspo="dropout")
+    assert len(res["trajectory_gaps"]) == 4 and res["prepass_skipped"] == [0], res
+    assert max(res["trajectory_gaps"]) < 1e-5, res
+
+
+def _contract_proc(rank, world, port, home, out_path):
+    """A planned update without its planned-fields list, or missing each planned field in turn, raises naming it."""
+    from verl_traj.testing.engine import actor_worker, init_rank, plan_for_update, rank_tensordict
+
+    init_rank(rank, world, port, home)
+    import torch.distributed as dist
+
+    from verl_traj.core.errors import TrajInputError
+    from verl_traj.core.keys import PLANNED_FIELDS, planned_update_fields
+
+    try:
+        cfg = _config(4096, MINI_BATCHES, ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo",))
+        worker = actor_worker(cfg, True)
+        batch = _batch(int(worker.model_config.hf_config.vocab_size))
+        plan_for_update(batch, cfg, world, ratio_groups=True)
+        _ratio_groups(batch)
+        raised = {}
+        for missing in (PLANNED_FIELDS, *planned_update_fields(ratio_groups=True)):
+            td = rank_tensordict(batch, rank, world, GROUPS // MINI_BATCHES * N)
+            td.pop(missing)
+            try:
+                worker.train_mini_batch(td)
+                raised[missing] = None
+            except TrajInputError as e:
+                raised[missing] = [e.field, str(e)]
+        with open(out_path, "w") as f:
+            json.dump(raised, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_planned_update_missing_a_field_raises_naming_it(tiny_home, tmp_path):
+    from verl_traj.core.keys import PLANNED_FIELDS, planned_update_fields
+
+    out = str(tmp_path / "contract.json")
+    mp.spawn(_contract_proc, args=(1, free_port(), tiny_home.parent, out), nprocs=1, join=True)
+    with open(out) as f:
+        raised = json.load(f)
+    assert set(raised) == {PLANNED_FIELDS, *planned_update_fields(ratio_groups=True)}
+    for missing, error in raised.items():
+        assert error is not None, f"removing {missing!r} trained anyway"
+        assert error[0] == missing and missing in error[1], error
 
 
 # ---- critic: TrajCriticWorker + traj_value_loss on verl's value-model engine ----------------------

@@ -18,8 +18,8 @@ from verl.trainer.ppo import ray_trainer as rt
 from tests.integration import grad_harness as H
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.estimators import estimator_traits
+from verl_traj.core.keys import planned_update_fields
 from verl_traj.integration import real_rows as R
-from verl_traj.integration import trainer as T
 from verl_traj.integration.update_spec import LossSpec
 from verl_traj.integration.patches import METRIC_FUNCTIONS, fit_patches, patched
 from verl_traj.integration.verl_config import PlanSettings, prepare_config
@@ -282,7 +282,7 @@ def test_critic_is_on_exactly_when_verl_says_so(enable, estimator):
     ``critic.enable`` as false there, left the critic's fixed micro-batches in place and skipped its checks."""
     from verl.trainer.ppo.utils import need_critic
 
-    from verl_traj.config import uses_critic
+    from verl_traj.integration.verl_checks import uses_critic
 
     cfg = _verl_config(**{"algorithm.adv_estimator": estimator, "critic.enable": enable,
                           "critic.ppo_max_token_len_per_gpu": 200})
@@ -294,12 +294,21 @@ def test_critic_is_on_exactly_when_verl_says_so(enable, estimator):
     assert bool(cfg.critic.use_dynamic_bsz) == expected  # the critic's fixed micro-batches became dynamic iff on
 
 
+def _checked_and_prepared(cfg, traj_config):
+    """Production's order: the start-up checks (``check_startup`` runs ``validate_against_verl``), then the trainer's
+    ``prepare_config``."""
+    from verl_traj.integration.verl_checks import validate_against_verl
+
+    validate_against_verl(traj_config, cfg)
+    return prepare_config(cfg, traj_config)
+
+
 def test_prepare_config_ulysses_cap_is_per_sequence_parallel_group():
     cfg = _verl_config(**{"actor_rollout_ref.actor.ulysses_sequence_parallel_size": 4})
-    assert prepare_config(cfg, TrajConfig(micro_batch_max_tokens=30)).max_tokens == 120  # 30 x 4 >= 80: accepted
+    assert _checked_and_prepared(cfg, TrajConfig(micro_batch_max_tokens=30)).max_tokens == 120  # 30 x 4 >= 80
     with pytest.raises(TrajConfigError, match="ulysses_sequence_parallel_size=4.*at least 20"):
-        prepare_config(_verl_config(**{"actor_rollout_ref.actor.ulysses_sequence_parallel_size": 4}),
-                       TrajConfig(micro_batch_max_tokens=10))
+        _checked_and_prepared(_verl_config(**{"actor_rollout_ref.actor.ulysses_sequence_parallel_size": 4}),
+                              TrajConfig(micro_batch_max_tokens=10))
 
 
 def test_prepare_config_fixed_micro_batches_become_dynamic_with_same_bound():
@@ -313,31 +322,27 @@ def test_prepare_config_fixed_micro_batches_become_dynamic_with_same_bound():
 
 def test_prepare_config_errors_name_the_fix():
     with pytest.raises(TrajConfigError, match="loss_mode"):
-        prepare_config(_verl_config(**{"actor_rollout_ref.actor.policy_loss.loss_mode": "sapo"}), TrajConfig())
+        _checked_and_prepared(_verl_config(**{"actor_rollout_ref.actor.policy_loss.loss_mode": "sapo"}), TrajConfig())
     with pytest.raises(TrajConfigError, match="multiple of"):
-        prepare_config(_verl_config(**{"data.train_batch_size": 6}), TrajConfig())
+        _checked_and_prepared(_verl_config(**{"data.train_batch_size": 6}), TrajConfig())
     with pytest.raises(TrajConfigError, match="micro_batch_max_tokens"):
-        prepare_config(_verl_config(), TrajConfig(micro_batch_max_tokens=10))
+        _checked_and_prepared(_verl_config(), TrajConfig(micro_batch_max_tokens=10))
     with pytest.raises(TrajConfigError, match="critic.ppo_mini_batch_size=3"):
-        prepare_config(_verl_config(**{"critic.enable": True, "critic.ppo_mini_batch_size": 3}), TrajConfig())
-    prepare_config(_verl_config(**{"critic.enable": True, "critic.ppo_mini_batch_size": 8}), TrajConfig())  # union
+        _checked_and_prepared(_verl_config(**{"critic.enable": True, "critic.ppo_mini_batch_size": 3}), TrajConfig())
+    _checked_and_prepared(_verl_config(**{"critic.enable": True, "critic.ppo_mini_batch_size": 8}), TrajConfig())  # union
 
 
-def test_losses_fall_back_to_verl_without_loss_weight(monkeypatch):
-    from verl.workers.utils.losses import ppo_loss, value_loss
-
+def test_losses_refuse_a_micro_batch_without_loss_weight(monkeypatch):
+    """verl_traj's losses never fall back to verl's aggregation: a micro-batch without the trainer's ``loss_weight``
+    (an update that was not planned, or whose weights did not reach the worker) is refused, naming the field."""
+    from verl_traj.core.errors import TrajInputError
     from verl_traj.integration.losses import traj_ppo_loss, traj_value_loss
 
     H.patch_verl_device(monkeypatch)
     rows = H.make_rows(6, 0, seed=3)
-    for kind, ours, theirs, cfg in (("policy", traj_ppo_loss, ppo_loss, H.actor_config()),
-                                    ("value", traj_value_loss, value_loss, H.critic_config())):
-        grads = []
-        for fn in (ours, theirs):
-            model = H.TinyLM()
-            H.engine_step(model, rows, kind, fn, cfg, max_token_len=10**6, dp_size=1)
-            grads.append(H.flat_grad(model))
-        torch.testing.assert_close(grads[0], grads[1])
+    for kind, ours, cfg in (("policy", traj_ppo_loss, H.actor_config()), ("value", traj_value_loss, H.critic_config())):
+        with pytest.raises(TrajInputError, match="without 'loss_weight'"):
+            H.engine_step(H.TinyLM(), rows, kind, ours, cfg, max_token_len=10**6, dp_size=1)
 
 
 def test_worker_iterator_steps_the_plan_in_the_same_order_on_every_rank():
@@ -352,7 +357,7 @@ def test_worker_iterator_steps_the_plan_in_the_same_order_on_every_rank():
     ranks = []
     for rank_rows in ([0, 0, 1, 2, 2], [0, 1, 1, 1, 2]):  # two ranks: different sizes, same mini-batches
         td = TensorDict({"mini_batch_id": torch.tensor(rank_rows), "row": torch.arange(5)}, batch_size=[5])
-        run = PlannedUpdate(seed=7)
+        run = PlannedUpdate(seed=7, fields=planned_update_fields())
         it = run.make_iterator(None)(td, mini_batch_size=1, epochs=3, seed=7 + len(ranks), dataloader_kwargs={"shuffle": True})
         ranks.append([int(mb["mini_batch_id"][0]) for mb in it])
         assert run.steps == 9
@@ -362,24 +367,23 @@ def test_worker_iterator_steps_the_plan_in_the_same_order_on_every_rank():
 def test_worker_micro_batches_are_the_plan():
     from tensordict import TensorDict
 
+    from verl_traj.core.errors import TrajInputError
     from verl_traj.integration.workers import PlannedUpdate
 
     td = TensorDict({"mini_batch_id": torch.tensor([0, 0, 0, 1, 1]), "micro_batch_id": torch.tensor([1, 0, 1, 0, 0]),
                      "row": torch.arange(5)}, batch_size=[5])
-    run = PlannedUpdate(seed=0)
+    run = PlannedUpdate(seed=0, fields=planned_update_fields())
     micro, idx = run.prepare_micro_batches(lambda *a, **k: pytest.fail("verl's cut must not run"))(td)
     assert idx == [[1], [0, 2], [3, 4]] and [m["row"].tolist() for m in micro] == idx
     assert run.micro_batches_run == [3]
-    fallback = run.prepare_micro_batches(lambda data, **k: ("verl", data))(TensorDict({}, batch_size=[2]))
-    assert fallback[0] == "verl"
+    with pytest.raises(TrajInputError, match="micro_batch_id"):  # never verl's cut inside a planned update
+        run.prepare_micro_batches(lambda data, **k: ("verl", data))(TensorDict({}, batch_size=[2]))
 
 
 def test_traj_disabled_is_stock(monkeypatch):
     """traj.enable=false: verl's own _balance_batch runs and nothing is changed; verl_traj only observes what
     stock mini-batches do to groups (``stock_plan/*`` metrics)."""
-    tr = fake_trainer({"enable": False})
-    tr.config.actor_rollout_ref.rollout = {"n": 3}
-    tr._get_dp_size, tr.actor_rollout_wg = (lambda wg, role: 2), None
+    tr = fake_trainer({"enable": False}, dp=2, n=3)
     calls, metrics = [], {}
     batch = make_batch(n_groups=4)
     before = batch.batch["input_ids"].clone()
@@ -390,7 +394,6 @@ def test_traj_disabled_is_stock(monkeypatch):
     # 12 rows, 2 ranks, mini-batches of 2 x 3 rows: rank blocks [0..5], [6..11] cut in 3-row slices -> groups of 3
     # consecutive rows fall into one slice each here, so nothing is split
     assert metrics["stock_plan/split_groups"] == 0 and metrics["stock_plan/num_mini_batches"] == 2
-    assert not tr._planned(make_batch())
 
 
 @pytest.mark.parametrize("tp, cp, measured_minimum", [(1, 2, 2), (2, 2, 3), (2, 4, 8), (4, 4, 16), (8, 1, None)])

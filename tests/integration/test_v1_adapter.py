@@ -1,4 +1,5 @@
-"""The v1 trainer adapter's pure parts (:mod:`verl_traj.integration.v1`): keys -> layout, the planned advantage
+"""The v1 trainer adapter's pure parts (:mod:`verl_traj.integration.v1` and its ``v1_*`` modules): keys -> layout,
+the planned advantage
 (v1's reward-on-every-step-row convention gives exactly v0's step-wise advantages), padding rows with the source's
 schema, the trainer classes every registered mode gets, and the start-up checks for ``trainer.use_v1=true``."""
 
@@ -16,12 +17,17 @@ from omegaconf import OmegaConf
 from verl.trainer.ppo import ray_trainer
 
 from tests.stepwise.verl_batches import planned_stepwise_batch
-from verl_traj.config import TrajConfig, TrajConfigError, validate_against_verl
+from verl_traj.config import TrajConfig, TrajConfigError
+from verl_traj.integration.verl_checks import validate_against_verl
 from verl_traj.core import build_layout_from_counts, plan_mini_batches
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.row_key import parse_row_keys, row_key, row_key_order
 from verl_traj.core.keys import TURN_REWARDS
 from verl_traj.integration import v1 as V1
+from verl_traj.integration.v1_advantage import corrected_per_trajectory, planned_advantage
+from verl_traj.integration.v1_metrics import last_rows_of_trajectories, stepwise_metrics
+from verl_traj.integration.v1_padding import padding_row
+from verl_traj.integration.v1_plan_facts import PlanFacts, plan_facts, row_loss_tokens
 from verl_traj.integration.v1_agent_loop import _turn_reward_tag, turn_reward_entries
 from verl_traj.integration.stepwise_rows import stepwise_advantage
 from verl_traj.testing import as_dataproto, rl_batch
@@ -44,7 +50,7 @@ def test_row_loss_tokens_dense_and_jagged_agree():
     rows = [torch.tensor([1, 0, 1, 1]), torch.tensor([0]), torch.tensor([1, 1])]
     nested = torch.nested.nested_tensor(rows, layout=torch.jagged)
     dense = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-    assert V1.row_loss_tokens(nested).tolist() == V1.row_loss_tokens(dense).tolist() == [3, 0, 2]
+    assert row_loss_tokens(nested).tolist() == row_loss_tokens(dense).tolist() == [3, 0, 2]
 
 
 def _v1_view(data):
@@ -64,9 +70,9 @@ def _v1_view(data):
     turn = None  # the rows' turn rewards as the agent-loop worker tags them
     if TURN_REWARDS in td.keys():
         turn = turn_reward_entries([_turn_reward_tag(r) for r in td[TURN_REWARDS]])
-    rows = V1.PlanFacts(tuple(keys), td["traj_index"].clone(), last,
-                        pad.clone(), td["mini_batch_id"].clone(), multi_row=True, turn_rewards=turn)
-    return keys, scores, rows
+    facts = PlanFacts(tuple(keys), td["traj_index"].clone(), last, pad.clone(), td["mini_batch_id"].clone(),
+                      row_loss_tokens(td["response_mask"]) * ~pad, multi_row=True, turn_rewards=turn)
+    return keys, scores, facts
 
 
 @pytest.mark.parametrize("name", ["grpo", "rloo", "opo"])
@@ -81,13 +87,13 @@ def test_planned_advantage_counts_the_copied_reward_once(name, kl_in_reward):
     config = OmegaConf.create({"use_kl_in_reward": kl_in_reward})
     expected = stepwise_advantage(ray_trainer.compute_advantage)(data, name, config=config).batch["advantages"]
 
-    keys, scores, rows = _v1_view(data)
+    keys, scores, facts = _v1_view(data)
     v1 = as_dataproto({"token_level_scores": scores, "token_level_rewards": scores - penalty,
                        "response_mask": data.batch["response_mask"], "attention_mask": data.batch["attention_mask"],
                        "responses": data.batch["responses"]}, {"uid": parse_row_keys(keys).uid})
-    got = V1.planned_advantage(rows)(v1, keys, name, config=config).batch["advantages"]
+    got = planned_advantage(facts, v1, keys, name, config=config).batch["advantages"]
     torch.testing.assert_close(got, expected)
-    assert torch.count_nonzero(got[rows.is_padding]) == 0
+    assert torch.count_nonzero(got[facts.is_padding]) == 0
     assert torch.all((got != 0) <= (data.batch["response_mask"] != 0))  # only on each row's own loss tokens
 
 
@@ -101,18 +107,18 @@ def test_planned_advantage_puts_turn_rewards_where_v0_does(name, merge):
     data, _ = planned_stepwise_batch(6, merge=merge, turn_rewards=True)
     data.batch["values"] = (data.batch["responses"].float() % 5) * 0.1
     config = OmegaConf.create({"gamma": 0.9})
-    keys, scores, rows = _v1_view(data)
+    keys, scores, facts = _v1_view(data)
     tensors = {"token_level_scores": scores, "token_level_rewards": scores.clone(), "values": data.batch["values"],
                "response_mask": data.batch["response_mask"], "attention_mask": data.batch["attention_mask"]}
     # (no "responses": v1's advantage batch has none, regression of the first run with turn rewards)
-    got = V1.planned_advantage(rows)(as_dataproto(tensors, {"uid": parse_row_keys(keys).uid}), keys, name,
-                                     gamma=0.9, lam=0.95, config=config).batch["advantages"]
+    got = planned_advantage(facts, as_dataproto(tensors, {"uid": parse_row_keys(keys).uid}), keys, name,
+                            gamma=0.9, lam=0.95, config=config).batch["advantages"]
     expected = stepwise_advantage(ray_trainer.compute_advantage)(data, name, gamma=0.9, lam=0.95, config=config)
     torch.testing.assert_close(got, expected.batch["advantages"])
-    outcome_only = dataclasses.replace(rows, turn_rewards=None)
+    outcome_only = dataclasses.replace(facts, turn_rewards=None)
     tensors["token_level_rewards"] = scores.clone()
-    without = V1.planned_advantage(outcome_only)(as_dataproto(tensors, {"uid": parse_row_keys(keys).uid}), keys, name,
-                                                 gamma=0.9, lam=0.95, config=config).batch["advantages"]
+    without = planned_advantage(outcome_only, as_dataproto(tensors, {"uid": parse_row_keys(keys).uid}), keys, name,
+                                gamma=0.9, lam=0.95, config=config).batch["advantages"]
     assert not torch.allclose(got, without, atol=1e-4)  # the tags are read, not dropped
 
 
@@ -123,16 +129,48 @@ def test_planned_advantage_on_one_row_trajectories_is_verl_on_real_rows():
     pad[-2:] = True
     keys = [f"{u}_{i % 4}_0" for i, u in enumerate(non["uid"])] + ["pad0_0_0", "pad1_0_0"]
     grow = {k: torch.cat([v, torch.zeros((2,) + v.shape[1:], dtype=v.dtype)]) for k, v in tensors.items()}
-    rows = V1.PlanFacts(tuple(keys), torch.cat([torch.arange(B), torch.tensor([-1, -1])]),
-                          ~pad, pad, torch.zeros(B + 2, dtype=torch.long), multi_row=False)
+    facts = PlanFacts(tuple(keys), torch.cat([torch.arange(B), torch.tensor([-1, -1])]), ~pad, pad,
+                      torch.zeros(B + 2, dtype=torch.long), torch.zeros(B + 2, dtype=torch.long), multi_row=False)
     data = as_dataproto(grow, {"uid": parse_row_keys(keys).uid})
-    got = V1.planned_advantage(rows)(data, keys, "grpo", num_repeat=4, config=OmegaConf.create({}))
+    got = planned_advantage(facts, data, keys, "grpo", num_repeat=4, config=OmegaConf.create({}))
     ref = ray_trainer.compute_advantage(as_dataproto(tensors, dict(non)), "grpo", num_repeat=4,
                                         config=OmegaConf.create({}))
     torch.testing.assert_close(got.batch["advantages"][:B], ref.batch["advantages"])
     assert torch.count_nonzero(got.batch["advantages"][B:]) == 0
     with pytest.raises(RuntimeError, match="not the ones _balance_batch planned"):
-        V1.planned_advantage(rows)(data, list(reversed(keys)), "grpo", config=OmegaConf.create({}))
+        planned_advantage(facts, data, list(reversed(keys)), "grpo", config=OmegaConf.create({}))
+
+
+def test_planned_advantage_records_each_rows_final_loss_tokens():
+    """The loss weights read each row's loss-token count from the plan's facts: the advantage, which gets the mask
+    after verl's rollout correction (here: every row's last response token rejected), recounts them; 0 on padding."""
+    data, _ = planned_stepwise_batch(2)
+    keys, scores, facts = _v1_view(data)
+    mask = data.batch["response_mask"].clone()
+    mask[:, -1] = 0
+    v1 = as_dataproto({"token_level_scores": scores, "token_level_rewards": scores.clone(), "response_mask": mask,
+                       "attention_mask": data.batch["attention_mask"]}, {"uid": parse_row_keys(keys).uid})
+    planned_advantage(facts, v1, keys, "grpo", config=OmegaConf.create({}))
+    assert torch.equal(facts.loss_tokens, mask.sum(-1) * ~facts.is_padding)
+    assert not torch.equal(facts.loss_tokens, data.batch["response_mask"].sum(-1) * ~facts.is_padding)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+                                  "traj-mean"])
+def test_loss_weights_from_counts_are_the_mask_weights(mode):
+    """v1's driver keeps each row's loss-token count, not the ``[B, R]`` mask: the weights from the counts equal the
+    weights from the mask (union of mini-batches included); without ``S`` (no data.max_response_length) refused."""
+    from verl_traj.integration.update_spec import LossSpec
+
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.rand(10, 7, generator=g) < 0.6).long()
+    mb, traj = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 3, 3]), torch.tensor([0, 0, 1, 2, 2, 3, 4, 4, -1, 5])
+    pad = traj < 0
+    spec = LossSpec(mode, 7.0, union=2)
+    torch.testing.assert_close(spec.weights_from_counts(mask.sum(-1) * ~pad, mb, traj, pad),
+                               spec.weights(mask * ~pad[:, None], mb, traj, pad))
+    with pytest.raises(TrajConfigError, match="data.max_response_length"):
+        LossSpec(mode, None).weights_from_counts(mask.sum(-1), mb, traj, pad)
 
 
 def test_plan_facts_follow_the_plan_order():
@@ -142,12 +180,14 @@ def test_plan_facts_follow_the_plan_order():
                                       parsed.uid, traj_id=parsed.traj_id, step_index=parsed.step)
     plan = plan_mini_batches(layout, 2, 2)
     out_keys = [keys[i] if i >= 0 else f"pad{j}_0_0" for j, i in enumerate(plan.order.tolist())]
-    rows = V1.plan_facts(SimpleNamespace(keys=out_keys, tags=[{}] * len(out_keys)), plan, layout)
+    facts = plan_facts(SimpleNamespace(keys=out_keys, tags=[{}] * len(out_keys)), plan, layout)
     last_key = {"g0_0": "g0_0_1", "g0_1": "g0_1_0", "g1_0": "g1_0_0", "g1_1": "g1_1_2"}
     expected = [not k.startswith("pad") and last_key[k.rsplit("_", 1)[0]] == k for k in out_keys]
-    assert rows.is_last_step.tolist() == expected
-    assert rows.is_padding.tolist() == [k.startswith("pad") for k in out_keys]
-    assert rows.multi_row and rows.mini_batch_id.tolist() == plan.mini_batch_id.tolist()
+    assert facts.is_last_step.tolist() == expected
+    assert facts.is_padding.tolist() == [k.startswith("pad") for k in out_keys]
+    assert facts.multi_row and facts.mini_batch_id.tolist() == plan.mini_batch_id.tolist()
+    loss_tokens = {k: int(n) for k, n in zip(keys, layout.num_loss_tokens)}  # counted at planning, 0 on padding
+    assert facts.loss_tokens.tolist() == [loss_tokens.get(k, 0) for k in out_keys]
 
 
 def test_padding_row_has_the_source_schema_and_no_loss():
@@ -157,7 +197,7 @@ def test_padding_row_has_the_source_schema_and_no_loss():
               "rm_scores": torch.tensor([0.0, 0.0, 1.0]), "rollout_log_probs": -torch.ones(3), "uid": "g",
               "session_id": 1, "num_turns": 3, "data_source": "d"}
     tag = {"status": "success", "seq_len": 8, "min_global_steps": 2, "max_global_steps": 3}
-    row, pad_tag = V1.padding_row(source, tag, eos_token_id=7, length=2)
+    row, pad_tag = padding_row(source, tag, eos_token_id=7, length=2)
     assert set(row) == set(source)
     assert row["input_ids"].tolist() == [7, 7] and row["attention_mask"].tolist() == [1, 1]
     assert row["response_mask"].tolist() == [0] and float(row["rm_scores"].abs().sum()) == 0
@@ -223,10 +263,10 @@ def test_stepwise_metrics_sum_the_session_tags():
     one = {"rows_before": 3, "rows_after": 1, "tokens_before": 30, "tokens_after": 14, "loss_tokens_before": 6,
            "loss_tokens_after": 6}
     tags = [{MERGE_TAG: one}, {}, {MERGE_TAG: dict(one, rows_after=2, tokens_after=20)}]
-    m = V1.stepwise_metrics(tags)
+    m = stepwise_metrics(tags)
     assert m["traj_stepwise/rows_before"] == 6 and m["traj_stepwise/rows_after"] == 3
     assert m["traj_stepwise/token_ratio"] == pytest.approx(60 / 34) and m["traj_stepwise/trajectories"] == 2
-    assert V1.stepwise_metrics([{}, {}]) == {}
+    assert stepwise_metrics([{}, {}]) == {}
 
 
 def test_every_registered_mode_gets_the_mixin_and_the_registry_is_restored():
@@ -357,7 +397,7 @@ def test_last_rows_of_trajectories_pick_each_trajectorys_highest_step():
     never a padding row."""
     keys = ["g0_0_1", "g0_0_0", "g0_1_0", "pad7_0_0", "g1_0_2", "g1_0_10", "g1_0_3"]
     pad = np.array([k.startswith("pad") for k in keys])
-    assert V1.last_rows_of_trajectories(keys, pad).tolist() == [0, 2, 5]
+    assert last_rows_of_trajectories(keys, pad).tolist() == [0, 2, 5]
 
 
 def test_v1_trajectory_ratios_equal_v0s():
@@ -373,12 +413,12 @@ def test_v1_trajectory_ratios_equal_v0s():
     td["old_log_probs"] = td["rollout_log_probs"] + 0.05 * ((td["responses"] % 7).float() - 3) * (td["response_mask"] != 0)
     config = OmegaConf.create({"rollout_is": "sequence", "rollout_is_threshold": 50.0, "rollout_rs": "seq_mean_k1",
                                "rollout_rs_threshold": "0.98_1.02"})
-    keys, scores, rows = _v1_view(data)
+    keys, scores, facts = _v1_view(data)
     v1 = as_dataproto({k: td[k].clone() for k in ("old_log_probs", "rollout_log_probs", "response_mask", "attention_mask")},
                       {"uid": parse_row_keys(keys).uid})
-    v1, v1_metrics = V1.trajectory_correction(rows)(verl_add)(v1, config)
+    v1, v1_metrics = corrected_per_trajectory(facts, verl_add, v1, config)
     v0, v0_metrics = trajectory_scoped_correction(verl_add)(data, config)
-    real = ~rows.is_padding
+    real = ~facts.is_padding
     torch.testing.assert_close(v1.batch["rollout_is_weights"][real], v0.batch["rollout_is_weights"][real])
     assert torch.equal(v1.batch["response_mask"][real], v0.batch["response_mask"][real])
     assert v1_metrics == pytest.approx(v0_metrics)

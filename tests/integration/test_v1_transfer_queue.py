@@ -1,12 +1,15 @@
 """The v1 adapter against a real TransferQueue (Ray + TQ controller + storage, in this process): rows stored as
-verl's v1 agent-loop worker stores them, ``TrajV1Mixin._balance_batch`` on verl's sync trainer class, then what the
-workers would pull. Checks the dispatch order (rank-major, equal blocks), padding rows stored with the rows'
-schema (so every field stays common to the batch and reaches the workers), the plan's fields on every row, whole
-trajectories and groups per mini-batch, and the loss weights (each mini-batch's real loss tokens weigh 1)."""
+verl's v1 agent-loop worker stores them, the trainer built by its real ``__init__``
+(:func:`~verl_traj.testing.trainers.ray_less_trainer`), ``TrajV1Mixin._balance_batch`` on verl's sync trainer class,
+verl's own ``_compute_advantage`` and ``_update_actor`` / ``_update_critic``, and what the workers would pull.
+
+Checks the dispatch order (rank-major, equal blocks), padding rows stored with the rows' schema (so every field stays
+common to the batch and reaches the workers), the plan's fields on every row, whole trajectories and groups per
+mini-batch, the loss weights (each mini-batch's real loss tokens weigh 1, from the final loss-token counts), and the
+planned-update contract: the meta verl hands an update names every planned field, exactly what a worker fetches
+(verl's ``tqbridge``), and a worker refuses a planned update that lacks one."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,7 +17,8 @@ import torch
 from omegaconf import OmegaConf
 
 from verl_traj.config import TrajConfig
-from verl_traj.core.keys import LOSS_WEIGHT, MICRO_BATCH_ID, MINI_BATCH_ID
+from verl_traj.core.errors import TrajInputError
+from verl_traj.core.keys import LOSS_WEIGHT, MICRO_BATCH_ID, MINI_BATCH_ID, PLANNED_FIELDS, planned_update_fields
 from verl_traj.integration.verl_config import PlanSettings
 from verl_traj.testing.trainers import ray_less_trainer
 
@@ -37,44 +41,63 @@ def tq():
     ray.shutdown()
 
 
-def _store_rows(tq, rng, prefix="u"):
+def _row(rng, prefix: str, g: int, s: int, log_probs: bool) -> tuple[dict, dict]:
+    p, r = int(rng.integers(3, 9)), int(rng.integers(2, 7))
+    mask = torch.ones(r, dtype=torch.int64)
+    mask[: int(rng.integers(0, r))] = 0
+    ids = torch.randint(3, 50, (p + r,))
+    row = {"prompts": ids[:p], "responses": ids[p:], "input_ids": ids, "response_mask": mask, "loss_mask": mask,
+           "position_ids": torch.arange(p + r), "uid": f"{prefix}{g}", "session_id": s,
+           "rm_scores": torch.nn.functional.one_hot(torch.tensor(r - 1), r).float() * float(rng.random()),
+           "num_turns": 2}
+    if log_probs:  # some tokens far off-policy: verl's token-level rejection zeroes them in response_mask
+        rollout = -torch.rand(r)
+        row.update(rollout_log_probs=rollout, old_log_probs=rollout + 0.5 * torch.from_numpy(rng.random(r) < 0.3))
+    tag = {"status": "success", "prompt_len": p, "response_len": r, "seq_len": p + r, "global_steps": 1,
+           "min_global_steps": 0, "max_global_steps": 0}
+    return row, tag
+
+
+def _store_rows(tq, rng, prefix="u", log_probs=False):
     """Agent-loop outputs of 4 prompts x 3 sessions x 1-3 steps, as ``AgentLoopWorkerTQ`` stores them."""
+    from transfer_queue import KVBatchMeta
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
     keys, fields, tags = [], [], []
     for g in range(4):
         for s in range(N):
             for k in range(int(rng.integers(1, 4))):
-                p, r = int(rng.integers(3, 9)), int(rng.integers(2, 7))
-                mask = torch.ones(r, dtype=torch.int64)
-                mask[: int(rng.integers(0, r))] = 0
-                ids = torch.randint(3, 50, (p + r,))
+                row, tag = _row(rng, prefix, g, s, log_probs)
                 keys.append(f"{prefix}{g}_{s}_{k}")
-                fields.append({"prompts": ids[:p], "responses": ids[p:], "input_ids": ids, "response_mask": mask,
-                               "loss_mask": mask, "position_ids": torch.arange(p + r), "uid": f"{prefix}{g}",
-                               "session_id": s, "rm_scores": torch.zeros(r), "num_turns": 2})
-                tags.append({"status": "success", "prompt_len": p, "response_len": r, "seq_len": p + r,
-                             "global_steps": 1, "min_global_steps": 0, "max_global_steps": 0})
+                fields.append(row)
+                tags.append(tag)
     order = rng.permutation(len(keys))  # the replay buffer returns rows in completion order
     keys, fields, tags = [keys[i] for i in order], [fields[i] for i in order], [tags[i] for i in order]
     tq.kv_batch_put(keys=keys, partition_id="train", fields=list_of_dict_to_tensordict(fields), tags=tags)
-    from transfer_queue import KVBatchMeta
-
     return KVBatchMeta(keys=keys, tags=tags, partition_id="train")
 
 
-def _trainer():
+def _trainer(traj: "dict | None" = None, **sections):
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-    from verl_traj.integration.v1 import traj_trainer_class
-
-    return ray_less_trainer({"data": {"train_batch_size": 4, "max_response_length": 8},
-                             "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": MINI, "ppo_epochs": 1}}},
-                            TrajConfig(), plan=PlanSettings(max_tokens=24, cost="tokens", derived=True, pad_row_tokens=2),
+    config = OmegaConf.merge({"data": {"train_batch_size": 4, "max_response_length": 8},
+                              "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": MINI, "ppo_epochs": 1}}}, sections)
+    return ray_less_trainer(config, TrajConfig(**(traj or {})),
+                            plan=PlanSettings(max_tokens=24, cost="tokens", derived=True, pad_row_tokens=2),
                             dp=DP, v1_class=PPOTrainerSync)
 
 
+def _fetch(tq, meta, *fields):
+    return tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=list(fields))
+
+
+def _dense(t):
+    return t.to_padded_tensor(0) if t.is_nested else t
+
+
 def test_planned_batch_in_transfer_queue(tq):
+    from verl_traj.integration.v1_updates import put_update_fields
+
     batch = _store_rows(tq, np.random.default_rng(0))
     tr, metrics = _trainer(), {}
     out = tr._balance_batch(batch, metrics)
@@ -89,16 +112,18 @@ def test_planned_batch_in_transfer_queue(tq):
         block = mb[rank * n // DP:(rank + 1) * n // DP]
         assert torch.equal(block, torch.sort(block).values)
     pad = torch.tensor([bool(t.get("is_padding")) for t in out.tags])
-    assert torch.equal(pad, tr._planned.is_padding)
+    facts = tr._plan_facts
+    assert torch.equal(pad, facts.is_padding)
     assert pad.any() and stored["input_ids"].offsets().diff()[pad].tolist() == [2] * int(pad.sum())
+    assert torch.equal(facts.loss_tokens, _dense(stored["response_mask"]).sum(-1))  # counted at planning
     for key_set in ({k.rsplit("_", 2)[0] for k in out.keys}, {k.rsplit("_", 1)[0] for k in out.keys}):
         for unit in key_set:  # groups, trajectories: one mini-batch each
             ids = {int(m) for k, m in zip(out.keys, mb) if k.startswith(unit + "_")}
             assert len(ids) == 1 or unit.startswith("pad")
 
-    tr._put_loss_weights(out, tr.spec.actor_loss)
-    w = tq.kv_batch_get(keys=out.keys, partition_id="train", select_fields=[LOSS_WEIGHT, "response_mask"])
-    loss_tokens = w["response_mask"].to_padded_tensor(0).sum(-1).double()
+    put_update_fields(out, facts, tr.spec.actor_loss)
+    w = _fetch(tq, out, LOSS_WEIGHT, "response_mask")
+    loss_tokens = _dense(w["response_mask"]).sum(-1).double()
     per_mb = torch.zeros(int(mb.max()) + 1, dtype=torch.float64).index_add_(0, mb, w[LOSS_WEIGHT].double() * loss_tokens)
     torch.testing.assert_close(per_mb, torch.ones_like(per_mb))
     assert torch.all(w[LOSS_WEIGHT][pad] == 0)
@@ -113,8 +138,133 @@ def test_a_step_of_several_local_updates_reads_every_plans_padding(tq):
     tr = _trainer()
     outs = [tr._balance_batch(b, {}) for b in (first, second)]
     keys = outs[0].keys + outs[1].keys
-    real = tr._real_rows_of_step(keys)
+    real = tr._step_padding.real_rows(keys)
     expected = [not k.startswith("pad") for k in keys]
     assert real.tolist() == expected and not all(expected)  # padding rows of both updates found
     with pytest.raises(RuntimeError, match="not planned"):
-        tr._real_rows_of_step(keys)  # forgotten after the step's metrics
+        tr._step_padding.real_rows(keys)  # forgotten after the step's metrics
+
+
+# ---- the planned-update contract, through verl's own update methods --------------------------------------------
+
+def _as_a_worker_receives(meta):
+    """The ``TensorDict`` a worker method gets for a ``KVBatchMeta`` argument: verl's ``tqbridge`` fetches exactly the
+    fields ``meta.fields`` names (every stored field when None) and adds ``meta.extra_info`` as non-tensor data."""
+    from verl.utils.transferqueue_utils import tqbridge
+
+    @tqbridge()
+    def receive(data):
+        return {"data": data}  # not a TensorDict: tqbridge writes nothing back
+
+    return receive(meta)["data"]
+
+
+class _WorkerGroup:
+    """The worker side of one update dispatch, in this process: what verl's worker receives for the meta, then
+    verl_traj's worker check of the planned fields (:func:`~verl_traj.integration.workers.check_planned_update`)."""
+
+    def __init__(self):
+        self.received, self.checked = [], []
+
+    def _run(self, meta) -> dict:
+        from verl_traj.integration.workers import check_planned_update
+
+        data = _as_a_worker_receives(meta)
+        self.received.append(data)
+        self.checked.append(check_planned_update(data))
+        return {"metrics": {"mfu": [0.0], "loss": [1.0]}}
+
+    def update_actor(self, meta):  # actor_rollout_wg: returns the metrics
+        return self._run(meta)
+
+    def train_mini_batch(self, meta):  # critic_wg: returns a future of them
+        out = self._run(meta)
+        return type("Future", (), {"get": lambda self: out})()
+
+
+def _as_verl_leaves_it(tq, out):
+    """The meta verl's ``_compute_advantage`` hands the updates: what ``kv_batch_put`` of its write-back returns,
+    listing the fields stored so far (not the update's own, written after it)."""
+    from tensordict import TensorDict
+
+    adv = torch.zeros(len(out), 1)
+    meta = tq.kv_batch_put(keys=out.keys, partition_id=out.partition_id,
+                           fields=TensorDict({"advantages": adv, "returns": adv}, batch_size=[len(out)]))
+    assert meta.fields is not None and LOSS_WEIGHT not in meta.fields and MINI_BATCH_ID in meta.fields
+    return meta
+
+
+STEP_ROWS_GSPO = dict(traj={"step_wise": True, "ratio_scope": "trajectory"},
+                      actor_rollout_ref={"actor": {"policy_loss": {"loss_mode": "gspo"}}})
+CRITIC_UNION = dict(algorithm={"adv_estimator": "gae"}, critic={"ppo_mini_batch_size": 4})
+
+
+@pytest.mark.parametrize("role, setup, ratio_groups", [("actor", {}, False), ("actor", STEP_ROWS_GSPO, True),
+                                                       ("critic", CRITIC_UNION, False)])
+def test_a_planned_update_reaches_the_worker_through_the_meta(tq, role, setup, ratio_groups):
+    """Regression: the workers fetch exactly the fields the meta names, and the meta verl hands an update lists only
+    the fields stored before it; verl_traj's trainer names every planned field (``loss_weight``, ``ratio_group``
+    written for the update), so the worker gets all of them, and the update's contract keys leave with the call."""
+    from verl_traj.integration.workers import CRITIC_UNION_KEY
+
+    tr = _trainer(**setup)
+    rows = _store_rows(tq, np.random.default_rng(3), prefix=f"w{role}{int(ratio_groups)}")
+    meta = _as_verl_leaves_it(tq, tr._balance_batch(rows, {}))
+    worker = _WorkerGroup()
+    if role == "actor":
+        tr.actor_rollout_wg = worker
+    else:
+        tr.critic_wg = worker
+    metrics = {}
+    getattr(tr, f"_update_{role}")(meta, metrics)
+    planned = planned_update_fields(ratio_groups)
+    assert worker.checked == [planned] and set(planned) <= set(worker.received[0].keys())
+    assert (CRITIC_UNION_KEY in worker.received[0].keys()) == (role == "critic")  # critic steps on unions of 2
+    assert PLANNED_FIELDS not in meta.extra_info and CRITIC_UNION_KEY not in meta.extra_info
+    assert f"perf/mfu/{role}" in metrics
+
+
+@pytest.mark.parametrize("field", planned_update_fields(ratio_groups=True))
+def test_a_planned_field_the_meta_does_not_name_is_refused_by_the_worker(tq, field):
+    """Each planned field in turn left out of the meta's field list (a subclass that rebuilds the meta): the worker
+    does not receive it and refuses the update, naming the field; with every field named the check passes."""
+    from verl_traj.integration.v1_updates import planned_update
+    from verl_traj.integration.workers import check_planned_update
+
+    tr = _trainer(**STEP_ROWS_GSPO)
+    rows = _store_rows(tq, np.random.default_rng(4), prefix=f"m{field.replace('_', '')}")
+    meta = _as_verl_leaves_it(tq, tr._balance_batch(rows, {}))
+    with planned_update(meta, tr._plan_facts, tr.spec.actor_loss, ratio_groups=True):
+        assert check_planned_update(_as_a_worker_receives(meta)) == planned_update_fields(ratio_groups=True)
+        meta.fields = [f for f in meta.fields if f != field]
+        data = _as_a_worker_receives(meta)
+    assert field not in data.keys()
+    with pytest.raises(TrajInputError, match=f"lacks field '{field}'") as err:
+        check_planned_update(data)
+    assert err.value.field == field
+
+
+def test_loss_weights_come_from_the_final_loss_token_counts(tq, monkeypatch):
+    """Item 6: the loss weights need each row's loss-token count, not the ``[B, R]`` mask. The counts are taken at
+    planning and again inside verl's own ``_compute_advantage``, after its rollout correction rejected tokens; the
+    update then fetches no mask, and its weights equal the mask-based weights of the final mask."""
+    import transfer_queue
+
+    tr = _trainer(algorithm={"rollout_correction": {"rollout_rs": "token_k1", "rollout_rs_threshold": "0.98_1.02"}})
+    out = tr._balance_batch(_store_rows(tq, np.random.default_rng(5), prefix="c", log_probs=True), {})
+    facts = tr._plan_facts
+    planned_counts = facts.loss_tokens.clone()
+    meta = tr._compute_advantage(out, {})
+    final = _dense(_fetch(tq, meta, "response_mask")["response_mask"])
+    assert torch.equal(facts.loss_tokens, final.sum(-1)) and not torch.equal(planned_counts, facts.loss_tokens)
+
+    reads = []
+    verl_get = transfer_queue.kv_batch_get
+    monkeypatch.setattr(transfer_queue, "kv_batch_get",
+                        lambda **kw: reads.append(kw.get("select_fields")) or verl_get(**kw))
+    tr.actor_rollout_wg = _WorkerGroup()
+    tr._update_actor(meta, {})
+    assert not any("response_mask" in (fields or ["response_mask"]) for fields in reads)  # no mask pulled
+    weights = _fetch(tq, meta, LOSS_WEIGHT)[LOSS_WEIGHT]
+    expected = tr.spec.actor_loss.weights(final, facts.mini_batch_id, facts.traj_index, facts.is_padding)
+    torch.testing.assert_close(weights, expected)

@@ -16,6 +16,10 @@ key                    written by              read by
 ``seq_ratio_shift``    actor worker, per step  the policy loss (GSPO's sequence ratio over the trajectory)
 =====================  ======================  ==========================================================
 
+A planned update is a contract: the trainer names the per-row fields it planned in the update's non-tensor
+``traj_planned_fields`` (:data:`PLANNED_FIELDS`, :func:`planned_update_fields`); a worker that receives a planned
+update missing any of them raises, naming the field (never verl's path in silence).
+
 All of them but ``is_last_step`` (a ``non_tensor_batch`` field, as the expansion writes it) are
 tensors: verl's ``DataProto.to_tensordict`` refuses a key that is both a tensor and a non-tensor.
 """
@@ -30,8 +34,21 @@ RATIO_GROUP = "ratio_group"  # [B] the trajectory whose sequence ratio a row sha
 SEQ_RATIO_SHIFT = "seq_ratio_shift"  # [b] per-row shift of old log-probs that makes GSPO's row mean the trajectory's
 TURN_REWARDS = "turn_rewards"  # [B, R] per-step (turn) rewards of step rows, each on its call's last response token
 
+PLANNED_FIELDS = "traj_planned_fields"  # non-tensor of an update: the comma-separated fields the trainer planned
+# non-tensor of an actor update: its old log-probs were computed by the parameters the update starts from (verl
+# recomputes them right before every update; bypass_mode, which takes the rollout's, is refused), so the first
+# optimizer step's log-ratios are rounding and GSPO's trajectory pre-pass may skip it where the forward is deterministic
+OLD_LOG_PROBS_AT_START = "traj_old_log_probs_at_start"
+
+
+def planned_update_fields(ratio_groups: bool = False) -> tuple[str, ...]:
+    """The per-row fields every planned update carries to the workers (``ratio_groups``: GSPO at trajectory
+    scope, the actor's rows carry ``ratio_group`` too)."""
+    return (MINI_BATCH_ID, MICRO_BATCH_ID, LOSS_WEIGHT) + ((RATIO_GROUP,) if ratio_groups else ())
+
+
 # Tensor fields apply_plan adds (replaced if the input already carries them).
 PLAN_KEYS = (MINI_BATCH_ID, MICRO_BATCH_ID, TRAJ_INDEX, IS_PADDING)
 
 __all__ = ["MINI_BATCH_ID", "MICRO_BATCH_ID", "TRAJ_INDEX", "IS_PADDING", "IS_LAST_STEP", "LOSS_WEIGHT", "PLAN_KEYS",
-           "RATIO_GROUP", "SEQ_RATIO_SHIFT", "TURN_REWARDS"]
+           "OLD_LOG_PROBS_AT_START", "PLANNED_FIELDS", "RATIO_GROUP", "planned_update_fields", "SEQ_RATIO_SHIFT", "TURN_REWARDS"]

@@ -52,9 +52,10 @@ from typing import Callable, Optional
 
 import torch
 
-from .errors import TrajInputError, check_binary_mask, check_positive_number
+from .errors import TrajInputError, check_binary_mask, check_finite, check_index, check_positive_number, check_shape
 
-__all__ = ["LOSS_WEIGHT_FNS", "RowStats", "compute_loss_weights", "loss_weight_modes", "register_loss_weight"]
+__all__ = ["LOSS_WEIGHT_FNS", "RowStats", "compute_loss_weights", "compute_loss_weights_from_counts",
+           "loss_weight_modes", "register_loss_weight"]
 
 LOSS_WEIGHT_FNS: dict[str, Callable[["RowStats"], torch.Tensor]] = {}
 
@@ -170,6 +171,14 @@ def _check_shapes(response_mask: torch.Tensor, **per_row: torch.Tensor) -> None:
             )
 
 
+def _check_mode(mode: str) -> None:
+    if not isinstance(mode, str) or mode not in LOSS_WEIGHT_FNS:
+        raise TrajInputError(
+            f"loss aggregation mode {mode!r} is not one of {list(LOSS_WEIGHT_FNS)}; set traj.loss_agg_mode "
+            "(or actor/critic loss_agg_mode) to one of them.", field="loss_agg_mode",
+        )
+
+
 def compute_loss_weights(
     mode: str,
     response_mask: torch.Tensor,
@@ -180,7 +189,8 @@ def compute_loss_weights(
     loss_scale_factor: Optional[float] = None,
 ) -> torch.Tensor:
     """Per-row weights ``w`` (float32 ``[B]``) such that ``sum(loss * response_mask * w[:, None])`` over a
-    mini-batch is that mini-batch's loss under aggregation ``mode`` (formulas: module docstring).
+    mini-batch is that mini-batch's loss under aggregation ``mode`` (formulas: module docstring). Counts each row's
+    loss tokens ``l_i = response_mask[i].sum()`` and delegates to :func:`compute_loss_weights_from_counts`.
 
     Args:
         mode: a registered name (:func:`loss_weight_modes`).
@@ -191,36 +201,77 @@ def compute_loss_weights(
         loss_scale_factor: ``S`` of ``seq-mean-token-sum-norm`` (default: ``R``); a finite number > 0.
     Raises:
         TrajInputError: unknown mode, wrong shapes, a mask value other than 0/1, a NaN / inf / non-positive
-            ``loss_scale_factor``, a negative ``mini_batch_id``.
+            ``loss_scale_factor``, ids out of range (negative ``mini_batch_id``, ``traj_index`` below -1 or -1 on
+            a real row, fractional ids), a weight function whose output is not ``[B]`` finite floats >= 0.
     """
-    if not isinstance(mode, str) or mode not in LOSS_WEIGHT_FNS:
-        raise TrajInputError(
-            f"loss aggregation mode {mode!r} is not one of {list(LOSS_WEIGHT_FNS)}; set traj.loss_agg_mode "
-            "(or actor/critic loss_agg_mode) to one of them.", field="loss_agg_mode",
-        )
+    _check_mode(mode)
     _check_shapes(response_mask, mini_batch_id=mini_batch_id, traj_index=traj_index, is_padding=is_padding)
     check_binary_mask("response_mask", response_mask)
-    if loss_scale_factor is None:
-        scale = float(response_mask.shape[1])
-    else:
-        scale = check_positive_number(
-            "loss_scale_factor", loss_scale_factor,
-            "set loss_scale_factor (actor/critic config) to a positive constant, e.g. the response width "
-            "data.max_response_length, or null to use the batch's response width",
-        )
-    device = response_mask.device
+    scale = float(response_mask.shape[1]) if loss_scale_factor is None else loss_scale_factor
+    return compute_loss_weights_from_counts(mode, (response_mask != 0).sum(-1), mini_batch_id, traj_index, is_padding,
+                                            loss_scale_factor=scale)
+
+
+def compute_loss_weights_from_counts(
+    mode: str,
+    loss_tokens: torch.Tensor,
+    mini_batch_id: torch.Tensor,
+    traj_index: torch.Tensor,
+    is_padding: torch.Tensor,
+    *,
+    loss_scale_factor: float,
+) -> torch.Tensor:
+    """:func:`compute_loss_weights` from each row's loss-token count ``l_i`` instead of the ``[B, R]`` mask (what a
+    driver that keeps only the counts passes; the weights are the same for the same counts).
+
+    Args:
+        mode: a registered name (:func:`loss_weight_modes`).
+        loss_tokens: ``[B]`` int, ``l_i >= 0`` (the final ``response_mask``'s row sums).
+        mini_batch_id / traj_index / is_padding: as for :func:`compute_loss_weights`.
+        loss_scale_factor: ``S`` of ``seq-mean-token-sum-norm``, required (no mask, so no response width to default
+            to); a finite number > 0.
+    Raises:
+        TrajInputError: as :func:`compute_loss_weights`; ``loss_tokens`` not ``[B]`` whole numbers >= 0.
+    """
+    _check_mode(mode)
+    tokens = check_index("loss_tokens", loss_tokens, "pass each row's count of loss tokens (response_mask.sum(-1))")
+    rows = tokens.shape[0]
+    check_shape("is_padding", is_padding, (rows,), "pass the is_padding that apply_plan wrote into the batch")
+    scale = check_positive_number(
+        "loss_scale_factor", loss_scale_factor,
+        "set loss_scale_factor (actor/critic config) to a positive constant, e.g. the response width "
+        "data.max_response_length",
+    )
+    device = loss_tokens.device if isinstance(loss_tokens, torch.Tensor) else torch.device("cpu")
+    fix = "pass the {} that apply_plan wrote into the batch"
+    check_binary_mask("is_padding", is_padding, fix.format("is_padding"))
     real = (~is_padding.to(device=device, dtype=torch.bool)).to(torch.float64)
-    mb = mini_batch_id.to(device=device, dtype=torch.long)
-    lo, hi = (int(x) for x in torch.aminmax(mb)) if mb.numel() else (0, -1)
-    if lo < 0:
-        raise TrajInputError.invalid("mini_batch_id", mini_batch_id, "holds a negative id",
-                                     "pass the dense 0..M-1 mini_batch_id that apply_plan wrote into the batch")
-    traj = torch.where(real > 0, traj_index.to(device=device, dtype=torch.long), torch.full_like(mb, -1))
+    mb = check_index("mini_batch_id", mini_batch_id, fix.format("dense 0..M-1 mini_batch_id"), rows=rows).to(device)
+    traj_index = check_index("traj_index", traj_index, fix.format("dense 0..T-1 traj_index (-1 on padding rows)"),
+                             rows=rows, low=-1).to(device)
+    if bool(((traj_index < 0) & (real > 0)).any()):
+        r = int(torch.nonzero((traj_index < 0) & (real > 0))[0, 0])
+        raise TrajInputError.invalid(f"traj_index[{r}]", int(traj_index[r]), "is negative on a real row (is_padding "
+                                     "False)", fix.format("traj_index and is_padding"))
+    hi = int(mb.max()) if mb.numel() else -1
+    traj = torch.where(real > 0, traj_index, torch.full_like(mb, -1))
     stats = RowStats(
         mini_batch=mb, traj=traj, real=real,
-        loss_tokens=(response_mask != 0).sum(-1).to(torch.float64) * real,
+        loss_tokens=tokens.to(device=device, dtype=torch.float64) * real,
         num_mini_batches=hi + 1,
         num_trajectories=max(int(traj.max()) + 1 if traj.numel() else 0, 1),  # >= 1: padding rows gather slot 0
         scale=scale,
     )
-    return (LOSS_WEIGHT_FNS[mode](stats) * real).to(torch.float32)
+    return (_checked_weights(mode, LOSS_WEIGHT_FNS[mode](stats), rows) * real).to(torch.float32)
+
+
+def _checked_weights(mode: str, w: object, rows: int) -> torch.Tensor:
+    """A weight function's output: a real ``[rows]`` tensor of finite values >= 0 (else a :class:`TrajInputError`)."""
+    fix = f"the function registered as {mode!r} must return fn(RowStats) -> [B] float tensor of finite weights >= 0"
+    check_shape("loss_agg_mode", w, (rows,), fix)
+    if not w.is_floating_point():
+        raise TrajInputError.invalid("loss_agg_mode", w, f"(mode {mode!r}) returned dtype {w.dtype}", fix)
+    check_finite("loss_agg_mode", w, fix)
+    if w.numel() and float(w.min()) < 0:
+        raise TrajInputError.invalid("loss_agg_mode", w, f"(mode {mode!r}) returned a negative weight", fix)
+    return w

@@ -17,12 +17,13 @@ fn gets the boolean ``response_mask``, so its metrics (clip fractions, ppo_kl) s
 means, as in verl. Loss fns that use ``rollout_is_weights`` differently or aggregate with a
 hard-coded mode are refused at start-up (``verl_traj.config.SUPPORTED_POLICY_LOSS_MODES``).
 
-If a batch carries no ``loss_weight`` (e.g. ``traj.enable=false``), both functions defer to verl's
-``ppo_loss`` / ``value_loss`` unchanged.
+Both require ``loss_weight`` (:func:`require_loss_weight`): they are installed only on verl_traj's workers, which run
+planned updates only; a micro-batch without it raises, naming the field (it never falls back to verl's loss).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -30,11 +31,13 @@ from tensordict import TensorDict
 
 from verl.trainer.ppo.core_algos import agg_loss, compute_value_loss, get_policy_loss_fn, kl_penalty
 from verl.utils.metric import AggregationType, Metric
+from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.torch_functional import masked_mean
-from verl.workers.utils.losses import ppo_loss, value_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
+from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import LOSS_WEIGHT, SEQ_RATIO_SHIFT
+
 
 def _set_global_batch_info(config: Any, dp_size: int) -> None:
     # token-sum needs only dp_size; the other keys must not leak a stale value into agg_loss.
@@ -148,10 +151,19 @@ def weighted_value_loss(
     return vf_loss, metrics
 
 
+def require_loss_weight(data: TensorDict, loss: str) -> None:
+    """Raise :class:`TrajInputError` naming ``loss_weight`` when a micro-batch reached ``loss`` without it."""
+    if LOSS_WEIGHT not in data.keys():
+        raise TrajInputError(
+            f"{loss} received a micro-batch without {LOSS_WEIGHT!r} (fields: {sorted(data.keys())}): verl_traj's loss "
+            "aggregates with the trainer's per-row weights and never falls back to verl's. Fix: train through "
+            "verl_traj's trainer with traj.enable=true (it writes the weights and names them in the update), or "
+            "use verl's own loss for traj.enable=false.", field=LOSS_WEIGHT)
+
+
 def traj_ppo_loss(config: Any, model_output, data: TensorDict, dp_group=None):
     """Drop-in for ``verl.workers.utils.losses.ppo_loss`` (same signature, engine no-padding format)."""
-    if LOSS_WEIGHT not in data.keys():
-        return ppo_loss(config, model_output, data, dp_group)
+    require_loss_weight(data, "traj_ppo_loss")
     log_prob = no_padding_2_padding(model_output["log_probs"], data)
     entropy = model_output.get("entropy", None)
     if entropy is not None:
@@ -172,8 +184,7 @@ def traj_ppo_loss(config: Any, model_output, data: TensorDict, dp_group=None):
 
 def traj_value_loss(config: Any, model_output, data: TensorDict, dp_group=None):
     """Drop-in for ``verl.workers.utils.losses.value_loss`` (same signature)."""
-    if LOSS_WEIGHT not in data.keys():
-        return value_loss(config, model_output, data, dp_group)
+    require_loss_weight(data, "traj_value_loss")
     vpreds = no_padding_2_padding(model_output["values"], data)
     dp_size = int(data["dp_size"])
     padded = data.select("values", "returns", "response_mask", LOSS_WEIGHT).to_padded_tensor()
@@ -182,6 +193,8 @@ def traj_value_loss(config: Any, model_output, data: TensorDict, dp_group=None):
 
 
 __all__ = [
+    "install_value_loss",
+    "require_loss_weight",
     "traj_ppo_loss",
     "traj_value_loss",
     "weighted_policy_loss",
@@ -192,8 +205,4 @@ __all__ = [
 def install_value_loss(critic_wg: Any, critic_section: Any) -> None:
     """Give a critic worker group ``traj_value_loss`` with its config (as verl sets ``value_loss``); both trainers
     call this once their workers exist."""
-    import functools
-
-    from verl.utils.config import omega_conf_to_dataclass
-
     critic_wg.set_loss_fn(functools.partial(traj_value_loss, config=omega_conf_to_dataclass(critic_section)))

@@ -33,6 +33,11 @@ The patch sets, each in the order it is installed (a later patch of the same nam
 * :func:`update_patches` -- actor / critic worker, during one planned ``train_mini_batch``:
   1. ``tensordict_utils.make_iterator`` <- the plan's mini-batches (same order on every rank);
   2. ``prepare_micro_batches`` of every loaded FSDP engine module <- the plan's micro-batches.
+* :func:`gspo_prepass_patches` -- actor worker, during one planned ``train_mini_batch`` with ``ratio_group`` (GSPO at
+  ``traj.ratio_scope=trajectory``), after :func:`update_patches`: the engine *instance*'s ``forward_backward_batch``
+  <- a no-grad pre-pass (training mode, RNG replayed) that gives each row its trajectory's sequence ratio, then
+  verl's call. An instance attribute: restored to the instance's own attribute if it had one, else removed, so the
+  class's method shows through again.
 
 Not here, on purpose: the CPU platform plugin's changes for the whole life of a process (a platform, engines,
 a rollout backend, a gloo-only process-group init and a value-model loader; all but the rollout backend only
@@ -51,7 +56,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-__all__ = ["Patch", "patched", "fit_patches", "task_runner_patches", "update_patches", "v1_advantage_patches",
+__all__ = ["Patch", "patched", "fit_patches", "gspo_prepass_patches", "task_runner_patches", "update_patches", "v1_advantage_patches",
            "v1_metric_patches", "v1_task_runner_patches", "ENGINE_MODULES"]
 
 RAY_TRAINER = "verl.trainer.ppo.ray_trainer"
@@ -66,30 +71,35 @@ ENGINE_MODULES = ("verl.workers.engine.fsdp.transformer_impl",)
 
 @dataclass(frozen=True)
 class Patch:
-    """Replace ``module.name`` by ``wrap(original)``; ``why`` is for the reader and error messages."""
+    """Replace ``module.name`` by ``wrap(original)``; ``why`` is for the reader and error messages. With ``target``
+    the attribute of that object is replaced instead (``module`` then only names it)."""
 
     module: str
     name: str
     wrap: Callable[[Any], Any]
     why: str = ""
+    target: Any = None
 
 
 @contextlib.contextmanager
 def patched(patches: Sequence[Patch]) -> Iterator[None]:
     """Install ``patches`` in order; on exit restore every name, in reverse order, to what it was."""
-    undo: list[tuple[Any, str, Any]] = []
+    undo: list[tuple[Any, str, Any, bool]] = []
     try:
         for p in patches:
-            module = importlib.import_module(p.module)
-            if not hasattr(module, p.name):
+            owner = p.target if p.target is not None else importlib.import_module(p.module)
+            if not hasattr(owner, p.name):
                 raise AttributeError(f"{p.module}.{p.name} does not exist in this verl version; cannot {p.why}")
-            original = getattr(module, p.name)
-            undo.append((module, p.name, original))
-            setattr(module, p.name, p.wrap(original))
+            original = getattr(owner, p.name)
+            undo.append((owner, p.name, original, p.target is None or p.name in vars(owner)))
+            setattr(owner, p.name, p.wrap(original))
         yield
     finally:
-        for module, name, original in reversed(undo):
-            setattr(module, name, original)
+        for owner, name, original, own in reversed(undo):
+            if own:
+                setattr(owner, name, original)
+            else:  # an instance that used its class's attribute uses it again
+                delattr(owner, name)
 
 
 def fit_patches(step_wise: bool, real_row_mask: Callable[[], Any] = lambda: None,
@@ -139,23 +149,26 @@ def v1_task_runner_patches(traj_trainer_class: Callable[[type], type]) -> list[P
     return [Patch("verl.trainer.ppo.v1", "get_trainer_cls", wrap, "run verl's v1 trainers with TrajV1Mixin")]
 
 
-def v1_advantage_patches(compute: Callable, correction: Optional[Callable] = None) -> list[Patch]:
-    """``compute``: the planned batch's advantage; ``correction``: a wrapper of verl's rollout correction
-    (``traj.ratio_scope=trajectory`` with step rows), or ``None``."""
-    out = [Patch(V1_TRAINER, "compute_advantage_for_multi_trajectories", lambda _original: compute,
+def v1_advantage_patches(advantage: Callable, correction: Optional[Callable] = None) -> list[Patch]:
+    """``advantage``: replaces ``compute_advantage_for_multi_trajectories`` (same signature; the mixin passes
+    :func:`~verl_traj.integration.v1_advantage.planned_advantage` with the batch's plan facts bound);
+    ``correction(verl_correction, data, rollout_corr_config)``: wraps verl's rollout correction (step rows at
+    ``traj.ratio_scope=trajectory``: :func:`~verl_traj.integration.v1_advantage.corrected_per_trajectory`), or
+    ``None``."""
+    out = [Patch(V1_TRAINER, "compute_advantage_for_multi_trajectories", lambda _original: advantage,
                  "compute the planned batch's advantages")]
     if correction is not None:
-        out.append(Patch(V1_TRAINER, "compute_rollout_correction_and_add_to_batch", correction,
+        out.append(Patch(V1_TRAINER, "compute_rollout_correction_and_add_to_batch",
+                         lambda original: functools.partial(correction, original),
                          "verl's sequence-level rollout correction per trajectory (traj.ratio_scope)"))
     return out
 
 
-def v1_metric_patches(real_row_mask: Callable[[], Any]) -> list[Patch]:
-    from verl_traj.integration import real_rows
-
-    return [Patch(V1_TRAINER, name, functools.partial(real_rows.metrics_on_masked_rows, real_row_mask=real_row_mask),
-                  "log timing and throughput of real rows") for name in ("compute_timing_metrics",
-                                                                         "compute_throughout_metrics")]
+def v1_metric_patches(on_real_rows: Callable[[Callable], Callable]) -> list[Patch]:
+    """``on_real_rows(verl_metric_fn)``: the metric function on the step's real rows (the mixin passes
+    :func:`~verl_traj.integration.real_rows.metrics_on_masked_rows` with the step's real-row mask bound)."""
+    return [Patch(V1_TRAINER, name, on_real_rows, "log timing and throughput of real rows")
+            for name in ("compute_timing_metrics", "compute_throughout_metrics")]
 
 
 def update_patches(make_iterator: Callable[[Any], Any], prepare_micro_batches: Callable[[Any], Any]) -> list[Patch]:
@@ -164,3 +177,10 @@ def update_patches(make_iterator: Callable[[Any], Any], prepare_micro_batches: C
     out += [Patch(name, "prepare_micro_batches", prepare_micro_batches, "run the plan's micro-batches")
             for name in ENGINE_MODULES if name in sys.modules]
     return out
+
+
+def gspo_prepass_patches(engine: Any, wrap: Callable[[Callable], Callable]) -> list[Patch]:
+    """Actor worker, one planned update with ``ratio_group``: ``engine.forward_backward_batch`` <- ``wrap(verl's)``
+    (the GSPO pre-pass of :class:`~verl_traj.integration.workers.TrajActorTrainingWorker`)."""
+    return [Patch("verl.workers.engine.base.BaseEngine", "forward_backward_batch", wrap,
+                  "give GSPO each row's trajectory-wide sequence ratio (traj.ratio_scope=trajectory)", target=engine)]

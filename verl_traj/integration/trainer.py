@@ -34,14 +34,16 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 from verl_traj.config import TrajConfig
 from verl_traj.core import MiniBatchPlan, apply_plan, build_layout
-from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MINI_BATCH_ID, RATIO_GROUP, TRAJ_INDEX
+from verl_traj.core.errors import TrajInputError
+from verl_traj.core.keys import (IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MINI_BATCH_ID, OLD_LOG_PROBS_AT_START,
+                                 PLAN_KEYS, PLANNED_FIELDS, RATIO_GROUP, TRAJ_INDEX, planned_update_fields)
 from verl_traj.core.padding import resolve_pad_token_id
 from verl_traj.integration.checkpoints import CompleteCheckpoints
 from verl_traj.integration.patches import fit_patches, patched
 from verl_traj.integration.step_plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
                                        stock_plan_metrics_of)
 from verl_traj.integration.real_rows import is_padding, real_rows
-from verl_traj.integration.update_spec import LossSpec, UpdateSpec
+from verl_traj.integration.update_spec import LossSpec, UpdateSpec, has_multi_row_trajectory
 from verl_traj.integration.workers import CRITIC_UNION_KEY
 
 __all__ = ["TrajRayPPOTrainer", "plan_batch_in_place"]
@@ -163,11 +165,22 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
     @contextlib.contextmanager
     def _planned_update(self, batch: DataProto, loss: LossSpec, union: int = 1,
                         ratio_groups: bool = False) -> Iterator[None]:
-        """Attach ``loss_weight`` (and the critic's mini-batch union, the actor's ``ratio_group``) for one update."""
+        """Attach ``loss_weight`` (and the critic's mini-batch union, the actor's ``ratio_group`` where some trajectory
+        has several rows) for one update, and name the planned fields the workers must receive
+        (:func:`~verl_traj.integration.workers.check_planned_update`)."""
         td = batch.batch
+        missing = [key for key in PLAN_KEYS if key not in td.keys()]
+        if missing:
+            raise TrajInputError(
+                f"the update's batch lacks the plan's field {missing[0]!r}: _balance_batch did not plan it (it runs "
+                "every step with traj.enable=true), or something replaced the batch after planning. verl_traj "
+                "trains planned batches only.", field=missing[0])
         td[LOSS_WEIGHT] = loss.weights(td["response_mask"], td[MINI_BATCH_ID], td[TRAJ_INDEX], td[IS_PADDING])
+        ratio_groups = ratio_groups and has_multi_row_trajectory(td[TRAJ_INDEX], td[IS_PADDING])
         if ratio_groups:
             td[RATIO_GROUP] = td[TRAJ_INDEX].clone()
+        batch.meta_info[PLANNED_FIELDS] = ",".join(planned_update_fields(ratio_groups))
+        batch.meta_info[OLD_LOG_PROBS_AT_START] = True  # verl recomputed them just before (bypass_mode is refused)
         if union > 1:
             batch.meta_info[CRITIC_UNION_KEY] = union
         try:
@@ -176,18 +189,17 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
             td.pop(LOSS_WEIGHT, None)
             td.pop(RATIO_GROUP, None)
             batch.meta_info.pop(CRITIC_UNION_KEY, None)
-
-    def _planned(self, batch: DataProto) -> bool:
-        return self.traj_config.enable and MINI_BATCH_ID in batch.batch.keys()
+            batch.meta_info.pop(PLANNED_FIELDS, None)
+            batch.meta_info.pop(OLD_LOG_PROBS_AT_START, None)
 
     def _update_actor(self, batch: DataProto) -> DataProto:
-        if not self._planned(batch):
+        if not self.traj_config.enable:
             return super()._update_actor(batch)
         with self._planned_update(batch, self.spec.actor_loss, ratio_groups=self.spec.ratio_groups):
             return super()._update_actor(batch)
 
     def _update_critic(self, batch: DataProto) -> DataProto:
-        if not self._planned(batch):
+        if not self.traj_config.enable:
             return super()._update_critic(batch)
         with self._planned_update(batch, self.spec.critic_loss, self.spec.critic_union):
             return super()._update_critic(batch)

@@ -22,13 +22,15 @@ from typing import Any, Optional
 
 import torch
 
-from verl_traj.config import (CURRENT_POLICY_SEQUENCE_RATIOS, TrajConfig, TrajConfigError, parameter_sync_step,
-                              prompts_per_update, uses_critic)
+from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core import compute_loss_weights
+from verl_traj.core.loss_weights import compute_loss_weights_from_counts
 from verl_traj.core.errors import check_positive_number
+from verl_traj.integration.verl_checks import (CURRENT_POLICY_SEQUENCE_RATIOS, parameter_sync_step, prompts_per_update,
+                                               uses_critic)
 from verl_traj.integration.verl_config import PlanSettings, prepare_config
 
-__all__ = ["LossSpec", "UpdateSpec"]
+__all__ = ["LossSpec", "UpdateSpec", "has_multi_row_trajectory"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,20 @@ class LossSpec:
         normalised over each optimizer step's rows (``mini_batch_id // union``)."""
         return compute_loss_weights(self.mode, response_mask, torch.div(mini_batch_id, self.union, rounding_mode="floor"),
                                     traj_index, is_padding.bool(), loss_scale_factor=self.scale)
+
+    def weights_from_counts(self, loss_tokens: torch.Tensor, mini_batch_id: torch.Tensor, traj_index: torch.Tensor,
+                            is_padding: torch.Tensor) -> torch.Tensor:
+        """:meth:`weights` from each row's loss-token count ``[B]`` instead of the ``[B, R]`` mask
+        (:func:`~verl_traj.core.loss_weights.compute_loss_weights_from_counts`; v1's driver keeps only the counts).
+        Needs :attr:`scale`: no mask, no response width to fall back to."""
+        if self.scale is None:
+            raise TrajConfigError(
+                "the loss weights from loss-token counts need the constant S of seq-mean-token-sum-norm, and the config "
+                "gives none. Fix: set data.max_response_length (verl's default is 512), or loss_scale_factor in the "
+                "actor / critic section.", field="data.max_response_length")
+        return compute_loss_weights_from_counts(
+            self.mode, loss_tokens, torch.div(mini_batch_id, self.union, rounding_mode="floor"), traj_index,
+            is_padding.bool(), loss_scale_factor=self.scale)
 
 
 def _loss_spec(section: Any, name: str, override: Optional[str], max_response_length: int, union: int = 1) -> LossSpec:
@@ -104,3 +120,10 @@ class UpdateSpec:
         """The planner's seed of one update: ``traj.seed`` + its index among all local updates (v1 runs
         ``parameter_sync_step`` local updates per global step; v0 one)."""
         return self.traj_config.seed + int(global_step) * self.parameter_sync_step + int(local_step)
+
+
+def has_multi_row_trajectory(traj_index: torch.Tensor, is_padding: torch.Tensor) -> bool:
+    """Whether some trajectory has several real rows (``[B]`` each): the only case in which a row's sequence ratio
+    differs from its trajectory's, so the only one in which the actor's rows carry ``ratio_group``."""
+    real = traj_index[~is_padding.bool()]
+    return bool(real.numel() and torch.unique(real).numel() < real.numel())

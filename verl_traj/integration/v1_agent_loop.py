@@ -7,7 +7,7 @@ StepRecordingMixin`) return the usual concatenated multi-turn output plus the ca
 functions see on v0 -- and then hands verl its step rows instead (prefix-merged with ``traj.merge_prefix``), so:
 
 * trajectory = session, step = output index, last step = the session's last output (the trainer reads all three
-  from the keys: :mod:`verl_traj.integration.v1`);
+  from the keys: :mod:`verl_traj.integration.v1_planning`);
 * the trajectory's reward sits on every step row (v1 copies it there); verl_traj's advantage reads it from the
   last step row only, so it is counted once per trajectory (also in KL-in-reward's sum);
 * turn rewards (a reward per LLM call, :meth:`~verl_traj.integration.stepwise_agent_loop.StepRecordingMixin.
@@ -34,6 +34,7 @@ from typing import Any, Optional
 
 import ray
 import torch
+import transfer_queue as tq
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
@@ -157,8 +158,6 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
         outputs, tags, stats = step_outputs(output, traj_config.merge_prefix and not stock, turn_rewards=not stock)
         outputs[-1].extra_fields["reward_extra_info"] = output.extra_fields.get("reward_extra_info", {})
         await super()._agent_loop_postprocess(outputs, validate, **kwargs)
-        import transfer_queue as tq
-
         tags[0] = {**tags[0], MERGE_TAG: stats}
         keys = [row_key(kwargs["uid"], kwargs["session_id"], i) for i in range(len(outputs))]
         tagged = [i for i, t in enumerate(tags) if t]

@@ -102,12 +102,14 @@ def critic_worker(cfg: Any) -> Any:
 
 
 def plan_for_update(batch: Any, cfg: Any, dp: int, *, mode: str = "token-mean", group_by: str = "group",
-                    seed: int = 0, **traj_options: Any) -> Any:
+                    seed: int = 0, ratio_groups: bool = False, **traj_options: Any) -> Any:
     """What ``TrajRayPPOTrainer`` does to a batch before ``_update_actor``, through the trainer's own code: start-up
     (``UpdateSpec.prepare`` on ``cfg``), ``plan_and_apply`` (plan in place), then the actor's ``loss_weight``
-    (``traj.loss_agg_mode=mode``), left attached. ``traj_options``: further ``traj:`` settings. Returns the plan."""
+    (``traj.loss_agg_mode=mode``) and the planned-fields list the trainer sends (``ratio_groups``: the actor's
+    ``ratio_group`` too, which the caller attaches), left attached. ``traj_options``: further ``traj:`` settings.
+    Returns the plan."""
     from verl_traj.config import TrajConfig
-    from verl_traj.core.keys import IS_PADDING, LOSS_WEIGHT, MINI_BATCH_ID, TRAJ_INDEX
+    from verl_traj.core.keys import IS_PADDING, LOSS_WEIGHT, MINI_BATCH_ID, PLANNED_FIELDS, TRAJ_INDEX, planned_update_fields
     from verl_traj.integration.update_spec import UpdateSpec
     from verl_traj.testing.trainers import ray_less_trainer
 
@@ -118,6 +120,7 @@ def plan_for_update(batch: Any, cfg: Any, dp: int, *, mode: str = "token-mean", 
     plan = trainer.plan_and_apply(batch, dp)
     td = batch.batch
     td[LOSS_WEIGHT] = spec.actor_loss.weights(td["response_mask"], td[MINI_BATCH_ID], td[TRAJ_INDEX], td[IS_PADDING])
+    batch.meta_info[PLANNED_FIELDS] = ",".join(planned_update_fields(ratio_groups))
     return plan
 
 

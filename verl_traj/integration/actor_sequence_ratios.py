@@ -1,0 +1,60 @@
+"""GSPO at ``traj.ratio_scope=trajectory`` on the actor worker: each row's sequence ratio made its trajectory's.
+
+verl's GSPO loss computes each row's sequence ratio from the live log-probs of that row alone. Before an optimizer
+step, :func:`trajectory_ratio_shift` runs one no-grad forward over the step's mini-batch (the plan's micro-batches,
+this step's parameters) in the training forward's mode, with the random-number state forked and restored, so the
+training forward that follows draws the same dropout masks and computes the same log-probs; it sums each
+trajectory's log-ratios over its rows on every rank (one all-reduce) and returns the per-row shift of the old
+log-probs (:func:`~verl_traj.stepwise.ratios.sequence_ratio_shift`) that makes every row's mean log-ratio its
+trajectory's. :func:`stochastic_in_training` says whether a training forward draws random numbers at all (where it
+does not, the first optimizer step of an update, whose parameters computed the old log-probs, needs no pre-pass).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from tensordict import TensorDict
+
+from verl.workers.utils.padding import no_padding_2_padding
+
+from verl_traj.core.keys import RATIO_GROUP
+from verl_traj.stepwise.ratios import group_log_ratio_sums, sequence_ratio_shift
+
+__all__ = ["stochastic_in_training", "trajectory_ratio_shift"]
+
+
+def stochastic_in_training(module: Any) -> bool:
+    """Whether a training-mode forward of ``module`` draws random numbers: a dropout layer with ``p > 0`` (LoRA's
+    included) or a model config with a positive ``*dropout*`` / ``*jitter*`` setting (HF attention applies
+    ``attention_dropout`` functionally; MoE routers add jitter noise). Unknown modules count as stochastic."""
+    if not isinstance(module, torch.nn.Module):
+        return True
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0:
+            return True
+        config = getattr(sub, "config", None)
+        if hasattr(config, "to_dict"):
+            for key, value in config.to_dict().items():
+                if ("dropout" in key or "jitter" in key) and isinstance(value, (int, float)) and value > 0:
+                    return True
+    return False
+
+
+def trajectory_ratio_shift(verl_forward_backward: Callable, batch: TensorDict, group_dp: Any) -> torch.Tensor:
+    """``[b]`` float shift of each row's old log-probs: verl's ``forward_backward_batch(batch, None,
+    forward_only=True)`` under ``no_grad`` and a forked RNG (restored on exit), then the trajectories' log-ratio sums
+    over every rank of ``group_dp`` (``batch[RATIO_GROUP]``: each row's trajectory, ``-1`` on padding rows)."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        output = verl_forward_backward(batch, None, forward_only=True)
+    log_prob = no_padding_2_padding(output["model_output"]["log_probs"], batch)
+    padded = batch.select("old_log_probs", "response_mask").to_padded_tensor()
+    old, mask = padded["old_log_probs"].to(log_prob.device), padded["response_mask"].to(log_prob.device)
+    group = batch[RATIO_GROUP].to(log_prob.device).long()
+    size = torch.tensor([int(group.max()) + 1], device=log_prob.device)
+    torch.distributed.all_reduce(size, op=torch.distributed.ReduceOp.MAX, group=group_dp)
+    sums = group_log_ratio_sums(log_prob, old, mask, group, int(size))
+    torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM, group=group_dp)
+    return sequence_ratio_shift(log_prob, old, mask, group, sums).to(batch[RATIO_GROUP].device)

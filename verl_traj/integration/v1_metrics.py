@@ -1,0 +1,103 @@
+"""Per-trajectory metrics of a v1 step, and the real rows of the step's batch for verl's own metrics.
+
+verl's v1 metrics average rows: with step rows a long trajectory counts once per LLM call, and its timing and
+throughput metrics count padding rows. This module gives the per-trajectory view (``traj_reward/*``,
+``traj_version/*``, ``traj_stepwise/*``) and :class:`StepPadding`, the padding flag of every row planned since the
+last step's metrics (the real-row mask of verl's timing and throughput metrics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import transfer_queue as tq
+
+from verl_traj.core.row_key import parse_row_keys
+from verl_traj.integration.v1_agent_loop import MERGE_TAG, turn_reward_entries
+from verl_traj.stepwise.prefix_merge import MergeStats
+
+__all__ = ["StepPadding", "last_rows_of_trajectories", "stepwise_metrics", "trajectory_metrics"]
+
+
+def stepwise_metrics(tags: list[dict]) -> dict[str, float]:
+    """``traj_stepwise/*`` (as on v0) from the merge statistics the step-wise agent-loop worker tags each session
+    with; nothing for a batch without step-wise sessions."""
+    stats = [t[MERGE_TAG] for t in tags if MERGE_TAG in t]
+    if not stats:
+        return {}
+    out = sum((MergeStats(**s) for s in stats), MergeStats()).metrics("traj_stepwise")
+    out["traj_stepwise/trajectories"] = float(len(stats))
+    turn = turn_reward_entries(tags)
+    if turn is not None:  # what the agent loop gave as turn rewards this step (as on v0)
+        out["traj_stepwise/turn_reward_sum"] = float(turn[2].sum())
+        out["traj_stepwise/turn_rewards_nonzero"] = float((turn[2] != 0).sum())
+    return out
+
+
+def last_rows_of_trajectories(keys: list[str], is_padding: np.ndarray) -> np.ndarray:
+    """Indices of each real trajectory's last row (its highest step) among ``keys`` (``{uid}_{session}_{index}``)."""
+    parsed = parse_row_keys(keys)
+    code = np.unique(parsed.traj_id.astype(str), return_inverse=True)[1]
+    last_step = np.full(code.max() + 1 if code.size else 0, -1, dtype=np.int64)
+    np.maximum.at(last_step, code[~is_padding], parsed.step[~is_padding])
+    return np.flatnonzero(~is_padding & (parsed.step == last_step[code]))
+
+
+def _version_metrics(tags: list[dict], global_steps: int) -> dict[str, float]:
+    """``traj_version/*`` from the last rows' ``min_global_steps`` / ``max_global_steps`` tags (none if missing)."""
+    if not all(t.get("min_global_steps") is not None and t.get("max_global_steps") is not None for t in tags):
+        return {}
+    lo = np.array([int(t["min_global_steps"]) for t in tags])
+    hi = np.array([int(t["max_global_steps"]) for t in tags])
+    stale = global_steps - 1 - lo
+    return {"traj_version/staleness_max": float(stale.max()), "traj_version/staleness_mean": float(stale.mean()),
+            "traj_version/span_max": float((hi - lo + 1).max()),
+            "traj_version/multi_version_share": float((hi > lo).mean())}
+
+
+def trajectory_metrics(batch: Any, global_steps: int) -> dict[str, float]:
+    """Per trajectory, whatever its row count, read from each trajectory's last row (stock runs too):
+
+    * ``traj_reward/*``: the outcome score (the last row's ``rm_scores``), mean / min / max over trajectories;
+    * ``traj_version/*``: the policy versions it was generated under (the rows' ``min_global_steps`` /
+      ``max_global_steps`` tags, which verl's staleness control reads), per trajectory (verl's
+      ``training/off_policy/*`` are per row): ``staleness_max`` / ``_mean`` = versions behind the trained policy at
+      its first token (verl's worst-case staleness, ``global_steps - 1 - min_global_steps``), ``span_max`` = versions
+      it spans, ``multi_version_share`` = share generated across more than one (partial rollouts)."""
+    pad = np.array([bool(t.get("is_padding", False)) for t in batch.tags], dtype=bool)
+    last = last_rows_of_trajectories(batch.keys, pad)
+    if last.size == 0:
+        return {}
+    scores = tq.kv_batch_get(keys=[batch.keys[i] for i in last], partition_id=batch.partition_id,
+                             select_fields=["rm_scores"])["rm_scores"]
+    score = (scores.to_padded_tensor(0.0) if scores.is_nested else scores).sum(-1).float()
+    out = {"traj_reward/mean": float(score.mean()), "traj_reward/min": float(score.min()),
+           "traj_reward/max": float(score.max()), "traj_reward/trajectories": float(last.size)}
+    out.update(_version_metrics([batch.tags[i] for i in last], global_steps))
+    return out
+
+
+@dataclass
+class StepPadding:
+    """The padding flag of every row planned since the last step's metrics, by key. One global step may run several
+    local updates (``parameter_sync_step > 1``), each planned; the step's batch holds all their rows."""
+
+    by_key: dict[str, bool] = field(default_factory=dict)
+
+    def record(self, keys: list[str], is_padding: list[bool]) -> None:
+        """Remember one planned batch's rows."""
+        self.by_key.update(zip(keys, is_padding))
+
+    def real_rows(self, keys: list[str]) -> np.ndarray:
+        """``[B]`` bool: the real rows of a step's batch (then forgets every recorded row). Raises when a key was
+        not planned (something replaced rows after planning)."""
+        missing = [k for k in keys if k not in self.by_key]
+        if missing:
+            raise RuntimeError(f"{len(missing)} rows of the step's batch (first: {missing[0]!r}) were not planned by "
+                               "_balance_batch: something replaced rows after planning. verl_traj needs the planned "
+                               "rows.")
+        real = ~np.array([self.by_key[k] for k in keys], dtype=bool)
+        self.by_key = {}
+        return real
