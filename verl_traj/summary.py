@@ -64,6 +64,11 @@ def summarize(rows: list[dict], metrics_path: str = "", plot_path: str = "") -> 
     planned, run = _total(rows, "traj_plan/micro_batches"), _total(rows, "actor/micro_batches_per_epoch")
     if planned:
         lines.append(f"- micro-batches: {run:.0f} run by the workers, {planned:.0f} planned")
+    prepass = _values(rows, "actor/prepass_micro_batches_per_epoch")
+    if prepass:  # GSPO at traj.ratio_scope=trajectory: extra no-grad forwards, not part of the plan
+        lines.append(f"- GSPO trajectory pre-pass: {sum(prepass):.0f} extra no-grad micro-batches per epoch over "
+                     f"{len(prepass)} steps; {_total(rows, 'actor/prepass_skipped_steps'):.0f} optimizer steps "
+                     "skipped it (on-policy, deterministic forward)")
     if metrics_path:
         lines.append(f"- metrics: {metrics_path}" + (f"; plot: {plot_path}" if plot_path else ""))
     return "\n".join(lines)

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.core.plan_checks import check_plan
+from tests.fuzz import INF, NAN, refused, run
 from verl_traj.core import (
     PackingError,
     PlanError,
@@ -33,28 +34,8 @@ from verl_traj.core import (
 from verl_traj.core.loss_weights import LOSS_WEIGHT_FNS
 from verl_traj.testing import random_batch, verl_tensors
 
-NAN, INF = float("nan"), float("inf")
+
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def refused(err: BaseException) -> None:
-    """The one accepted failure: a TrajInputError that names its field."""
-    assert isinstance(err, TrajInputError), f"{type(err).__name__}: {err}"
-    assert err.field, f"no field on: {err}"
-    assert err.field in str(err), (err.field, str(err))
-
-
-def run(fn, expect: str, *args, **kwargs):
-    """``fn(*args, **kwargs)``; ``expect`` "refuse": must raise a named TrajInputError; "ok": must not raise;
-    "any": either. Returns the result, or None when refused."""
-    try:
-        out = fn(*args, **kwargs)
-    except TrajInputError as err:
-        refused(err)
-        assert expect != "ok", f"refused a harmless input: {err}"
-        return None
-    assert expect != "refuse", "a harmful corruption was accepted silently"
-    return out
 
 
 def _batch(seed: int, pad_rows: int = 0):

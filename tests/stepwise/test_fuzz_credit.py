@@ -25,6 +25,7 @@ from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask as verl_correction
 
 from tests.stepwise.verl_batches import planned_stepwise_batch
+from tests.fuzz import INF, NAN, refused, run
 from verl_traj.core import TrajInputError
 from verl_traj.core.keys import TURN_REWARDS
 from verl_traj.integration.stepwise_rows import stepwise_advantage, trajectory_scoped_correction
@@ -38,28 +39,10 @@ from verl_traj.stepwise.advantages import (
 from verl_traj.stepwise.ratios import group_log_ratio_sums, sequence_ratio_shift, trajectory_rollout_correction
 from verl_traj.stepwise.timeline import Timeline, timeline_advantages
 
-NAN, INF = float("nan"), float("inf")
+
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 GAE = get_adv_estimator_fn("gae")
 GRPO = get_adv_estimator_fn("grpo")
-
-
-def refused(err: BaseException) -> None:
-    assert isinstance(err, TrajInputError), f"{type(err).__name__}: {err}"
-    assert err.field, f"no field on: {err}"
-    assert err.field in str(err), (err.field, str(err))
-
-
-def run(fn, expect: str, *args, **kwargs):
-    """``expect``: "refuse" (a named TrajInputError), "ok" (no error) or "any"; the result, or None if refused."""
-    try:
-        out = fn(*args, **kwargs)
-    except TrajInputError as err:
-        refused(err)
-        assert expect != "ok", f"refused a harmless input: {err}"
-        return None
-    assert expect != "refuse", "a harmful corruption was accepted silently"
-    return out
 
 
 def _rows(seed: int, padding_rows: int = 1) -> dict:

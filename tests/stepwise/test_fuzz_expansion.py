@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.fuzz import INF, NAN, refused, run
 from verl_traj.core import TrajInputError
 from verl_traj.stepwise.expand import (
     StepExpansionError,
@@ -25,26 +26,8 @@ from verl_traj.stepwise.expand import (
 from verl_traj.stepwise.prefix_merge import PrefixMergeError, merge_trajectory_steps
 from verl_traj.testing import step_record_batch, token_trajectory
 
-NAN, INF = float("nan"), float("inf")
+
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def refused(err: BaseException) -> None:
-    assert isinstance(err, TrajInputError), f"{type(err).__name__}: {err}"
-    assert err.field, f"no field on: {err}"
-    assert err.field in str(err), (err.field, str(err))
-
-
-def run(fn, expect: str, *args, **kwargs):
-    """``expect``: "refuse" (a named TrajInputError), "ok" (no error) or "any"; the result, or None if refused."""
-    try:
-        out = fn(*args, **kwargs)
-    except TrajInputError as err:
-        refused(err)
-        assert expect != "ok", f"refused a harmless input: {err}"
-        return None
-    assert expect != "refuse", "a harmful corruption was accepted silently"
-    return out
 
 
 def _trajectories(seed: int):

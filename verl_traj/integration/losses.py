@@ -15,7 +15,7 @@ Only verl's functions compute the losses (``get_policy_loss_fn``, ``agg_loss``, 
 ``rollout_is_weights`` argument (multiplied into the per-token loss before ``agg_loss``) and the loss
 fn gets the boolean ``response_mask``, so its metrics (clip fractions, ppo_kl) stay unweighted token
 means, as in verl. Loss fns that use ``rollout_is_weights`` differently or aggregate with a
-hard-coded mode are refused at start-up (``verl_traj.config.SUPPORTED_POLICY_LOSS_MODES``).
+hard-coded mode are refused at start-up (``verl_traj.integration.verl_checks.SUPPORTED_POLICY_LOSS_MODES``).
 
 Both require ``loss_weight`` (:func:`require_loss_weight`): they are installed only on verl_traj's workers, which run
 planned updates only; a micro-batch without it raises, naming the field (it never falls back to verl's loss).

@@ -90,7 +90,7 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
             return super().fit()
         self._real_row_mask = None
         with patched(fit_patches(self.traj_config.step_wise, lambda: self._real_row_mask,
-                                 self.traj_config.step_index_key, self.traj_config.ratio_scope == "trajectory")):
+                                 self.traj_config.step_index_key, self.spec.trajectory_ratios)):
             return super().fit()
 
     # ---- planning --------------------------------------------------------------------------------

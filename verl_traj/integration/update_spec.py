@@ -1,8 +1,8 @@
 """What both trainer adapters need for an update, derived once from verl's config and ``traj:`` at start-up.
 
 :class:`UpdateSpec` is built in the trainer's ``__init__`` (v0 ``TrajRayPPOTrainer``, v1 ``TrajV1Mixin``), after
-:func:`~verl_traj.integration.verl_config.prepare_config` has validated the sections and adapted verl's
-micro-batch settings. Both adapters read every fact from it; none re-derives one from verl's config:
+:func:`~verl_traj.integration.verl_config.prepare_config` has adapted verl's micro-batch settings (the sections
+were validated once, at start-up: :func:`~verl_traj.integration.startup.check_startup`). Both adapters read every fact from it; none re-derives one from verl's config:
 
 * the prompts of one planned update (``data.train_batch_size``, over v1's ``parameter_sync_step``), the number of
   (actor) mini-batches it is cut into, ``actor.ppo_epochs``;
@@ -12,7 +12,8 @@ micro-batch settings. Both adapters read every fact from it; none re-derives one
   ``data.max_response_length``: the same on both trainers and on every step, whatever the batch's response
   width; with step rows that width changes from step to step);
 * the planner's seed of one update and the micro-batch settings (:class:`PlanSettings`);
-* whether the actor's rows carry their trajectory as ``ratio_group`` (GSPO at ``traj.ratio_scope=trajectory``).
+* whether verl's rollout correction runs per trajectory (step rows at ``traj.ratio_scope=trajectory``) and whether the
+  actor's rows carry their trajectory as ``ratio_group`` (GSPO there).
 """
 
 from __future__ import annotations
@@ -86,12 +87,18 @@ class UpdateSpec:
     parameter_sync_step: int
     actor_loss: LossSpec
     critic_loss: Optional[LossSpec]  # None without a critic
-    critic_union: int  # actor mini-batches per critic optimizer step
-    ratio_groups: bool = False  # the actor's rows carry ratio_group: GSPO's sequence ratio over the trajectory
+    trajectory_ratios: bool = False  # step rows at traj.ratio_scope=trajectory: rollout correction per trajectory
+    ratio_groups: bool = False  # ... and GSPO: the actor's rows carry ratio_group (its ratio over the trajectory)
+
+    @property
+    def critic_union(self) -> int:
+        """Actor mini-batches per critic optimizer step (the critic's :attr:`LossSpec.union`; 1 without a critic)."""
+        return self.critic_loss.union if self.critic_loss is not None else 1
 
     @classmethod
     def prepare(cls, config: Any, traj_config: TrajConfig) -> "UpdateSpec":
-        """Validate and adapt verl's config (:func:`prepare_config`), then derive the spec."""
+        """Adapt verl's config (:func:`prepare_config`; start-up validated it:
+        :func:`~verl_traj.integration.startup.check_startup`), then derive the spec."""
         return cls.derive(config, traj_config, prepare_config(config, traj_config))
 
     @classmethod
@@ -104,15 +111,15 @@ class UpdateSpec:
         critic = config.get("critic", None) if uses_critic(config) else None
         critic_mini = int(critic.get("ppo_mini_batch_size", 0) or mini) if critic is not None else mini
         union = (prompts // mini) // max(prompts // critic_mini, 1)
+        trajectory_ratios = traj_config.step_wise and traj_config.ratio_scope == "trajectory"
         return cls(
             traj_config=traj_config, plan=plan, prompts_per_update=prompts, num_mini_batches=prompts // mini,
             epochs=int(actor.get("ppo_epochs", 1) or 1), parameter_sync_step=parameter_sync_step(config),
             actor_loss=_loss_spec(actor, "actor_rollout_ref.actor", traj_config.loss_agg_mode, max_response),
             critic_loss=(_loss_spec(critic, "critic", traj_config.critic_loss_agg_mode, max_response, union)
                          if critic is not None else None),
-            critic_union=union,
-            ratio_groups=(traj_config.step_wise and traj_config.ratio_scope == "trajectory"
-                          and (actor.get("policy_loss", None) or {}).get("loss_mode", "vanilla")
+            trajectory_ratios=trajectory_ratios,
+            ratio_groups=(trajectory_ratios and (actor.get("policy_loss", None) or {}).get("loss_mode", "vanilla")
                           in CURRENT_POLICY_SEQUENCE_RATIOS),
         )
 

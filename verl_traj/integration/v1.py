@@ -174,7 +174,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         if not self.traj_config.enable:
             return super()._compute_advantage(batch, metrics)
         facts = self._facts_of(batch)
-        per_trajectory = self.traj_config.step_wise and self.traj_config.ratio_scope == "trajectory"
+        per_trajectory = self.spec.trajectory_ratios
         correction = functools.partial(corrected_per_trajectory, facts) if per_trajectory else None
         with patched(v1_advantage_patches(functools.partial(planned_advantage, facts), correction)):
             return super()._compute_advantage(batch, metrics)
