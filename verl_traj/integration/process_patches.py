@@ -28,6 +28,12 @@ replacements in; this module imports nothing of verl_traj (it lists patches, it 
      ``verl.models.transformers.monkey_patch._flash_attention_forward`` (what verl's Ulysses wrapper calls) <- the
      pure-torch variable-length attention (:mod:`verl_traj.cpu.attention`), after each module is imported.
 
+* :func:`prefix_tree_attention_patches` -- only in a process that enables the prefix-tree forward
+  (:mod:`verl_traj.integration.tree_forward`, opt-in), installed there once, now (idempotent):
+  ``verl.models.transformers.monkey_patch._flash_attention_forward`` (the kernel verl's remove-padding / Ulysses
+  path calls; entry 10 on CPU) <- a tree-aware wrapper of it: a call carrying a prefix tree runs the exact tree
+  attention, any other runs the wrapped kernel after refusing tree-shaped position ids.
+
 :func:`install` installs a list in order; ``on_import(module_name, callback)`` is the caller's post-import
 hook for the entries that wait for verl to import their module.
 """
@@ -40,7 +46,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["ProcessPatch", "REPLACE", "REGISTER", "NOW", "IF_LOADED", "ON_IMPORT", "apply", "install",
-           "cpu_rollout_registrations", "cpu_platform_patches", "PROCESS_GROUP_MODULES", "PROCESS_GROUP_FUNCTIONS"]
+           "cpu_rollout_registrations", "cpu_platform_patches", "prefix_tree_attention_patches",
+           "PROCESS_GROUP_MODULES", "PROCESS_GROUP_FUNCTIONS"]
 
 REPLACE = "replace"  # module.name = change(module.name); no write when change returns the original
 REGISTER = "register"  # change(module.name) adds entries to verl's registry object in place; the name is kept
@@ -153,3 +160,11 @@ def cpu_platform_patches(*, register_platform: Callable[[type], None], current_p
                      "the kernel verl's Ulysses all-to-all wrapper calls, in torch", when=ON_IMPORT),
     ]
     return out
+
+
+def prefix_tree_attention_patches(tree_aware_attention: Callable[[Callable], Callable]) -> list[ProcessPatch]:
+    """The prefix-tree forward's attention (a process that enables it; order: module docstring).
+    ``tree_aware_attention(kernel)`` returns ``kernel`` itself when it is already tree-aware (no second wrap)."""
+    return [ProcessPatch(VERL_MONKEY_PATCH, "_flash_attention_forward", tree_aware_attention,
+                         "run prefix-tree micro-batches through the exact tree attention and refuse tree-shaped "
+                         "position ids in any other attention call")]
