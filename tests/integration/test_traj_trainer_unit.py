@@ -416,3 +416,33 @@ def test_padding_rows_are_long_enough_for_context_parallel_packing(tp, cp, measu
     pad = batch.batch["is_padding"]
     assert pad.any() and batch.batch["attention_mask"][pad].sum(-1).eq(min(n, P + R_ - P + 1)).all()
     assert batch.batch["response_mask"][pad].sum() == 0
+
+
+def test_an_actor_loss_that_is_not_verls_partial_is_refused_not_kept():
+    """verl_traj swaps verl's ``partial(ppo_loss, config=...)`` for ``traj_ppo_loss`` with the same config; a worker
+    class that builds its loss otherwise would keep verl's loss, which ignores the planned loss weights: refused."""
+    from functools import partial
+
+    from verl.workers.utils.losses import ppo_loss
+
+    from verl_traj.core.errors import TrajInputError
+    from verl_traj.integration.losses import traj_ppo_loss
+    from verl_traj.integration.workers import TrajActorMixin
+
+    class Actor:
+        def set_loss_fn(self, fn):
+            self.fn = fn
+
+    def verl_like(loss_fn):
+        class Base:  # what verl's ActorRolloutRefWorker.init_model leaves behind
+            def init_model(self):
+                self.actor, self.distillation_enabled, self.loss_fn = Actor(), False, loss_fn
+
+        return type("Worker", (TrajActorMixin, Base), {})()
+
+    worker = verl_like(partial(ppo_loss, config="cfg"))
+    worker.init_model()
+    assert worker.loss_fn.func is traj_ppo_loss and worker.actor.fn.keywords == {"config": "cfg"}
+    with pytest.raises(TrajInputError, match="not verl's partial") as err:
+        verl_like(lambda *a, **k: None).init_model()
+    assert err.value.field == "loss_fn"

@@ -268,3 +268,36 @@ def test_loss_weights_come_from_the_final_loss_token_counts(tq, monkeypatch):
     weights = _fetch(tq, meta, LOSS_WEIGHT)[LOSS_WEIGHT]
     expected = tr.spec.actor_loss.weights(final, facts.mini_batch_id, facts.traj_index, facts.is_padding)
     torch.testing.assert_close(weights, expected)
+
+
+def test_the_actor_update_says_whether_its_old_log_probs_came_from_its_starting_parameters(tq):
+    """GSPO's trajectory pre-pass may skip an update's first optimizer step only where the old log-probs are the
+    starting parameters': verl's base ``_compute_old_log_prob`` recomputes them before every local update (sync,
+    colocate_async); a mode that overrides it (separate_async reuses the first local step's weights) only on its first
+    local step. The flag reaches the worker with the update."""
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    from verl_traj.core.keys import OLD_LOG_PROBS_AT_START
+    from verl_traj.integration.v1 import traj_trainer_class
+
+    tr = _trainer(**STEP_ROWS_GSPO)
+    for step in (0, 1):
+        tr.local_trigger_step = step
+        assert tr._old_log_probs_at_start()
+    class Reuses(PPOTrainerSync):  # noqa: E306 -- as verl's separate_async: its own _compute_old_log_prob
+        def _compute_old_log_prob(self, batch, metrics):
+            return batch
+
+    reusing = traj_trainer_class(Reuses)
+    tr.__class__ = reusing
+    tr.local_trigger_step = 0
+    assert tr._old_log_probs_at_start()
+    tr.local_trigger_step = 1
+    assert not tr._old_log_probs_at_start()
+    tr.__class__ = traj_trainer_class(PPOTrainerSync)
+    tr.local_trigger_step = 0
+    meta = _as_verl_leaves_it(tq, tr._balance_batch(_store_rows(tq, np.random.default_rng(6), prefix="olp"), {}))
+    worker = _WorkerGroup()
+    tr.actor_rollout_wg = worker
+    tr._update_actor(meta, {})
+    assert bool(worker.received[0][OLD_LOG_PROBS_AT_START]) and OLD_LOG_PROBS_AT_START not in meta.extra_info

@@ -247,7 +247,8 @@ def test_every_estimator_verl_dispatches_is_accepted_and_a_typo_is_refused():
     assert set(known) == set(ADV_ESTIMATOR_REGISTRY) | {e.value for e in AdvantageEstimator}
     assert {"gae", "grpo", "reinforce_plus_plus", "rloo", "opo", "grpo_passk", "gpg", "remax"} <= set(known)
     for name in known:
-        check_adv_estimator({"algorithm": {"adv_estimator": name}, "trainer": {"use_v1": False},
+        check_adv_estimator({"algorithm": {"adv_estimator": name, "gdpo_reward_keys": ["a", "b"]},
+                             "trainer": {"use_v1": False},
                              "actor_rollout_ref": {"actor": {"calculate_sum_pi_squared": True}}})
     for typo, hint in (("simply", ""), ("GRPO", ""), ("rlo", "did you mean 'rloo'?")):
         with pytest.raises(TrajConfigError, match="is not an advantage estimator verl knows") as err:
@@ -259,8 +260,14 @@ def test_estimators_that_fail_after_the_first_rollout_on_this_trainer_are_refuse
     from verl_traj.config import TrajConfigError
     from verl_traj.integration.startup import check_adv_estimator
 
-    with pytest.raises(TrajConfigError, match="remax.*trainer.use_v1=false"):
-        check_adv_estimator({"algorithm": {"adv_estimator": "remax"}, "trainer": {"use_v1": True}})
+    for name in ("remax", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline"):  # v1 never fetches inputs
+        with pytest.raises(TrajConfigError, match=f"'{name}' needs .*trainer.use_v1=false"):
+            check_adv_estimator({"algorithm": {"adv_estimator": name, "gdpo_reward_keys": ["a"]},
+                                 "trainer": {"use_v1": True},
+                                 "actor_rollout_ref": {"actor": {"calculate_sum_pi_squared": True}}})
+    with pytest.raises(TrajConfigError, match="gdpo_reward_keys=") as err:
+        check_adv_estimator({"algorithm": {"adv_estimator": "gdpo"}, "trainer": {"use_v1": False}})
+    assert err.value.field == "algorithm.gdpo_reward_keys"
     with pytest.raises(TrajConfigError, match="calculate_sum_pi_squared=true") as err:
         check_adv_estimator({"algorithm": {"adv_estimator": "optimal_token_baseline"}})
     assert err.value.field == "actor_rollout_ref.actor.calculate_sum_pi_squared"

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 from tensordict import TensorDict
 
+from verl.utils.device import get_device_id, get_device_name
 from verl.workers.utils.padding import no_padding_2_padding
 
 from verl_traj.core.keys import RATIO_GROUP
@@ -46,8 +47,9 @@ def trajectory_ratio_shift(verl_forward_backward: Callable, batch: TensorDict, g
     """``[b]`` float shift of each row's old log-probs: verl's ``forward_backward_batch(batch, None,
     forward_only=True)`` under ``no_grad`` and a forked RNG (restored on exit), then the trajectories' log-ratio sums
     over every rank of ``group_dp`` (``batch[RATIO_GROUP]``: each row's trajectory, ``-1`` on padding rows)."""
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
+    device = get_device_name()  # the accelerator verl runs on ("cuda", "npu", ...), "cpu" without one
+    devices = [] if device == "cpu" else [get_device_id()]
+    with torch.random.fork_rng(devices=devices, device_type=device if devices else "cuda"), torch.no_grad():
         output = verl_forward_backward(batch, None, forward_only=True)
     log_prob = no_padding_2_padding(output["model_output"]["log_probs"], batch)
     padded = batch.select("old_log_probs", "response_mask").to_padded_tensor()

@@ -7,8 +7,9 @@ verl's settings. In order:
 1. the job's device and this process's platform agree (:func:`check_platform`);
 2. the ``traj:`` section (:class:`~verl_traj.config.TrajConfig`);
 3. ``algorithm.adv_estimator`` (:func:`check_adv_estimator`, whatever ``traj.enable`` says): a name verl knows,
-   ``remax`` only on v0, the optimal-token baselines with ``calculate_sum_pi_squared`` (else verl fails after the
-   first rollout);
+   ``remax``, ``gdpo`` and the optimal-token baselines only on v0 (v1's advantage step never fetches their inputs),
+   ``gdpo`` with ``gdpo_reward_keys``, the optimal-token baselines with ``calculate_sum_pi_squared`` (else verl fails
+   after the first rollout);
 4. the cross-checks of ``traj:`` against verl's sections (:func:`~.verl_checks.validate_against_verl`);
 5. with ``traj.enable=true``: the model directories, the critic's value head, equal actor / critic DP sizes
    (:func:`check_models`);
@@ -47,6 +48,13 @@ __all__ = ["check_adv_estimator", "check_models", "check_platform", "check_seque
 ESTIMATOR = "algorithm.adv_estimator"
 # verl 0.9.1's estimators whose inputs its compute_advantage asserts only after the first rollout
 NEEDS_SUM_PI_SQUARED = ("optimal_token_baseline", "tir_optimal_token_baseline")
+# verl 0.9.1's estimators whose inputs the v1 trainer never fetches for its advantage step (its field list:
+# uid, response_mask, rm_scores, rollout/old/ref log-probs, values): they fail after the first rollout there
+V0_ONLY_ESTIMATORS = {"remax": "reward_baselines (the reward of a greedy rollout per prompt), which only v0 generates",
+                      "optimal_token_baseline": "sum_pi_squared, which v1's advantage step never fetches",
+                      "tir_optimal_token_baseline": "sum_pi_squared, which v1's advantage step never fetches",
+                      "gdpo": "the prompts, attention mask and per-component rewards, which v1's advantage step "
+                              "never fetches"}
 
 
 def check_startup(config: Any, platform_device: str) -> TrajConfig:
@@ -119,11 +127,21 @@ def check_adv_estimator(config: Any) -> None:
             + (f" (did you mean {close[0]!r}?)" if close else "") + f". Fix: set {ESTIMATOR} to one of them, or "
             "register your own with verl.trainer.ppo.core_algos.register_adv_est in a module imported before "
             "start-up.", field=ESTIMATOR)
-    if name == "remax" and flag_at(config, "trainer.use_v1", False):
+    _check_estimator_inputs(config, name)
+
+
+def _check_estimator_inputs(config: Any, name: str) -> None:
+    """What an estimator needs beyond its name, refused here instead of at the first advantage step."""
+    if name in V0_ONLY_ESTIMATORS and flag_at(config, "trainer.use_v1", False):
         raise TrajConfigError(
-            f"{ESTIMATOR}='remax' needs reward_baselines (the reward of a greedy rollout per prompt), which only verl's "
-            "v0 trainer generates: on v1 the advantage step fails after the first rollout. Fix: set "
-            "trainer.use_v1=false, or another estimator (e.g. grpo, rloo).", field=ESTIMATOR)
+            f"{ESTIMATOR}={name!r} needs {V0_ONLY_ESTIMATORS[name]}: on the v1 trainer the advantage step fails after "
+            "the first rollout. Fix: set trainer.use_v1=false, or another estimator (e.g. grpo, rloo).",
+            field=ESTIMATOR)
+    if name == "gdpo" and not value_at(config, "algorithm.gdpo_reward_keys"):
+        raise TrajConfigError(
+            f"{ESTIMATOR}='gdpo' needs algorithm.gdpo_reward_keys (the reward components compute_score returns): "
+            "verl asserts it at the first advantage step. Fix: add algorithm.gdpo_reward_keys=[key1,key2].",
+            field="algorithm.gdpo_reward_keys")
     if name in NEEDS_SUM_PI_SQUARED and not flag_at(config, "actor_rollout_ref.actor.calculate_sum_pi_squared"):
         raise TrajConfigError(
             f"{ESTIMATOR}={name!r} needs sum_pi_squared from the actor's log-prob pass, which verl computes only with "

@@ -39,10 +39,12 @@ from verl_traj.core.keys import (IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MINI_BAT
                                  PLAN_KEYS, PLANNED_FIELDS, RATIO_GROUP, TRAJ_INDEX, planned_update_fields)
 from verl_traj.core.padding import resolve_pad_token_id
 from verl_traj.integration.checkpoints import CompleteCheckpoints
+from verl_traj.integration.losses import install_value_loss
 from verl_traj.integration.patches import fit_patches, patched
 from verl_traj.integration.step_plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
                                        stock_plan_metrics_of)
 from verl_traj.integration.real_rows import is_padding, real_rows
+from verl_traj.integration.stepwise_rows import expand_dataproto_step_rows
 from verl_traj.integration.update_spec import LossSpec, UpdateSpec, has_multi_row_trajectory
 from verl_traj.integration.workers import CRITIC_UNION_KEY
 
@@ -81,8 +83,6 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
     def init_workers(self):
         super().init_workers()
         if self.traj_config.enable and self.use_critic:
-            from verl_traj.integration.losses import install_value_loss
-
             install_value_loss(self.critic_wg, self.config.critic)
 
     def fit(self):
@@ -112,8 +112,6 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
                 metrics.update(self._stock_plan_metrics(batch))
             return
         if self.traj_config.step_wise:
-            from verl_traj.integration.stepwise_rows import expand_dataproto_step_rows
-
             step_metrics = expand_dataproto_step_rows(
                 batch, merge_prefix=self.traj_config.merge_prefix, pad_token_id=self._pad_token_id(),
                 traj_id_key=self.traj_config.traj_id_key, step_index_key=self.traj_config.step_index_key,

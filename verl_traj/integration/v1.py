@@ -29,8 +29,8 @@ set-up                      verl_traj's worker classes (:mod:`.workers`), the cr
                             seeded prompt uids
 ==========================  ==================================================================================
 
-With ``traj.enable=false`` the trainer is verl's own class (the mixin is not applied); ``stock_plan/*`` metrics
-then observe what verl's fixed-size mini-batches do to groups.
+With ``traj.enable=false`` the mixin stays in the MRO but inactive (every override calls verl's, verl's own workers
+run); ``stock_plan/*`` metrics then observe what verl's fixed-size mini-batches do to groups.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import numpy as np
 import ray
 
 from verl.trainer.ppo.utils import Role
+from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.utils import tensordict_utils as tu
 
 from verl_traj.config import TrajConfig
@@ -54,7 +55,7 @@ from verl_traj.integration.patches import patched, v1_advantage_patches, v1_metr
 from verl_traj.integration.real_rows import metrics_on_masked_rows
 from verl_traj.integration.step_plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
                                              stock_plan_metrics_of)
-from verl_traj.integration.update_spec import UpdateSpec
+from verl_traj.integration.update_spec import UpdateSpec, has_multi_row_trajectory
 from verl_traj.integration.v1_advantage import corrected_per_trajectory, planned_advantage
 from verl_traj.integration.v1_metrics import StepPadding, stepwise_metrics, trajectory_metrics
 from verl_traj.integration.v1_padding import write_padding_rows
@@ -189,9 +190,18 @@ class TrajV1Mixin(CompleteCheckpoints):
         if not self.traj_config.enable:
             return super()._update_actor(batch, metrics)
         facts = self._facts_of(batch)
-        ratio_groups = self.spec.ratio_groups and facts.multi_row  # a one-row trajectory's ratio is its row's
-        with planned_update(batch, facts, self.spec.actor_loss, ratio_groups=ratio_groups):
+        # a one-row trajectory's ratio is its row's: ratio groups only where some trajectory has several rows
+        ratio_groups = self.spec.ratio_groups and has_multi_row_trajectory(facts.traj_index, facts.is_padding)
+        with planned_update(batch, facts, self.spec.actor_loss, ratio_groups=ratio_groups,
+                            old_log_probs_at_start=self._old_log_probs_at_start()):
             return super()._update_actor(batch, metrics)
+
+    def _old_log_probs_at_start(self) -> bool:
+        """Whether this update's old log-probs came from the parameters it starts from: verl's base
+        ``_compute_old_log_prob`` recomputes them right before every local update; a mode that overrides it
+        (``separate_async`` reuses the first local step's weights for the later ones) only on its first local step."""
+        recomputed = type(self)._compute_old_log_prob is PPOTrainer._compute_old_log_prob
+        return recomputed or int(getattr(self, "local_trigger_step", 0)) == 0
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
         metrics.update(trajectory_metrics(batch, global_steps))

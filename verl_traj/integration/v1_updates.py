@@ -56,14 +56,14 @@ def put_update_fields(batch: Any, facts: PlanFacts, loss: LossSpec, ratio_groups
 
 @contextlib.contextmanager
 def planned_update(batch: Any, facts: PlanFacts, loss: LossSpec, *, ratio_groups: bool = False,
-                   union: int = 1) -> Iterator[tuple[str, ...]]:
+                   union: int = 1, old_log_probs_at_start: bool = False) -> Iterator[tuple[str, ...]]:
     """For one verl update call: the update's fields stored and named (:func:`put_update_fields`), its
-    ``extra_info`` carrying the planned field names and (``union > 1``) the critic's mini-batch union; both keys
-    removed again on exit, also on error. Yields the planned field names."""
+    ``extra_info`` carrying the planned field names, (``union > 1``) the critic's mini-batch union and whether the old
+    log-probs came from the update's starting parameters (the trainer knows: ``TrajV1Mixin._old_log_probs_at_start``);
+    the keys removed again on exit, also on error. Yields the planned field names."""
     planned = put_update_fields(batch, facts, loss, ratio_groups)
     extra = {PLANNED_FIELDS: ",".join(planned), **({CRITIC_UNION_KEY: union} if union > 1 else {}),
-             # verl recomputed the old log-probs just before this update (bypass_mode is refused)
-             OLD_LOG_PROBS_AT_START: True}
+             OLD_LOG_PROBS_AT_START: bool(old_log_probs_at_start)}
     batch.extra_info.update(extra)
     try:
         yield planned

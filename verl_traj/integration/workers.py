@@ -267,9 +267,16 @@ class TrajActorMixin:
         super().init_model()
         # verl set ``partial(ppo_loss, config=actor_config)``; keep the same config object. Distillation
         # keeps verl's loss (the trainer refuses traj.enable=true with distillation).
-        if self.actor is not None and not self.distillation_enabled and isinstance(self.loss_fn, partial):
-            self.loss_fn = partial(traj_ppo_loss, config=self.loss_fn.keywords["config"])
-            self.actor.set_loss_fn(self.loss_fn)
+        if self.actor is None or self.distillation_enabled:
+            return
+        if not isinstance(self.loss_fn, partial) or "config" not in self.loss_fn.keywords:
+            raise TrajInputError(
+                f"{type(self).__name__}.loss_fn is {self.loss_fn!r}, not verl's partial(ppo_loss, config=...): "
+                "verl_traj cannot install traj_ppo_loss with the actor's config, and verl's loss would ignore the "
+                "planned loss weights. Fix: build the actor's loss as verl's ActorRolloutRefWorker.init_model does, "
+                "or set traj.enable=false for this worker class.", field="loss_fn")
+        self.loss_fn = partial(traj_ppo_loss, config=self.loss_fn.keywords["config"])
+        self.actor.set_loss_fn(self.loss_fn)
 
 
 class TrajActorRolloutRefWorker(TrajActorMixin, ActorRolloutRefWorker):
