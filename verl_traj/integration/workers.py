@@ -46,9 +46,8 @@ from verl_traj.integration.actor_sequence_ratios import stochastic_in_training, 
 from verl_traj.integration.losses import traj_ppo_loss
 from verl_traj.integration.patches import gspo_prepass_patches, patched, update_patches
 
-__all__ = ["PlannedUpdate", "TrajActorMixin", "check_planned_update", "TrajActorRolloutRefWorker", "TrajActorTrainingWorker", "TrajCriticWorker",
-           "TrajTrainingWorker",
-           "mini_batch_slices", "traj_actor_worker"]
+__all__ = ["PlannedUpdate", "TrajActorMixin", "TrajActorRolloutRefWorker", "TrajActorTrainingWorker", "TrajCriticWorker",
+           "TrajTrainingWorker", "check_planned_update", "mini_batch_slices", "traj_actor_worker"]
 
 # non-tensor key the trainer sets when the critic steps on unions of the actor's mini-batches
 CRITIC_UNION_KEY = "traj_critic_union"
