@@ -36,6 +36,8 @@ def plan_metrics(plan: Any, prefix: str = "traj_plan") -> dict[str, float]:
     }
     if plan.spec.micro_batch_max_tokens is not None:
         out.update(_micro_metrics(plan))
+    if s.tree_tokens is not None:
+        out.update(_tree_metrics(plan))
     p = prefix.rstrip("/") + "/"
     return {p + k: v for k, v in out.items()}
 
@@ -53,3 +55,12 @@ def _micro_metrics(plan: Any) -> dict[str, float]:
         "padded_positions_share": float(s.padded_positions.sum()) / max(computed, 1.0),
         "ranks_short_of_rows": float(s.ranks_short_of_rows.sum()),
     }
+
+
+def _tree_metrics(plan: Any) -> dict[str, float]:
+    """Prefix-tree plans: tree tokens planned (pieces' trees: an upper bound on what the forwards hold), row tokens
+    over tree tokens, and the share of trajectories whose rows share one micro-batch on one rank."""
+    s = plan.stats
+    tree, rows = float(s.tree_tokens.sum()), float(s.tokens.sum())
+    return {"tree_tokens": tree, "row_tokens_per_tree_token": rows / max(tree, 1.0),
+            "atomic_trajectory_share": float(s.atomic_trajectories.sum()) / max(float(s.trajectories.sum()), 1.0)}

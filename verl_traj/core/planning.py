@@ -26,7 +26,7 @@ from __future__ import annotations
 import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from .errors import TrajInputError, check_choice, check_int, check_options
 from .layout import BatchLayout
 from .packing import MICRO_BATCH_COSTS, Partitioner, pack_micro_batches
 from .plan_metrics import plan_metrics
+from .tree_planning import place_tree_pieces, real_units, tree_micro_stats, tree_pieces
 
 __all__ = [
     "GROUP_BY_CHOICES",
@@ -81,6 +82,7 @@ class PlanSpec:
     micro_batch_pass_cost: Optional[int] = None
     pad_row_tokens: int = PAD_ROW_TOKENS
     seed: int = 0
+    prefix_tree: bool = False  # place units as prefix trees (:mod:`verl_traj.core.tree_planning`); needs ``rows``
 
     def __post_init__(self) -> None:
         """Every field checked (a :class:`PlanError` naming it) and normalised (numpy ints -> int)."""
@@ -101,9 +103,10 @@ def _checked_spec(spec: PlanSpec) -> dict:
     for name, choices in (("group_by", GROUP_BY_CHOICES), ("mini_batch_balance", MINI_BATCH_BALANCE_CHOICES),
                           ("workload", WORKLOAD_MODELS), ("micro_batch_cost", MICRO_BATCH_COSTS)):
         check_choice(name, getattr(spec, name), choices, error=PlanError)
-    if not isinstance(spec.balance_dp, (bool, np.bool_)):
-        raise PlanError.invalid("balance_dp", spec.balance_dp, "is not a bool", "pass balance_dp=True or False")
-    out["balance_dp"] = bool(spec.balance_dp)
+    for name in ("balance_dp", "prefix_tree"):
+        if not isinstance(getattr(spec, name), (bool, np.bool_)):
+            raise PlanError.invalid(name, getattr(spec, name), "is not a bool", f"pass {name}=True or False")
+        out[name] = bool(getattr(spec, name))
     if spec.micro_batch_max_tokens is not None:
         out["micro_batch_max_tokens"] = whole("micro_batch_max_tokens", 1, "tokens per micro-batch, or None for no cap")
     pass_cost = spec.micro_batch_pass_cost
@@ -137,6 +140,9 @@ class MiniBatchStats:
     max_packed_tokens: torch.Tensor  # [M] int64 largest attended-token sum of one micro-batch
     padded_positions: torch.Tensor  # [M] int64 positions computed without remove-padding minus attended tokens
     ranks_short_of_rows: torch.Tensor  # [M] int64 ranks with fewer rows than the synced count
+    # prefix-tree plans only (None otherwise)
+    tree_tokens: Optional[torch.Tensor] = None  # [M] int64 tree tokens of the pieces (what the forwards hold)
+    atomic_trajectories: Optional[torch.Tensor] = None  # [M] int64 trajectories whose rows share one micro-batch
 
 
 @dataclass(frozen=True)
@@ -230,14 +236,18 @@ class _Items:
     def pad(self) -> np.ndarray:
         return self.src < 0
 
+    def placed(self, rank: np.ndarray) -> "_Items":
+        return _Items(self.src, self.mb, self.tokens, self.loss, self.traj, self.grp, rank)
 
-def _real_items(layout: BatchLayout, spec: PlanSpec, rng: np.random.Generator) -> tuple[_Items, int]:
-    """Stage 1: real rows with their mini-batch (units assigned whole). Returns (items, units above a fair share)."""
-    real = np.flatnonzero(~layout.is_padding.numpy())
+
+def _real_items(layout: BatchLayout, spec: PlanSpec, rng: np.random.Generator,
+                unit_cost: Optional[np.ndarray] = None) -> tuple[_Items, int]:
+    """Stage 1: real rows with their mini-batch (units assigned whole, LPT on ``unit_cost``: default their row
+    tokens). Returns (items, units above a fair share)."""
+    real, unit, num_units = real_units(layout, spec.group_by)
     tokens = layout.num_tokens.numpy()[real]
     traj = layout.traj_index.numpy()[real]
     grp = layout.group_index.numpy()[real]
-    unit, num_units = (grp, layout.num_groups) if spec.group_by == "group" else (traj, layout.num_trajectories)
     m = int(spec.num_mini_batches)
     if num_units < m:
         what = "groups (distinct uids)" if spec.group_by == "group" else "trajectories"
@@ -249,16 +259,21 @@ def _real_items(layout: BatchLayout, spec: PlanSpec, rng: np.random.Generator) -
             "raise train_batch_size" + (", or use group_by='trajectory'" if spec.group_by == "group" else "") + ".",
             field="num_mini_batches",
         )
-    unit_tokens = np.bincount(unit, weights=tokens, minlength=num_units).astype(np.int64)
+    unit_tokens = np.bincount(unit, weights=tokens, minlength=num_units).astype(np.int64) if unit_cost is None \
+        else unit_cost
     unit_mb = assign_units(unit_tokens, m, spec.mini_batch_balance, rng)
-    larger = int((unit_tokens > tokens.sum() / m).sum())
+    larger = int((unit_tokens > unit_tokens.sum() / m).sum())
     loss = layout.num_loss_tokens.numpy()[real]
     return _Items(real.astype(np.int64), unit_mb[unit], tokens, loss, traj, grp), larger
 
 
 def _with_padding(items: _Items, spec: PlanSpec) -> _Items:
     """Stage 2: append the fewest padding rows that give every rank the same rows per mini-batch."""
-    pad_mb = padding_items(items.mb, int(spec.num_mini_batches), int(spec.dp_size))
+    return _appended(items, padding_items(items.mb, int(spec.num_mini_batches), int(spec.dp_size)), spec)
+
+
+def _appended(items: _Items, pad_mb: np.ndarray, spec: PlanSpec, pad_rank: Optional[np.ndarray] = None) -> _Items:
+    """``items`` with padding rows of mini-batches ``pad_mb`` (and ranks ``pad_rank`` when already placed)."""
     p = pad_mb.shape[0]
     fill = np.full(p, -1, dtype=np.int64)
     return _Items(
@@ -268,6 +283,7 @@ def _with_padding(items: _Items, spec: PlanSpec) -> _Items:
         loss=np.concatenate([items.loss, np.zeros(p, dtype=np.int64)]),
         traj=np.concatenate([items.traj, fill]),
         grp=np.concatenate([items.grp, fill]),
+        rank=None if pad_rank is None else np.concatenate([items.rank, pad_rank]),
     )
 
 
@@ -293,10 +309,13 @@ def plan_mini_batches(
     dp_size: int,
     *,
     partitioner: Optional[Partitioner] = None,
+    rows: Optional[Sequence] = None,
     **options,
 ) -> MiniBatchPlan:
     """Plan one training batch (stages: module docstring). ``options`` are :class:`PlanSpec` fields;
-    ``partitioner`` is an extra micro-batch candidate (:func:`~verl_traj.core.packing.min_micro_batches`).
+    ``partitioner`` is an extra micro-batch candidate (:func:`~verl_traj.core.packing.min_micro_batches`);
+    ``rows``: every row's attended token ids (``prefix_tree=True`` only: stages 3 and 5 then place prefix trees,
+    :mod:`verl_traj.core.tree_planning`).
 
     Raises:
         PlanError: bad spec (a misspelled option, a count that is not a whole number >= 1, NaN cap, an unknown
@@ -312,16 +331,24 @@ def plan_mini_batches(
     spec = PlanSpec(num_mini_batches, dp_size, **options)
     rng = np.random.default_rng(spec.seed)
     clock = _Clock()
-    items, larger = _real_items(layout, spec, rng)
+    pieces = tree_pieces(layout, spec, rows) if spec.prefix_tree else None
+    items, larger = _real_items(layout, spec, rng, None if pieces is None else pieces.unit_tokens)
     clock.lap("units_s")
-    items = _with_padding(items, spec)
-    _balance(items, spec, rng)
+    if pieces is None:
+        items = _with_padding(items, spec)
+        _balance(items, spec, rng)
+    else:
+        placement = place_tree_pieces(pieces, items.mb, spec, rng)
+        items = _appended(items.placed(placement.rank[pieces.of_row]), placement.pad_mb, spec, placement.pad_rank)
     out = _rank_major(items)
     clock.lap("balance_s")
     stats = _statistics(items, spec)
     split_traj, split_grp = _splits(items)
     clock.lap("stats_s")
-    micro_id, micro_stats = _micro_batches(items, spec, partitioner)
+    if pieces is None:
+        micro_id, micro_stats = _micro_batches(items, spec, partitioner)
+    else:
+        micro_id, micro_stats = tree_micro_stats(items, pieces, placement, spec)
     clock.lap("packing_s")
     counts = np.bincount(items.mb, minlength=spec.num_mini_batches)
     return MiniBatchPlan(

@@ -1,0 +1,279 @@
+"""Prefix-tree plans (issue 29, item 4): rows that share prefixes forwarded as one tree, costs in tree tokens.
+
+With ``PlanSpec.prefix_tree`` the planner places *pieces*, not rows, on ranks and micro-batches:
+
+* a unit (a GRPO group with ``group_by="group"``, else a trajectory) is one piece when its tree fits the micro-batch
+  cap; a larger one is cut depth-first (its distinct rows in lexicographic order, consecutive runs) into pieces whose
+  trees fit, each re-paying the ancestor path it shares with the piece before (:func:`unit_pieces`). A unit's cost
+  when the planner assigns it to a mini-batch is its whole tree (the distinct prefixes of its rows);
+* a mini-batch's pieces go to ranks by LPT on tree tokens, then each rank's pieces into the fewest micro-batches whose
+  tree tokens fit the cap (:func:`~verl_traj.core.packing.min_micro_batches`). Every rank of a mini-batch runs the
+  same number of micro-batches (FSDP's collectives run per pass): a rank short of pieces splits a micro-batch of
+  several pieces, and where none is left gets a micro-batch of one padding row;
+* padding rows then give every rank of a mini-batch the same number of rows (verl's dispatch splits evenly); they go
+  to the rank's cheapest micro-batch, where identical padding rows share their two tree tokens.
+
+A piece's cost is its own tree's tokens: an upper bound on what it adds to a micro-batch's tree (pieces of different
+units may share a system prompt too, a bonus the plan does not count). The rows of a piece always share one rank and
+one micro-batch, so a unit is atomic wherever its tree fits the cap. Pure module (numpy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from .balancing import lpt
+from .errors import TrajInputError
+from .packing import PackingError, min_micro_batches
+from .prefix_tree import _checked_rows, _segments
+
+__all__ = ["TreePieces", "TreePlacement", "place_pieces", "unit_pieces"]
+
+
+@dataclass(frozen=True)
+class TreePieces:
+    """``R`` rows cut into ``P`` pieces of ``U`` units: ``of_row`` ``[R]`` piece of each row, ``unit`` ``[P]`` unit
+    of each piece (pieces of a unit are consecutive), ``tokens`` ``[P]`` tree tokens of each piece (its own tree,
+    ancestor path included), ``unit_tokens`` ``[U]`` tree tokens of each whole unit (<= the sum of its pieces)."""
+
+    of_row: np.ndarray
+    unit: np.ndarray
+    tokens: np.ndarray
+    unit_tokens: np.ndarray
+
+
+def _cut(lengths: np.ndarray, added: np.ndarray, cap: Optional[int]) -> tuple[np.ndarray, list[int]]:
+    """Consecutive runs of a unit's sorted distinct rows whose trees fit ``cap``: ``(piece of each distinct row,
+    tree tokens of each piece)``. A run's tree is its first row whole plus what each later row adds."""
+    if cap is None:
+        return np.zeros(lengths.size, dtype=np.int64), [int(added.sum())]
+    piece = np.empty(lengths.size, dtype=np.int64)
+    costs: list[int] = []
+    for i, (full, extra) in enumerate(zip(lengths.tolist(), added.tolist())):
+        if costs and costs[-1] + extra <= cap:
+            costs[-1] += extra
+        else:
+            costs.append(full)
+        piece[i] = len(costs) - 1
+    return piece, costs
+
+
+def unit_pieces(rows: Sequence[Any], unit: np.ndarray, num_units: int, cap: Optional[int]) -> TreePieces:
+    """Cut each unit's rows into pieces whose prefix trees fit ``cap`` tokens (module docstring).
+
+    Args:
+        rows: ``R`` rows' attended token ids (as :func:`~verl_traj.core.prefix_tree.build_prefix_tree` takes them).
+        unit: ``[R]`` int unit of each row, in ``0..num_units-1``; every unit has a row.
+        cap: tree tokens per micro-batch, or None (one piece per unit).
+    Raises :class:`PackingError` (field ``micro_batch_max_tokens``) when a row alone is longer than ``cap``.
+    Cost: one sort per unit, Python loops over units and distinct rows (not tokens).
+    """
+    arrays = _checked_rows(rows)
+    unit = np.asarray(unit, dtype=np.int64)
+    if unit.shape != (len(arrays),) or (unit.size and (unit.min() < 0 or unit.max() >= num_units)):
+        raise TrajInputError.invalid("unit", unit, f"is not [R={len(arrays)}] ints in 0..{num_units - 1}",
+                                     "pass each row's dense unit index")
+    longest = max((a.size for a in arrays), default=0)
+    if cap is not None and longest > cap:
+        raise PackingError(f"micro_batch_max_tokens={cap} is below the longest row ({longest} tokens). Fix: raise the "
+                           "micro-batch token cap to at least the max prompt+response length (a row cannot be split "
+                           "across micro-batches).", field="micro_batch_max_tokens")
+    order = np.argsort(unit, kind="stable")
+    bounds = np.searchsorted(unit[order], np.arange(num_units + 1))
+    of_row = np.zeros(len(arrays), dtype=np.int64)
+    piece_unit: list[int] = []
+    piece_tokens: list[int] = []
+    unit_tokens = np.zeros(num_units, dtype=np.int64)
+    for u in range(num_units):
+        members = order[bounds[u]:bounds[u + 1]]
+        seg = _segments([arrays[i] for i in members.tolist()])
+        lengths = np.asarray([r.size for r in seg.rows], dtype=np.int64)
+        added = lengths - seg.starts
+        unit_tokens[u] = int(added.sum())
+        piece, costs = _cut(lengths, added, cap)
+        of_row[members] = len(piece_tokens) + np.where(seg.of_row >= 0, piece[seg.of_row.clip(min=0)], 0)
+        piece_unit += [u] * len(costs)
+        piece_tokens += costs
+    return TreePieces(of_row, np.asarray(piece_unit, dtype=np.int64), np.asarray(piece_tokens, dtype=np.int64),
+                      unit_tokens)
+
+
+@dataclass(frozen=True)
+class TreePlacement:
+    """Where the pieces and the padding rows go. ``rank`` / ``micro`` ``[P]``: each piece's DP rank and micro-batch
+    within its (mini-batch, rank); ``pad_mb`` / ``pad_rank`` / ``pad_micro`` ``[Q]``: the padding rows';
+    ``count`` ``[M]`` micro-batches per rank of each mini-batch; ``lower_bound`` ``[M]`` max over ranks of
+    ``ceil(rank tree tokens / cap)``; ``max_packed`` ``[M]`` tree tokens of the largest micro-batch (pieces' sums)."""
+
+    rank: np.ndarray
+    micro: np.ndarray
+    pad_mb: np.ndarray
+    pad_rank: np.ndarray
+    pad_micro: np.ndarray
+    count: np.ndarray
+    lower_bound: np.ndarray
+    max_packed: np.ndarray
+
+
+def _bins(sizes: list[int], cap: Optional[int]) -> list[list[int]]:
+    """Fewest micro-batches of one rank's pieces (``sizes`` descending) under ``cap`` (all in one without a cap)."""
+    if not sizes:
+        return []
+    return [list(range(len(sizes)))] if cap is None else [list(b) for b in min_micro_batches(sizes, cap)]
+
+
+def _split_to(bins: list[list[int]], want: int, sizes: list[int]) -> list[list[int]]:
+    """Split the costliest micro-batch of several pieces in two (alternating, largest first) until ``want``
+    micro-batches or none has two pieces left; halves of a micro-batch under the cap stay under it."""
+    bins = [list(b) for b in bins]
+    while len(bins) < want:
+        several = [i for i, b in enumerate(bins) if len(b) > 1]
+        if not several:
+            break
+        i = max(several, key=lambda j: sum(sizes[p] for p in bins[j]))
+        ranked = sorted(bins[i], key=lambda p: -sizes[p])
+        bins[i], extra = ranked[0::2], ranked[1::2]
+        bins.append(extra)
+    return bins
+
+
+def _place_mini_batch(tokens: np.ndarray, rows: np.ndarray, dp: int, cap: Optional[int], pad_tokens: int,
+                      balance_dp: bool, rng: np.random.Generator):
+    """One mini-batch's pieces (``tokens`` / ``rows`` ``[p]``): ``(rank [p], micro [p], padding (rank, micro) pairs,
+    count, lower bound, largest micro-batch)``."""
+    p = tokens.size
+    if balance_dp:
+        perm = rng.permutation(p)
+        rank = lpt(tokens, dp, order=perm[np.argsort(-tokens[perm], kind="stable")])
+    else:
+        rank = np.arange(p, dtype=np.int64) % dp
+    per_rank = []
+    for r in range(dp):
+        idx = np.flatnonzero(rank == r)
+        idx = idx[np.argsort(-tokens[idx], kind="stable")]
+        per_rank.append((idx, _bins(tokens[idx].tolist(), cap)))
+    count = max(1, max(len(b) for _, b in per_rank))
+    while True:  # one more micro-batch on every rank only where a padding row fits in none of a rank's
+        micro, pads, loads = _fill(tokens, rows, per_rank, count, cap, pad_tokens)
+        if pads is not None:
+            break
+        count += 1
+    rank_tokens = np.bincount(rank, weights=tokens, minlength=dp)
+    lower = int(max(-(-int(t) // cap) for t in rank_tokens)) if cap is not None else 1
+    return rank, micro, pads, count, max(lower, 1), max(max(lo) for lo in loads)
+
+
+def _fill(tokens: np.ndarray, rows: np.ndarray, per_rank: list, count: int, cap: Optional[int], pad_tokens: int):
+    """Each rank's micro-batches brought to ``count`` and its rows to the mini-batch's most, with padding rows (one in
+    each micro-batch a rank has no piece for, the rest in the first of those or else its cheapest): ``(micro [p], padding (rank, micro) pairs,
+    loads per rank)``; padding ``None`` where a padding row would push a micro-batch over ``cap``."""
+    micro = np.zeros(tokens.size, dtype=np.int64)
+    empty: list[list[int]] = []
+    loads: list[list[int]] = []
+    for idx, bins in per_rank:
+        bins = _split_to(bins, count, tokens[idx].tolist())
+        for m, b in enumerate(bins):
+            micro[idx[b]] = m
+        loads.append([int(tokens[idx[b]].sum()) for b in bins] + [pad_tokens] * (count - len(bins)))
+        empty.append(list(range(len(bins), count)))
+    have = [int(rows[idx].sum()) + len(e) for (idx, _), e in zip(per_rank, empty)]
+    target = max(have)
+    pads: list[tuple[int, int]] = []
+    for r, e in enumerate(empty):
+        pads += [(r, m) for m in e]
+        if target > have[r]:
+            cheapest = e[0] if e else int(np.argmin(loads[r]))
+            if cap is not None and not e and loads[r][cheapest] + pad_tokens > cap:
+                return micro, None, loads
+            pads += [(r, cheapest)] * (target - have[r])
+    return micro, pads, loads
+
+
+def place_pieces(tokens: np.ndarray, mini_batch: np.ndarray, rows: np.ndarray, num_mini_batches: int, dp: int,
+                 cap: Optional[int], balance_dp: bool, rng: np.random.Generator, pad_tokens: int = 2) -> TreePlacement:
+    """Ranks, micro-batches and padding rows of ``P`` pieces (module docstring).
+
+    Args:
+        tokens / mini_batch / rows: ``[P]`` tree tokens, mini-batch and row count of each piece (every piece has a
+            row, every mini-batch a piece); ``pad_tokens``: a padding row's tokens (identical padding rows in one
+            micro-batch share them in its tree).
+    Invariants of the result: per mini-batch every rank holds the same number of rows (pieces' rows + padding) and
+    runs ``count[m]`` micro-batches, each holding a row; a micro-batch's pieces, plus ``pad_tokens`` where it holds
+    padding rows, sum to at most ``cap`` tree tokens.
+    """
+    out = {k: np.zeros(tokens.size, dtype=np.int64) for k in ("rank", "micro")}
+    pads: list[tuple[int, int, int]] = []
+    stats = np.zeros((3, num_mini_batches), dtype=np.int64)
+    for m in range(num_mini_batches):
+        idx = np.flatnonzero(mini_batch == m)
+        rank, micro, mb_pads, count, lower, packed = _place_mini_batch(tokens[idx], rows[idx], dp, cap, pad_tokens,
+                                                                      balance_dp, rng)
+        out["rank"][idx], out["micro"][idx] = rank, micro
+        pads += [(m, r, mi) for r, mi in mb_pads]
+        stats[:, m] = (count, lower, packed)
+    pad = np.asarray(pads, dtype=np.int64).reshape(-1, 3)
+    return TreePlacement(out["rank"], out["micro"], pad[:, 0], pad[:, 1], pad[:, 2], *stats)
+
+
+def real_units(layout: Any, group_by: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(real rows [n], unit of each [n], number of units)`` of a :class:`~verl_traj.core.layout.BatchLayout`: a
+    unit is a group (``group_by="group"``) or a trajectory."""
+    real = np.flatnonzero(~layout.is_padding.numpy())
+    if group_by == "group":
+        return real, layout.group_index.numpy()[real], layout.num_groups
+    return real, layout.traj_index.numpy()[real], layout.num_trajectories
+
+
+def tree_pieces(layout: Any, spec: Any, rows: Optional[Sequence[Any]]) -> TreePieces:
+    """The pieces of a layout's real rows (``rows``: every row's attended token ids, padding rows included, each as
+    long as the layout counts its tokens) under ``spec.micro_batch_max_tokens``."""
+    if rows is None:
+        raise TrajInputError.invalid("rows", rows, "is missing: a prefix-tree plan costs units in tree tokens",
+                                     "pass rows=[each row's attended token ids] with prefix_tree=True")
+    arrays = _checked_rows(rows)
+    counts = layout.num_tokens.numpy()
+    lengths = np.asarray([a.size for a in arrays], dtype=np.int64)
+    if lengths.shape != counts.shape or not np.array_equal(lengths, counts):
+        bad = int(np.flatnonzero(lengths != counts)[0]) if lengths.shape == counts.shape else len(arrays)
+        raise TrajInputError.invalid(f"rows[{bad}]" if lengths.shape == counts.shape else "rows", f"{len(arrays)} rows",
+                                     f"do not match the layout's {counts.size} rows of num_tokens tokens",
+                                     "pass the attended token ids of the rows the layout was built from, in its order")
+    real, unit, num_units = real_units(layout, spec.group_by)
+    return unit_pieces([arrays[i] for i in real.tolist()], unit, num_units, spec.micro_batch_max_tokens)
+
+
+def place_tree_pieces(pieces: TreePieces, row_mini_batch: np.ndarray, spec: Any,
+                      rng: np.random.Generator) -> TreePlacement:
+    """:func:`place_pieces` for the real rows' pieces, each row's mini-batch ``row_mini_batch`` ``[n]``."""
+    num = pieces.tokens.size
+    mini_batch = np.zeros(num, dtype=np.int64)
+    mini_batch[pieces.of_row] = row_mini_batch
+    rows = np.bincount(pieces.of_row, minlength=num)
+    return place_pieces(pieces.tokens, mini_batch, rows, int(spec.num_mini_batches), int(spec.dp_size),
+                        spec.micro_batch_max_tokens, bool(spec.balance_dp), rng, int(spec.pad_row_tokens))
+
+
+def tree_micro_stats(items: Any, pieces: TreePieces, placement: TreePlacement,
+                     spec: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """``(micro-batch of every item [N], the plan's micro-batch statistics)`` of a placed tree plan; ``items``: the
+    real rows (in the order of ``pieces.of_row``), then the padding rows (in the placement's order)."""
+    m = int(spec.num_mini_batches)
+    micro = np.concatenate([placement.micro[pieces.of_row], placement.pad_micro])
+    real = ~items.pad
+    mini_batch = np.zeros(pieces.tokens.size, dtype=np.int64)
+    mini_batch[pieces.of_row] = items.mb[real]
+    where = (items.rank * (int(micro.max(initial=0)) + 1) + micro)[real]
+    pairs = np.unique(np.stack([items.traj[real], where], axis=1), axis=0)
+    places = np.bincount(pairs[:, 0], minlength=int(items.traj.max(initial=-1)) + 1)
+    traj_mb = np.zeros(places.size, dtype=np.int64)
+    traj_mb[items.traj[real]] = items.mb[real]
+    zeros = np.zeros(m, dtype=np.int64)
+    return micro, {
+        "micro_batches": placement.count, "micro_batches_lower_bound": placement.lower_bound,
+        "max_packed_tokens": placement.max_packed, "padded_positions": zeros, "ranks_short_of_rows": zeros,
+        "tree_tokens": np.bincount(mini_batch, weights=pieces.tokens, minlength=m).astype(np.int64),
+        "atomic_trajectories": np.bincount(traj_mb[places == 1], minlength=m).astype(np.int64),
+    }
