@@ -84,6 +84,10 @@ class TrajConfig:
             the trajectory, applied to every row of it; GSPO's ratio too). The default is chosen by
             ``scripts/bench_ratio_scope.py``: a product of token ratios over a long trajectory degenerates (expected
             ESS below 0.5 once loss tokens x s^2 > 1.95, s the per-token spread), row scope does not grow with turns.
+        prefix_tree: forward the rows of each micro-batch as one prefix tree (every shared prefix once: a GRPO
+            group's prompt, a trajectory's earlier turns) in the actor's log-prob, reference and update passes; the
+            planner keeps each group (or trajectory, ``group_by``) in one micro-batch on one rank where its tree fits
+            the cap, and counts the cap in tree tokens. Off by default (docs/prefix_tree.md).
     """
 
     enable: bool = True
@@ -103,6 +107,7 @@ class TrajConfig:
     merge_prefix: bool = True
     seed: int = 0
     ratio_scope: str = "row"
+    prefix_tree: bool = False
 
     def __post_init__(self) -> None:
         for name in _BOOL_FIELDS:

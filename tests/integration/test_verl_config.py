@@ -330,3 +330,33 @@ def test_validation_runs_once_on_the_driver_and_the_trainer_only_adapts(monkeypa
     monkeypatch.setattr(startup, "check_models", lambda *a: None)
     startup.check_startup(cfg, "cuda")
     assert len(calls) == 1
+
+
+TREE = ["traj.prefix_tree=true", "actor_rollout_ref.model.use_remove_padding=true"]
+
+
+def test_prefix_tree_selects_the_cpu_flash_attention_path(started):
+    """``traj.prefix_tree=true`` on the CPU platform: the actor's model gets cpu_varlen (the kernel the tree
+    attention replaces), not sdpa, which would read a tree as separate sequences."""
+    assert _attn(started(TREE), ACTOR_ATTN) == "cpu_varlen"
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["traj.prefix_tree=true"], "actor_rollout_ref.model.use_remove_padding"),
+    (TREE + ["traj.enable=false"], "traj.enable"),
+    (TREE + ["trainer.use_v1=false"], "trainer.use_v1"),
+    (TREE + ["algorithm.adv_estimator=gae"], "algorithm.adv_estimator"),
+    (TREE + [f"{ACTOR_ATTN}=sdpa"], ACTOR_ATTN),
+    (TREE + ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
+     "actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
+    (TREE + ["actor_rollout_ref.model.use_fused_kernels=true"], "actor_rollout_ref.model.use_fused_kernels"),
+    (TREE + ["traj.prefix_tree=maybe"], "traj.prefix_tree"),
+])
+def test_prefix_tree_refused_where_it_is_not_built(started, overrides, field):
+    """Each refusal names the field to change (and says traj.prefix_tree=false is the other way out)."""
+    from verl_traj.config import TrajConfigError
+
+    with pytest.raises(TrajConfigError) as err:
+        started(overrides)
+    assert err.value.field == field
+    assert "prefix_tree" in str(err.value)

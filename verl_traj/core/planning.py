@@ -36,7 +36,7 @@ from .errors import TrajInputError, check_choice, check_int, check_options
 from .layout import BatchLayout
 from .packing import MICRO_BATCH_COSTS, Partitioner, pack_micro_batches
 from .plan_metrics import plan_metrics
-from .tree_planning import place_tree_pieces, real_units, tree_micro_stats, tree_pieces
+from .tree_planning import TreePieces, place_tree_pieces, real_units, tree_micro_stats, tree_pieces
 
 __all__ = [
     "GROUP_BY_CHOICES",
@@ -297,6 +297,17 @@ def _balance(items: _Items, spec: PlanSpec, rng: np.random.Generator) -> None:
         items.rank = round_robin_equal_size(items.mb, m, dp)
 
 
+def _placed(items: _Items, spec: PlanSpec, rng: np.random.Generator, pieces: Optional[TreePieces]):
+    """Stages 2 and 3: ``(items with padding rows and ranks, the tree placement or None)``; with ``pieces`` (a
+    prefix-tree plan) whole pieces are placed (:func:`~verl_traj.core.tree_planning.place_tree_pieces`)."""
+    if pieces is None:
+        items = _with_padding(items, spec)
+        _balance(items, spec, rng)
+        return items, None
+    placement = place_tree_pieces(pieces, items.mb, spec, rng)
+    return _appended(items.placed(placement.rank[pieces.of_row]), placement.pad_mb, spec, placement.pad_rank), placement
+
+
 def _rank_major(items: _Items) -> np.ndarray:
     """Stage 4: output order (rank, mini-batch, padding last, source row)."""
     src_key = np.where(items.pad, np.arange(items.src.shape[0]), items.src)
@@ -334,21 +345,14 @@ def plan_mini_batches(
     pieces = tree_pieces(layout, spec, rows) if spec.prefix_tree else None
     items, larger = _real_items(layout, spec, rng, None if pieces is None else pieces.unit_tokens)
     clock.lap("units_s")
-    if pieces is None:
-        items = _with_padding(items, spec)
-        _balance(items, spec, rng)
-    else:
-        placement = place_tree_pieces(pieces, items.mb, spec, rng)
-        items = _appended(items.placed(placement.rank[pieces.of_row]), placement.pad_mb, spec, placement.pad_rank)
+    items, placement = _placed(items, spec, rng, pieces)
     out = _rank_major(items)
     clock.lap("balance_s")
     stats = _statistics(items, spec)
     split_traj, split_grp = _splits(items)
     clock.lap("stats_s")
-    if pieces is None:
-        micro_id, micro_stats = _micro_batches(items, spec, partitioner)
-    else:
-        micro_id, micro_stats = tree_micro_stats(items, pieces, placement, spec)
+    micro_id, micro_stats = (_micro_batches(items, spec, partitioner) if pieces is None
+                             else tree_micro_stats(items, pieces, placement, spec))
     clock.lap("packing_s")
     counts = np.bincount(items.mb, minlength=spec.num_mini_batches)
     return MiniBatchPlan(

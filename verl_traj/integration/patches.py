@@ -32,7 +32,9 @@ The patch sets, each in the order it is installed (a later patch of the same nam
   ``trainer_base.compute_timing_metrics``, ``compute_throughout_metrics`` <- real rows only.
 * :func:`update_patches` -- actor / critic worker, during one planned ``train_mini_batch``:
   1. ``tensordict_utils.make_iterator`` <- the plan's mini-batches (same order on every rank);
-  2. ``prepare_micro_batches`` of every loaded FSDP engine module <- the plan's micro-batches.
+  2. ``prepare_micro_batches`` of every loaded FSDP engine module <- the plan's micro-batches
+     (:func:`micro_batch_patches`; alone, for the duration of one ``infer_batch``, on a batch marked for the prefix
+     tree: its log-prob and reference passes run the plan's micro-batches too).
 * :func:`gspo_prepass_patches` -- actor worker, during one planned ``train_mini_batch`` with ``ratio_group`` (GSPO at
   ``traj.ratio_scope=trajectory``), after :func:`update_patches`: the engine *instance*'s ``forward_backward_batch``
   <- a no-grad pre-pass (training mode, RNG replayed) that gives each row its trajectory's sequence ratio, then
@@ -56,7 +58,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-__all__ = ["Patch", "patched", "fit_patches", "gspo_prepass_patches", "task_runner_patches", "update_patches", "v1_advantage_patches",
+__all__ = ["Patch", "patched", "fit_patches", "gspo_prepass_patches", "micro_batch_patches", "task_runner_patches", "update_patches", "v1_advantage_patches",
            "v1_metric_patches", "v1_task_runner_patches", "ENGINE_MODULES"]
 
 RAY_TRAINER = "verl.trainer.ppo.ray_trainer"
@@ -173,10 +175,15 @@ def v1_metric_patches(on_real_rows: Callable[[Callable], Callable]) -> list[Patc
 
 def update_patches(make_iterator: Callable[[Any], Any], prepare_micro_batches: Callable[[Any], Any]) -> list[Patch]:
     """Worker patches for one planned update; engine modules not loaded in this process are skipped."""
-    out = [Patch("verl.utils.tensordict_utils", "make_iterator", make_iterator, "step the plan's mini-batches")]
-    out += [Patch(name, "prepare_micro_batches", prepare_micro_batches, "run the plan's micro-batches")
+    return [Patch("verl.utils.tensordict_utils", "make_iterator", make_iterator, "step the plan's mini-batches"),
+            *micro_batch_patches(prepare_micro_batches)]
+
+
+def micro_batch_patches(prepare_micro_batches: Callable[[Any], Any]) -> list[Patch]:
+    """``prepare_micro_batches`` of every loaded FSDP engine module <- the plan's micro-batches (an update's, or a
+    prefix-tree log-prob / reference pass's: :mod:`~verl_traj.integration.tree_passes`)."""
+    return [Patch(name, "prepare_micro_batches", prepare_micro_batches, "run the plan's micro-batches")
             for name in ENGINE_MODULES if name in sys.modules]
-    return out
 
 
 def gspo_prepass_patches(engine: Any, wrap: Callable[[Callable], Callable]) -> list[Patch]:

@@ -10,7 +10,9 @@ verl's settings. In order:
    ``remax``, ``gdpo`` and the optimal-token baselines only on v0 (v1's advantage step never fetches their inputs),
    ``gdpo`` with ``gdpo_reward_keys``, the optimal-token baselines with ``calculate_sum_pi_squared`` (else verl fails
    after the first rollout);
-4. the cross-checks of ``traj:`` against verl's sections (:func:`~.verl_checks.validate_against_verl`);
+4. the cross-checks of ``traj:`` against verl's sections (:func:`~.verl_checks.validate_against_verl`), and
+   ``traj.prefix_tree`` only where the tree is built and tested (:mod:`.tree_checks`: on CPU it selects
+   ``cpu_varlen`` for the actor's model);
 5. with ``traj.enable=true``: the model directories, the critic's value head, equal actor / critic DP sizes
    (:func:`check_models`);
 6. Ulysses only with remove-padding (:func:`check_sequence_parallel`; verl's engine refuses it when the workers
@@ -36,6 +38,7 @@ from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.estimators import estimator_name
 from verl_traj.cpu.attention import CPU_VARLEN
 from verl_traj.cpu.settings import check_cpu_rollout_lora, select_cpu_attention
+from verl_traj.integration.tree_checks import check_prefix_tree
 from verl_traj.integration.verl_checks import (flag_at, sequence_parallel_sizes, ulysses_size, uses_critic,
                                                validate_against_verl, value_at)
 from verl_traj.stepwise.ratio_scope_advice import degenerates, expected_trajectory_ess
@@ -64,6 +67,7 @@ def check_startup(config: Any, platform_device: str) -> TrajConfig:
     traj_config = TrajConfig.from_mapping(config.get("traj"))
     check_adv_estimator(config)
     validate_against_verl(traj_config, config)
+    check_prefix_tree(traj_config, config, "cpu" if value_at(config, "trainer.device") == "cpu" else "cuda")
     if traj_config.enable:
         check_models(config)
     check_sequence_parallel(config)

@@ -32,9 +32,11 @@ def verl_partitioner(sizes: list[int], k: int) -> list[list[int]]:
 
 
 def plan_layout(layout: BatchLayout, traj_config: TrajConfig, num_mini_batches: int, dp_size: int, *,
-                micro: Optional[PlanSettings] = None, seed: Optional[int] = None) -> MiniBatchPlan:
+                micro: Optional[PlanSettings] = None, seed: Optional[int] = None,
+                rows: Optional[list] = None) -> MiniBatchPlan:
     """The core plan of ``layout`` with the ``traj:`` settings and verl's micro-batch cap (``micro``; a cap
-    derived from verl's settings is raised to the longest row, an explicit one is kept)."""
+    derived from verl's settings is raised to the longest row, an explicit one is kept); ``rows``: every row's
+    attended token ids (``traj.prefix_tree`` only: the plan then places prefix trees)."""
     cap = None
     if micro is not None and micro.engine_runs_plan:  # else the engine cuts its own: no micro-batches planned
         longest = int(layout.num_tokens.max())
@@ -46,6 +48,7 @@ def plan_layout(layout: BatchLayout, traj_config: TrajConfig, num_mini_batches: 
         seed=traj_config.seed if seed is None else seed,
         pad_row_tokens=micro.pad_row_tokens if micro is not None else PAD_ROW_TOKENS,
         partitioner=verl_partitioner if micro is not None else None,
+        prefix_tree=traj_config.prefix_tree, rows=rows,
     )
 
 

@@ -35,6 +35,7 @@ run); ``stock_plan/*`` metrics then observe what verl's fixed-size mini-batches 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import uuid
 from typing import Any, Optional
@@ -60,9 +61,10 @@ from verl_traj.integration.v1_advantage import corrected_per_trajectory, planned
 from verl_traj.integration.v1_metrics import StepPadding, stepwise_metrics, trajectory_metrics
 from verl_traj.integration.v1_padding import write_padding_rows
 from verl_traj.integration.v1_plan_facts import PlanFacts, plan_facts
+from verl_traj.integration.tree_forward import TREE_KEY
 from verl_traj.integration.v1_planning import (debug_rows, dispatch_dp_size, in_key_order, ordered_batch, read_layout,
-                                               store_plan_ids)
-from verl_traj.integration.v1_updates import planned_update
+                                               read_rows, store_plan_ids)
+from verl_traj.integration.v1_updates import extra_info, planned_update
 from verl_traj.integration.verl_config import prepare_v1_agent_loop
 from verl_traj.integration.workers import TrajCriticWorker, traj_actor_worker
 
@@ -102,7 +104,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         for role, cls in list(self.role_worker_mapping.items()):
             if role == Role.Critic:
                 self.role_worker_mapping[role] = ray.remote(TrajCriticWorker)
-            elif role in (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef):
+            elif role in (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef, Role.RefPolicy):
                 self.role_worker_mapping[role] = ray.remote(traj_actor_worker(cls.__ray_actor_class__))
 
     def _setup(self):
@@ -138,7 +140,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         batch = in_key_order(batch)
         metrics.update(stepwise_metrics(batch.tags))
         layout = read_layout(batch)
-        plan = self._plan(layout)
+        plan = self._plan(layout, read_rows(batch) if self.traj_config.prefix_tree else None)
         pad_keys, pad_tags = write_padding_rows(batch, int(plan.is_padding.sum()), self.tokenizer.eos_token_id,
                                                 self.spec.plan.pad_row_tokens)
         out = ordered_batch(batch, plan, pad_keys, pad_tags)
@@ -149,9 +151,10 @@ class TrajV1Mixin(CompleteCheckpoints):
         debug_dump(int(self.global_steps), plan, debug_rows(out, plan, layout))
         return out
 
-    def _plan(self, layout: BatchLayout) -> MiniBatchPlan:
+    def _plan(self, layout: BatchLayout, rows: Optional[list] = None) -> MiniBatchPlan:
         return plan_layout(layout, self.traj_config, self.spec.num_mini_batches, self._traj_dp_size(),
-                           micro=self.spec.plan, seed=self.spec.plan_seed(self.global_steps, self.local_trigger_step))
+                           micro=self.spec.plan, seed=self.spec.plan_seed(self.global_steps, self.local_trigger_step),
+                           rows=rows)
 
     def _stock_plan_metrics(self, batch: Any) -> dict[str, float]:
         keys = parse_row_keys(batch.keys)
@@ -193,8 +196,21 @@ class TrajV1Mixin(CompleteCheckpoints):
         # a one-row trajectory's ratio is its row's: ratio groups only where some trajectory has several rows
         ratio_groups = self.spec.ratio_groups and has_multi_row_trajectory(facts.traj_index, facts.is_padding)
         with planned_update(batch, facts, self.spec.actor_loss, ratio_groups=ratio_groups,
-                            old_log_probs_at_start=self._old_log_probs_at_start()):
+                            old_log_probs_at_start=self._old_log_probs_at_start()), self._trees(batch):
             return super()._update_actor(batch, metrics)
+
+    def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
+        with self._trees(batch):
+            return super()._compute_old_log_prob(batch, metrics)
+
+    def _compute_ref_log_prob(self, batch: Any, metrics: dict) -> Any:
+        with self._trees(batch):
+            return super()._compute_ref_log_prob(batch, metrics)
+
+    def _trees(self, batch: Any) -> Any:
+        """With ``traj.prefix_tree``: the actor's passes of this batch forward the plan's micro-batches as trees
+        (:mod:`.tree_passes`; verl rebuilds the meta between passes, so each pass is marked for its call)."""
+        return extra_info(batch, {TREE_KEY: True}) if self.traj_config.prefix_tree else contextlib.nullcontext()
 
     def _old_log_probs_at_start(self) -> bool:
         """Whether this update's old log-probs came from the parameters it starts from: verl's base

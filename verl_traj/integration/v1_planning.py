@@ -4,7 +4,8 @@ loss tokens; the planned batch meta in dispatch order; the plan's ids stored as 
 A row key is ``{uid}_{session}_{index}`` (:mod:`verl_traj.core.row_key`): ``uid`` is the prompt (the GRPO group),
 ``{uid}_{session}`` one trajectory, ``index`` its step. The planner itself is the core's
 (:func:`~verl_traj.integration.step_plan.plan_layout`); these functions move its input out of TransferQueue and its
-output back in. The only ``[B, R]`` read is :func:`read_layout`'s fetch of ``response_mask``, counted to ``[B]``.
+output back in. The only ``[B, R]`` reads are :func:`read_layout`'s fetch of ``response_mask``, counted to ``[B]``, and
+with ``traj.prefix_tree`` :func:`read_rows`' fetch of ``input_ids`` (the tree planner's costs).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID
 from verl_traj.core.row_key import parse_row_keys, row_key_order
 from verl_traj.integration.v1_plan_facts import row_loss_tokens
 
-__all__ = ["debug_rows", "dispatch_dp_size", "in_key_order", "ordered_batch", "read_layout", "store_plan_ids"]
+__all__ = ["debug_rows", "dispatch_dp_size", "in_key_order", "ordered_batch", "read_layout", "read_rows",
+           "store_plan_ids"]
 
 
 def dispatch_dp_size(worker_group: Any, mesh: str) -> int:
@@ -47,6 +49,13 @@ def read_layout(batch: KVBatchMeta) -> BatchLayout:
     mask = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["response_mask"])
     return build_layout_from_counts(seq_len, row_loss_tokens(mask["response_mask"]), keys.uid,
                                     traj_id=keys.traj_id, step_index=keys.step)
+
+
+def read_rows(batch: KVBatchMeta) -> list[torch.Tensor]:
+    """Every row's attended token ids (``traj.prefix_tree``: the planner costs units in tree tokens), from one fetch
+    of ``input_ids`` (stored unpadded, one nested row each)."""
+    ids = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["input_ids"])["input_ids"]
+    return list(torch.split(ids.values(), ids.offsets().diff().tolist()))
 
 
 def ordered_batch(batch: KVBatchMeta, plan: MiniBatchPlan, pad_keys: list[str], pad_tags: list[dict]) -> KVBatchMeta:

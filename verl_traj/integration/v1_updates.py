@@ -28,7 +28,7 @@ from verl_traj.integration.update_spec import LossSpec
 from verl_traj.integration.v1_plan_facts import PlanFacts
 from verl_traj.integration.workers import CRITIC_UNION_KEY
 
-__all__ = ["name_fields", "planned_update", "put_update_fields"]
+__all__ = ["extra_info", "name_fields", "planned_update", "put_update_fields"]
 
 
 def name_fields(batch: Any, fields: tuple[str, ...]) -> None:
@@ -64,9 +64,17 @@ def planned_update(batch: Any, facts: PlanFacts, loss: LossSpec, *, ratio_groups
     planned = put_update_fields(batch, facts, loss, ratio_groups)
     extra = {PLANNED_FIELDS: ",".join(planned), **({CRITIC_UNION_KEY: union} if union > 1 else {}),
              OLD_LOG_PROBS_AT_START: bool(old_log_probs_at_start)}
+    with extra_info(batch, extra):
+        yield planned
+
+
+@contextlib.contextmanager
+def extra_info(batch: Any, extra: dict) -> Iterator[None]:
+    """``batch.extra_info`` (non-tensor data on the worker) carrying ``extra`` for one verl call; removed on exit,
+    also on error."""
     batch.extra_info.update(extra)
     try:
-        yield planned
+        yield
     finally:
         for key in extra:
             batch.extra_info.pop(key, None)

@@ -1,0 +1,130 @@
+"""A planned update as the workers run it: the contract check, the plan's mini-batches and micro-batches, and what
+ran (:class:`PlannedUpdate`). :mod:`.workers` swaps these into verl's ``train_mini_batch`` (and, for prefix-tree
+batches, ``infer_batch``) for one call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from tensordict import TensorDict
+
+from verl.utils import tensordict_utils as tu
+
+from verl_traj.core import mini_batch_order
+from verl_traj.core.errors import TrajInputError
+from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID, PLANNED_FIELDS, RATIO_GROUP
+
+__all__ = ["CRITIC_UNION_KEY", "PlannedUpdate", "check_planned_update", "mini_batch_slices"]
+
+# non-tensor key the trainer sets when the critic steps on unions of the actor's mini-batches
+CRITIC_UNION_KEY = "traj_critic_union"
+
+
+def check_planned_update(data: TensorDict) -> tuple[str, ...]:
+    """The per-row fields the trainer planned for this update (the non-tensor ``traj_planned_fields``, popped), each
+    checked present in ``data``. Raises :class:`TrajInputError` naming the list or the first missing field."""
+    listed = tu.pop(data, key=PLANNED_FIELDS, default=None)
+    if listed is None:
+        raise TrajInputError(
+            f"a verl_traj worker received an update without {PLANNED_FIELDS!r}: it was not planned by verl_traj's "
+            "trainer (TrajRayPPOTrainer / TrajV1Mixin with traj.enable=true), and verl_traj's workers run planned "
+            "updates only. Fix: run through python -m verl_traj.main_ppo with traj.enable=true, or use verl's own "
+            "workers for traj.enable=false.", field=PLANNED_FIELDS)
+    fields = tuple(name for name in str(listed).split(",") if name)
+    keys = set(data.keys())
+    missing = [name for name in fields if name not in keys]
+    if missing:
+        raise TrajInputError(
+            f"the planned update lacks field {missing[0]!r} (planned: {list(fields)}; received: {sorted(keys)}): the "
+            "trainer wrote it, but it did not reach this worker. On v1 the workers fetch exactly the fields the "
+            "batch meta (KVBatchMeta.fields) names. Fix: name every planned field in the meta after writing it "
+            "(verl_traj's trainer does; a subclass that rebuilds the meta must keep them).", field=missing[0])
+    return fields
+
+
+def mini_batch_slices(mini_batch_id: torch.Tensor, union: int = 1) -> list[tuple[int, int]]:
+    """``[(start, end)]`` of each optimizer step's rows ``0..M'-1`` in one rank's rows: ``union`` consecutive planned
+    mini-batches per step (``id // union``; the critic may step on unions of the actor's mini-batches).
+
+    The plan lays each rank's rows out mini-batch after mini-batch, so every mini-batch is one contiguous
+    block; anything else means the batch did not come unmodified from the planner."""
+    ids = mini_batch_id.detach().cpu().long() // int(union)
+    values, counts = torch.unique_consecutive(ids, return_counts=True)
+    if not torch.equal(values, torch.arange(values.numel())):
+        raise RuntimeError(
+            f"this rank's mini_batch_id blocks are {values.tolist()[:16]}, expected 0, 1, 2, ... in order: the "
+            "batch must come from TrajRayPPOTrainer._balance_batch (rank-major plan), unmodified."
+        )
+    ends = torch.cumsum(counts, 0).tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+def _micro_batch_parts(data: TensorDict) -> list[torch.Tensor]:
+    """Row positions of each planned micro-batch of a mini-batch (``(mini_batch_id, micro_batch_id)`` pairs,
+    so a union of mini-batches keeps each one's micro-batches)."""
+    micro = data[MICRO_BATCH_ID].detach().cpu().long()
+    key = data[MINI_BATCH_ID].detach().cpu().long() * (int(micro.max()) + 1) + micro
+    _, inverse = torch.unique(key, return_inverse=True)
+    order = torch.argsort(inverse, stable=True)
+    return list(torch.split(order, torch.bincount(inverse).tolist()))
+
+
+@dataclass
+class PlannedUpdate:
+    """One planned ``train_mini_batch``: the fields it was planned with, the iterator and micro-batches it runs, and
+    what they did (the GSPO pre-pass's micro-batches counted apart from the planned ones)."""
+
+    seed: int
+    fields: tuple[str, ...]
+    union: int = 1
+    old_log_probs_at_start: bool = False  # the trainer's word (OLD_LOG_PROBS_AT_START)
+    micro_batches_run: list[int] = field(default_factory=list)
+    steps: int = 0
+    steps_started: int = 0  # optimizer steps begun (forward_backward calls that train)
+    prepass_micro_batches: int = 0
+    prepass_skipped: int = 0
+    in_prepass: bool = False
+
+    @property
+    def ratio_groups(self) -> bool:
+        """GSPO at trajectory scope: the rows carry their trajectory as ``ratio_group``."""
+        return RATIO_GROUP in self.fields
+
+    def make_iterator(self, _verl_make_iterator: Callable) -> Callable:
+        def make_iterator(tensordict: TensorDict, mini_batch_size: Any = None, epochs: int = 1, seed: Any = None,
+                          dataloader_kwargs: Optional[dict] = None):
+            blocks = mini_batch_slices(tensordict[MINI_BATCH_ID], self.union)
+            shuffle = bool((dataloader_kwargs or {}).get("shuffle", False))
+            orders = [mini_batch_order(len(blocks), e, self.seed, shuffle).tolist() for e in range(int(epochs))]
+            self.steps = len(blocks) * int(epochs)
+            return (tu.index_select_tensor_dict(tensordict, torch.arange(*blocks[m])) for o in orders for m in o)
+
+        return make_iterator
+
+    def prepare_micro_batches(self, _verl_prepare: Callable) -> Callable:
+        def prepare_micro_batches(data: TensorDict, *args: Any, **kwargs: Any):
+            if MICRO_BATCH_ID not in data.keys():
+                raise TrajInputError(f"a micro-batch cut was asked for inside a planned update whose rows carry no "
+                                     f"{MICRO_BATCH_ID!r}: the planned micro-batches would be lost. The batch must "
+                                     "come from verl_traj's trainer unmodified.", field=MICRO_BATCH_ID)
+            parts = _micro_batch_parts(data)
+            if self.in_prepass:
+                self.prepass_micro_batches += len(parts)
+            else:
+                self.micro_batches_run.append(len(parts))
+            return [tu.index_select_tensor_dict(data, idx) for idx in parts], [idx.tolist() for idx in parts]
+
+        return prepare_micro_batches
+
+    def metrics(self, epochs: int) -> dict[str, list]:
+        runs, epochs = self.micro_batches_run, max(epochs, 1)
+        out = {"num_optimizer_steps": [self.steps], "num_mini_batches": [self.steps // epochs]}
+        if runs:  # an engine that cut its own micro-batches (Megatron) reports its own, not ours
+            out.update(micro_batches_per_epoch=[sum(runs) / epochs], micro_batches_per_mini_batch_max=[max(runs)])
+        if self.ratio_groups:  # GSPO at trajectory scope: the extra no-grad forwards, apart from the plan's
+            out.update(prepass_micro_batches_per_epoch=[self.prepass_micro_batches / epochs],
+                       prepass_skipped_steps=[self.prepass_skipped])
+        return out

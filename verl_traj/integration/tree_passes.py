@@ -1,0 +1,93 @@
+"""The actor's passes on prefix trees (``traj.prefix_tree``, issue 29, item 3): what a worker does with a batch the
+trainer marked ``prefix_tree``.
+
+The trainer marks the planned batch once (the non-tensor :data:`~verl_traj.integration.tree_forward.TREE_KEY`, in
+the v1 batch meta's ``extra_info``, so every pass of that batch sees it). A verl_traj worker that receives a marked
+batch runs the pass inside :func:`~verl_traj.integration.tree_forward.tree_forward` on its engine, on the plan's
+micro-batches:
+
+* the update (``train_mini_batch``): the plan's mini-batches and micro-batches as for every planned update
+  (:mod:`.workers`), each micro-batch forwarded as one tree;
+* the old-log-prob and reference passes (``infer_batch``): the same planned micro-batches (``mini_batch_id``,
+  ``micro_batch_id``), not verl's own cut, so both log-probs of the PPO ratio take one numeric path (the same trees,
+  the same kernels), and a group's rows share their prompt here too.
+
+A marked pass is a contract like the planned update: a marked batch without the plan's ids raises, and after the pass
+every micro-batch that ran must have been forwarded as a tree (:func:`check_all_tree`), else it raises -- a tree pass
+never falls back to the per-row forward in silence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id
+
+from verl_traj.core.errors import TrajInputError
+from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID
+from verl_traj.integration.tree_forward import TREE_KEY, TreeForwardLog, tree_forward
+
+__all__ = ["check_all_tree", "tree_marked", "tree_metrics", "tree_pass"]
+
+
+def tree_marked(data: TensorDict) -> bool:
+    """Whether the trainer marked this batch for the prefix-tree forward; a marked batch must carry the plan's ids."""
+    if not bool(tu.get_non_tensor_data(data=data, key=TREE_KEY, default=False)):
+        return False
+    missing = [k for k in (MINI_BATCH_ID, MICRO_BATCH_ID) if k not in data.keys()]
+    if missing:
+        raise TrajInputError(
+            f"a batch marked {TREE_KEY!r} lacks the plan's {missing[0]!r}: its trees are the plan's micro-batches "
+            f"(received: {sorted(data.keys())}). Fix: name the plan's ids in the batch meta's fields (verl_traj's "
+            "trainer does in _balance_batch; a subclass that rebuilds the meta must keep them).", field=missing[0])
+    return True
+
+
+def check_all_tree(log: TreeForwardLog, micro_batches_run: int, what: str) -> None:
+    """Raise unless every one of the ``micro_batches_run`` micro-batches of a marked pass ran as a tree."""
+    if len(log.tree_tokens) != micro_batches_run:
+        raise RuntimeError(
+            f"{what}: {micro_batches_run} micro-batches ran but {len(log.tree_tokens)} as prefix trees: the engine "
+            "forwarded some without the tree (an engine whose forward does not go through prepare_model_inputs?). "
+            "traj.prefix_tree needs verl's FSDP engine; set traj.prefix_tree=false for this engine.")
+
+
+# the log-prob and reference passes' trees in this process since the last update's metrics (they return no metrics
+# of their own: the update reports them, :func:`tree_metrics`)
+_INFER_LOG = TreeForwardLog()
+
+
+@contextlib.contextmanager
+def tree_pass(engine: Any, counts: Callable[[], int], what: str, infer: bool = False) -> Iterator[TreeForwardLog]:
+    """Within: ``engine`` forwards every micro-batch as a tree; on exit (no error) ``counts()`` micro-batches
+    (the planned ones the pass ran) must all have been trees (:func:`check_all_tree`). ``infer``: a log-prob or
+    reference pass, whose trees the next update's metrics report."""
+    with tree_forward(engine) as log:
+        yield log
+    check_all_tree(log, counts(), what)
+    if infer:
+        for name in ("rows", "row_tokens", "tree_tokens", "branch_copies", "forwarded_tokens"):
+            getattr(_INFER_LOG, name).extend(getattr(log, name))
+
+
+def tree_metrics(log: TreeForwardLog, dp_group: Any = None) -> dict[str, list]:
+    """Per update, summed over the data-parallel ranks (one all-reduce) and all epochs: row tokens, tree tokens (what
+    the model forwarded, verl's tail padding aside), branch copies, tree micro-batches (per rank: their mean), row
+    tokens per tree token; and the micro-batches and tree tokens of the log-prob / reference passes run as trees
+    since the last update (per rank, then summed)."""
+    local = [sum(log.row_tokens), sum(log.tree_tokens), sum(log.branch_copies), len(log.tree_tokens),
+             len(_INFER_LOG.tree_tokens), sum(_INFER_LOG.tree_tokens)]
+    _INFER_LOG.__init__()
+    totals = torch.tensor(local, dtype=torch.float64, device=get_device_id())
+    ranks = 1
+    if dp_group is not None and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(totals, group=dp_group)
+        ranks = torch.distributed.get_world_size(dp_group)
+    rows, tree, copies, micro, infer_micro, infer_tree = totals.tolist()
+    return {"tree_row_tokens": [rows], "tree_tokens": [tree], "tree_branch_copies": [copies],
+            "tree_micro_batches": [micro / ranks], "tree_row_tokens_per_tree_token": [rows / max(tree, 1.0)],
+            "tree_infer_micro_batches": [infer_micro / ranks], "tree_infer_tokens": [infer_tree]}
