@@ -10,6 +10,10 @@ What the pair shows:
   from these two taking different paths);
 * the trees ran where the plan said: every planned micro-batch of the update and of the old-log-prob pass ran as a
   tree (the workers raise otherwise), each group whole on one rank in one micro-batch, fewer tokens than rows.
+
+And the same as PPO (``cpu_tiny_ppo``: GAE, a critic, a reference model with KL loss): the critic's value pass and
+update, the reference pass and the actor's on trees; step 1's values, advantages, value loss and both gradient norms
+equal the row forward's.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.runs import REMOVE_PADDING, TRAINERS
+from tests.e2e.test_stepwise_training import _run_stepwise
 
 pytestmark = pytest.mark.e2e
 
@@ -25,13 +30,26 @@ PAIR = [*TRAINERS["v1"], "trainer.total_training_steps=2", *REMOVE_PADDING, "tra
         "traj.micro_batch_max_tokens=200"]
 
 
-@pytest.fixture(scope="module")
-def pair(shared_run):
-    runs = {tree: shared_run([*PAIR, f"traj.prefix_tree={str(tree).lower()}"]) for tree in (True, False)}
+PPO = ["critic.model.use_remove_padding=true", "critic.ppo_mini_batch_size=6"]
+
+
+def _pair(shared_run, overrides, config_name="cpu_tiny"):
+    runs = {tree: shared_run([*overrides, f"traj.prefix_tree={str(tree).lower()}"], config_name=config_name)
+            for tree in (True, False)}
     for tree, run in runs.items():
         assert run.returncode == 0, f"prefix_tree={tree}:\n{run.tail()}"
         assert len(run.metrics) == 2
     return runs
+
+
+@pytest.fixture(scope="module")
+def pair(shared_run):
+    return _pair(shared_run, PAIR)
+
+
+@pytest.fixture(scope="module")
+def ppo_pair(shared_run):
+    return _pair(shared_run, [*PAIR, *PPO], config_name="cpu_tiny_ppo")
 
 
 def _rel(a: float, b: float) -> float:
@@ -65,3 +83,43 @@ def test_every_planned_micro_batch_ran_as_a_tree(pair):
         assert step["actor/tree_row_tokens"] == step["traj_plan/tokens"] + step["traj_plan/padding_tokens"]
         assert step["actor/tree_infer_tokens"] == step["actor/tree_tokens"]  # the same trees in both passes
     assert not any(k.startswith("actor/tree_") for k in pair[False].metrics[0])
+
+
+def test_ppo_first_step_on_trees_equals_the_row_forward(ppo_pair):
+    tree, rows = ppo_pair[True].metrics[0], ppo_pair[False].metrics[0]
+    for key in ("critic/values/mean", "critic/values/max", "critic/advantages/max", "critic/advantages/min",
+                "critic/vf_loss", "critic/grad_norm", "actor/grad_norm", "actor/entropy"):
+        assert _rel(tree[key], rows[key]) < 1e-5, (key, tree[key], rows[key])
+    assert abs(tree["actor/kl_loss"] - rows["actor/kl_loss"]) < 1e-7  # the reference pass on trees
+    for step in ppo_pair[True].metrics:
+        planned = step["traj_plan/micro_batches"]
+        assert step["critic/tree_micro_batches"] == planned == step["actor/tree_micro_batches"]
+        assert step["critic/tree_infer_micro_batches"] == planned  # the value pass
+        assert step["critic/tree_tokens"] == step["actor/tree_tokens"] <= step["traj_plan/tree_tokens"]
+        assert abs(step["actor/ppo_kl"]) < 1e-7
+
+
+def test_step_rows_and_gspo_over_the_trajectory_on_trees(tool_home, tmp_path):
+    """Unmerged step rows (every row of a trajectory repeats its earlier turns) with GSPO at trajectory scope, one
+    mini-batch for two epochs, on trees and on rows: the same gradient norm and loss; each trajectory atomic, its rows
+    one tree (fewer tokens than rows). On rows, epoch 2 runs GSPO's no-grad pre-pass (a trajectory's rows may sit in
+    several micro-batches); on trees every trajectory is in one micro-batch, so the loss takes each trajectory's ratio
+    from the live log-probs: no pre-pass, the same gradient."""
+    extra = ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "traj.ratio_scope=trajectory",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_epochs=2",
+             "actor_rollout_ref.model.use_remove_padding=true", "traj.group_by=trajectory")
+    runs = {tree: _run_stepwise(tool_home, tmp_path / f"tree_{tree}", "v1", False, steps=1,
+                                extra=(*extra, f"traj.prefix_tree={str(tree).lower()}"))[0][0] for tree in (True, False)}
+    tree, rows = runs[True], runs[False]
+    assert tree["traj_stepwise/rows_after"] > tree["traj_stepwise/trajectories"]  # multi-row trajectories
+    assert tree["traj_stepwise/loss_tokens"] == rows["traj_stepwise/loss_tokens"]  # the same rollouts
+    assert _rel(tree["actor/grad_norm"], rows["actor/grad_norm"]) < 1e-5
+    assert tree["actor/pg_loss"] == pytest.approx(rows["actor/pg_loss"], rel=1e-5, abs=1e-8)
+    assert tree["traj_plan/atomic_trajectory_share"] == 1.0
+    assert tree["traj_plan/row_tokens_per_tree_token"] > 1.2
+    planned = tree["traj_plan/micro_batches"]
+    assert rows["actor/prepass_micro_batches_per_epoch"] == rows["traj_plan/micro_batches"] / 2  # epoch 2, on rows
+    assert tree["actor/prepass_micro_batches_per_epoch"] == 0 and tree["actor/ratio_in_loss"] == 1.0
+    assert tree["actor/traj_seq_ratio_shift_abs_max"] > 1e-4  # epoch 2: the trajectory's ratio is not a row's
+    assert tree["actor/tree_micro_batches"] == 2 * planned  # two epochs, no pre-pass
+    assert tree["actor/tree_infer_micro_batches"] == planned

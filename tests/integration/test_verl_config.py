@@ -336,17 +336,24 @@ TREE = ["traj.prefix_tree=true", "actor_rollout_ref.model.use_remove_padding=tru
 
 
 def test_prefix_tree_selects_the_cpu_flash_attention_path(started):
-    """``traj.prefix_tree=true`` on the CPU platform: the actor's model gets cpu_varlen (the kernel the tree
-    attention replaces), not sdpa, which would read a tree as separate sequences."""
+    """``traj.prefix_tree=true`` on the CPU platform: the actor's model (and the critic's, with one) gets cpu_varlen
+    (the kernel the tree attention replaces), not sdpa, which would read a tree as separate sequences."""
+    from verl_traj.integration.tree_checks import check_prefix_tree
+
     assert _attn(started(TREE), ACTOR_ATTN) == "cpu_varlen"
+    cfg = _cpu(TREE + ["algorithm.adv_estimator=gae", "critic.model.use_remove_padding=true"], name="cpu_tiny_ppo")
+    check_prefix_tree(TrajConfig.from_mapping(cfg.traj), cfg, "cpu")
+    assert _attn(cfg, ACTOR_ATTN) == _attn(cfg, CRITIC_ATTN) == "cpu_varlen"
 
 
 @pytest.mark.parametrize("overrides, field", [
     (["traj.prefix_tree=true"], "actor_rollout_ref.model.use_remove_padding"),
     (TREE + ["traj.enable=false"], "traj.enable"),
     (TREE + ["trainer.use_v1=false"], "trainer.use_v1"),
-    (TREE + ["algorithm.adv_estimator=gae"], "algorithm.adv_estimator"),
+    (TREE + ["algorithm.adv_estimator=gae"], "critic.model.use_remove_padding"),
     (TREE + [f"{ACTOR_ATTN}=sdpa"], ACTOR_ATTN),
+    (TREE + ["algorithm.adv_estimator=gae", "critic.model.use_remove_padding=true", f"{CRITIC_ATTN}=sdpa"],
+     CRITIC_ATTN),
     (TREE + ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
      "actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
     (TREE + ["actor_rollout_ref.model.use_fused_kernels=true"], "actor_rollout_ref.model.use_fused_kernels"),

@@ -39,6 +39,9 @@ PLANNED_FIELDS = "traj_planned_fields"  # non-tensor of an update: the comma-sep
 # recomputes them right before every update; bypass_mode, which takes the rollout's, is refused), so the first
 # optimizer step's log-ratios are rounding and GSPO's trajectory pre-pass may skip it where the forward is deterministic
 OLD_LOG_PROBS_AT_START = "traj_old_log_probs_at_start"
+# non-tensor of an actor update with ratio groups: every trajectory's rows share one micro-batch (a prefix-tree plan
+# with all trajectories atomic), so the loss computes each trajectory's GSPO ratio from the live log-probs (no pre-pass)
+RATIO_IN_LOSS = "traj_ratio_in_loss"
 
 
 def planned_update_fields(ratio_groups: bool = False) -> tuple[str, ...]:
@@ -51,4 +54,4 @@ def planned_update_fields(ratio_groups: bool = False) -> tuple[str, ...]:
 PLAN_KEYS = (MINI_BATCH_ID, MICRO_BATCH_ID, TRAJ_INDEX, IS_PADDING)
 
 __all__ = ["MINI_BATCH_ID", "MICRO_BATCH_ID", "TRAJ_INDEX", "IS_PADDING", "IS_LAST_STEP", "LOSS_WEIGHT", "PLAN_KEYS",
-           "OLD_LOG_PROBS_AT_START", "PLANNED_FIELDS", "RATIO_GROUP", "planned_update_fields", "SEQ_RATIO_SHIFT", "TURN_REWARDS"]
+           "OLD_LOG_PROBS_AT_START", "PLANNED_FIELDS", "RATIO_IN_LOSS", "RATIO_GROUP", "planned_update_fields", "SEQ_RATIO_SHIFT", "TURN_REWARDS"]

@@ -167,9 +167,10 @@ def _place_mini_batch(tokens: np.ndarray, rows: np.ndarray, dp: int, cap: Option
 
 
 def _fill(tokens: np.ndarray, rows: np.ndarray, per_rank: list, count: int, cap: Optional[int], pad_tokens: int):
-    """Each rank's micro-batches brought to ``count`` and its rows to the mini-batch's most, with padding rows (one in
-    each micro-batch a rank has no piece for, the rest in the first of those or else its cheapest): ``(micro [p], padding (rank, micro) pairs,
-    loads per rank)``; padding ``None`` where a padding row would push a micro-batch over ``cap``."""
+    """Each rank's micro-batches brought to ``count`` and its rows to the mini-batch's most, with padding rows: one
+    in each micro-batch a rank has no piece for, the rest in the first of those or else its cheapest. Returns
+    ``(micro [p], padding (rank, micro) pairs, loads per rank)``; padding ``None`` where a padding row would push a
+    micro-batch over ``cap``."""
     micro = np.zeros(tokens.size, dtype=np.int64)
     empty: list[list[int]] = []
     loads: list[list[int]] = []

@@ -31,12 +31,14 @@ from tensordict import TensorDict
 
 from verl.trainer.ppo.core_algos import agg_loss, compute_value_loss, get_policy_loss_fn, kl_penalty
 from verl.utils.metric import AggregationType, Metric
+from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.torch_functional import masked_mean
 from verl.workers.utils.padding import no_padding_2_padding
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.keys import LOSS_WEIGHT, SEQ_RATIO_SHIFT
+from verl_traj.core.keys import LOSS_WEIGHT, RATIO_GROUP, RATIO_IN_LOSS, SEQ_RATIO_SHIFT
+from verl_traj.stepwise.ratios import group_log_ratio_sums, sequence_ratio_shift
 
 
 def _set_global_batch_info(config: Any, dp_size: int) -> None:
@@ -173,13 +175,34 @@ def traj_ppo_loss(config: Any, model_output, data: TensorDict, dp_group=None):
     for optional in ("rollout_is_weights", "ref_log_prob", SEQ_RATIO_SHIFT):
         if optional in data.keys():
             fields.append(optional)
+    in_loss = bool(tu.get_non_tensor_data(data=data, key=RATIO_IN_LOSS, default=False))
+    if in_loss:
+        fields.append(RATIO_GROUP)
     padded = data.select(*fields).to_padded_tensor()
+    shift = padded.get(SEQ_RATIO_SHIFT, None)
+    if in_loss and shift is None:
+        shift = live_ratio_shift(log_prob, padded["old_log_probs"], padded["response_mask"], padded[RATIO_GROUP])
     return weighted_policy_loss(
         config, log_prob=log_prob, old_log_prob=padded["old_log_probs"], advantages=padded["advantages"],
         response_mask=padded["response_mask"], loss_weight=padded[LOSS_WEIGHT], dp_size=dp_size, entropy=entropy,
         ref_log_prob=padded.get("ref_log_prob", None), rollout_is_weights=padded.get("rollout_is_weights", None),
-        seq_ratio_shift=padded.get(SEQ_RATIO_SHIFT, None),
+        seq_ratio_shift=shift,
     )
+
+
+def live_ratio_shift(log_prob: torch.Tensor, old_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                     group: torch.Tensor) -> torch.Tensor:
+    """``[b]`` GSPO's trajectory-wide sequence-ratio shift from this micro-batch's own live log-probs (detached),
+    where every trajectory's rows are in it (the update says so: ``traj_ratio_in_loss``): the pre-pass's value
+    without the pre-pass. ``group`` ``[b]``: each row's trajectory, ``-1`` on padding rows."""
+    group = group.to(log_prob.device).long()
+    num = int(group.max()) + 1 if group.numel() else 0
+    if num <= 0:
+        return torch.zeros(group.shape, dtype=old_log_prob.dtype, device=log_prob.device)
+    old = old_log_prob.to(log_prob.device)
+    mask = response_mask.to(log_prob.device)
+    sums = group_log_ratio_sums(log_prob.detach(), old, mask, group, num)
+    return sequence_ratio_shift(log_prob.detach(), old, mask, group, sums)
 
 
 def traj_value_loss(config: Any, model_output, data: TensorDict, dp_group=None):

@@ -81,6 +81,7 @@ class PlannedUpdate:
     fields: tuple[str, ...]
     union: int = 1
     old_log_probs_at_start: bool = False  # the trainer's word (OLD_LOG_PROBS_AT_START)
+    ratio_in_loss: bool = False  # the trainer's word (RATIO_IN_LOSS): GSPO's trajectory ratio from the live log-probs
     micro_batches_run: list[int] = field(default_factory=list)
     steps: int = 0
     steps_started: int = 0  # optimizer steps begun (forward_backward calls that train)
@@ -126,5 +127,5 @@ class PlannedUpdate:
             out.update(micro_batches_per_epoch=[sum(runs) / epochs], micro_batches_per_mini_batch_max=[max(runs)])
         if self.ratio_groups:  # GSPO at trajectory scope: the extra no-grad forwards, apart from the plan's
             out.update(prepass_micro_batches_per_epoch=[self.prepass_micro_batches / epochs],
-                       prepass_skipped_steps=[self.prepass_skipped])
+                       prepass_skipped_steps=[self.prepass_skipped], ratio_in_loss=[float(self.ratio_in_loss)])
         return out

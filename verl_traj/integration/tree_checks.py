@@ -2,10 +2,10 @@
 :func:`~verl_traj.integration.startup.check_startup`), each refusal naming the field, the value and the fix.
 
 The tree runs where it is built and tested (docs/prefix_tree.md): verl_traj's planner and workers
-(``traj.enable=true``) on the v1 trainer, the actor and reference models on verl's FSDP engine, on its remove-padding
-path, with the flash-attention path's kernel (where the tree attention sits: ``cpu_varlen`` on the CPU platform,
-``flash_attention_2`` / ``_3`` on GPUs), one sequence per rank (no Ulysses) and no fused kernels. Refused until tested:
-v0, a critic (PPO with GAE), Ulysses. On the CPU platform an unset attention becomes ``cpu_varlen``.
+(``traj.enable=true``) on the v1 trainer, the actor, reference and (when on) critic models on verl's FSDP engine, on its
+remove-padding path, with the flash-attention path's kernel (where the tree attention sits: ``cpu_varlen`` on the CPU
+platform, ``flash_attention_2`` / ``_3`` on GPUs), one sequence per rank (no Ulysses) and no fused kernels. Refused
+until tested: v0, Ulysses. On the CPU platform an unset attention becomes ``cpu_varlen``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from verl_traj.integration.verl_checks import flag_at, ulysses_size, uses_critic
 __all__ = ["TREE_ATTENTION", "check_prefix_tree"]
 
 FIELD = "traj.prefix_tree"
-ATTN = "actor_rollout_ref.model.override_config.attn_implementation"
+ATTN = "override_config.attn_implementation"
 TREE_ATTENTION = {"cpu": (CPU_VARLEN,), "cuda": ("flash_attention_2", "flash_attention_3")}
 
 
@@ -36,47 +36,51 @@ def _check_trainer(traj_config: TrajConfig, config: Any) -> None:
     if not flag_at(config, "trainer.use_v1", False):
         _refuse("is wired on the v1 trainer only (trainer.use_v1=false: the deprecated v0 trainer does not plan "
                 "trees yet)", "set trainer.use_v1=true", "trainer.use_v1")
+
+
+def _models(config: Any) -> dict[str, tuple[str, ...]]:
+    """Each model config the tree runs on, with the engine sections that load it (the critic's when it is on)."""
+    out = {"actor_rollout_ref.model": ("actor_rollout_ref.actor", "actor_rollout_ref.ref")}
     if uses_critic(config):
-        _refuse(f"with a critic (algorithm.adv_estimator={value_at(config, 'algorithm.adv_estimator')!r}): the "
-                "value pass on the tree is not tested yet", "use a critic-free estimator (grpo, rloo, ...)",
-                "algorithm.adv_estimator")
+        out["critic.model"] = ("critic",)
+    return out
 
 
-def _check_engine(config: Any) -> None:
-    for path in ("actor_rollout_ref.actor", "actor_rollout_ref.ref"):
+def _check_engine(model: str, sections: tuple[str, ...], config: Any) -> None:
+    for path in sections:
         strategy = value_at(config, f"{path}.strategy", "fsdp")
         if strategy not in ("fsdp", "fsdp2"):
             _refuse(f"runs on verl's FSDP engine only ({path}.strategy={strategy!r})", f"set {path}.strategy=fsdp2",
                     f"{path}.strategy")
-    if not flag_at(config, "actor_rollout_ref.model.use_remove_padding", False):
-        _refuse("runs on verl's remove-padding path (actor_rollout_ref.model.use_remove_padding=false)",
-                "add actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.model.use_remove_padding")
-    if flag_at(config, "actor_rollout_ref.model.use_fused_kernels", False):
-        _refuse("forwards the model's hidden states through verl's own head, not fused kernels",
-                "set actor_rollout_ref.model.use_fused_kernels=false", "actor_rollout_ref.model.use_fused_kernels")
-    for path in ("actor_rollout_ref.actor", "actor_rollout_ref.ref"):
         sp = ulysses_size(value_at(config, path, {}), path)
         if sp > 1:
-            _refuse(f"with Ulysses sequence parallelism ({path}.ulysses_sequence_parallel_size={sp}): a tree on "
-                    "several ranks is not tested yet", f"set {path}.ulysses_sequence_parallel_size=1",
+            _refuse(f"with Ulysses sequence parallelism ({path} ulysses_sequence_parallel_size={sp}): a tree on "
+                    "several ranks is not tested yet", f"set {path}'s ulysses_sequence_parallel_size=1",
                     f"{path}.ulysses_sequence_parallel_size")
+    if not flag_at(config, f"{model}.use_remove_padding", False):
+        _refuse(f"runs on verl's remove-padding path ({model}.use_remove_padding=false)",
+                f"add {model}.use_remove_padding=true", f"{model}.use_remove_padding")
+    if flag_at(config, f"{model}.use_fused_kernels", False):
+        _refuse("forwards the model's hidden states through verl's own head, not fused kernels",
+                f"set {model}.use_fused_kernels=false", f"{model}.use_fused_kernels")
 
 
-def _check_attention(config: Any, device: str) -> None:
+def _check_attention(model: str, config: Any, device: str) -> None:
     """The tree attention sits at the flash-attention path's kernel; on CPU an unset attention becomes cpu_varlen."""
+    field = f"{model}.{ATTN}"
     allowed = TREE_ATTENTION["cpu" if device == "cpu" else "cuda"]
-    given = value_at(config, ATTN)
+    given = value_at(config, field)
     if given is None and device == "cpu":
-        model = config.actor_rollout_ref.model
-        with open_dict(model):
-            if model.get("override_config", None) is None:
-                model.override_config = {}
-            model.override_config.attn_implementation = CPU_VARLEN
+        section = value_at(config, model)
+        with open_dict(section):
+            if section.get("override_config", None) is None:
+                section.override_config = {}
+            section.override_config.attn_implementation = CPU_VARLEN
         return
     given = "flash_attention_2" if given is None else given  # verl's default on GPUs
     if given not in allowed:
-        _refuse(f"with {ATTN}={given!r}: the tree attention replaces the flash-attention path's kernel, and "
-                f"{given!r} would read a tree as separate sequences", f"set {ATTN}={allowed[0]}", ATTN)
+        _refuse(f"with {field}={given!r}: the tree attention replaces the flash-attention path's kernel, and "
+                f"{given!r} would read a tree as separate sequences", f"set {field}={allowed[0]}", field)
 
 
 def check_prefix_tree(traj_config: TrajConfig, config: Any, device: str) -> None:
@@ -84,5 +88,6 @@ def check_prefix_tree(traj_config: TrajConfig, config: Any, device: str) -> None
     if not traj_config.prefix_tree:
         return
     _check_trainer(traj_config, config)
-    _check_engine(config)
-    _check_attention(config, device)
+    for model, sections in _models(config).items():
+        _check_engine(model, sections, config)
+        _check_attention(model, config, device)

@@ -20,7 +20,7 @@ never falls back to the per-row forward in silence.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from tensordict import TensorDict
@@ -56,32 +56,28 @@ def check_all_tree(log: TreeForwardLog, micro_batches_run: int, what: str) -> No
             "traj.prefix_tree needs verl's FSDP engine; set traj.prefix_tree=false for this engine.")
 
 
-# the log-prob and reference passes' trees in this process since the last update's metrics (they return no metrics
-# of their own: the update reports them, :func:`tree_metrics`)
-_INFER_LOG = TreeForwardLog()
-
-
 @contextlib.contextmanager
-def tree_pass(engine: Any, counts: Callable[[], int], what: str, infer: bool = False) -> Iterator[TreeForwardLog]:
+def tree_pass(engine: Any, counts: Callable[[], int], what: str,
+              into: Optional[TreeForwardLog] = None) -> Iterator[TreeForwardLog]:
     """Within: ``engine`` forwards every micro-batch as a tree; on exit (no error) ``counts()`` micro-batches
-    (the planned ones the pass ran) must all have been trees (:func:`check_all_tree`). ``infer``: a log-prob or
-    reference pass, whose trees the next update's metrics report."""
+    (the planned ones the pass ran) must all have been trees (:func:`check_all_tree`). ``into``: a log the pass's
+    trees are added to (a worker's log-prob / value passes, which the next update's metrics report)."""
     with tree_forward(engine) as log:
         yield log
     check_all_tree(log, counts(), what)
-    if infer:
+    if into is not None:
         for name in ("rows", "row_tokens", "tree_tokens", "branch_copies", "forwarded_tokens"):
-            getattr(_INFER_LOG, name).extend(getattr(log, name))
+            getattr(into, name).extend(getattr(log, name))
 
 
-def tree_metrics(log: TreeForwardLog, dp_group: Any = None) -> dict[str, list]:
+def tree_metrics(log: TreeForwardLog, infer: TreeForwardLog, dp_group: Any = None) -> dict[str, list]:
     """Per update, summed over the data-parallel ranks (one all-reduce) and all epochs: row tokens, tree tokens (what
     the model forwarded, verl's tail padding aside), branch copies, tree micro-batches (per rank: their mean), row
-    tokens per tree token; and the micro-batches and tree tokens of the log-prob / reference passes run as trees
-    since the last update (per rank, then summed)."""
+    tokens per tree token; and the micro-batches and tree tokens of this worker's inference passes (``infer``: the
+    actor's old log-probs, the critic's values) since its last update. Empties ``infer``."""
     local = [sum(log.row_tokens), sum(log.tree_tokens), sum(log.branch_copies), len(log.tree_tokens),
-             len(_INFER_LOG.tree_tokens), sum(_INFER_LOG.tree_tokens)]
-    _INFER_LOG.__init__()
+             len(infer.tree_tokens), sum(infer.tree_tokens)]
+    infer.__init__()
     totals = torch.tensor(local, dtype=torch.float64, device=get_device_id())
     ranks = 1
     if dp_group is not None and torch.distributed.is_initialized():

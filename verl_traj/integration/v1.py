@@ -91,6 +91,7 @@ class TrajV1Mixin(CompleteCheckpoints):
             # the agent-loop manager that gives each session its request priority
             prepare_v1_agent_loop(config, self.traj_config)
         self._plan_facts: Optional[PlanFacts] = None  # the facts of the local update planned last
+        self._all_atomic = False  # every trajectory of the batch planned last in one micro-batch (prefix trees)
         self._step_padding = StepPadding()  # every row planned since the last step's metrics
         self._uid_draws = (-1, 0)  # (global step, prompts drawn in it): deterministic uids
         super().__init__(config)
@@ -145,6 +146,10 @@ class TrajV1Mixin(CompleteCheckpoints):
                                                 self.spec.plan.pad_row_tokens)
         out = ordered_batch(batch, plan, pad_keys, pad_tags)
         store_plan_ids(out, plan)
+        # a prefix-tree plan with every trajectory in one micro-batch: GSPO's trajectory ratio comes from the loss
+        s = plan.stats
+        self._all_atomic = s.atomic_trajectories is not None and int(s.atomic_trajectories.sum()) == int(
+            s.trajectories.sum())
         self._plan_facts = plan_facts(out, plan, layout)
         self._step_padding.record(out.keys, plan.is_padding.tolist())
         metrics.update(plan_step_metrics(plan, self.spec.epochs))
@@ -186,8 +191,13 @@ class TrajV1Mixin(CompleteCheckpoints):
     def _update_critic(self, batch: Any, metrics: dict) -> Any:
         if not self.traj_config.enable:
             return super()._update_critic(batch, metrics)
-        with planned_update(batch, self._facts_of(batch), self.spec.critic_loss, union=self.spec.critic_union):
+        with planned_update(batch, self._facts_of(batch), self.spec.critic_loss, union=self.spec.critic_union), \
+                self._trees(batch):
             return super()._update_critic(batch, metrics)
+
+    def _compute_values(self, batch: Any, metrics: dict) -> Any:
+        with self._trees(batch):
+            return super()._compute_values(batch, metrics)
 
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
         if not self.traj_config.enable:
@@ -196,7 +206,8 @@ class TrajV1Mixin(CompleteCheckpoints):
         # a one-row trajectory's ratio is its row's: ratio groups only where some trajectory has several rows
         ratio_groups = self.spec.ratio_groups and has_multi_row_trajectory(facts.traj_index, facts.is_padding)
         with planned_update(batch, facts, self.spec.actor_loss, ratio_groups=ratio_groups,
-                            old_log_probs_at_start=self._old_log_probs_at_start()), self._trees(batch):
+                            old_log_probs_at_start=self._old_log_probs_at_start(),
+                            ratio_in_loss=ratio_groups and self._all_atomic), self._trees(batch):
             return super()._update_actor(batch, metrics)
 
     def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
@@ -208,15 +219,18 @@ class TrajV1Mixin(CompleteCheckpoints):
             return super()._compute_ref_log_prob(batch, metrics)
 
     def _trees(self, batch: Any) -> Any:
-        """With ``traj.prefix_tree``: the actor's passes of this batch forward the plan's micro-batches as trees
-        (:mod:`.tree_passes`; verl rebuilds the meta between passes, so each pass is marked for its call)."""
+        """With ``traj.prefix_tree``: the actor's and the critic's passes of this batch forward the plan's
+        micro-batches as trees (:mod:`.tree_passes`; verl rebuilds the meta between passes, so each pass is marked
+        for its call)."""
         return extra_info(batch, {TREE_KEY: True}) if self.traj_config.prefix_tree else contextlib.nullcontext()
 
     def _old_log_probs_at_start(self) -> bool:
         """Whether this update's old log-probs came from the parameters it starts from: verl's base
         ``_compute_old_log_prob`` recomputes them right before every local update; a mode that overrides it
         (``separate_async`` reuses the first local step's weights for the later ones) only on its first local step."""
-        recomputed = type(self)._compute_old_log_prob is PPOTrainer._compute_old_log_prob
+        verl_defining = next(c for c in type(self).__mro__
+                             if "_compute_old_log_prob" in vars(c) and not issubclass(TrajV1Mixin, c))
+        recomputed = verl_defining is PPOTrainer  # the mixin's own override only marks the pass for prefix trees
         return recomputed or int(getattr(self, "local_trigger_step", 0)) == 0
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import transfer_queue as tq
 from tensordict import TensorDict
 
-from verl_traj.core.keys import (LOSS_WEIGHT, OLD_LOG_PROBS_AT_START, PLANNED_FIELDS, RATIO_GROUP,
+from verl_traj.core.keys import (LOSS_WEIGHT, OLD_LOG_PROBS_AT_START, PLANNED_FIELDS, RATIO_GROUP, RATIO_IN_LOSS,
                                  planned_update_fields)
 from verl_traj.integration.update_spec import LossSpec
 from verl_traj.integration.v1_plan_facts import PlanFacts
@@ -56,14 +56,15 @@ def put_update_fields(batch: Any, facts: PlanFacts, loss: LossSpec, ratio_groups
 
 @contextlib.contextmanager
 def planned_update(batch: Any, facts: PlanFacts, loss: LossSpec, *, ratio_groups: bool = False,
-                   union: int = 1, old_log_probs_at_start: bool = False) -> Iterator[tuple[str, ...]]:
+                   union: int = 1, old_log_probs_at_start: bool = False,
+                   ratio_in_loss: bool = False) -> Iterator[tuple[str, ...]]:
     """For one verl update call: the update's fields stored and named (:func:`put_update_fields`), its
     ``extra_info`` carrying the planned field names, (``union > 1``) the critic's mini-batch union and whether the old
     log-probs came from the update's starting parameters (the trainer knows: ``TrajV1Mixin._old_log_probs_at_start``);
     the keys removed again on exit, also on error. Yields the planned field names."""
     planned = put_update_fields(batch, facts, loss, ratio_groups)
     extra = {PLANNED_FIELDS: ",".join(planned), **({CRITIC_UNION_KEY: union} if union > 1 else {}),
-             OLD_LOG_PROBS_AT_START: bool(old_log_probs_at_start)}
+             OLD_LOG_PROBS_AT_START: bool(old_log_probs_at_start), **({RATIO_IN_LOSS: True} if ratio_in_loss else {})}
     with extra_info(batch, extra):
         yield planned
 

@@ -39,12 +39,13 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.keys import OLD_LOG_PROBS_AT_START, SEQ_RATIO_SHIFT
+from verl_traj.core.keys import OLD_LOG_PROBS_AT_START, RATIO_IN_LOSS, SEQ_RATIO_SHIFT
 from verl_traj.integration.actor_sequence_ratios import stochastic_in_training, trajectory_ratio_shift
 from verl_traj.integration.losses import traj_ppo_loss
 from verl_traj.integration.planned_update import (CRITIC_UNION_KEY, PlannedUpdate, check_planned_update,
                                                    mini_batch_slices)
 from verl_traj.integration.patches import gspo_prepass_patches, micro_batch_patches, patched, update_patches
+from verl_traj.integration.tree_forward import TreeForwardLog
 from verl_traj.integration.tree_passes import tree_marked, tree_metrics, tree_pass
 
 __all__ = ["PlannedUpdate", "TrajActorMixin", "TrajActorRolloutRefWorker", "TrajActorTrainingWorker", "TrajCriticWorker",
@@ -67,7 +68,8 @@ class TrajTrainingWorker(TrainingWorker):
     def train_mini_batch(self, data: TensorDict) -> TensorDict:
         run = PlannedUpdate(seed=int(tu.get(data, key="seed", default=42)), fields=check_planned_update(data),
                             union=int(tu.pop(data, key=CRITIC_UNION_KEY, default=1)),
-                            old_log_probs_at_start=bool(tu.pop(data, key=OLD_LOG_PROBS_AT_START, default=False)))
+                            old_log_probs_at_start=bool(tu.pop(data, key=OLD_LOG_PROBS_AT_START, default=False)),
+                            ratio_in_loss=bool(tu.get(data, key=RATIO_IN_LOSS, default=False)))
         epochs = int(tu.get(data, key="epochs", default=1))
         verl_iterations = _fixed_size_arithmetic(data, self.engine.get_data_parallel_size()) * epochs
         trees = self._trees(data, lambda: sum(run.micro_batches_run) + run.prepass_micro_batches, "the update")
@@ -79,7 +81,7 @@ class TrajTrainingWorker(TrainingWorker):
         metrics = dict(tu.get(output, "metrics"))
         metrics.update(run.metrics(epochs))
         if tree_log is not None:
-            metrics.update(tree_metrics(tree_log, self.engine.get_data_parallel_group()))
+            metrics.update(tree_metrics(tree_log, self._tree_infer_log, self.engine.get_data_parallel_group()))
         if lr is not None:
             metrics["lr"] = [lr]
         return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics}).cpu()
@@ -89,12 +91,22 @@ class TrajTrainingWorker(TrainingWorker):
         return update_patches(run.make_iterator, run.prepare_micro_batches)
 
     def _trees(self, data: TensorDict, counts: Callable[[], int], what: str, infer: bool = False) -> Any:
-        """:func:`~.tree_passes.tree_pass` for a batch marked ``prefix_tree``, else a context yielding ``None``."""
-        return tree_pass(self.engine, counts, what, infer) if tree_marked(data) else contextlib.nullcontext()
+        """:func:`~.tree_passes.tree_pass` for a batch marked ``prefix_tree``, else a context yielding ``None``;
+        ``infer``: an inference pass, whose trees this worker's next update reports."""
+        if not tree_marked(data):
+            return contextlib.nullcontext()
+        return tree_pass(self.engine, counts, what, self._tree_infer_log if infer else None)
+
+    @property
+    def _tree_infer_log(self) -> TreeForwardLog:
+        if not hasattr(self, "_infer_trees"):
+            self._infer_trees = TreeForwardLog()
+        return self._infer_trees
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
     def infer_batch(self, data: TensorDict) -> TensorDict:
-        """verl's; a batch marked ``prefix_tree`` runs the plan's micro-batches, each as one tree (:mod:`.tree_passes`)."""
+        """verl's; a batch marked ``prefix_tree`` runs the plan's micro-batches, each as one tree
+        (:mod:`.tree_passes`)."""
         if not tree_marked(data):
             return super().infer_batch(data)
         run = PlannedUpdate(seed=0, fields=())
@@ -118,7 +130,7 @@ class TrajActorTrainingWorker(TrajTrainingWorker):
 
     def _update_patches(self, run: PlannedUpdate) -> list:
         patches = super()._update_patches(run)
-        if run.ratio_groups:
+        if run.ratio_groups and not run.ratio_in_loss:  # in the loss: every trajectory in one micro-batch
             patches += gspo_prepass_patches(self.engine, partial(self._with_sequence_ratios, run))
         return patches
 
