@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.runs import REMOVE_PADDING, TRAINERS
+from tests.e2e.runs import REMOVE_PADDING, TRAINERS, V0_OPT_IN
 from tests.e2e.test_stepwise_training import _run_stepwise
 
 pytestmark = pytest.mark.e2e
@@ -48,6 +48,11 @@ def pair(shared_run):
 
 
 @pytest.fixture(scope="module")
+def v0_pair(shared_run):
+    return _pair(shared_run, [*TRAINERS["v0"], *PAIR[1:]])
+
+
+@pytest.fixture(scope="module")
 def ppo_pair(shared_run):
     return _pair(shared_run, [*PAIR, *PPO], config_name="cpu_tiny_ppo")
 
@@ -56,22 +61,27 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def test_first_step_on_trees_equals_the_row_forward(pair):
-    tree, rows = pair[True].metrics[0], pair[False].metrics[0]
+@pytest.fixture(params=["v1", pytest.param("v0", marks=V0_OPT_IN)])
+def grpo_pair(request):
+    return request.getfixturevalue("pair" if request.param == "v1" else "v0_pair")
+
+
+def test_first_step_on_trees_equals_the_row_forward(grpo_pair):
+    tree, rows = grpo_pair[True].metrics[0], grpo_pair[False].metrics[0]
     assert _rel(tree["actor/grad_norm"], rows["actor/grad_norm"]) < 1e-5
     assert _rel(tree["actor/entropy"], rows["actor/entropy"]) < 1e-6
     assert tree["training/rollout_probs_diff_max"] < 1e-6
     assert abs(tree["actor/pg_loss"] - rows["actor/pg_loss"]) < 1e-6
 
 
-def test_old_and_update_log_probs_take_one_path_on_every_step(pair):
-    for step in pair[True].metrics:
+def test_old_and_update_log_probs_take_one_path_on_every_step(grpo_pair):
+    for step in grpo_pair[True].metrics:
         assert abs(step["actor/ppo_kl"]) < 1e-7
         assert step["actor/pg_clipfrac"] == 0.0
 
 
-def test_every_planned_micro_batch_ran_as_a_tree(pair):
-    for step in pair[True].metrics:
+def test_every_planned_micro_batch_ran_as_a_tree(grpo_pair):
+    for step in grpo_pair[True].metrics:
         planned = step["traj_plan/micro_batches"]  # per rank, this one mini-batch
         assert step["actor/tree_micro_batches"] == planned == step["actor/micro_batches_per_epoch"]
         assert step["actor/tree_infer_micro_batches"] == planned  # the old-log-prob pass (GRPO: no reference pass)
@@ -82,7 +92,7 @@ def test_every_planned_micro_batch_ran_as_a_tree(pair):
         assert step["actor/tree_tokens"] <= step["traj_plan/tree_tokens"]
         assert step["actor/tree_row_tokens"] == step["traj_plan/tokens"] + step["traj_plan/padding_tokens"]
         assert step["actor/tree_infer_tokens"] == step["actor/tree_tokens"]  # the same trees in both passes
-    assert not any(k.startswith("actor/tree_") for k in pair[False].metrics[0])
+    assert not any(k.startswith("actor/tree_") for k in grpo_pair[False].metrics[0])
 
 
 def test_ppo_first_step_on_trees_equals_the_row_forward(ppo_pair):

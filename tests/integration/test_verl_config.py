@@ -349,7 +349,6 @@ def test_prefix_tree_selects_the_cpu_flash_attention_path(started):
 @pytest.mark.parametrize("overrides, field", [
     (["traj.prefix_tree=true"], "actor_rollout_ref.model.use_remove_padding"),
     (TREE + ["traj.enable=false"], "traj.enable"),
-    (TREE + ["trainer.use_v1=false"], "trainer.use_v1"),
     (TREE + ["algorithm.adv_estimator=gae"], "critic.model.use_remove_padding"),
     (TREE + [f"{ACTOR_ATTN}=sdpa"], ACTOR_ATTN),
     (TREE + ["algorithm.adv_estimator=gae", "critic.model.use_remove_padding=true", f"{CRITIC_ATTN}=sdpa"],

@@ -24,9 +24,10 @@ With ``traj.enable=false`` every method is verl's (``super()``).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import numpy as np
+import torch
 from tensordict import TensorDict
 
 from verl import DataProto
@@ -36,7 +37,8 @@ from verl_traj.config import TrajConfig
 from verl_traj.core import MiniBatchPlan, apply_plan, build_layout
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import (IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MINI_BATCH_ID, OLD_LOG_PROBS_AT_START,
-                                 PLAN_KEYS, PLANNED_FIELDS, RATIO_GROUP, TRAJ_INDEX, planned_update_fields)
+                                 PLAN_KEYS, PLANNED_FIELDS, RATIO_GROUP, RATIO_IN_LOSS, TRAJ_INDEX,
+                                 planned_update_fields)
 from verl_traj.core.padding import resolve_pad_token_id
 from verl_traj.integration.checkpoints import CompleteCheckpoints
 from verl_traj.integration.losses import install_value_loss
@@ -45,10 +47,17 @@ from verl_traj.integration.step_plan import (check_same_dp_size, debug_dump, pla
                                        stock_plan_metrics_of)
 from verl_traj.integration.real_rows import is_padding, real_rows
 from verl_traj.integration.stepwise_rows import expand_dataproto_step_rows
+from verl_traj.integration.tree_forward import TREE_KEY
 from verl_traj.integration.update_spec import LossSpec, UpdateSpec, has_multi_row_trajectory
 from verl_traj.integration.workers import CRITIC_UNION_KEY
 
-__all__ = ["TrajRayPPOTrainer", "plan_batch_in_place"]
+__all__ = ["TrajRayPPOTrainer", "attended_rows", "plan_batch_in_place"]
+
+
+def attended_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
+    """``[B, S]`` padded ids and mask -> each row's attended token ids (the tree planner's rows), one split."""
+    mask = attention_mask.bool()
+    return list(torch.split(input_ids[mask], mask.sum(-1).tolist()))
 
 
 def plan_batch_in_place(batch: DataProto, spec: UpdateSpec, dp_size: int, *, pad_token_id: int = 0,
@@ -64,7 +73,8 @@ def plan_batch_in_place(batch: DataProto, spec: UpdateSpec, dp_size: int, *, pad
         is_last_step=nt.get(IS_LAST_STEP) if step_wise else None,
         is_padding=batch.batch[IS_PADDING] if IS_PADDING in batch.batch.keys() else None,
     )
-    plan = plan_layout(layout, traj_config, spec.num_mini_batches, dp_size, micro=spec.plan, seed=seed)
+    rows = attended_rows(batch.batch["input_ids"], batch.batch["attention_mask"]) if traj_config.prefix_tree else None
+    plan = plan_layout(layout, traj_config, spec.num_mini_batches, dp_size, micro=spec.plan, seed=seed, rows=rows)
     out_t, out_nt = apply_plan(dict(batch.batch.items()), dict(nt), plan, pad_token_id=pad_token_id,
                                traj_key=traj_config.traj_id_key, step_key=traj_config.step_index_key)
     batch.batch = TensorDict(out_t, batch_size=[plan.num_rows], device=batch.batch.device)
@@ -129,6 +139,11 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
         plan = plan_batch_in_place(batch, self.spec, dp_size, pad_token_id=self._pad_token_id(),
                                    seed=self.spec.plan_seed(int(getattr(self, "global_steps", 0) or 0)))
         self._real_row_mask = ~plan.is_padding.numpy()
+        s = plan.stats  # a prefix-tree plan with every trajectory in one micro-batch: GSPO's ratio in the loss
+        self._all_atomic = s.atomic_trajectories is not None and int(s.atomic_trajectories.sum()) == int(
+            s.trajectories.sum())
+        if self.traj_config.prefix_tree:  # every pass of this batch (log-probs, values, updates) on the plan's trees
+            batch.meta_info[TREE_KEY] = True
         if metrics is not None:
             metrics.update(plan_step_metrics(plan, self.spec.epochs))
         self._debug_dump(batch, plan)
@@ -177,6 +192,7 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
         ratio_groups = ratio_groups and has_multi_row_trajectory(td[TRAJ_INDEX], td[IS_PADDING])
         if ratio_groups:
             td[RATIO_GROUP] = td[TRAJ_INDEX].clone()
+            batch.meta_info[RATIO_IN_LOSS] = bool(getattr(self, "_all_atomic", False))
         batch.meta_info[PLANNED_FIELDS] = ",".join(planned_update_fields(ratio_groups))
         batch.meta_info[OLD_LOG_PROBS_AT_START] = True  # verl recomputed them just before (bypass_mode is refused)
         if union > 1:
@@ -189,6 +205,7 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
             batch.meta_info.pop(CRITIC_UNION_KEY, None)
             batch.meta_info.pop(PLANNED_FIELDS, None)
             batch.meta_info.pop(OLD_LOG_PROBS_AT_START, None)
+            batch.meta_info.pop(RATIO_IN_LOSS, None)
 
     def _update_actor(self, batch: DataProto) -> DataProto:
         if not self.traj_config.enable:

@@ -2,10 +2,10 @@
 :func:`~verl_traj.integration.startup.check_startup`), each refusal naming the field, the value and the fix.
 
 The tree runs where it is built and tested (docs/prefix_tree.md): verl_traj's planner and workers
-(``traj.enable=true``) on the v1 trainer, the actor, reference and (when on) critic models on verl's FSDP engine, on its
+(``traj.enable=true``) on either trainer, the actor, reference and (when on) critic models on verl's FSDP engine, on its
 remove-padding path, with the flash-attention path's kernel (where the tree attention sits: ``cpu_varlen`` on the CPU
 platform, ``flash_attention_2`` / ``_3`` on GPUs), one sequence per rank (no Ulysses) and no fused kernels. Refused
-until tested: v0, Ulysses. On the CPU platform an unset attention becomes ``cpu_varlen``.
+until tested: Ulysses. On the CPU platform an unset attention becomes ``cpu_varlen``.
 """
 
 from __future__ import annotations
@@ -33,9 +33,6 @@ def _check_trainer(traj_config: TrajConfig, config: Any) -> None:
     if not traj_config.enable:
         _refuse("needs verl_traj's planner and workers, and traj.enable=false runs stock verl", "set traj.enable=true",
                 "traj.enable")
-    if not flag_at(config, "trainer.use_v1", False):
-        _refuse("is wired on the v1 trainer only (trainer.use_v1=false: the deprecated v0 trainer does not plan "
-                "trees yet)", "set trainer.use_v1=true", "trainer.use_v1")
 
 
 def _models(config: Any) -> dict[str, tuple[str, ...]]:
