@@ -56,6 +56,8 @@ CASES = {
     "default": dict(groups=16, n=4, mini_batches=4, prompt_len=64, response_len=448, cap=2048, source="synthetic"),
     "swebench": dict(groups=8, n=4, mini_batches=2, prompt_len=512, response_len=64, cap=4096, source="swebench"),
     "small_cap": dict(groups=16, n=4, mini_batches=4, prompt_len=64, response_len=448, cap=640, source="synthetic"),
+    "shared_prompt": dict(groups=8, n=8, mini_batches=2, prompt_len=1024, response_len=128, cap=8192,
+                          source="shared_prompt"),
 }
 
 
@@ -99,9 +101,23 @@ def make_batch(case: dict, vocab: int, seed: int, dp: int):
     if case["source"] == "swebench":
         return as_dataproto(*swebench_rows(case["groups"], case["n"], case["prompt_len"], case["response_len"], seed,
                                            dp * case["mini_batches"]))
-    return as_dataproto(*rl_batch(case["groups"], case["n"], prompt_len=case["prompt_len"],
-                                  response_len=case["response_len"], seed=seed, long_tail=True, obs_spans=2,
-                                  vocab=vocab))
+    tensors, non_tensors = rl_batch(case["groups"], case["n"], prompt_len=case["prompt_len"],
+                                    response_len=case["response_len"], seed=seed, long_tail=True, obs_spans=2,
+                                    vocab=vocab)
+    if case["source"] == "shared_prompt":  # GRPO as agents have it: a group's n samples behind one long prompt
+        share_group_prompts(tensors, case["n"], case["prompt_len"])
+    return as_dataproto(tensors, non_tensors)
+
+
+def share_group_prompts(tensors: dict, n: int, prompt_len: int) -> None:
+    """Every row gets its group's first row's prompt (ids and mask), in place; positions recomputed."""
+    import torch
+
+    first = (torch.arange(tensors["input_ids"].shape[0]) // n) * n
+    for key in ("input_ids", "attention_mask"):
+        tensors[key][:, :prompt_len] = tensors[key][first, :prompt_len]
+    tensors["prompts"] = tensors["input_ids"][:, :prompt_len].clone()
+    tensors["position_ids"] = torch.clamp(torch.cumsum(tensors["attention_mask"], -1) - 1, min=0)
 
 
 def stock_order(batch, dp: int, trainer: str) -> None:
@@ -160,12 +176,14 @@ def micro_batch_report(batch, dp: int, num_mb: int, cap: int, planned: bool, pac
 STOCK = {"stock": "v1", "stock_v0": "v0"}  # stock variant -> the trainer whose _balance_batch order it runs
 
 
-def variants(pass_costs: list[Optional[int]], remove_padding: bool = False) -> dict[str, Optional[dict]]:
+def variants(pass_costs: list[Optional[int]], remove_padding: bool = False,
+             tree: bool = False) -> dict[str, Optional[dict]]:
     """Variant name -> ``traj:`` options (None: stock verl, :data:`STOCK`): ``traj`` with each pass cost, then
-    ``traj_area``; with remove-padding only ``traj`` (the cost is the token sum)."""
+    ``traj_area``; with remove-padding only ``traj`` (the cost is the token sum), and with ``tree`` ``traj_tree``
+    (``traj.prefix_tree``: each micro-batch forwarded as its prefix tree)."""
     out: dict[str, Optional[dict]] = {name: None for name in STOCK}
     if remove_padding:
-        return {**out, "traj": {}}
+        return {**out, "traj": {}, **({"traj_tree": {"prefix_tree": True}} if tree else {})}
     for i, cost in enumerate(pass_costs):
         out["traj" if i == 0 else f"traj pass_cost={cost}"] = {"padded_cap": "tokens", "pass_cost_tokens": cost}
     out["traj_area"] = {"padded_cap": "area"}
@@ -183,13 +201,15 @@ def prepare(case: dict, variant: str, options: Optional[dict], cfg, vocab: int, 
     else:
         n_pad = int(plan_for_update(batch, cfg, dp, **options).stats.padding_rows.sum())
     report = micro_batch_report(batch, dp, case["mini_batches"], case["cap"], options is not None, packed)
-    return batch, {"padding_rows": n_pad, "rows": len(batch), "source_rows": source_rows, **report}
+    return batch, {"padding_rows": n_pad, "rows": len(batch), "source_rows": source_rows,
+                   "row_tokens": int(batch.batch["attention_mask"].sum()), **report}
 
 
-def _config(case: dict, remove_padding: bool = False):
+def _config(case: dict, remove_padding: bool = False, attention: Optional[str] = None):
     from verl_traj.testing.engine import cpu_config
 
-    return cpu_config([f"actor_rollout_ref.model.use_remove_padding={str(remove_padding).lower()}",
+    attn = [f"actor_rollout_ref.model.override_config.attn_implementation={attention}"] if attention else []
+    return cpu_config([*attn, f"actor_rollout_ref.model.use_remove_padding={str(remove_padding).lower()}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={case['groups'] // case['mini_batches']}",
         f"actor_rollout_ref.rollout.n={case['n']}", f"data.train_batch_size={case['groups']}",
         f"data.max_prompt_length={case['prompt_len']}", f"data.max_response_length={case['response_len']}",
@@ -221,8 +241,8 @@ def _proc(rank: int, dp: int, port: int, args, out_path: str):
     for name in args.cases:
         case = CASES[name]
         runs = {}
-        for variant, options in variants(args.pass_cost, args.remove_padding).items():
-            cfg = _config(case, args.remove_padding)
+        for variant, options in variants(args.pass_cost, args.remove_padding, args.tree).items():
+            cfg = _config(case, args.remove_padding, "cpu_varlen" if args.tree else None)
             worker = actor_worker(cfg, options is not None)
             batch, info = prepare(case, variant, options, cfg, int(worker.model_config.hf_config.vocab_size), dp, args.seed,
                                   args.remove_padding)
@@ -250,7 +270,8 @@ def _summary(run: dict) -> dict:
     grad = m.get("grad_norm")
     return {"seconds_per_update": statistics.median(run["times"]), "seconds_all": run["times"],
             "optimizer_steps": len(grad) if isinstance(grad, list) else None,
-            "micro_batches_run": (m.get("micro_batches_per_epoch") or [None])[0], **run["info"]}
+            "micro_batches_run": (m.get("micro_batches_per_epoch") or [None])[0],
+            "tree_tokens": (m.get("tree_tokens") or [None])[0], **run["info"]}
 
 
 def _paired(times: list[float], base: list[float]) -> float:
@@ -259,9 +280,14 @@ def _paired(times: list[float], base: list[float]) -> float:
     return statistics.median(t / b for t, b in zip(times, base))
 
 
+def _forwarded(r: dict) -> str:
+    """Tokens one epoch forwards: the tree's (both ranks) for a tree variant, else the rows' attended tokens."""
+    return f"{r['tree_tokens']:,.0f} (tree)" if r.get("tree_tokens") else f"{r['row_tokens']:,}"
+
+
 def _table(report: dict) -> str:
-    lines = ["| case | variant | s/update | vs stock | vs stock_v0 | optimizer steps | micro-batches/rank: planned / run / verl's cut of these rows | padded positions | rows (padding) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | variant | s/update | vs stock | vs stock_v0 | optimizer steps | micro-batches/rank: planned / run / verl's cut of these rows | padded positions | rows (padding) | tokens forwarded |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, res in report["results"].items():
         base, base_v0 = (res[v]["seconds_all"] for v in STOCK)
         for variant, r in res.items():
@@ -270,7 +296,8 @@ def _table(report: dict) -> str:
             t = r["seconds_per_update"]
             lines.append(f"| {name} | {variant} | {t:.3f} | {_paired(r['seconds_all'], base):.2f}x | "
                          f"{_paired(r['seconds_all'], base_v0):.2f}x | "
-                         f"{r['optimizer_steps']} | {micro} | {r['padded_positions']:.1%} | {r['rows']} ({r['padding_rows']}) |")
+                         f"{r['optimizer_steps']} | {micro} | {r['padded_positions']:.1%} | {r['rows']} ({r['padding_rows']}) | "
+                         f"{_forwarded(r)} |")
     return "\n".join(lines)
 
 
@@ -286,8 +313,13 @@ def main(argv=None) -> int:
     ap.add_argument("--home", default=os.environ.get("VERL_TRAJ_HOME", os.path.join(tempfile.gettempdir(), "verl_traj_tiny_bench")))
     ap.add_argument("--remove-padding", action="store_true",
                     help="verl's remove-padding path (actor_rollout_ref.model.use_remove_padding=true): the GPU mode")
+    ap.add_argument("--tree", action="store_true",
+                    help="with --remove-padding: add traj_tree (traj.prefix_tree=true); every variant then runs the "
+                         "CPU platform's flash-attention path (cpu_varlen), where the tree attention sits")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = ap.parse_args(argv)
+    if args.tree and not args.remove_padding:
+        ap.error("--tree needs --remove-padding (the prefix tree runs on verl's remove-padding path)")
     if not (Path(args.home) / "tiny" / "model").exists():
         from verl_traj.cpu.build_tiny import build
 
@@ -303,12 +335,13 @@ def main(argv=None) -> int:
         with open(out) as f:
             results = json.load(f)
     report = {"config": {"dp": args.dp, "repeats": args.repeats, "threads": args.threads, "seed": args.seed,
-                         "remove_padding": args.remove_padding, "cases": {c: CASES[c] for c in args.cases}},
+                         "remove_padding": args.remove_padding, "tree": args.tree, "cases": {c: CASES[c] for c in args.cases}},
               "results": results}
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         mode = "remove-padding" if args.remove_padding else "padded (sdpa, no remove-padding)"
+        mode += ", cpu_varlen attention for every variant" if args.tree else ""
         print(f"actor update on CPU, dp={args.dp}, {mode}, median of {args.repeats} (alternating, after one warm-up each)")
         print(_table(report))
     return 0

@@ -85,7 +85,7 @@ class TrajConfig:
             ``scripts/bench_ratio_scope.py``: a product of token ratios over a long trajectory degenerates (expected
             ESS below 0.5 once loss tokens x s^2 > 1.95, s the per-token spread), row scope does not grow with turns.
         prefix_tree: forward the rows of each micro-batch as one prefix tree (every shared prefix once: a GRPO
-            group's prompt, a trajectory's earlier turns) in the actor's log-prob, reference and update passes; the
+            group's prompt, a trajectory's earlier turns) in the log-prob, reference, value and update passes; the
             planner keeps each group (or trajectory, ``group_by``) in one micro-batch on one rank where its tree fits
             the cap, and counts the cap in tree tokens. Off by default (docs/prefix_tree.md).
     """
