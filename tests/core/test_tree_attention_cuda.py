@@ -186,3 +186,45 @@ def test_block_mask_on_device_matches_dense(case):
     for qb in range(nb):
         for kb in idx[qb, :counts[qb]].tolist():
             assert bool(blocks[qb, kb].all())
+
+
+# ---- the engine's CUDA kernel: verl_traj.core.tree_flex (buckets, one compile per bucket and dtype) ----------------
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("case", sorted(cases()))
+def test_engine_flex_kernel_equals_rows(case, dtype_name, report):
+    """:func:`~verl_traj.core.tree_flex.tree_attention_flex` (what the engine path calls on CUDA): N=1000 padded to
+    one 1024 bucket, the same accuracy bound as the blocked kernel."""
+    if DEVICE == "cpu":
+        pytest.skip("flex_attention has no backward on the CPU")
+    from verl_traj.core.tree_flex import FlexTree, tree_attention_flex
+
+    check(case, dtype_name, "engine/flex", lambda q, k, v, se: tree_attention_flex(q, k, v, FlexTree(se)), report)
+
+
+def test_engine_flex_compiles_once_per_bucket_and_dtype():
+    """Trees of different sizes and shapes in one bucket reuse one compiled kernel (a recompile per micro-batch would
+    cost seconds each); a larger tree takes the next bucket; outputs stay exact (fp32) after the reuse."""
+    if DEVICE == "cpu":
+        pytest.skip("flex_attention has no backward on the CPU")
+    from torch._dynamo.utils import counters
+
+    from verl_traj.core.tree_flex import FlexTree, tree_attention_flex
+
+    def run(se):
+        n = se.numel()
+        gen = torch.Generator().manual_seed(n)
+        q, k, v = (torch.randn(n, h, D, generator=gen).to(DEVICE).requires_grad_() for h in (HQ, HKV, HKV))
+        out = tree_attention_flex(q, k, v, FlexTree(se))
+        out.sum().backward()
+        ref = tree_attention(q.detach().double(), k.detach().double(), v.detach().double(), se)
+        assert rel_err(out.detach().double(), ref) < 1e-4
+        return int(counters["stats"]["unique_graphs"])
+
+    trees = [setup(case)[0] for case in sorted(cases())]
+    first = run(trees[0])
+    sizes = [run(se[:m]) for se, m in zip(trees[1:], (1000, 900, 1000, 700))
+             if bool((se[:m] < m).all())]  # a prefix of a forest whose subtrees end inside it
+    assert sizes and all(s == first for s in sizes), (first, sizes)
+    big = torch.cat([trees[0], trees[1] + N_PAD])  # two trees packed: 2000 tokens, the 2048 bucket
+    assert run(big) > first

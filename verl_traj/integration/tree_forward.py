@@ -52,6 +52,7 @@ from verl.utils import tensordict_utils as tu
 from verl_traj.core.prefix_tree import PrefixTree, build_prefix_tree
 from verl_traj.core.tree_attention import (TreeAttentionError, check_tree, refuse_tree_in_plain_attention,
                                            tree_attention, tree_attention_blocks)
+from verl_traj.core.tree_flex import FlexTree, tree_attention_flex
 from verl_traj.integration.patches import Patch, patched
 from verl_traj.integration.process_patches import install, prefix_tree_attention_patches
 
@@ -67,14 +68,16 @@ _ENGINE = "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead"
 
 class TreeAttentionInput:
     """One micro-batch's tree for the attention: ``subtree_end`` ``[S]`` global over the sequence the attention sees
-    (``N`` tree tokens, then verl's tail padding as one chain), ``blocks`` (key sets per query block, built once,
-    shared by every layer), ``calls`` (attention calls served). A plain class: FSDP passes it through unchanged."""
+    (``N`` tree tokens, then verl's tail padding as one chain), built once and shared by every layer: on CUDA the
+    compiled flex kernel's tree (``flex``, :mod:`verl_traj.core.tree_flex`), elsewhere the blocked kernel's key sets
+    per query block (``blocks``); ``calls`` (attention calls served). A plain class: FSDP passes it through unchanged."""
 
-    __slots__ = ("subtree_end", "blocks", "calls")
+    __slots__ = ("subtree_end", "blocks", "flex", "calls")
 
     def __init__(self, subtree_end: torch.Tensor, block: int = 128) -> None:
         self.subtree_end = subtree_end
-        self.blocks = tree_attention_blocks(subtree_end, block)
+        self.flex = FlexTree(subtree_end, block) if subtree_end.is_cuda else None
+        self.blocks = None if self.flex is not None else tree_attention_blocks(subtree_end, block)
         self.calls = 0
 
 
@@ -122,8 +125,11 @@ def _tree_call(tree: TreeAttentionInput, query: torch.Tensor, key: torch.Tensor,
     if query.shape[0] != 1 or query.shape[1] != tree.subtree_end.numel():
         _refuse(f"the attention got query {tuple(query.shape)} for a tree of {tree.subtree_end.numel()} tokens "
                 "(sequence parallelism?)", "forward the tree on one rank per sequence (Ulysses size 1)")
-    out = tree_attention(query[0], key[0], value[0], tree.subtree_end, scale=kwargs.get("softmax_scale"),
-                         blocks=tree.blocks)
+    if tree.flex is not None:  # CUDA: compiled flex attention, one compile per tree-size bucket
+        out = tree_attention_flex(query[0], key[0], value[0], tree.flex, scale=kwargs.get("softmax_scale"))
+    else:
+        out = tree_attention(query[0], key[0], value[0], tree.subtree_end, scale=kwargs.get("softmax_scale"),
+                             blocks=tree.blocks)
     tree.calls += 1
     return out.unsqueeze(0)
 
