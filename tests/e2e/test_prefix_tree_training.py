@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.runs import REMOVE_PADDING, TRAINERS, V0_OPT_IN
+from tests.e2e.runs import REMOVE_PADDING, TRAINERS, ULYSSES_2, V0_OPT_IN
 from tests.e2e.test_stepwise_training import _run_stepwise
 
 pytestmark = pytest.mark.e2e
@@ -50,6 +50,13 @@ def pair(shared_run):
 @pytest.fixture(scope="module")
 def v0_pair(shared_run):
     return _pair(shared_run, [*TRAINERS["v0"], *PAIR[1:]])
+
+
+@pytest.fixture(scope="module")
+def ulysses_pair(shared_run):
+    """PPO on one data-parallel rank of two Ulysses ranks: every model's sequence split over both, the tree attention
+    after verl's all-to-all (the whole tree per head group)."""
+    return _pair(shared_run, list(dict.fromkeys([*PAIR, *PPO, *ULYSSES_2])), config_name="cpu_tiny_ppo")
 
 
 @pytest.fixture(scope="module")
@@ -95,13 +102,18 @@ def test_every_planned_micro_batch_ran_as_a_tree(grpo_pair):
     assert not any(k.startswith("actor/tree_") for k in grpo_pair[False].metrics[0])
 
 
-def test_ppo_first_step_on_trees_equals_the_row_forward(ppo_pair):
-    tree, rows = ppo_pair[True].metrics[0], ppo_pair[False].metrics[0]
+@pytest.fixture(params=["dp2", "ulysses2"])
+def ppo_pairs(request):
+    return request.getfixturevalue("ppo_pair" if request.param == "dp2" else "ulysses_pair")
+
+
+def test_ppo_first_step_on_trees_equals_the_row_forward(ppo_pairs):
+    tree, rows = ppo_pairs[True].metrics[0], ppo_pairs[False].metrics[0]
     for key in ("critic/values/mean", "critic/values/max", "critic/advantages/max", "critic/advantages/min",
                 "critic/vf_loss", "critic/grad_norm", "actor/grad_norm", "actor/entropy"):
         assert _rel(tree[key], rows[key]) < 1e-5, (key, tree[key], rows[key])
     assert abs(tree["actor/kl_loss"] - rows["actor/kl_loss"]) < 1e-7  # the reference pass on trees
-    for step in ppo_pair[True].metrics:
+    for step in ppo_pairs[True].metrics:
         planned = step["traj_plan/micro_batches"]
         assert step["critic/tree_micro_batches"] == planned == step["actor/tree_micro_batches"]
         assert step["critic/tree_infer_micro_batches"] == planned  # the value pass

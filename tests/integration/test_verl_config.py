@@ -353,8 +353,6 @@ def test_prefix_tree_selects_the_cpu_flash_attention_path(started):
     (TREE + [f"{ACTOR_ATTN}=sdpa"], ACTOR_ATTN),
     (TREE + ["algorithm.adv_estimator=gae", "critic.model.use_remove_padding=true", f"{CRITIC_ATTN}=sdpa"],
      CRITIC_ATTN),
-    (TREE + ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
-     "actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
     (TREE + ["actor_rollout_ref.model.use_fused_kernels=true"], "actor_rollout_ref.model.use_fused_kernels"),
     (TREE + ["traj.prefix_tree=maybe"], "traj.prefix_tree"),
 ])

@@ -4,8 +4,8 @@
 The tree runs where it is built and tested (docs/prefix_tree.md): verl_traj's planner and workers
 (``traj.enable=true``) on either trainer, the actor, reference and (when on) critic models on verl's FSDP engine, on its
 remove-padding path, with the flash-attention path's kernel (where the tree attention sits: ``cpu_varlen`` on the CPU
-platform, ``flash_attention_2`` / ``_3`` on GPUs), one sequence per rank (no Ulysses) and no fused kernels. Refused
-until tested: Ulysses. On the CPU platform an unset attention becomes ``cpu_varlen``.
+platform, ``flash_attention_2`` / ``_3`` on GPUs; under Ulysses verl's all-to-all runs around it) and no fused
+kernels. On the CPU platform an unset attention becomes ``cpu_varlen``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from omegaconf import open_dict
 
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.cpu.attention import CPU_VARLEN
-from verl_traj.integration.verl_checks import flag_at, ulysses_size, uses_critic, value_at
+from verl_traj.integration.verl_checks import flag_at, uses_critic, value_at
 
 __all__ = ["TREE_ATTENTION", "check_prefix_tree"]
 
@@ -49,11 +49,6 @@ def _check_engine(model: str, sections: tuple[str, ...], config: Any) -> None:
         if strategy not in ("fsdp", "fsdp2"):
             _refuse(f"runs on verl's FSDP engine only ({path}.strategy={strategy!r})", f"set {path}.strategy=fsdp2",
                     f"{path}.strategy")
-        sp = ulysses_size(value_at(config, path, {}), path)
-        if sp > 1:
-            _refuse(f"with Ulysses sequence parallelism ({path} ulysses_sequence_parallel_size={sp}): a tree on "
-                    "several ranks is not tested yet", f"set {path}'s ulysses_sequence_parallel_size=1",
-                    f"{path}.ulysses_sequence_parallel_size")
     if not flag_at(config, f"{model}.use_remove_padding", False):
         _refuse(f"runs on verl's remove-padding path ({model}.use_remove_padding=false)",
                 f"add {model}.use_remove_padding=true", f"{model}.use_remove_padding")

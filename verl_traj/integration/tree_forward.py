@@ -31,7 +31,7 @@ Exact because every row token's tree instance has exactly the row's tokens as an
 = the row's own position ids, checked): logits, log-probs at the rolled label and entropy equal the per-row forward's,
 and the backward through the gather sums each shared token's gradient over its rows.
 
-Refused (a :class:`~verl_traj.core.tree_attention.TreeAttentionError` naming the fix): no remove-padding, Ulysses,
+Refused (a :class:`~verl_traj.core.tree_attention.TreeAttentionError` naming the fix): no remove-padding,
 fused kernels, distillation, multi-modal inputs, 3-D / non-``arange`` position ids, per-row temperatures that differ,
 an attention implementation other than the flash-attention path, attention dropout / sliding window / soft-capping.
 """
@@ -123,8 +123,9 @@ def _tree_call(tree: TreeAttentionInput, query: torch.Tensor, key: torch.Tensor,
         _refuse(f"the tree attention has no {sorted(extras)} ({extras})", "forward these micro-batches without the "
                 "tree (attention dropout off, no sliding window / soft-capping)")
     if query.shape[0] != 1 or query.shape[1] != tree.subtree_end.numel():
-        _refuse(f"the attention got query {tuple(query.shape)} for a tree of {tree.subtree_end.numel()} tokens "
-                "(sequence parallelism?)", "forward the tree on one rank per sequence (Ulysses size 1)")
+        _refuse(f"the attention got query {tuple(query.shape)} for a tree of {tree.subtree_end.numel()} tokens (a "
+                "sequence-parallel layout other than verl's Ulysses all-to-all?)", "forward the tree with Ulysses or "
+                "without sequence parallelism")
     if tree.flex is not None:  # CUDA: compiled flex attention, one compile per tree-size bucket
         out = tree_attention_flex(query[0], key[0], value[0], tree.flex, scale=kwargs.get("softmax_scale"))
     else:
@@ -170,8 +171,6 @@ def _check_micro_batch(engine: Any, micro_batch: TensorDict) -> None:
     wrong = {key: value for key, value in flags.items() if value != (key == "use_remove_padding")}
     if wrong:
         _refuse(f"{wrong}", "use remove-padding, no fused kernels and no distillation with a prefix tree")
-    if getattr(engine, "use_ulysses_sp", False):
-        _refuse("Ulysses sequence parallelism is on", "set ulysses_sequence_parallel_size=1 for tree micro-batches")
     mm = micro_batch.get("multi_modal_inputs", None)
     if mm is not None and any(bool(getattr(x, "data", x)) for x in mm):
         _refuse("the micro-batch has multi-modal inputs", "forward multi-modal rows without the tree")
@@ -227,7 +226,9 @@ def _prepare_inputs(verl_prepare: Callable, engine: Any, log: TreeForwardLog, mi
     check_tree(tree.subtree_end, tree.position_ids)
     batch = _tree_batch(micro_batch, tree)
     model_inputs, output_args = verl_prepare(micro_batch=batch)
-    device, length = model_inputs["input_ids"].device, model_inputs["input_ids"].shape[-1]
+    # under Ulysses each rank holds a slice; the attention sees the whole (padded) sequence after verl's all-to-all
+    sp = int(getattr(engine, "ulysses_sequence_parallel_size", 1)) if getattr(engine, "use_ulysses_sp", False) else 1
+    device, length = model_inputs["input_ids"].device, model_inputs["input_ids"].shape[-1] * sp
     attention = TreeAttentionInput(_padded_subtree_end(tree.subtree_end, length).to(device))
     model_inputs[TREE_KWARG] = attention
     output_args[_STATE] = _TreeState(tree, batch, attention)
