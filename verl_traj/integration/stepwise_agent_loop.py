@@ -88,6 +88,8 @@ class StepRecordingMixin:
     :data:`~verl_traj.integration.v1_agent_loop.TURN_REWARD_TAG`).
     """
 
+    recorder_cls = RecordingServerManager  # a subclass may rewrite what each call is sent (it records what is sent)
+
     def step_rewards(self, calls: list[dict[str, Any]], output: Any) -> Optional[list[float]]:
         """One reward per recorded LLM call (``calls``: its ``prompt_ids``, ``response_ids``, ...), or ``None`` (the
         default: outcome only). Called once the trajectory finished."""
@@ -96,7 +98,7 @@ class StepRecordingMixin:
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any):
         calls: list[dict[str, Any]] = []
         inner = self.server_manager
-        self.server_manager = RecordingServerManager(inner, calls)
+        self.server_manager = self.recorder_cls(inner, calls)
         try:
             output = await super().run(sampling_params, **kwargs)
         finally:
