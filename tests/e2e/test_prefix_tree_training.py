@@ -1,6 +1,7 @@
-"""``traj.prefix_tree=true`` through ``python -m verl_traj.main_ppo`` (issue 29): real verl GRPO on two CPU ranks,
-remove-padding, a token cap, one mini-batch of 6 prompt groups x 3 rows per step, side by side with the same run on
-the row forward (``traj.prefix_tree=false``, the override a user compares with).
+"""``traj.prefix_tree=true`` through ``python -m verl_traj.main_ppo`` (issue 29): real verl PPO (GAE, a critic, a
+reference model with KL loss) on two CPU ranks, remove-padding, a token cap, one mini-batch of 6 prompt groups x 3
+rows per step, side by side with the same run on the row forward (``traj.prefix_tree=false``, the override a user
+compares with); GRPO on v0 (opt-in), Ulysses, and step rows with GSPO likewise.
 
 What the pair shows:
 * the tree is exact: the first step's old-log-prob entropy, rollout-vs-actor log-prob gap and gradient norm equal the
@@ -11,9 +12,8 @@ What the pair shows:
 * the trees ran where the plan said: every planned micro-batch of the update and of the old-log-prob pass ran as a
   tree (the workers raise otherwise), each group whole on one rank in one micro-batch, fewer tokens than rows.
 
-And the same as PPO (``cpu_tiny_ppo``: GAE, a critic, a reference model with KL loss): the critic's value pass and
-update, the reference pass and the actor's on trees; step 1's values, advantages, value loss and both gradient norms
-equal the row forward's.
+The critic's value pass and update and the reference pass run on trees too: step 1's values, advantages, value loss
+and both gradient norms equal the row forward's, also under Ulysses sequence parallelism of 2.
 """
 
 from __future__ import annotations
@@ -43,11 +43,6 @@ def _pair(shared_run, overrides, config_name="cpu_tiny"):
 
 
 @pytest.fixture(scope="module")
-def pair(shared_run):
-    return _pair(shared_run, PAIR)
-
-
-@pytest.fixture(scope="module")
 def v0_pair(shared_run):
     return _pair(shared_run, [*TRAINERS["v0"], *PAIR[1:]])
 
@@ -70,7 +65,8 @@ def _rel(a: float, b: float) -> float:
 
 @pytest.fixture(params=["v1", pytest.param("v0", marks=V0_OPT_IN)])
 def grpo_pair(request):
-    return request.getfixturevalue("pair" if request.param == "v1" else "v0_pair")
+    """v1: the PPO pair (its actor is GRPO's plus a KL loss: one launch serves both checks); v0: GRPO, opt-in."""
+    return request.getfixturevalue("ppo_pair" if request.param == "v1" else "v0_pair")
 
 
 def test_first_step_on_trees_equals_the_row_forward(grpo_pair):

@@ -1,14 +1,14 @@
-"""The actor's passes on prefix trees (``traj.prefix_tree``, issue 29, item 3): what a worker does with a batch the
-trainer marked ``prefix_tree``.
+"""The actor's, reference's and critic's passes on prefix trees (``traj.prefix_tree``, issue 29, item 3): what a
+worker does with a batch the trainer marked ``prefix_tree``.
 
-The trainer marks the planned batch once (the non-tensor :data:`~verl_traj.integration.tree_forward.TREE_KEY`, in
-the v1 batch meta's ``extra_info``, so every pass of that batch sees it). A verl_traj worker that receives a marked
-batch runs the pass inside :func:`~verl_traj.integration.tree_forward.tree_forward` on its engine, on the plan's
-micro-batches:
+The trainer marks each pass of a planned batch (the non-tensor :data:`~verl_traj.integration.tree_forward.TREE_KEY`:
+v1 puts it in the call's ``extra_info``, since verl rebuilds the meta between passes; v0 in the batch's
+``meta_info``, which every pass carries). A verl_traj worker that receives a marked batch runs the pass inside
+:func:`~verl_traj.integration.tree_forward.tree_forward` on its engine, on the plan's micro-batches:
 
-* the update (``train_mini_batch``): the plan's mini-batches and micro-batches as for every planned update
-  (:mod:`.workers`), each micro-batch forwarded as one tree;
-* the old-log-prob and reference passes (``infer_batch``): the same planned micro-batches (``mini_batch_id``,
+* the updates (``train_mini_batch``, actor and critic): the plan's mini-batches and micro-batches as for every
+  planned update (:mod:`.workers`), each micro-batch forwarded as one tree;
+* the old-log-prob, reference and value passes (``infer_batch``): the same planned micro-batches (``mini_batch_id``,
   ``micro_batch_id``), not verl's own cut, so both log-probs of the PPO ratio take one numeric path (the same trees,
   the same kernels), and a group's rows share their prompt here too.
 

@@ -24,6 +24,9 @@ method                      what changes (module)
                             on its timeline of rows)
 ``_update_critic`` /        verl's own, with the planned update's fields stored and named for the workers
 ``_update_actor``           (:mod:`.v1_updates`: ``loss_weight`` from each row's loss-token count)
+``_compute_old_log_prob``,  verl's own; with ``traj.prefix_tree`` the call is marked, so the workers forward the plan's
+``_compute_ref_log_prob``,  micro-batches as prefix trees (:mod:`.tree_passes`; the updates are marked likewise)
+``_compute_values``
 ``_compute_metrics``        per-trajectory metrics; verl's timing and throughput on real rows (:mod:`.v1_metrics`)
 set-up                      verl_traj's worker classes (:mod:`.workers`), the critic's loss (:mod:`.losses`),
                             seeded prompt uids
