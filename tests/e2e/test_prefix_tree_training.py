@@ -95,6 +95,7 @@ def test_every_planned_micro_batch_ran_as_a_tree(grpo_pair):
         assert step["actor/tree_tokens"] <= step["traj_plan/tree_tokens"]
         assert step["actor/tree_row_tokens"] == step["traj_plan/tokens"] + step["traj_plan/padding_tokens"]
         assert step["actor/tree_infer_tokens"] == step["actor/tree_tokens"]  # the same trees in both passes
+        assert 0 < step["actor/tree_attention_pairs"] < step["actor/tree_row_attention_pairs"]
     assert not any(k.startswith("actor/tree_") for k in grpo_pair[False].metrics[0])
 
 

@@ -362,3 +362,17 @@ def test_real_engine_tree_forward_equals_rows_dp2_capped_checkpointed(tiny_home,
         assert res["train_attention_calls"] == 4 * len(res["rows"]) // 2, res
     assert sum(sum(r["tree_tokens"]) for r in ranks) < sum(sum(r["row_tokens"]) for r in ranks)
     assert ranks[0]["grad_rel"] == pytest.approx(ranks[1]["grad_rel"], rel=1e-6)  # one gradient, all-reduced
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("extra", [
+    ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum"],
+    ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"],
+    ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"],
+    ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"],
+], ids=["seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "gspo"])
+def test_real_engine_tree_forward_equals_rows_in_every_loss_mode(tiny_home, tmp_path, extra):
+    """verl's other loss aggregations and GSPO's sequence ratio: the loss reads only per-row outputs, which the tree
+    gives exactly, so the gradient is the row forward's in each (dp=1, one tree micro-batch)."""
+    (res,) = _run(tiny_home.parent, 1, 4096, tmp_path, extra=extra)
+    _assert_exact(res)

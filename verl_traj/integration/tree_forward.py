@@ -49,7 +49,7 @@ from transformers.integrations.flash_attention import flash_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from verl.utils import tensordict_utils as tu
 
-from verl_traj.core.prefix_tree import PrefixTree, build_prefix_tree
+from verl_traj.core.prefix_tree import PrefixTree, attention_pairs, build_prefix_tree, row_attention_pairs
 from verl_traj.core.tree_attention import (TreeAttentionError, check_tree, refuse_tree_in_plain_attention,
                                            tree_attention, tree_attention_blocks)
 from verl_traj.core.tree_flex import FlexTree, tree_attention_flex
@@ -83,14 +83,17 @@ class TreeAttentionInput:
 
 @dataclass
 class TreeForwardLog:
-    """Per tree micro-batch (in order): rows, row tokens ``T``, tree tokens ``N``, branch copies, and the tokens the
-    model forwards (``N`` plus verl's tail padding)."""
+    """Per tree micro-batch (in order): rows, row tokens ``T``, tree tokens ``N``, branch copies, the tokens the
+    model forwards (``N`` plus verl's tail padding), and the (query, key) pairs the tree's attention computes beside
+    those of the per-row causal attention over the same rows."""
 
     rows: list = field(default_factory=list)
     row_tokens: list = field(default_factory=list)
     tree_tokens: list = field(default_factory=list)
     branch_copies: list = field(default_factory=list)
     forwarded_tokens: list = field(default_factory=list)
+    attention_pairs: list = field(default_factory=list)
+    row_attention_pairs: list = field(default_factory=list)
 
     def add(self, tree: PrefixTree, forwarded: int) -> None:
         self.rows.append(tree.num_rows)
@@ -98,6 +101,8 @@ class TreeForwardLog:
         self.tree_tokens.append(tree.num_tree_tokens)
         self.branch_copies.append(tree.num_branch_copies)
         self.forwarded_tokens.append(forwarded)
+        self.attention_pairs.append(attention_pairs(tree))
+        self.row_attention_pairs.append(row_attention_pairs(tree))
 
 
 @dataclass(frozen=True)

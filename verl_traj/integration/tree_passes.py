@@ -66,24 +66,27 @@ def tree_pass(engine: Any, counts: Callable[[], int], what: str,
         yield log
     check_all_tree(log, counts(), what)
     if into is not None:
-        for name in ("rows", "row_tokens", "tree_tokens", "branch_copies", "forwarded_tokens"):
+        for name in ("rows", "row_tokens", "tree_tokens", "branch_copies", "forwarded_tokens", "attention_pairs",
+                     "row_attention_pairs"):
             getattr(into, name).extend(getattr(log, name))
 
 
 def tree_metrics(log: TreeForwardLog, infer: TreeForwardLog, dp_group: Any = None) -> dict[str, list]:
     """Per update, summed over the data-parallel ranks (one all-reduce) and all epochs: row tokens, tree tokens (what
     the model forwarded, verl's tail padding aside), branch copies, tree micro-batches (per rank: their mean), row
-    tokens per tree token; and the micro-batches and tree tokens of this worker's inference passes (``infer``: the
+    tokens per tree token, the (query, key) pairs of the trees' attention and of the per-row attention over the same
+    rows; and the micro-batches and tree tokens of this worker's inference passes (``infer``: the
     actor's old log-probs, the critic's values) since its last update. Empties ``infer``."""
     local = [sum(log.row_tokens), sum(log.tree_tokens), sum(log.branch_copies), len(log.tree_tokens),
-             len(infer.tree_tokens), sum(infer.tree_tokens)]
+             len(infer.tree_tokens), sum(infer.tree_tokens), sum(log.attention_pairs), sum(log.row_attention_pairs)]
     infer.__init__()
     totals = torch.tensor(local, dtype=torch.float64, device=get_device_id())
     ranks = 1
     if dp_group is not None and torch.distributed.is_initialized():
         torch.distributed.all_reduce(totals, group=dp_group)
         ranks = torch.distributed.get_world_size(dp_group)
-    rows, tree, copies, micro, infer_micro, infer_tree = totals.tolist()
+    rows, tree, copies, micro, infer_micro, infer_tree, pairs, row_pairs = totals.tolist()
     return {"tree_row_tokens": [rows], "tree_tokens": [tree], "tree_branch_copies": [copies],
+            "tree_attention_pairs": [pairs], "tree_row_attention_pairs": [row_pairs],
             "tree_micro_batches": [micro / ranks], "tree_row_tokens_per_tree_token": [rows / max(tree, 1.0)],
             "tree_infer_micro_batches": [infer_micro / ranks], "tree_infer_tokens": [infer_tree]}
