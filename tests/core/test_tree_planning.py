@@ -147,3 +147,12 @@ def test_refusals_name_the_field():
     with pytest.raises(PlanError) as err:
         plan_mini_batches(lay, 1, 1, prefix_tree="yes", rows=rows)
     assert err.value.field == "prefix_tree"
+
+
+def test_all_trajectories_atomic_says_whether_the_loss_can_take_gspo_s_ratio():
+    rows = [list(range(40)) + [100 + i] * 20 for i in range(4)]
+    lay = _layout(rows, ["a"] * 4, ["t"] * 4, [0, 1, 2, 3])
+    assert plan_mini_batches(lay, 1, 1, prefix_tree=True, rows=rows, micro_batch_max_tokens=400).all_trajectories_atomic
+    # a cap under the trajectory's tree cuts it into pieces: not atomic; a row plan never is
+    assert not plan_mini_batches(lay, 1, 1, prefix_tree=True, rows=rows, micro_batch_max_tokens=110).all_trajectories_atomic
+    assert not plan_mini_batches(lay, 1, 1).all_trajectories_atomic

@@ -180,6 +180,13 @@ class MiniBatchPlan:
         return int(self.order.shape[0])
 
     @property
+    def all_trajectories_atomic(self) -> bool:
+        """A prefix-tree plan that put every trajectory's rows in one micro-batch on one rank (GSPO's trajectory
+        ratio can then come from the loss); False for a row plan."""
+        s = self.stats
+        return s.atomic_trajectories is not None and int(s.atomic_trajectories.sum()) == int(s.trajectories.sum())
+
+    @property
     def rank(self) -> torch.Tensor:
         """``[B_out]`` int64 DP rank of each output position."""
         return torch.arange(self.num_rows, dtype=torch.long) // (self.num_rows // self.dp_size)

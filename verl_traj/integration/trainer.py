@@ -139,9 +139,7 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
         plan = plan_batch_in_place(batch, self.spec, dp_size, pad_token_id=self._pad_token_id(),
                                    seed=self.spec.plan_seed(int(getattr(self, "global_steps", 0) or 0)))
         self._real_row_mask = ~plan.is_padding.numpy()
-        s = plan.stats  # a prefix-tree plan with every trajectory in one micro-batch: GSPO's ratio in the loss
-        self._all_atomic = s.atomic_trajectories is not None and int(s.atomic_trajectories.sum()) == int(
-            s.trajectories.sum())
+        self._all_atomic = plan.all_trajectories_atomic  # GSPO's trajectory ratio from the loss, no pre-pass
         if self.traj_config.prefix_tree:  # every pass of this batch (log-probs, values, updates) on the plan's trees
             batch.meta_info[TREE_KEY] = True
         if metrics is not None:

@@ -149,10 +149,7 @@ class TrajV1Mixin(CompleteCheckpoints):
                                                 self.spec.plan.pad_row_tokens)
         out = ordered_batch(batch, plan, pad_keys, pad_tags)
         store_plan_ids(out, plan)
-        # a prefix-tree plan with every trajectory in one micro-batch: GSPO's trajectory ratio comes from the loss
-        s = plan.stats
-        self._all_atomic = s.atomic_trajectories is not None and int(s.atomic_trajectories.sum()) == int(
-            s.trajectories.sum())
+        self._all_atomic = plan.all_trajectories_atomic  # GSPO's trajectory ratio from the loss, no pre-pass
         self._plan_facts = plan_facts(out, plan, layout)
         self._step_padding.record(out.keys, plan.is_padding.tolist())
         metrics.update(plan_step_metrics(plan, self.spec.epochs))
