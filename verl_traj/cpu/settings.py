@@ -28,7 +28,7 @@ from verl_traj.config import TrajConfigError
 from verl_traj.cpu.attention import CPU_VARLEN
 from verl_traj.integration.verl_checks import flag_at, int_at, sequence_parallel_sizes, value_at
 
-__all__ = ["check_cpu_rollout_lora", "select_cpu_attention"]
+__all__ = ["check_cpu_rollout_lora", "select_cpu_attention", "set_attention"]
 
 ATTN = "override_config.attn_implementation"
 CUDA_ONLY_PREFIXES = ("flash_attention", "kernels-community/")
@@ -68,12 +68,17 @@ def select_cpu_attention(config: Any) -> list[str]:
         model = value_at(config, model_path)
         if model is None:
             continue
-        with open_dict(model):
-            if model.get("override_config", None) is None:
-                model.override_config = {}
-            model.override_config.attn_implementation = CPU_VARLEN if sp > 1 else "sdpa"
+        set_attention(model, CPU_VARLEN if sp > 1 else "sdpa")
         written.append(f"{field}={model.override_config.attn_implementation}")
     return written
+
+
+def set_attention(model: Any, impl: str) -> None:
+    """``model.override_config.attn_implementation = impl`` on a model config section (the key created if absent)."""
+    with open_dict(model):
+        if model.get("override_config", None) is None:
+            model.override_config = {}
+        model.override_config.attn_implementation = impl
 
 
 def check_cpu_rollout_lora(config: Any) -> None:

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import open_dict
-
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.cpu.attention import CPU_VARLEN
+from verl_traj.cpu.settings import set_attention
 from verl_traj.integration.verl_checks import flag_at, uses_critic, value_at
 
 __all__ = ["TREE_ATTENTION", "check_prefix_tree"]
@@ -63,11 +62,7 @@ def _check_attention(model: str, config: Any, device: str) -> None:
     allowed = TREE_ATTENTION["cpu" if device == "cpu" else "cuda"]
     given = value_at(config, field)
     if given is None and device == "cpu":
-        section = value_at(config, model)
-        with open_dict(section):
-            if section.get("override_config", None) is None:
-                section.override_config = {}
-            section.override_config.attn_implementation = CPU_VARLEN
+        set_attention(value_at(config, model), CPU_VARLEN)
         return
     given = "flash_attention_2" if given is None else given  # verl's default on GPUs
     if given not in allowed:
