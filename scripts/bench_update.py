@@ -30,7 +30,12 @@ to ``stock`` and to ``stock_v0`` (the median of the per-repeat ratios).
 
 Cases (``--cases``): ``default`` (16 prompts x 4, long-tailed responses up to 448 tokens with masked tool
 spans), ``swebench`` (step rows of SWE-bench trajectories, lengths scaled by 1/32 to fit a CPU, GRPO groups
-= repositories), ``small_cap`` (the default batch under a cap that forces several micro-batches per rank).
+= repositories), ``small_cap`` (the default batch under a cap that forces several micro-batches per rank),
+``shared_prompt`` (GRPO groups of 8 behind one 1024-token prompt), ``gspo`` (GSPO, ``loss_mode=gspo``, over unmerged
+step rows: 4 groups x 4 trajectories x 4 turns behind a 512-token prompt; with ``--remove-padding`` every verl_traj
+variant also runs at ``traj.ratio_scope=trajectory``, each row's sequence ratio taken over its whole trajectory: on
+rows through GSPO's no-grad pre-pass, on trees from the loss where every trajectory is atomic; the table's last line
+gives each one's time over the same variant at row scope).
 
 Columns: s/update; optimizer steps; micro-batches per rank per update: planned, run by the workers (the
 worker's own count), and what verl's ``rearrange_micro_batches`` would cut for the same rows; padded
@@ -58,7 +63,52 @@ CASES = {
     "small_cap": dict(groups=16, n=4, mini_batches=4, prompt_len=64, response_len=448, cap=640, source="synthetic"),
     "shared_prompt": dict(groups=8, n=8, mini_batches=2, prompt_len=1024, response_len=128, cap=8192,
                           source="shared_prompt"),
+    # GSPO over unmerged step rows: 4 groups x 4 trajectories x 4 turns behind a 512-token shared prompt, each
+    # turn's row repeating the trajectory so far (64-token turns, 64-token tool results)
+    "gspo": dict(groups=4, n=4, steps=4, mini_batches=2, shared_len=512, turn_len=64, obs_len=64, cap=4096,
+                 source="step_rows", loss_mode="gspo"),
 }
+
+
+def _step_row_lengths(case: dict) -> tuple[int, int]:
+    """``(prompt_len, response_len)`` of the step-row case's layout: the longest context, the longest turn."""
+    return case["shared_len"] + (case["steps"] - 1) * (case["turn_len"] + case["obs_len"]), case["turn_len"]
+
+
+def step_rows(case: dict, seed: int, vocab: int):
+    """Unmerged step rows as an agent loop records them: per GRPO group one shared prompt, per trajectory turns
+    ``r_k`` and tool results ``o_k``; the row of turn ``j`` has the context ``prompt r_0 o_0 .. r_(j-1) o_(j-1)`` as
+    its prompt and ``r_j`` as its response (every token a loss token), ``traj_id`` / ``step_index`` attached. So a
+    trajectory's rows are nested prefixes and a group's rows share its prompt: a tree per group, where linear
+    merging would leave these rows as they are (the rollouts of one trajectory are its turns)."""
+    import numpy as np
+    import torch
+
+    from verl_traj.testing import rl_batch
+
+    G, n, S = case["groups"], case["n"], case["steps"]
+    P, R = _step_row_lengths(case)
+    tensors, nt = rl_batch(G, n * S, prompt_len=P, response_len=R, seed=seed, steps_per_traj=S, vocab=vocab)
+    rng = np.random.default_rng(seed)
+    ids, attn = torch.zeros_like(tensors["input_ids"]), torch.zeros_like(tensors["attention_mask"])
+    for g in range(G):
+        shared = torch.as_tensor(rng.integers(3, vocab, case["shared_len"]))
+        for t in range(n):
+            context = shared
+            for j in range(S):
+                row = (g * n + t) * S + j
+                turn = torch.as_tensor(rng.integers(3, vocab, int(rng.integers(case["turn_len"] // 2, R + 1))))
+                ids[row, P - len(context):P], ids[row, P:P + len(turn)] = context, turn
+                attn[row, P - len(context):P + len(turn)] = 1
+                obs = torch.as_tensor(rng.integers(3, vocab, int(rng.integers(case["obs_len"] // 2, case["obs_len"] + 1))))
+                context = torch.cat([context, turn, obs])
+    tensors.update(input_ids=ids, attention_mask=attn, prompts=ids[:, :P].clone(), responses=ids[:, P:].clone(),
+                   response_mask=attn[:, P:].clone(), position_ids=torch.clamp(torch.cumsum(attn, -1) - 1, min=0))
+    g = torch.Generator().manual_seed(seed)
+    mask, traj = tensors["response_mask"], torch.arange(ids.shape[0]) // S  # GRPO over trajectories: one advantage each
+    tensors["old_log_probs"] = -torch.rand(mask.shape, generator=g) * 2 * mask
+    tensors["advantages"] = (torch.randn(G * n, generator=g)[traj][:, None] * mask).contiguous()
+    return tensors, nt
 
 
 def swebench_rows(groups: int, n: int, prompt_len: int, response_len: int, seed: int, multiple: int):
@@ -101,6 +151,8 @@ def make_batch(case: dict, vocab: int, seed: int, dp: int):
     if case["source"] == "swebench":
         return as_dataproto(*swebench_rows(case["groups"], case["n"], case["prompt_len"], case["response_len"], seed,
                                            dp * case["mini_batches"]))
+    if case["source"] == "step_rows":
+        return as_dataproto(*step_rows(case, seed, vocab))
     tensors, non_tensors = rl_batch(case["groups"], case["n"], prompt_len=case["prompt_len"],
                                     response_len=case["response_len"], seed=seed, long_tail=True, obs_spans=2,
                                     vocab=vocab)
@@ -173,17 +225,24 @@ def micro_batch_report(batch, dp: int, num_mb: int, cap: int, planned: bool, pac
             "padded_positions": 1.0 - real / max(area, 1)}
 
 
-STOCK = {"stock": "v1", "stock_v0": "v0"}  # stock variant -> the trainer whose _balance_batch order it runs
+STOCK = {"stock": "v1", "stock_v0": "v0"}
+SCOPE = " scope=trajectory"  # the suffix of a GSPO variant at traj.ratio_scope=trajectory  # stock variant -> the trainer whose _balance_batch order it runs
 
 
-def variants(pass_costs: list[Optional[int]], remove_padding: bool = False,
-             tree: bool = False) -> dict[str, Optional[dict]]:
+def variants(pass_costs: list[Optional[int]], remove_padding: bool = False, tree: bool = False,
+             case: Optional[dict] = None) -> dict[str, Optional[dict]]:
     """Variant name -> ``traj:`` options (None: stock verl, :data:`STOCK`): ``traj`` with each pass cost, then
     ``traj_area``; with remove-padding only ``traj`` (the cost is the token sum), and with ``tree`` ``traj_tree``
-    (``traj.prefix_tree``: each micro-batch forwarded as its prefix tree)."""
+    (``traj.prefix_tree``: each micro-batch forwarded as its prefix tree). A GSPO case (``loss_mode=gspo``) adds
+    each verl_traj variant at ``traj.ratio_scope=trajectory`` (``ratio_groups``: each row's sequence ratio over its
+    trajectory; on rows through the pre-pass, on trees from the loss where every trajectory is atomic)."""
     out: dict[str, Optional[dict]] = {name: None for name in STOCK}
     if remove_padding:
-        return {**out, "traj": {}, **({"traj_tree": {"prefix_tree": True}} if tree else {})}
+        out.update({"traj": {}, **({"traj_tree": {"prefix_tree": True}} if tree else {})})
+        if (case or {}).get("loss_mode") == "gspo":
+            out.update({f"{name}{SCOPE}": {**out[name], "ratio_groups": True}
+                        for name in [v for v in out if v not in STOCK]})
+        return out
     for i, cost in enumerate(pass_costs):
         out["traj" if i == 0 else f"traj pass_cost={cost}"] = {"padded_cap": "tokens", "pass_cost_tokens": cost}
     out["traj_area"] = {"padded_cap": "area"}
@@ -192,16 +251,27 @@ def variants(pass_costs: list[Optional[int]], remove_padding: bool = False,
 
 def prepare(case: dict, variant: str, options: Optional[dict], cfg, vocab: int, dp: int, seed: int,
             packed: bool = False):
+    from verl_traj.core.keys import OLD_LOG_PROBS_AT_START, RATIO_GROUP, RATIO_IN_LOSS, TRAJ_INDEX
     from verl_traj.testing.engine import plan_for_update
 
     batch = make_batch(case, vocab, seed, dp)
-    source_rows, n_pad = len(batch), 0
+    source_rows, n_pad, atomic = len(batch), 0, None
     if options is None:
         stock_order(batch, dp, STOCK[variant])
     else:
-        n_pad = int(plan_for_update(batch, cfg, dp, **options).stats.padding_rows.sum())
+        options = dict(options)
+        ratio_groups = options.pop("ratio_groups", False)
+        mode = "seq-mean-token-mean" if case.get("loss_mode") == "gspo" else "token-mean"
+        plan = plan_for_update(batch, cfg, dp, mode=mode, ratio_groups=ratio_groups, **options)
+        n_pad = int(plan.stats.padding_rows.sum())
+        if plan.stats.atomic_trajectories is not None:
+            atomic = int(plan.stats.atomic_trajectories.sum()) / max(int(plan.stats.trajectories.sum()), 1)
+        if ratio_groups:  # as TrajRayPPOTrainer._planned_update attaches them
+            batch.batch[RATIO_GROUP] = batch.batch[TRAJ_INDEX].clone()
+            batch.meta_info[RATIO_IN_LOSS] = plan.all_trajectories_atomic
+            batch.meta_info[OLD_LOG_PROBS_AT_START] = True  # the trainer's word: old log-probs just recomputed
     report = micro_batch_report(batch, dp, case["mini_batches"], case["cap"], options is not None, packed)
-    return batch, {"padding_rows": n_pad, "rows": len(batch), "source_rows": source_rows,
+    return batch, {"padding_rows": n_pad, "rows": len(batch), "source_rows": source_rows, "atomic_share": atomic,
                    "row_tokens": int(batch.batch["attention_mask"].sum()), **report}
 
 
@@ -209,6 +279,10 @@ def _config(case: dict, remove_padding: bool = False, attention: Optional[str] =
     from verl_traj.testing.engine import cpu_config
 
     attn = [f"actor_rollout_ref.model.override_config.attn_implementation={attention}"] if attention else []
+    if case.get("loss_mode") == "gspo":  # verl's GSPO recipe: sequence-mean of token-means
+        attn += ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"]
+    if case["source"] == "step_rows":
+        case = {**case, **dict(zip(("prompt_len", "response_len"), _step_row_lengths(case)))}
     return cpu_config([*attn, f"actor_rollout_ref.model.use_remove_padding={str(remove_padding).lower()}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={case['groups'] // case['mini_batches']}",
         f"actor_rollout_ref.rollout.n={case['n']}", f"data.train_batch_size={case['groups']}",
@@ -241,7 +315,9 @@ def _proc(rank: int, dp: int, port: int, args, out_path: str):
     for name in args.cases:
         case = CASES[name]
         runs = {}
-        for variant, options in variants(args.pass_cost, args.remove_padding, args.tree).items():
+        chosen = variants(args.pass_cost, args.remove_padding, args.tree, case)
+        for variant, options in {v: o for v, o in chosen.items() if v in STOCK or not args.variants
+                                 or v in args.variants}.items():
             cfg = _config(case, args.remove_padding, "cpu_varlen" if args.tree else None)
             worker = actor_worker(cfg, options is not None)
             batch, info = prepare(case, variant, options, cfg, int(worker.model_config.hf_config.vocab_size), dp, args.seed,
@@ -271,6 +347,7 @@ def _summary(run: dict) -> dict:
     return {"seconds_per_update": statistics.median(run["times"]), "seconds_all": run["times"],
             "optimizer_steps": len(grad) if isinstance(grad, list) else None,
             "micro_batches_run": (m.get("micro_batches_per_epoch") or [None])[0],
+            "prepass_micro_batches": (m.get("prepass_micro_batches_per_epoch") or [None])[0],
             "tree_tokens": (m.get("tree_tokens") or [None])[0], **run["info"]}
 
 
@@ -282,7 +359,8 @@ def _paired(times: list[float], base: list[float]) -> float:
 
 def _forwarded(r: dict) -> str:
     """Tokens one epoch forwards: the tree's (both ranks) for a tree variant, else the rows' attended tokens."""
-    return f"{r['tree_tokens']:,.0f} (tree)" if r.get("tree_tokens") else f"{r['row_tokens']:,}"
+    atomic = f", {r['atomic_share']:.0%} of trajectories atomic" if r.get("atomic_share") is not None else ""
+    return f"{r['tree_tokens']:,.0f} (tree{atomic})" if r.get("tree_tokens") else f"{r['row_tokens']:,}"
 
 
 def _table(report: dict) -> str:
@@ -291,13 +369,20 @@ def _table(report: dict) -> str:
     for name, res in report["results"].items():
         base, base_v0 = (res[v]["seconds_all"] for v in STOCK)
         for variant, r in res.items():
-            micro = (f"{r['micro_batches_planned']} / {r['micro_batches_run']:.0f} / {r['micro_batches_verl']}"
+            prepass = (f" (+{r['prepass_micro_batches']:.0f} pre-pass)" if r.get("prepass_micro_batches") is not None else "")
+            micro = (f"{r['micro_batches_planned']} / {r['micro_batches_run']:.0f}{prepass} / {r['micro_batches_verl']}"
                      if variant not in STOCK else f"- / - / {r['micro_batches_verl']}")
             t = r["seconds_per_update"]
             lines.append(f"| {name} | {variant} | {t:.3f} | {_paired(r['seconds_all'], base):.2f}x | "
                          f"{_paired(r['seconds_all'], base_v0):.2f}x | "
                          f"{r['optimizer_steps']} | {micro} | {r['padded_positions']:.1%} | {r['rows']} ({r['padding_rows']}) | "
                          f"{_forwarded(r)} |")
+    for name, res in report["results"].items():  # GSPO: the trajectory scope's price over the row scope's
+        pairs = [f"{v[:-len(SCOPE)]} {_paired(r['seconds_all'], res[v[:-len(SCOPE)]]['seconds_all']):.2f}x"
+                 for v, r in res.items() if v.endswith(SCOPE)]
+        if pairs:
+            lines.append(f"\n{name}: s/update at scope=trajectory over the same variant at row scope (median of the "
+                         f"per-repeat ratios): {', '.join(pairs)}")
     return "\n".join(lines)
 
 
@@ -316,6 +401,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tree", action="store_true",
                     help="with --remove-padding: add traj_tree (traj.prefix_tree=true); every variant then runs the "
                          "CPU platform's flash-attention path (cpu_varlen), where the tree attention sits")
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="run only these verl_traj variants (the stock ones always run: the baseline), e.g. "
+                         "'traj_tree' 'traj_tree scope=trajectory'")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = ap.parse_args(argv)
     if args.tree and not args.remove_padding:
