@@ -364,3 +364,34 @@ def test_prefix_tree_refused_where_it_is_not_built(started, overrides, field):
         started(overrides)
     assert err.value.field == field
     assert "prefix_tree" in str(err.value)
+
+
+SEPARATE = ["trainer.v1.trainer_mode=separate_async"]
+SYNC_STEP = "trainer.v1.separate_async.parameter_sync_step"
+SYNC_BACKEND = "actor_rollout_ref.rollout.checkpoint_engine.backend"
+
+
+def test_separate_async_on_cpu_gets_a_rollout_pool_gloo_sync_and_verls_sync_step(started):
+    """The user's one override on the CPU preset (train_batch_size 8, ppo_mini_batch_size 4): the sync step verl's
+    rule allows (8 / 4 = 2), a standalone rollout pool, weight sync over gloo, logical GPUs for both pools."""
+    cfg = started(SEPARATE)
+    assert cfg.trainer.v1.separate_async.parameter_sync_step == 2
+    assert cfg.actor_rollout_ref.rollout.nnodes == 1 and cfg.actor_rollout_ref.rollout.checkpoint_engine.backend == "gloo"
+    assert cfg.ray_kwargs.ray_init.num_gpus == 2
+    assert cfg.actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module == "verl_traj.cpu.weight_sync"
+    plain = started([])  # the other modes keep the colocated sync and no rollout pool
+    assert plain.actor_rollout_ref.rollout.nnodes == 0 and plain.actor_rollout_ref.rollout.checkpoint_engine.backend == "naive"
+
+
+@pytest.mark.parametrize("overrides, field, says", [
+    ([f"{SYNC_STEP}=4"], SYNC_STEP, f"Fix: set {SYNC_STEP}=2"),  # verl's default: 8 != 4 x 4
+    ([f"{SYNC_STEP}=3", "data.train_batch_size=6"], SYNC_STEP, "Fix: set data.train_batch_size=12"),
+    (["data.train_batch_size=6"], "data.train_batch_size", "not a multiple of actor_rollout_ref.actor.ppo_mini_batch_size=4"),
+    ([f"{SYNC_BACKEND}=nccl"], SYNC_BACKEND, f"Fix: set {SYNC_BACKEND}=gloo"),
+])
+def test_separate_async_refusals_name_verls_rule_and_the_fix(started, overrides, field, says):
+    from verl_traj.config import TrajConfigError
+
+    with pytest.raises(TrajConfigError) as err:
+        started(SEPARATE + overrides)
+    assert err.value.field == field and says in str(err.value), str(err.value)

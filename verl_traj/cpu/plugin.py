@@ -225,6 +225,15 @@ def cpu_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code
     )
 
 
+def _copying_save(verl_save):
+    """verl's FSDP2 sharded save with every saved tensor a copy (``.cpu()`` of a CPU tensor is the tensor)."""
+    def fsdp2_sharded_save_to_cpu(model):
+        state, spec = verl_save(model)
+        return {name: (tensor.clone(), tensor_spec) for name, (tensor, tensor_spec) in state.items()}, spec
+
+    return fsdp2_sharded_save_to_cpu
+
+
 def _register_platform() -> None:
     from verl_traj.cpu.platform import PLATFORM_NAME, PlatformCPU
 
@@ -244,6 +253,7 @@ def _register_platform() -> None:
         register_attention=lambda interface: interface.register(CPU_VARLEN, flash_path()),
         register_attention_mask=lambda interface: interface.register(CPU_VARLEN, flash_mask()),
         varlen_attention=lambda _kernel: varlen_attention,
+        copying_save=_copying_save,
     ), _hook.add)
 
 

@@ -45,6 +45,7 @@ import torch
 
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
+from verl.workers.rollout.utils import ensure_async_iterator
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
@@ -539,8 +540,9 @@ class CPUServerAdapter(BaseRollout):
         t0 = time.perf_counter()
         has_server = self._ensure_server_handle()
         state_dict = {}
-        # Every rank must drain the generator: it all-gathers FSDP shards (a collective).
-        for name, tensor in weights:
+        # Every rank must drain the generator: it all-gathers FSDP shards (a collective). A checkpoint engine's
+        # receiver (separate_async: verl_traj.cpu.weight_sync) yields asynchronously, the actor's engine synchronously.
+        async for name, tensor in ensure_async_iterator(weights):
             if has_server:
                 state_dict[name] = tensor.detach().to("cpu", copy=True)
         if has_server:

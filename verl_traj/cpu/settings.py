@@ -14,8 +14,13 @@ the CPU rollout cannot do.
 * LoRA on the CPU rollout (``actor_rollout_ref.rollout.name=cpu``): the rollout loads full weights only, so without
   ``actor_rollout_ref.model.lora.merge=true`` the first weight sync (after the first update) fails.
 
-Both run in :func:`verl_traj.integration.startup.check_startup`: the attention where the CPU platform is in use
-(``trainer.device=cpu``), the LoRA check wherever the CPU rollout is.
+* verl's ``separate_async`` mode (:func:`settle_cpu_separate_async`): a standalone rollout pool (``rollout.nnodes``
+  1 where unset, one CPU replica per logical GPU of ``rollout.n_gpus_per_node``), the logical GPUs Ray needs for both
+  pools, and weight sync over gloo (:mod:`verl_traj.cpu.weight_sync`, backend ``gloo``) where the preset's colocated
+  ``naive`` sync cannot serve a separate pool.
+
+All run in :func:`verl_traj.integration.startup.check_startup`: the attention and the separate_async settings where the
+CPU platform is in use (``trainer.device=cpu``), the LoRA check wherever the CPU rollout is.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ from omegaconf import open_dict
 
 from verl_traj.config import TrajConfigError
 from verl_traj.cpu.attention import CPU_VARLEN
+from verl_traj.integration.separate_async import is_separate_async
 from verl_traj.integration.verl_checks import flag_at, int_at, sequence_parallel_sizes, value_at
 
-__all__ = ["check_cpu_rollout_lora", "select_cpu_attention", "set_attention"]
+__all__ = ["check_cpu_rollout_lora", "select_cpu_attention", "set_attention", "settle_cpu_separate_async"]
 
 ATTN = "override_config.attn_implementation"
 CUDA_ONLY_PREFIXES = ("flash_attention", "kernels-community/")
@@ -96,3 +102,37 @@ def check_cpu_rollout_lora(config: Any) -> None:
             "full weights only: with actor_rollout_ref.model.lora.merge=false the actor sends the adapter alone and "
             "the first weight sync fails. Fix: add actor_rollout_ref.model.lora.merge=true (the actor merges the "
             "adapter into the base weights before each sync).", field="actor_rollout_ref.model.lora.merge")
+
+
+ROLLOUT = "actor_rollout_ref.rollout"
+SYNC_BACKEND = f"{ROLLOUT}.checkpoint_engine.backend"
+
+
+def settle_cpu_separate_async(config: Any) -> list[str]:
+    """verl's ``separate_async`` on the CPU platform: ``rollout.nnodes`` 1 where it is 0 (verl's default: no
+    standalone pool), weight sync ``gloo`` where it is the colocated ``naive``, and enough logical GPUs in
+    ``ray_kwargs.ray_init.num_gpus`` for the training and the rollout pools. Returns the settings written; refuses a
+    weight-sync backend that needs an accelerator."""
+    if not is_separate_async(config):
+        return []
+    written = []
+    with open_dict(config):
+        if int_at(config, f"{ROLLOUT}.nnodes", 0, minimum=0) == 0:
+            config.actor_rollout_ref.rollout.nnodes = 1
+            written.append(f"{ROLLOUT}.nnodes=1")
+        backend = value_at(config, SYNC_BACKEND, "naive")
+        if backend == "naive":
+            config.actor_rollout_ref.rollout.checkpoint_engine.backend = "gloo"
+            written.append(f"{SYNC_BACKEND}=gloo")
+        elif backend != "gloo":
+            raise TrajConfigError(
+                f"{SYNC_BACKEND}={backend!r} on the CPU platform (trainer.device=cpu): verl's separate_async sends the "
+                f"actor's weights to the standalone rollout pool through this backend, and {backend!r} needs an "
+                f"accelerator. Fix: set {SYNC_BACKEND}=gloo (verl_traj's CPU weight sync), or leave the preset's "
+                "naive and the CPU platform selects gloo.", field=SYNC_BACKEND)
+        gpus = (int_at(config, "trainer.nnodes", 1) * int_at(config, "trainer.n_gpus_per_node", 1)
+                + int_at(config, f"{ROLLOUT}.nnodes", 1) * int_at(config, f"{ROLLOUT}.n_gpus_per_node", 1))
+        if int_at(config, "ray_kwargs.ray_init.num_gpus", 0) < gpus:
+            config.ray_kwargs.ray_init.num_gpus = gpus
+            written.append(f"ray_kwargs.ray_init.num_gpus={gpus}")
+    return written

@@ -27,6 +27,10 @@ replacements in; this module imports nothing of verl_traj (it lists patches, it 
   10. ``transformers.integrations.flash_attention._flash_attention_forward`` and
      ``verl.models.transformers.monkey_patch._flash_attention_forward`` (what verl's Ulysses wrapper calls) <- the
      pure-torch variable-length attention (:mod:`verl_traj.cpu.attention`), after each module is imported.
+  11. ``verl.utils.fsdp_utils.fsdp2_sharded_save_to_cpu`` (what ``separate_async``'s ``DetachActorWorker`` saves
+     the policy of a sync cycle with) <- the same returning copies, after import: on a CPU device ``.cpu()`` is the
+     tensor itself, so the saved state would follow every optimizer step and the old log-probs of a cycle's later
+     local updates would come from the current weights.
 
 * :func:`prefix_tree_attention_patches` -- only in a process that enables the prefix-tree forward
   (:mod:`verl_traj.integration.tree_forward`, opt-in), installed there once, now (idempotent):
@@ -124,7 +128,8 @@ def cpu_platform_patches(*, register_platform: Callable[[type], None], current_p
                          unpinned_offload_policy: Callable[[Any], Any], register_engines: Callable[[type], None],
                          valuehead_loader: Callable[[Callable], Callable],
                          register_attention: Callable[[type], None], register_attention_mask: Callable[[type], None],
-                         varlen_attention: Callable[[Callable], Callable]) -> list[ProcessPatch]:
+                         varlen_attention: Callable[[Callable], Callable],
+                         copying_save: Callable[[Callable], Callable]) -> list[ProcessPatch]:
     """The CPU platform (processes without an accelerator); order: module docstring."""
     out = [
         ProcessPatch(PLATFORM_MANAGER, "PlatformRegistry", register_platform, "name the CPU platform 'cpu'",
@@ -158,6 +163,9 @@ def cpu_platform_patches(*, register_platform: Callable[[type], None], current_p
                      when=ON_IMPORT),
         ProcessPatch(VERL_MONKEY_PATCH, "_flash_attention_forward", varlen_attention,
                      "the kernel verl's Ulysses all-to-all wrapper calls, in torch", when=ON_IMPORT),
+        ProcessPatch("verl.utils.fsdp_utils", "fsdp2_sharded_save_to_cpu", copying_save,
+                     "save a copy of the policy (on CPU '.cpu()' aliases the live parameters, which the optimizer "
+                     "then changes in place)", when=ON_IMPORT),
     ]
     return out
 

@@ -10,16 +10,18 @@ verl's settings. In order:
    ``remax``, ``gdpo`` and the optimal-token baselines only on v0 (v1's advantage step never fetches their inputs),
    ``gdpo`` with ``gdpo_reward_keys``, the optimal-token baselines with ``calculate_sum_pi_squared`` (else verl fails
    after the first rollout);
-4. the cross-checks of ``traj:`` against verl's sections (:func:`~.verl_checks.validate_against_verl`), and
+4. in v1's ``separate_async`` mode, verl's rule ``train_batch_size = parameter_sync_step x ppo_mini_batch_size``
+   (:func:`~.separate_async.settle_parameter_sync_step`: a null sync step derived from it);
+5. the cross-checks of ``traj:`` against verl's sections (:func:`~.verl_checks.validate_against_verl`), and
    ``traj.prefix_tree`` only where the tree is built and tested (:mod:`.tree_checks`: on CPU it selects
    ``cpu_varlen`` for the actor's model);
-5. with ``traj.enable=true``: the model directories, the critic's value head, equal actor / critic DP sizes
+6. with ``traj.enable=true``: the model directories, the critic's value head, equal actor / critic DP sizes
    (:func:`check_models`);
-6. Ulysses only with remove-padding (:func:`check_sequence_parallel`; verl's engine refuses it when the workers
+7. Ulysses only with remove-padding (:func:`check_sequence_parallel`; verl's engine refuses it when the workers
    start);
-7. on the CPU platform (``trainer.device=cpu``): the attention implementation (:mod:`verl_traj.cpu.settings`); and
-   LoRA on the CPU rollout;
-8. a warning where ``traj.ratio_scope=trajectory`` puts a product of token ratios over trajectories long enough for
+8. on the CPU platform (``trainer.device=cpu``): the attention implementation and, for ``separate_async``, the
+   rollout pool and weight sync (:mod:`verl_traj.cpu.settings`); and LoRA on the CPU rollout;
+9. a warning where ``traj.ratio_scope=trajectory`` puts a product of token ratios over trajectories long enough for
    its sequence IS weights to degenerate (:func:`ratio_scope_warning`).
 
 Each refusal is a :class:`~verl_traj.config.TrajConfigError` naming the field, the value and the fix.
@@ -37,7 +39,8 @@ from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, AdvantageEstimat
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.estimators import estimator_name
 from verl_traj.cpu.attention import CPU_VARLEN
-from verl_traj.cpu.settings import check_cpu_rollout_lora, select_cpu_attention
+from verl_traj.cpu.settings import check_cpu_rollout_lora, select_cpu_attention, settle_cpu_separate_async
+from verl_traj.integration.separate_async import settle_parameter_sync_step
 from verl_traj.integration.tree_checks import check_prefix_tree
 from verl_traj.integration.verl_checks import (flag_at, sequence_parallel_sizes, ulysses_size, uses_critic,
                                                validate_against_verl, value_at)
@@ -66,6 +69,9 @@ def check_startup(config: Any, platform_device: str) -> TrajConfig:
     check_platform(config, platform_device)
     traj_config = TrajConfig.from_mapping(config.get("traj"))
     check_adv_estimator(config)
+    derived = settle_parameter_sync_step(config)  # before the mini-batch checks, which divide by it
+    if derived:
+        logger.warning("verl_traj: separate_async's sync step from verl's rule: %s", derived)
     validate_against_verl(traj_config, config)
     check_prefix_tree(traj_config, config, "cpu" if value_at(config, "trainer.device") == "cpu" else "cuda")
     if traj_config.enable:
@@ -75,6 +81,8 @@ def check_startup(config: Any, platform_device: str) -> TrajConfig:
         for setting in select_cpu_attention(config):  # cpu_varlen (Ulysses) is worth seeing; sdpa is the usual one
             (logger.warning if setting.endswith(CPU_VARLEN) else logger.info)(
                 "verl_traj: the CPU platform selected %s", setting)
+        for setting in settle_cpu_separate_async(config):
+            logger.warning("verl_traj: the CPU platform set %s for separate_async", setting)
     check_cpu_rollout_lora(config)
     warning = ratio_scope_warning(traj_config, config)
     if warning:

@@ -61,7 +61,7 @@ from verl_traj.integration.step_plan import (check_same_dp_size, debug_dump, pla
                                              stock_plan_metrics_of)
 from verl_traj.integration.update_spec import UpdateSpec, has_multi_row_trajectory
 from verl_traj.integration.v1_advantage import corrected_per_trajectory, planned_advantage
-from verl_traj.integration.v1_metrics import StepPadding, stepwise_metrics, trajectory_metrics
+from verl_traj.integration.v1_metrics import StepPadding, current_policy_gap, stepwise_metrics, trajectory_metrics
 from verl_traj.integration.v1_padding import write_padding_rows
 from verl_traj.integration.v1_plan_facts import PlanFacts, plan_facts
 from verl_traj.integration.tree_forward import TREE_KEY
@@ -212,7 +212,10 @@ class TrajV1Mixin(CompleteCheckpoints):
 
     def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
         with self._trees(batch):
-            return super()._compute_old_log_prob(batch, metrics)
+            batch = super()._compute_old_log_prob(batch, metrics)
+        if self.trainer_mode != "sync" and self.config.actor_rollout_ref.rollout.calculate_log_probs:
+            metrics.update(current_policy_gap(batch, int(self.global_steps)))  # did the last weight sync arrive?
+        return batch
 
     def _compute_ref_log_prob(self, batch: Any, metrics: dict) -> Any:
         with self._trees(batch):

@@ -18,7 +18,7 @@ from verl_traj.core.row_key import parse_row_keys
 from verl_traj.integration.v1_agent_loop import MERGE_TAG, turn_reward_entries
 from verl_traj.stepwise.prefix_merge import MergeStats
 
-__all__ = ["StepPadding", "last_rows_of_trajectories", "stepwise_metrics", "trajectory_metrics"]
+__all__ = ["StepPadding", "current_policy_gap", "last_rows_of_trajectories", "stepwise_metrics", "trajectory_metrics"]
 
 
 def stepwise_metrics(tags: list[dict]) -> dict[str, float]:
@@ -55,6 +55,27 @@ def _version_metrics(tags: list[dict], global_steps: int) -> dict[str, float]:
     return {"traj_version/staleness_max": float(stale.max()), "traj_version/staleness_mean": float(stale.mean()),
             "traj_version/span_max": float((hi - lo + 1).max()),
             "traj_version/multi_version_share": float((hi > lo).mean())}
+
+
+def current_policy_gap(batch: Any, global_steps: int) -> dict[str, float]:
+    """The weight sync's check, every step of an async mode: over the rows generated entirely by the policy whose
+    old log-probs were just computed (``min_global_steps == max_global_steps == global_steps - 1``: the weights
+    synced after the previous step), the largest gap between the rollout's and the actor's token probabilities
+    (verl's ``training/rollout_probs_diff_max`` restricted to them). Rounding level where the rollout runs the
+    synced weights (CPU fp32: ~1e-8); an order of the policy's per-step change where it does not. Nothing where no
+    such row exists or the rollout did not record log-probs. ``traj_version/current_policy_rows``: how many."""
+    tags = batch.tags
+    current = global_steps - 1
+    rows = [i for i, t in enumerate(tags) if not t.get("is_padding", False)
+            and t.get("min_global_steps") == current and t.get("max_global_steps") == current]
+    if not rows:
+        return {}
+    data = tq.kv_batch_get(keys=[batch.keys[i] for i in rows], partition_id=batch.partition_id,
+                           select_fields=["old_log_probs", "rollout_log_probs", "response_mask"])
+    padded = {k: (v.to_padded_tensor(0.0) if getattr(v, "is_nested", False) else v).float() for k, v in data.items()}
+    gap = (padded["old_log_probs"].exp() - padded["rollout_log_probs"].exp()).abs() * padded["response_mask"]
+    return {"traj_version/current_policy_probs_diff_max": float(gap.max()),
+            "traj_version/current_policy_rows": float(len(rows))}
 
 
 def trajectory_metrics(batch: Any, global_steps: int) -> dict[str, float]:
