@@ -21,6 +21,7 @@ from typing import Any, Mapping, Optional
 
 from verl_traj.core.balancing import WORKLOAD_MODELS
 from verl_traj.core.errors import TrajInputError, check_choice
+from verl_traj.core.failures import FAILED_GROUP_POLICIES
 from verl_traj.core.keys import IS_LAST_STEP, PLAN_KEYS
 from verl_traj.core.loss_weights import loss_weight_modes
 from verl_traj.core.planning import GROUP_BY_CHOICES, MINI_BATCH_BALANCE_CHOICES
@@ -88,6 +89,12 @@ class TrajConfig:
             group's prompt, a trajectory's earlier turns) in the log-prob, reference, value and update passes; the
             planner keeps each group (or trajectory, ``group_by``) in one micro-batch on one rank where its tree fits
             the cap, and counts the cap in tree tokens. Off by default (docs/prefix_tree.md).
+        failed_groups: v1: what happens to a GRPO group in which a rollout failed (its agent loop raised or timed out):
+            ``"drop"`` (default: the whole group leaves the batch, a fresh prompt replaces it) or ``"keep_survivors"``
+            (train the finished sessions, the baseline over them; a group with none is dropped).
+            :mod:`verl_traj.core.failures`.
+        trajectory_timeout_s: v1: seconds one session (trajectory) may run, tools and generation included, before it
+            fails with reason ``timeout`` (then ``failed_groups`` applies); ``None``: no deadline.
     """
 
     enable: bool = True
@@ -108,6 +115,8 @@ class TrajConfig:
     seed: int = 0
     ratio_scope: str = "row"
     prefix_tree: bool = False
+    failed_groups: str = "drop"
+    trajectory_timeout_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in _BOOL_FIELDS:
@@ -117,6 +126,12 @@ class TrajConfig:
         _check_choice("traj.workload", self.workload, WORKLOAD_MODELS)
         _check_choice("traj.padded_cap", self.padded_cap, PADDED_CAP_CHOICES)
         _check_choice("traj.ratio_scope", self.ratio_scope, RATIO_SCOPES)
+        _check_choice("traj.failed_groups", self.failed_groups, FAILED_GROUP_POLICIES)
+        timeout = self.trajectory_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise TrajConfigError(
+                f"traj.trajectory_timeout_s={timeout!r} is invalid: it is the seconds one trajectory may run. Fix: set "
+                "a positive number of seconds, or null for no deadline.", field="traj.trajectory_timeout_s")
         for name in ("loss_agg_mode", "critic_loss_agg_mode"):
             if getattr(self, name) is not None:
                 _check_choice(f"traj.{name}", getattr(self, name), loss_weight_modes())

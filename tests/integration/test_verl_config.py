@@ -395,3 +395,11 @@ def test_separate_async_refusals_name_verls_rule_and_the_fix(started, overrides,
     with pytest.raises(TrajConfigError) as err:
         started(SEPARATE + overrides)
     assert err.value.field == field and says in str(err.value), str(err.value)
+
+
+def test_the_sync_trainer_refills_failed_groups_exactly_with_traj_enabled(started):
+    """traj.failed_groups drops and replaces failed groups: on v1's sync mode that needs verl's exact refill
+    (one-prompt dataloader fetches); stock verl (traj.enable=false) keeps verl's default."""
+    assert started([]).trainer.v1.sampler.sync_refill_failed_groups is True
+    assert started(["traj.enable=false"]).trainer.v1.sampler.sync_refill_failed_groups is False
+    assert started(SEPARATE).trainer.v1.sampler.sync_refill_failed_groups is False  # async modes refill exactly

@@ -41,6 +41,7 @@ from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorke
 
 from verl_traj.config import TrajConfig
 from verl_traj.core.row_key import row_key
+from verl_traj.integration.v1_failures import run_session
 from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, TURN_REWARD, StepExpansionError, trajectory_step_rows
 
 __all__ = ["MANAGER_FQN", "MERGE_TAG", "TURN_REWARD_TAG", "UNSUPPORTED_STEP_FIELDS", "TrajAgentLoopManagerTQ",
@@ -137,14 +138,21 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
     """verl's v1 agent-loop worker that stores a step-wise session as its step rows (module docstring), and
     gives each session its own request priority under ``rollout.full_determinism`` (v0 numbers its samples;
     v1 leaves every request at priority 0, and verl's agent loops name deterministic requests ``det-{priority}``,
-    so all sessions would share one id and their sampling seeds would follow arrival order)."""
+    so all sessions would share one id and their sampling seeds would follow arrival order). With ``traj.enable`` each
+    training session runs under ``traj.trajectory_timeout_s`` and a failed one tags its group with the reason and
+    leaves no rows (:func:`~.v1_failures.run_session`)."""
 
     async def _run_agent_loop(self, sampling_params: dict, trajectory: dict, **kwargs: Any) -> Any:
         rollout = self.config.actor_rollout_ref.rollout
         if rollout.get("full_determinism", False) and "priority" not in kwargs:
             n = rollout.val_kwargs.n if trajectory.get("validate") else rollout.n
             kwargs["priority"] = session_priority(trajectory["sample_index"], kwargs.get("session_id", 0), n)
-        return await super()._run_agent_loop(sampling_params, trajectory, **kwargs)
+        session = super()._run_agent_loop(sampling_params, trajectory, **kwargs)
+        traj_config = TrajConfig.of(self.config)
+        if trajectory.get("validate") or not traj_config.enable:
+            return await session
+        return await run_session(session, traj_config.trajectory_timeout_s, str(kwargs["uid"]),
+                                 int(kwargs.get("session_id", 0)))
 
     async def _agent_loop_postprocess(self, output: Any, validate: bool, **kwargs: Any) -> None:
         traj_config = TrajConfig.of(self.config)

@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import zlib
 from typing import Any, Optional
+
+from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
 from verl_traj.integration.stepwise_agent_loop import StepwiseToolAgentLoop
 
-__all__ = ["TURN_REWARD", "TurnRewardToolAgentLoop"]
+__all__ = ["TURN_REWARD", "FailingAgentLoop", "InjectedToolCrash", "TurnRewardToolAgentLoop", "injected_failure"]
 
 TURN_REWARD = 0.125  # every LLM call's own reward (exact in binary: the sums the tests compare are exact)
 
@@ -19,3 +23,32 @@ class TurnRewardToolAgentLoop(StepwiseToolAgentLoop):
 
     def step_rewards(self, calls: list[dict[str, Any]], output: Any) -> Optional[list[float]]:
         return [TURN_REWARD] * len(calls)
+
+
+class InjectedToolCrash(RuntimeError):
+    """The failure :class:`FailingAgentLoop` raises (its class name is the logged reason)."""
+
+
+def injected_failure(uid: str, session_id: int) -> bool:
+    """Which sessions :class:`FailingAgentLoop` fails, the same in every run (prompt uids are seeded): session 1 of
+    every group whose uid hashes even, and every session of a group whose uid hashes to 0 mod 5 (no survivor)."""
+    code = zlib.crc32(str(uid).encode())
+    return code % 5 == 0 or (int(session_id) == 1 and code % 2 == 0)
+
+
+class FailingAgentLoop(SingleTurnAgentLoop):
+    """verl's single-turn loop whose :func:`injected_failure` sessions fail like a crashing tool (``fail: raise``:
+    :class:`InjectedToolCrash`) or a hanging one (``fail: hang``: sleeps until ``traj.trajectory_timeout_s`` ends it).
+    Selected with an agent-loop yaml: ``- name: single_turn_agent`` / ``_target_: ...FailingAgentLoop`` / ``fail:
+    raise``."""
+
+    def __init__(self, *args: Any, fail: str = "raise", **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.fail = fail
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> Any:
+        if injected_failure(kwargs["uid"], kwargs.get("session_id", 0)):
+            if self.fail == "hang":
+                await asyncio.sleep(3600)
+            raise InjectedToolCrash(f"injected tool crash in session {kwargs.get('session_id')} of {kwargs['uid']}")
+        return await super().run(sampling_params, **kwargs)

@@ -1,0 +1,56 @@
+"""``verl_traj.core.failures``: which failed groups leave the batch, and the counts logged about them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from verl_traj.core.failures import (FAILURE_TAG_PREFIX, failed_groups_to_evict, failure_metrics, failure_reason,
+                                     failure_tag)
+
+UIDS = st.sets(st.sampled_from([f"u{i}" for i in range(12)]))
+
+
+@given(failed=UIDS, survivors=UIDS)
+def test_drop_evicts_every_failed_group_and_keep_survivors_only_the_empty_ones(failed, survivors):
+    dropped = failed_groups_to_evict(failed, survivors, "drop")
+    kept_policy = failed_groups_to_evict(failed, survivors, "keep_survivors")
+    assert dropped == failed  # never a group that lost a member in the baseline
+    assert kept_policy == failed - survivors  # a group with no finished session cannot train
+    assert kept_policy <= dropped and not (kept_policy & survivors)
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="keep_survivors"):
+        failed_groups_to_evict({"u"}, set(), "retry")
+
+
+@given(st.dictionaries(st.sampled_from(["g0", "g1", "g2", "g3"]),
+                       st.lists(st.sampled_from(["timeout", "RuntimeError", "KeyError"]), max_size=4)),
+       st.sets(st.sampled_from(["g0", "g1", "g2", "g3"])))
+def test_failure_metrics_count_each_failed_session_once_with_its_reason(sessions, dropped):
+    tags = {uid: {"is_prompt": True, "status": "failure",
+                  **{k: v for s, r in enumerate(reasons) for k, v in failure_tag(s, _error(r)).items()}}
+            for uid, reasons in sessions.items()}
+    kept = set(sessions) - dropped
+    out = failure_metrics(tags, dropped, kept)
+    failed = sum(len(sessions.get(uid, [])) for uid in dropped | kept)
+    assert out["traj_failure/groups_dropped_total"] == len(dropped) and out["traj_failure/groups_kept_total"] == len(kept)
+    assert out["traj_failure/trajectories_failed_total"] == failed
+    assert sum(v for k, v in out.items() if k.startswith("traj_failure/reason_total/")) == failed
+
+
+def _error(reason: str) -> BaseException:
+    return asyncio.TimeoutError() if reason == "timeout" else {"RuntimeError": RuntimeError, "KeyError": KeyError}[reason]()
+
+
+def test_reasons_and_tags():
+    assert failure_reason(asyncio.TimeoutError()) == "timeout" and failure_reason(TimeoutError()) == "timeout"
+    assert failure_reason(KeyError("x")) == "KeyError"
+    assert failure_tag(3, ValueError()) == {f"{FAILURE_TAG_PREFIX}3": "ValueError"}
+    assert failure_metrics({}, (), ()) == {"traj_failure/groups_dropped_total": 0.0,
+                                           "traj_failure/groups_kept_total": 0.0,
+                                           "traj_failure/trajectories_failed_total": 0.0}

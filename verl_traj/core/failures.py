@@ -1,0 +1,68 @@
+"""Failed rollouts, handled per GRPO group (``traj.failed_groups``): which failed groups leave the batch, and what is
+logged about them. Pure: no verl, no TransferQueue; :mod:`verl_traj.integration.v1_failures` applies it to verl's
+replay buffer, whose unit is the group (a prompt ``uid`` and its ``n`` sessions).
+
+A session (one trajectory) fails when its agent loop raises: an error in the loop or a tool it does not catch, a
+context overflow the loop reports by raising, or ``traj.trajectory_timeout_s`` passing. verl marks the group
+``failure`` once every session has settled; the failed session wrote no rows (verl_traj clears any it had written),
+its siblings did. Policies:
+
+* ``drop`` (default): the whole group leaves the batch and a fresh prompt replaces it. The advantage baseline is
+  never computed over a group that lost members, and a failure that correlates with the task (a hard task times out)
+  cannot bias the batch toward the survivors' outcomes.
+* ``keep_survivors``: a group with at least one finished session trains on the survivors, its baseline over them
+  (GRPO with a smaller n); a group with none is dropped and replaced. Logged apart, so a shrunken group is never
+  silent.
+
+verl 0.9.1's own behaviour, for comparison: the sync trainer keeps every failed group's survivors (the baseline over
+them, unlogged); its async trainers drop every failed group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Iterable, Mapping
+
+__all__ = ["FAILED_GROUP_POLICIES", "FAILURE_TAG_PREFIX", "failed_groups_to_evict", "failure_metrics",
+           "failure_reason", "failure_tag"]
+
+FAILED_GROUP_POLICIES = ("drop", "keep_survivors")
+FAILURE_TAG_PREFIX = "traj_failure_"  # + session id: the tag of a group's prompt key naming why that session failed
+
+
+def failure_reason(error: BaseException) -> str:
+    """A short label for why a session failed: ``timeout`` for a deadline, else the exception's class name."""
+    if isinstance(error, (asyncio.TimeoutError, TimeoutError)):
+        return "timeout"
+    return type(error).__name__
+
+
+def failure_tag(session_id: int, error: BaseException) -> dict[str, str]:
+    """The tag a failed session adds to its group's prompt key (one field per session: concurrent sessions of a group
+    write different fields, and TransferQueue merges a key's tags)."""
+    return {f"{FAILURE_TAG_PREFIX}{int(session_id)}": failure_reason(error)}
+
+
+def failed_groups_to_evict(failed: set[str], with_survivors: set[str], policy: str) -> set[str]:
+    """The failed groups (``uid``) that leave the batch: all of them (``drop``), or those without a finished session
+    (``keep_survivors``). ``with_survivors``: groups that have at least one stored row."""
+    if policy == "drop":
+        return set(failed)
+    if policy == "keep_survivors":
+        return set(failed) - set(with_survivors)
+    raise ValueError(f"unknown failed-group policy {policy!r}; expected one of {FAILED_GROUP_POLICIES}")
+
+
+def failure_metrics(prompt_tags: Mapping[str, Mapping], dropped: Iterable[str], kept: Iterable[str]) -> dict[str, float]:
+    """``traj_failure/*`` for the failed groups handled in one sampling: ``groups_dropped_total``, ``groups_kept_total``
+    (trained on their survivors), ``trajectories_failed_total`` (failed sessions of both) and ``reason_total/<label>``
+    per failed session (counts: verl's v1 metric aggregation sums a name with ``total`` over a step's local updates).
+    ``prompt_tags``: each group's prompt-key tags (the :func:`failure_tag` fields)."""
+    dropped, kept = list(dropped), list(kept)
+    reasons = Counter(value for uid in dropped + kept for key, value in (prompt_tags.get(uid) or {}).items()
+                      if key.startswith(FAILURE_TAG_PREFIX))
+    out = {"traj_failure/groups_dropped_total": float(len(dropped)), "traj_failure/groups_kept_total": float(len(kept)),
+           "traj_failure/trajectories_failed_total": float(sum(reasons.values()))}
+    out.update({f"traj_failure/reason_total/{reason}": float(count) for reason, count in reasons.items()})
+    return out

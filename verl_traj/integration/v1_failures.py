@@ -1,0 +1,134 @@
+"""Failed rollouts on verl's v1 trainer, handled per group (``traj.failed_groups``, :mod:`verl_traj.core.failures`).
+
+Two places:
+
+* the agent-loop worker (:func:`run_session`, from :class:`~.v1_agent_loop.TrajAgentLoopWorkerTQ`): each session
+  runs under ``traj.trajectory_timeout_s``; when it fails, it tags its group's prompt key with the reason and clears
+  any rows it had stored (never half a trajectory), then re-raises, so verl marks the group ``failure`` as usual;
+* the replay buffer (:func:`with_failed_group_policy`, from :class:`~.v1.TrajV1Mixin`): verl's class (sync or
+  async, or a user's subclass of it) gets :class:`FailedGroupPolicy` first in its MRO. It decides which failed
+  groups leave (all under ``drop``; those without a finished session under ``keep_survivors``), lets verl evict and
+  refill them, and logs ``traj_failure/*`` on every sampling (zeros when nothing failed).
+
+verl's sync trainer refills evicted groups only with exact, one-prompt dataloader fetches
+(``trainer.v1.sampler.sync_refill_failed_groups=true``, which sets ``data.gen_batch_size=1``; the prompts and their
+order are unchanged): :func:`settle_failed_groups` turns it on at start-up on v1's sync mode with ``traj.enable``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Optional
+
+import transfer_queue as tq
+from omegaconf import open_dict
+
+from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+from verl_traj.config import TrajConfig, TrajConfigError
+from verl_traj.core.failures import FAILURE_TAG_PREFIX, failed_groups_to_evict, failure_metrics, failure_tag
+from verl_traj.core.row_key import row_key
+
+__all__ = ["FailedGroupPolicy", "REFILL", "run_session", "settle_failed_groups", "with_failed_group_policy"]
+
+REFILL = "trainer.v1.sampler.sync_refill_failed_groups"
+
+
+def settle_failed_groups(config: Any, traj_config: TrajConfig) -> Optional[str]:
+    """On v1's sync mode with ``traj.enable``: exact refills (``REFILL=true``), which dropping a failed group needs.
+    Returns the setting written, or None."""
+    v1 = config.trainer.get("use_v1", False) and config.trainer.v1.get("trainer_mode", "sync") == "sync"
+    if not (traj_config.enable and v1) or config.trainer.v1.sampler.get("sync_refill_failed_groups", False):
+        return None
+    with open_dict(config):
+        config.trainer.v1.sampler.sync_refill_failed_groups = True
+    return f"{REFILL}=true"
+
+
+async def run_session(session: Awaitable, timeout_s: Optional[float], uid: str, session_id: int,
+                      partition_id: str = "train") -> Any:
+    """Await one session under ``timeout_s``; on failure tag the group, clear the session's stored rows, re-raise."""
+    try:
+        return await (asyncio.wait_for(session, timeout_s) if timeout_s else session)
+    except Exception as error:
+        async with _tag_lock():  # concurrent tag writes to one key lose fields in TransferQueue: one at a time
+            await tq.async_kv_put(key=uid, partition_id=partition_id, tag=failure_tag(session_id, error))
+        prefix = row_key(uid, session_id, 0)[:-1]  # "{uid}_{session}_"
+        stored = [key for key in (tq.kv_list(partition_id=partition_id) or {}).get(partition_id, {})
+                  if key.startswith(prefix)]
+        if stored:
+            tq.kv_clear(partition_id=partition_id, keys=stored)
+        raise
+
+
+_LOCKS: dict[int, asyncio.Lock] = {}
+
+
+def _tag_lock() -> asyncio.Lock:
+    """One lock per event loop (the agent-loop worker's)."""
+    loop = asyncio.get_running_loop()
+    return _LOCKS.setdefault(id(loop), asyncio.Lock())
+
+
+class FailedGroupPolicy:
+    """Mixed in before verl's replay buffer class (:func:`with_failed_group_policy`)."""
+
+    failed_group_policy = "drop"
+
+    def _terminal_eviction_reasons(self, global_steps: int, partition_id: str) -> tuple:
+        stale, dapo, failed, counts = super()._terminal_eviction_reasons(global_steps, partition_id)
+        if partition_id == "val":
+            return stale, dapo, failed, counts
+        survivors = {key.split("_")[0] for key in self.partitions[partition_id]}
+        return stale, dapo, failed_groups_to_evict(self.failure_keys[partition_id], survivors,
+                                                   self.failed_group_policy), counts
+
+    def _evict_terminal_groups(self, global_steps: int, partition_id: str, eviction_reasons: tuple) -> tuple:
+        failed = eviction_reasons[2]
+        if failed and partition_id != "val":
+            _add(self._failure_log, failure_metrics(self._prompt_tags(partition_id), failed, ()))
+        return super()._evict_terminal_groups(global_steps, partition_id, eviction_reasons)
+
+    def _materialize_batch(self, partition_id: str, selected_prompt_uids: list[str], partition_snapshot: dict) -> Any:
+        kept = set(selected_prompt_uids) & self.failure_keys[partition_id]
+        if kept and partition_id != "val":  # keep_survivors: trained on the finished sessions
+            _add(self._failure_log, failure_metrics(self._prompt_tags(partition_id), (), kept))
+        return super()._materialize_batch(partition_id, selected_prompt_uids, partition_snapshot)
+
+    def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple:
+        self._failure_log: dict[str, float] = {}
+        batch, metrics = super().sample(global_steps, partition_id, batch_size)
+        if partition_id != "val":
+            metrics.update(failure_metrics({}, (), ()))  # zeros: logged every step
+            metrics.update(self._failure_log)
+        return batch, metrics
+
+    @staticmethod
+    def _prompt_tags(partition_id: str) -> dict[str, dict]:
+        listed = (tq.kv_list(partition_id=partition_id) or {}).get(partition_id, {})
+        return {key: tag for key, tag in listed.items()
+                if tag.get("is_prompt") and any(k.startswith(FAILURE_TAG_PREFIX) for k in tag)}
+
+
+def _add(totals: dict[str, float], new: dict[str, float]) -> None:
+    for key, value in new.items():
+        totals[key] = totals.get(key, 0.0) + value
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def with_failed_group_policy(buffer: Any, policy: str) -> Any:
+    """``buffer`` (verl's replay buffer, or a subclass) with :class:`FailedGroupPolicy` first in its class's MRO."""
+    if not isinstance(buffer, ReplayBuffer):
+        raise TrajConfigError(
+            f"trainer.v1.sampler.custom_sampler gives {type(buffer).__name__}, not a subclass of verl's ReplayBuffer: "
+            "verl_traj cannot apply traj.failed_groups to it, and failed groups would be handled by rules it does not "
+            "know. Fix: subclass verl.trainer.ppo.v1.replay_buffer.ReplayBuffer (or ReplayBufferAsync), or set "
+            "traj.enable=false.", field="trainer.v1.sampler.custom_sampler")
+    cls = type(buffer)
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Traj{cls.__name__}", (FailedGroupPolicy, cls), {"__module__": __name__})
+    buffer.__class__ = _CLASSES[cls]
+    buffer.failed_group_policy = policy
+    return buffer
