@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -205,3 +206,52 @@ def kill_tree(pid: int) -> None:
 
 def tail(text: str, n: int = 60) -> str:
     return "\n".join(text.splitlines()[-n:])
+
+
+def start_run(home: Path, workdir: Path, metrics: Path, ckpt: Path, overrides: list[str], config_name: str,
+              extra_env: dict = None) -> subprocess.Popen:
+    """``python -m verl_traj.main_ppo`` started in its own session (so ``os.killpg`` reaches everything it starts),
+    metrics to ``metrics``, checkpoints under ``ckpt``; finish it with :func:`finish_run`."""
+    env = dict(os.environ, VERL_TRAJ_HOME=str(home.parent), VERL_FILE_LOGGER_PATH=str(metrics), VERL_TRAJ_CKPT_DIR=str(ckpt),
+               PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0", **(extra_env or {}))
+    cmd = [sys.executable, "-m", "verl_traj.main_ppo", "--config-name", config_name, "trainer.logger=[console,file]",
+           *overrides]
+    workdir.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def finish_run(proc: subprocess.Popen, timeout: float = 420) -> str:
+    """Wait for a :func:`start_run` process; asserts it succeeded; returns its output."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, _ = proc.communicate()
+    assert proc.returncode == 0, tail(out, 80)
+    return out
+
+
+def logged_steps(path: Path) -> list[int]:
+    """Steps in a metrics file being written: a line still half-written counts as not logged yet."""
+    try:
+        return [m["step"] for m in read_metrics(path)]
+    except json.JSONDecodeError:
+        return []
+
+
+def kill_after_checkpoint(proc: subprocess.Popen, ckpt: Path, metrics: Path, step: int, timeout: float = 400) -> str:
+    """SIGKILL the run's whole process group once step ``step`` is both checkpointed (completion marker) and logged
+    (verl saves before it logs: regression, CI once killed between the two); asserts it got there. Returns the
+    run's output."""
+    done = False
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        done = any(ckpt.rglob(f"global_step_{step}/verl_traj_complete")) and step in logged_steps(metrics)
+        if done:
+            break
+        time.sleep(0.05)
+    assert done, f"the run never completed its step-{step} checkpoint and metrics"
+    os.killpg(proc.pid, signal.SIGKILL)
+    kill_tree(proc.pid)
+    return proc.communicate()[0]

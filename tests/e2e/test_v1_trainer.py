@@ -1,76 +1,14 @@
-"""verl's v1 trainer beyond what ``test_traj_training`` checks on both trainers: the asynchronous
-``colocate_async`` and ``separate_async`` modes (generation overlaps training; rows of older policies are trained) and
-the gradient's independence of the data-parallel layout on the v1 path (TransferQueue, padding rows, dispatch)."""
+"""verl's v1 trainer beyond what ``test_traj_training`` checks on both trainers: the gradient's independence of the
+data-parallel layout on the v1 path (TransferQueue, padding rows, dispatch). The asynchronous modes:
+``test_async_modes.py``."""
 
 from __future__ import annotations
-
-import json
-from collections import defaultdict
 
 import pytest
 
 from tests.e2e.runs import DP2_CAP, DP2_CONFIG, ULYSSES_2, dp2_reference, tail
 
 pytestmark = pytest.mark.e2e
-
-
-def test_colocate_async_trains_whole_units_of_one_policy_version(run_training, tmp_path):
-    """3 steps of ``trainer.v1.trainer_mode=colocate_async``. A unit (group, trajectory) is sampled and planned
-    as a whole within one step, so every optimizer step sees all of it under one policy version; rows generated
-    by an older policy (staleness >= 1) keep their own rollout log-probs (they differ from the recomputed
-    pi_old), and the planner still gives the configured optimizer steps with no split unit."""
-    dump = tmp_path / "dump"
-    run = run_training(["trainer.v1.trainer_mode=colocate_async", "trainer.total_training_steps=3"],
-                       timeout=480, extra_env={"VERL_TRAJ_DEBUG_DUMP": str(dump)})
-    assert run.returncode == 0, tail(run.output, 80)
-    steps = [m for m in run.metrics if "actor/num_optimizer_steps" in m]
-    assert len(steps) == 3, tail(run.output)
-    for m in steps:
-        assert m["actor/num_optimizer_steps"] == 2 and m["traj_plan/split_groups"] == 0
-        assert m["traj_plan/split_trajectories"] == 0
-    assert steps[0]["training/off_policy/trajectory_staleness/max"] == 0
-    assert steps[0]["training/rollout_probs_diff_max"] < 1e-6  # on-policy: pi_old == rollout policy
-    stale = [m for m in steps[1:] if m["training/off_policy/trajectory_staleness/max"] >= 1]
-    assert stale, "no step trained rows of an older policy; the test would not exercise asynchrony"
-    assert all(m["training/rollout_probs_diff_max"] > 1e-6 for m in stale)
-    assert _trained_once_per_group(dump)  # a group is trained in one step
-
-
-def _trained_once_per_group(dump) -> bool:
-    step_of_uid = defaultdict(set)
-    for rec in map(json.loads, (dump / "plan.jsonl").read_text().splitlines()):
-        for uid, pad in zip(rec["uid"], rec["is_padding"]):
-            if not pad:
-                step_of_uid[uid].add(rec["step"])
-    return bool(step_of_uid) and all(len(s) == 1 for s in step_of_uid.values())
-
-
-def test_separate_async_trains_on_cpu_with_weights_synced_over_gloo(run_training, tmp_path):
-    """The user's one override, ``trainer.v1.trainer_mode=separate_async``, on the CPU preset: the platform derives
-    verl's sync step (train_batch_size / ppo_mini_batch_size = 2 local updates per weight sync), gives the mode a
-    standalone rollout pool and syncs weights to it over gloo (verl_traj.cpu.weight_sync). Half a batch of warm-up
-    makes every step mix rows of the previous policy with rows of the current one: the stale rows keep their own
-    rollout log-probs (they differ from the recomputed pi_old), the current ones match pi_old at rounding level on
-    every step (``traj_version/current_policy_probs_diff_max``: the sync arrived; ~1e-3 if it had not), each local
-    update is one planned mini-batch, run as planned, and each group is trained in exactly one step."""
-    dump = tmp_path / "dump"
-    run = run_training(["trainer.v1.trainer_mode=separate_async", "trainer.total_training_steps=3",
-                        "trainer.v1.separate_async.num_warmup_batches=0.5"],
-                       timeout=480, extra_env={"VERL_TRAJ_DEBUG_DUMP": str(dump)})
-    assert run.returncode == 0, tail(run.output, 80)
-    assert "separate_async.parameter_sync_step=2" in run.output and "checkpoint_engine.backend=gloo" in run.output
-    steps = [m for m in run.metrics if "actor/num_optimizer_steps" in m]
-    assert len(steps) == 3, tail(run.output)
-    for m in steps:
-        assert m["actor/num_optimizer_steps"] == 1 and m["traj_plan/split_groups"] == 0  # one mini-batch per update
-        assert m["actor/micro_batches_per_epoch"] == m["traj_plan/micro_batches"]  # run = planned
-        assert m["traj_version/current_policy_rows"] > 0 and m["traj_version/current_policy_probs_diff_max"] < 1e-6
-        assert m["weight_sync/gloo_megabytes"] > 0
-    assert steps[0]["traj_version/staleness_max"] == 0 and steps[0]["training/rollout_probs_diff_max"] < 1e-6
-    stale = [m for m in steps[1:] if m["traj_version/staleness_max"] >= 1]
-    assert stale, "no step trained rows of an older policy; the test would not exercise asynchrony"
-    assert all(m["training/rollout_probs_diff_max"] > 1e-6 for m in stale)  # the stale rows' own log-probs
-    assert _trained_once_per_group(dump)
 
 
 def _first_step(run):

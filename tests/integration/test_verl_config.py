@@ -403,3 +403,13 @@ def test_the_sync_trainer_refills_failed_groups_exactly_with_traj_enabled(starte
     assert started([]).trainer.v1.sampler.sync_refill_failed_groups is True
     assert started(["traj.enable=false"]).trainer.v1.sampler.sync_refill_failed_groups is False
     assert started(SEPARATE).trainer.v1.sampler.sync_refill_failed_groups is False  # async modes refill exactly
+
+
+@pytest.mark.parametrize("override, field", [("traj.trajectory_timeout_s=30", "traj.trajectory_timeout_s"),
+                                             ("traj.failed_groups=keep_survivors", "traj.failed_groups")])
+def test_failure_settings_only_v1_serves_are_refused_on_v0(started, override, field):
+    from verl_traj.config import TrajConfigError
+
+    with pytest.raises(TrajConfigError, match="trainer.use_v1=true") as err:
+        started(["trainer.use_v1=false", override])
+    assert err.value.field == field

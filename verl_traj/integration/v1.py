@@ -62,7 +62,7 @@ from verl_traj.integration.step_plan import (check_same_dp_size, debug_dump, pla
 from verl_traj.integration.update_spec import UpdateSpec, has_multi_row_trajectory
 from verl_traj.integration.v1_advantage import corrected_per_trajectory, planned_advantage
 from verl_traj.integration.v1_failures import with_failed_group_policy
-from verl_traj.integration.v1_metrics import StepPadding, current_policy_gap, stepwise_metrics, trajectory_metrics
+from verl_traj.integration.v1_metrics import RolloutBusy, StepPadding, current_policy_gap, stepwise_metrics, trajectory_metrics
 from verl_traj.integration.v1_padding import write_padding_rows
 from verl_traj.integration.v1_plan_facts import PlanFacts, plan_facts
 from verl_traj.integration.tree_forward import TREE_KEY
@@ -74,6 +74,7 @@ from verl_traj.integration.workers import TrajCriticWorker, traj_actor_worker
 
 __all__ = ["TrajV1Mixin", "traj_trainer_class"]
 
+ROLLOUT_POOLS = (("hybrid", "llm_server_manager"), ("standalone", "standalone_server_manager"))
 _UID_NAMESPACE = uuid.UUID("5f3c1d52-6a1e-4c8e-9a57-1c0a3e5b7d11")
 
 
@@ -98,6 +99,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         self._all_atomic = False  # every trajectory of the batch planned last in one micro-batch (prefix trees)
         self._step_padding = StepPadding()  # every row planned since the last step's metrics
         self._uid_draws = (-1, 0)  # (global step, prompts drawn in it): deterministic uids
+        self._rollout_busy = RolloutBusy()  # rollout_pool/*_busy_share
         super().__init__(config)
 
     # ---- set-up ------------------------------------------------------------------------------------
@@ -244,6 +246,8 @@ class TrajV1Mixin(CompleteCheckpoints):
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
         metrics.update(trajectory_metrics(batch, global_steps))
+        metrics.update(self._rollout_busy.metrics({name: getattr(getattr(self, manager, None), "server_handles", [])
+                                                   for name, manager in ROLLOUT_POOLS}))
         if not self.traj_config.enable:
             return super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
         real = self._step_padding.real_rows(batch.keys)

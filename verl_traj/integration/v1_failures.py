@@ -36,7 +36,16 @@ REFILL = "trainer.v1.sampler.sync_refill_failed_groups"
 
 def settle_failed_groups(config: Any, traj_config: TrajConfig) -> Optional[str]:
     """On v1's sync mode with ``traj.enable``: exact refills (``REFILL=true``), which dropping a failed group needs.
-    Returns the setting written, or None."""
+    Returns the setting written, or None. On v0 (whose agent loops stop training when one raises) a setting only v1
+    serves is refused."""
+    if traj_config.enable and not config.trainer.get("use_v1", False):
+        for name, value, default in (("trajectory_timeout_s", traj_config.trajectory_timeout_s, None),
+                                     ("failed_groups", traj_config.failed_groups, "drop")):
+            if value != default:
+                raise TrajConfigError(
+                    f"traj.{name}={value!r} needs verl's v1 trainer (trainer.use_v1=true): on v0 an agent loop that "
+                    f"raises stops the step, and no failed group is dropped or kept. Fix: set trainer.use_v1=true, or "
+                    f"remove traj.{name}.", field=f"traj.{name}")
     v1 = config.trainer.get("use_v1", False) and config.trainer.v1.get("trainer_mode", "sync") == "sync"
     if not (traj_config.enable and v1) or config.trainer.v1.sampler.get("sync_refill_failed_groups", False):
         return None

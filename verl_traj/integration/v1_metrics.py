@@ -11,14 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import time
+
 import numpy as np
+import ray
 import transfer_queue as tq
 
 from verl_traj.core.row_key import parse_row_keys
 from verl_traj.integration.v1_agent_loop import MERGE_TAG, turn_reward_entries
 from verl_traj.stepwise.prefix_merge import MergeStats
 
-__all__ = ["StepPadding", "current_policy_gap", "last_rows_of_trajectories", "stepwise_metrics", "trajectory_metrics"]
+__all__ = ["RolloutBusy", "StepPadding", "current_policy_gap", "last_rows_of_trajectories", "stepwise_metrics", "trajectory_metrics"]
 
 
 def stepwise_metrics(tags: list[dict]) -> dict[str, float]:
@@ -122,3 +125,31 @@ class StepPadding:
         real = ~np.array([self.by_key[k] for k in keys], dtype=bool)
         self.by_key = {}
         return real
+
+
+@dataclass
+class RolloutBusy:
+    """``rollout_pool/<pool>_busy_share``: the share of the wall time since the previous step that each rollout pool's
+    servers spent generating (mean over its servers), from servers that report their generation seconds
+    (``get_stats``: the CPU rollout server; vLLM's and SGLang's do not, and are skipped). Pools: ``hybrid`` (the
+    trainer's colocated replicas), ``standalone`` (``separate_async``'s rollout pool). What asynchrony buys shows here
+    and in verl's ``timing_s/gen`` (the trainer waiting for rollouts)."""
+
+    last: dict[str, tuple[float, float]] = field(default_factory=dict)  # actor id -> (wall clock, generation seconds)
+
+    def metrics(self, pools: dict[str, list]) -> dict[str, float]:
+        out = {}
+        for pool, handles in pools.items():
+            handles = [h for h in handles if hasattr(h, "get_stats")]
+            if not handles:
+                continue
+            stats, now = ray.get([h.get_stats.remote() for h in handles]), time.perf_counter()
+            shares = []
+            for handle, stat in zip(handles, stats):
+                key = handle._actor_id.hex()
+                if key in self.last and now > self.last[key][0]:
+                    shares.append((stat["gen_seconds"] - self.last[key][1]) / (now - self.last[key][0]))
+                self.last[key] = (now, float(stat["gen_seconds"]))
+            if shares:
+                out[f"rollout_pool/{pool}_busy_share"] = float(np.mean(shares))
+        return out

@@ -1,0 +1,105 @@
+"""verl's asynchronous v1 modes through ``python -m verl_traj.main_ppo``: ``colocate_async`` and ``separate_async``.
+
+Each mode runs once as a user's crash would have it: 3 steps with a checkpoint every step, SIGKILLed (the whole
+process group) after its step-1 checkpoint, restarted with ``trainer.resume_mode=auto``. The two runs together serve
+every check of the mode:
+
+* generation overlaps training: step 1 is on-policy (rollout vs actor log-probs at rounding level), later steps train
+  rows of an older policy with their own rollout log-probs (a gap above rounding); whole units per mini-batch, the
+  configured optimizer steps, each group trained in exactly one step;
+* ``separate_async`` on CPU: the sync step from verl's rule, a standalone rollout pool, weights synced over gloo every
+  step, and the rows of the current policy matching pi_old at rounding level (the sync arrived: ~1e-3 if not);
+* resume: the restarted run continues at the step after the last complete checkpoint, verl restores the checkpoint's
+  rollouts (finished ones trained once, in-flight ones generated again), and no group trained into the checkpoint is
+  trained again (from the planner's dump of every trained row, both runs).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.runs import finish_run, kill_after_checkpoint, read_metrics, skip_on_accelerator, start_run
+
+pytestmark = pytest.mark.e2e
+
+
+@dataclass
+class KilledAndResumed:
+    steps: list[dict]  # steps 1..3: the killed run's up to its last complete checkpoint, then the resumed run's
+    saved: int  # the last complete checkpoint when the run was killed
+    resumed_from: int  # the first step the resumed run logged
+    before: dict[str, set[int]]  # uid -> steps that trained it, in the killed run up to ``saved``
+    after: dict[str, set[int]]  # uid -> steps that trained it, in the resumed run
+    output: str  # both runs' console output
+
+
+def _trained_steps(dump: Path, keep=lambda step: True) -> dict[str, set[int]]:
+    steps = defaultdict(set)
+    for rec in map(json.loads, (dump / "plan.jsonl").read_text().splitlines()):
+        for uid, pad in zip(rec["uid"], rec["is_padding"]):
+            if not pad and keep(rec["step"]):
+                steps[uid].add(rec["step"])
+    return dict(steps)
+
+
+def _killed_and_resumed(home: Path, tmp_path: Path, mode_overrides: list[str]) -> KilledAndResumed:
+    skip_on_accelerator()
+    overrides = [*mode_overrides, "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.resume_mode=auto"]
+    ckpt, killed, resumed = tmp_path / "ckpt", tmp_path / "killed.jsonl", tmp_path / "resumed.jsonl"
+    first = kill_after_checkpoint(start_run(home, tmp_path / "killed", killed, ckpt, overrides, "cpu_tiny",
+                                            extra_env={"VERL_TRAJ_DEBUG_DUMP": str(tmp_path / "dump_killed")}),
+                                  ckpt, killed, step=1)
+    saved = max(int(p.parent.name.split("_")[-1]) for p in ckpt.rglob("verl_traj_complete"))
+    second = finish_run(start_run(home, tmp_path / "resumed", resumed, ckpt, overrides, "cpu_tiny",
+                                  extra_env={"VERL_TRAJ_DEBUG_DUMP": str(tmp_path / "dump_resumed")}))
+    after_steps = read_metrics(resumed)
+    steps = [m for m in read_metrics(killed) if m["step"] <= saved] + after_steps
+    assert [m["step"] for m in steps] == [1, 2, 3], second[-3000:]
+    return KilledAndResumed(steps, saved, after_steps[0]["step"],
+                            _trained_steps(tmp_path / "dump_killed", lambda s: s <= saved),
+                            _trained_steps(tmp_path / "dump_resumed"), first + second)
+
+
+def _assert_resumed_without_training_twice(run: KilledAndResumed) -> None:
+    assert run.resumed_from == run.saved + 1
+    assert "training prompt groups from TransferQueue" in run.output  # verl restored the checkpoint's rollouts
+    assert run.before and run.after and not set(run.before) & set(run.after)  # nothing trained twice
+    for trained in (run.before, run.after):
+        assert all(len(steps) == 1 for steps in trained.values())  # each group in exactly one step
+
+
+def _assert_stale_rows_keep_their_log_probs(steps: list[dict], staleness: str) -> None:
+    assert steps[0][staleness] == 0 and steps[0]["training/rollout_probs_diff_max"] < 1e-6  # on-policy
+    stale = [m for m in steps[1:] if m[staleness] >= 1]
+    assert stale, "no step trained rows of an older policy; the test would not exercise asynchrony"
+    assert all(m["training/rollout_probs_diff_max"] > 1e-6 for m in stale)  # their own rollout log-probs
+
+
+def test_colocate_async_trains_whole_units_and_resumes_after_sigkill(tiny_home, tmp_path):
+    run = _killed_and_resumed(tiny_home, tmp_path, ["trainer.v1.trainer_mode=colocate_async"])
+    for m in run.steps:
+        assert m["actor/num_optimizer_steps"] == 2 and m["traj_plan/split_groups"] == 0
+        assert m["traj_plan/split_trajectories"] == 0
+    _assert_stale_rows_keep_their_log_probs(run.steps, "training/off_policy/trajectory_staleness/max")
+    _assert_resumed_without_training_twice(run)
+
+
+def test_separate_async_trains_on_cpu_with_gloo_weight_sync_and_resumes_after_sigkill(tiny_home, tmp_path):
+    """Half a batch of warm-up makes every step mix rows of the previous policy with rows of the current one."""
+    run = _killed_and_resumed(tiny_home, tmp_path, ["trainer.v1.trainer_mode=separate_async",
+                                                    "trainer.v1.separate_async.num_warmup_batches=0.5"])
+    assert "separate_async.parameter_sync_step=2" in run.output and "checkpoint_engine.backend=gloo" in run.output
+    for m in run.steps:
+        assert m["actor/num_optimizer_steps"] == 1 and m["traj_plan/split_groups"] == 0  # one mini-batch per update
+        assert m["actor/micro_batches_per_epoch"] == m["traj_plan/micro_batches"]  # run = planned
+        assert m["weight_sync/gloo_megabytes"] > 0
+        assert m.get("traj_version/current_policy_probs_diff_max", 0.0) < 1e-6  # every sync arrived
+    assert all(m["traj_version/current_policy_rows"] > 0 for m in run.steps[:run.saved])
+    assert sum(m.get("traj_version/current_policy_rows", 0) for m in run.steps[1:]) > 0  # checked after a sync
+    _assert_stale_rows_keep_their_log_probs(run.steps, "traj_version/staleness_max")
+    _assert_resumed_without_training_twice(run)
