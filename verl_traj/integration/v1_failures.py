@@ -95,33 +95,33 @@ class FailedGroupPolicy:
     def _evict_terminal_groups(self, global_steps: int, partition_id: str, eviction_reasons: tuple) -> tuple:
         failed = eviction_reasons[2]
         if failed and partition_id != "val":
-            _add(self._failure_log, failure_metrics(self._prompt_tags(partition_id), failed, ()))
+            self._log(failure_metrics(self._prompt_tags(partition_id), failed, ()))
         return super()._evict_terminal_groups(global_steps, partition_id, eviction_reasons)
 
     def _materialize_batch(self, partition_id: str, selected_prompt_uids: list[str], partition_snapshot: dict) -> Any:
         kept = set(selected_prompt_uids) & self.failure_keys[partition_id]
         if kept and partition_id != "val":  # keep_survivors: trained on the finished sessions
-            _add(self._failure_log, failure_metrics(self._prompt_tags(partition_id), (), kept))
+            self._log(failure_metrics(self._prompt_tags(partition_id), (), kept))
         return super()._materialize_batch(partition_id, selected_prompt_uids, partition_snapshot)
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple:
-        self._failure_log: dict[str, float] = {}
         batch, metrics = super().sample(global_steps, partition_id, batch_size)
-        if partition_id != "val":
-            metrics.update(failure_metrics({}, (), ()))  # zeros: logged every step
-            metrics.update(self._failure_log)
+        if partition_id != "val":  # what was handled since the last training sample (zeros: logged every step)
+            metrics.update({**failure_metrics({}, (), ()), **self.__dict__.pop("_failure_log", {})})
         return batch, metrics
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        """Add to what the next training ``sample`` reports (evictions can happen outside ``sample`` too: verl's
+        ``wait_for_sampleable``)."""
+        totals = self.__dict__.setdefault("_failure_log", {})
+        for key, value in metrics.items():
+            totals[key] = totals.get(key, 0.0) + value
 
     @staticmethod
     def _prompt_tags(partition_id: str) -> dict[str, dict]:
         listed = (tq.kv_list(partition_id=partition_id) or {}).get(partition_id, {})
         return {key: tag for key, tag in listed.items()
                 if tag.get("is_prompt") and any(k.startswith(FAILURE_TAG_PREFIX) for k in tag)}
-
-
-def _add(totals: dict[str, float], new: dict[str, float]) -> None:
-    for key, value in new.items():
-        totals[key] = totals.get(key, 0.0) + value
 
 
 _CLASSES: dict[type, type] = {}
