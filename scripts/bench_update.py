@@ -225,8 +225,8 @@ def micro_batch_report(batch, dp: int, num_mb: int, cap: int, planned: bool, pac
             "padded_positions": 1.0 - real / max(area, 1)}
 
 
-STOCK = {"stock": "v1", "stock_v0": "v0"}
-SCOPE = " scope=trajectory"  # the suffix of a GSPO variant at traj.ratio_scope=trajectory  # stock variant -> the trainer whose _balance_batch order it runs
+STOCK = {"stock": "v1", "stock_v0": "v0"}  # stock variant -> the trainer whose _balance_batch order it runs
+SCOPE = " scope=trajectory"  # the suffix of a GSPO variant at traj.ratio_scope=trajectory
 
 
 def variants(pass_costs: list[Optional[int]], remove_padding: bool = False, tree: bool = False,

@@ -17,12 +17,18 @@ import numpy as np
 
 from verl_traj.core.errors import TrajInputError
 
-__all__ = ["RowKeys", "parse_row_keys", "row_key", "row_key_order"]
+__all__ = ["RowKeys", "parse_row_keys", "row_key", "row_key_order", "session_key_prefix"]
 
 
 def row_key(uid: Any, session: int, index: int) -> str:
     """The key of step ``index`` of session ``session`` of prompt ``uid``."""
-    return f"{uid}_{int(session)}_{int(index)}"
+    return f"{session_key_prefix(uid, session)}{int(index)}"
+
+
+def session_key_prefix(uid: Any, session: int) -> str:
+    """What every row key of session ``session`` of prompt ``uid`` starts with (and no other session's: the session
+    is followed by the separator)."""
+    return f"{uid}_{int(session)}_"
 
 
 @dataclass(frozen=True)

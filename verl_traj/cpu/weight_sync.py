@@ -13,12 +13,13 @@ This one does what the NCCL backend does, with ``torch.distributed``'s gloo on C
   (verl's manager rebuilds the topology every sync) and dropped in ``finalize``;
 * ``send_weights`` / ``receive_weights``: verl's own chunking (:func:`~verl.checkpoint_engine.base.split_weight_chunks`
   / ``merge_weight_chunks``) into buckets of ``update_weights_bucket_megabytes``, each chunk at an aligned offset;
-  per bucket, one broadcast of its metadata (pickled) and one of its bytes. The receiver yields ``(name, tensor)`` pairs, each in a bucket of its own
-  (never overwritten), to the rollout's server adapter.
+  per bucket, one broadcast of its metadata (pickled) and one of its bytes. The receiver yields ``(name, tensor)``
+  pairs, each in a bucket of its own (never overwritten), to the rollout's server adapter.
 
 Registered as ``gloo`` in verl's ``CheckpointEngineRegistry`` when this module is imported: the CPU platform names it
 in ``actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module``, which verl's workers and manager import
-before they look the backend up. Tested by ``tests/cpu/test_weight_sync.py`` (gloo, three processes).
+before they look the backend up. Tested by ``tests/integration/test_weight_sync.py`` (gloo, four processes: two
+actor ranks, two rollout workers, two syncs).
 """
 
 from __future__ import annotations
@@ -113,8 +114,8 @@ class GlooCheckpointEngine(CheckpointEngine):
         self.rank, self.world_size = int(rank), int(world_size)
         if self.rank < 0:
             return
-        self._store = dist.TCPStore(master.host, master.port, world_size, is_master=self.rank == 0, timeout=self.timeout,
-                                    wait_for_workers=False)
+        self._store = dist.TCPStore(master.host, master.port, world_size, is_master=self.rank == 0,
+                                    timeout=self.timeout, wait_for_workers=False)
         self._group = dist.ProcessGroupGloo(dist.PrefixStore("verl_traj_weight_sync", self._store), self.rank,
                                             world_size, self.timeout)
         self._group.barrier().wait()
@@ -155,7 +156,8 @@ class GlooCheckpointEngine(CheckpointEngine):
         self._group.broadcast(payload.contiguous(), 0).wait()
 
     @torch.no_grad()
-    async def receive_weights(self, global_steps: Optional[int] = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
+    async def receive_weights(self, global_steps: Optional[int] = None
+                              ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         if self.rank is None or self.rank < 1:
             raise RuntimeError(f"gloo weight sync: receive_weights on group rank {self.rank}; receivers are 1..")
         async for name, tensor in merge_weight_chunks(self._chunks(), self.bucket_size):

@@ -62,7 +62,8 @@ from verl_traj.integration.step_plan import (check_same_dp_size, debug_dump, pla
 from verl_traj.integration.update_spec import UpdateSpec, has_multi_row_trajectory
 from verl_traj.integration.v1_advantage import corrected_per_trajectory, planned_advantage
 from verl_traj.integration.v1_failures import with_failed_group_policy
-from verl_traj.integration.v1_metrics import RolloutBusy, StepPadding, current_policy_gap, stepwise_metrics, trajectory_metrics
+from verl_traj.integration.v1_metrics import (RolloutBusy, StepPadding, current_policy_gap, stepwise_metrics,
+                                              trajectory_metrics)
 from verl_traj.integration.v1_padding import write_padding_rows
 from verl_traj.integration.v1_plan_facts import PlanFacts, plan_facts
 from verl_traj.integration.tree_forward import TREE_KEY

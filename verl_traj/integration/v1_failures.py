@@ -27,7 +27,7 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.failures import FAILURE_TAG_PREFIX, failed_groups_to_evict, failure_metrics, failure_tag
-from verl_traj.core.row_key import row_key
+from verl_traj.core.row_key import session_key_prefix
 
 __all__ = ["FailedGroupPolicy", "REFILL", "run_session", "settle_failed_groups", "with_failed_group_policy"]
 
@@ -62,7 +62,7 @@ async def run_session(session: Awaitable, timeout_s: Optional[float], uid: str, 
     except Exception as error:
         async with _tag_lock():  # concurrent tag writes to one key lose fields in TransferQueue: one at a time
             await tq.async_kv_put(key=uid, partition_id=partition_id, tag=failure_tag(session_id, error))
-        prefix = row_key(uid, session_id, 0)[:-1]  # "{uid}_{session}_"
+        prefix = session_key_prefix(uid, session_id)
         stored = [key for key in (tq.kv_list(partition_id=partition_id) or {}).get(partition_id, {})
                   if key.startswith(prefix)]
         if stored:

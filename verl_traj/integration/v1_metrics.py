@@ -8,10 +8,9 @@ last step's metrics (the real-row mask of verl's timing and throughput metrics).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
-
-import time
 
 import numpy as np
 import ray
@@ -21,7 +20,8 @@ from verl_traj.core.row_key import parse_row_keys
 from verl_traj.integration.v1_agent_loop import MERGE_TAG, turn_reward_entries
 from verl_traj.stepwise.prefix_merge import MergeStats
 
-__all__ = ["RolloutBusy", "StepPadding", "current_policy_gap", "last_rows_of_trajectories", "stepwise_metrics", "trajectory_metrics"]
+__all__ = ["RolloutBusy", "StepPadding", "current_policy_gap", "last_rows_of_trajectories", "stepwise_metrics",
+           "trajectory_metrics"]
 
 
 def stepwise_metrics(tags: list[dict]) -> dict[str, float]:
@@ -135,7 +135,7 @@ class RolloutBusy:
     trainer's colocated replicas), ``standalone`` (``separate_async``'s rollout pool). What asynchrony buys shows here
     and in verl's ``timing_s/gen`` (the trainer waiting for rollouts)."""
 
-    last: dict[str, tuple[float, float]] = field(default_factory=dict)  # actor id -> (wall clock, generation seconds)
+    last: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)  # (pool, server) -> (wall, gen s)
 
     def metrics(self, pools: dict[str, list]) -> dict[str, float]:
         out = {}
@@ -145,8 +145,7 @@ class RolloutBusy:
                 continue
             stats, now = ray.get([h.get_stats.remote() for h in handles]), time.perf_counter()
             shares = []
-            for handle, stat in zip(handles, stats):
-                key = handle._actor_id.hex()
+            for key, stat in zip(((pool, i) for i in range(len(handles))), stats):
                 if key in self.last and now > self.last[key][0]:
                     shares.append((stat["gen_seconds"] - self.last[key][1]) / (now - self.last[key][0]))
                 self.last[key] = (now, float(stat["gen_seconds"]))
