@@ -90,7 +90,9 @@ def test_colocate_async_trains_whole_units_and_resumes_after_sigkill(tiny_home, 
 
 
 def test_separate_async_trains_on_cpu_with_gloo_weight_sync_and_resumes_after_sigkill(tiny_home, tmp_path):
-    """Half a batch of warm-up makes every step mix rows of the previous policy with rows of the current one."""
+    """Half a batch of warm-up makes every step mix rows of the previous policy with rows of the current one, so the
+    sync check has rows to read on every step. The user's plain override (verl's warm-up of one batch) trains end to
+    end in ``test_failed_rollouts.py::test_separate_async_times_out_hanging_sessions_and_drops_their_groups``."""
     run = _killed_and_resumed(tiny_home, tmp_path, ["trainer.v1.trainer_mode=separate_async",
                                                     "trainer.v1.separate_async.num_warmup_batches=0.5"])
     assert "separate_async.parameter_sync_step=2" in run.output and "checkpoint_engine.backend=gloo" in run.output
