@@ -25,6 +25,7 @@ from verl_traj.core.failures import FAILED_GROUP_POLICIES
 from verl_traj.core.keys import IS_LAST_STEP, PLAN_KEYS
 from verl_traj.core.loss_weights import loss_weight_modes
 from verl_traj.core.planning import GROUP_BY_CHOICES, MINI_BATCH_BALANCE_CHOICES
+from verl_traj.core.staleness import STALE_GROUP_POLICIES, check_bound
 from verl_traj.stepwise.ratios import RATIO_SCOPES
 
 __all__ = [
@@ -95,6 +96,12 @@ class TrajConfig:
             :mod:`verl_traj.core.failures`.
         trajectory_timeout_s: v1: seconds one session (trajectory) may run, tools and generation included, before it
             fails with reason ``timeout`` (then ``failed_groups`` applies); ``None``: no deadline.
+        max_staleness: v1 async modes: the most a trajectory's token staleness may be when it trains (the
+            token-weighted mean of how many policy versions each generated token is behind the trained policy);
+            ``None``: no bound. :mod:`verl_traj.core.staleness`.
+        stale_groups: what the bound does with a group that has a trajectory over it: ``"drop"`` (default: the whole
+            group leaves, a fresh prompt replaces it) or ``"defer"`` (the trainer waits for running groups that would
+            pass it at the next step; a finished group over it anyway is dropped).
     """
 
     enable: bool = True
@@ -117,6 +124,8 @@ class TrajConfig:
     prefix_tree: bool = False
     failed_groups: str = "drop"
     trajectory_timeout_s: Optional[float] = None
+    max_staleness: Optional[float] = None
+    stale_groups: str = "drop"
 
     def __post_init__(self) -> None:
         for name in _BOOL_FIELDS:
@@ -127,6 +136,8 @@ class TrajConfig:
         _check_choice("traj.padded_cap", self.padded_cap, PADDED_CAP_CHOICES)
         _check_choice("traj.ratio_scope", self.ratio_scope, RATIO_SCOPES)
         _check_choice("traj.failed_groups", self.failed_groups, FAILED_GROUP_POLICIES)
+        _check_choice("traj.stale_groups", self.stale_groups, STALE_GROUP_POLICIES)
+        check_bound(self.max_staleness, error=TrajConfigError)
         timeout = self.trajectory_timeout_s
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
             raise TrajConfigError(

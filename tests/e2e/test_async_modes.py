@@ -11,7 +11,10 @@ every check of the mode:
   step, and the rows of the current policy matching pi_old at rounding level (the sync arrived: ~1e-3 if not);
 * resume: the restarted run continues at the step after the last complete checkpoint, verl restores the checkpoint's
   rollouts (finished ones trained once, in-flight ones generated again), and no group trained into the checkpoint is
-  trained again (from the planner's dump of every trained row, both runs).
+  trained again (from the planner's dump of every trained row, both runs);
+* staleness in tokens per policy version under ``traj.max_staleness=1`` (``defer`` on colocate_async, ``drop`` on
+  separate_async): logged on every step, consistent with verl's own version tags, never over the bound (the exact
+  drop and defer decisions: tests/integration/test_v1_staleness.py).
 """
 
 from __future__ import annotations
@@ -80,12 +83,26 @@ def _assert_stale_rows_keep_their_log_probs(steps: list[dict], staleness: str) -
     assert all(m["training/rollout_probs_diff_max"] > 1e-6 for m in stale)  # their own rollout log-probs
 
 
+def _assert_token_staleness_within(steps: list[dict], bound: float) -> None:
+    """Every step logs its tokens' staleness, within the bound and within verl's worst case per trajectory (versions
+    behind at its first token), and the staleness policy's counts."""
+    for m in steps:
+        assert m["traj_version/token_staleness_max"] <= bound
+        assert m["traj_version/token_staleness_max"] <= m["traj_version/staleness_max"]
+        assert m["traj_version/token_staleness_mean"] <= m["traj_version/token_staleness_max"]
+        assert {"traj_staleness/groups_dropped_total", "traj_staleness/groups_deferred_total"} <= set(m)
+    assert steps[0]["traj_version/current_policy_token_share"] == 1.0  # step 1: all from the initial policy
+    assert any(m["traj_version/current_policy_token_share"] < 1.0 for m in steps[1:])
+
+
 def test_colocate_async_trains_whole_units_and_resumes_after_sigkill(tiny_home, tmp_path):
-    run = _killed_and_resumed(tiny_home, tmp_path, ["trainer.v1.trainer_mode=colocate_async"])
+    run = _killed_and_resumed(tiny_home, tmp_path, ["trainer.v1.trainer_mode=colocate_async",
+                                                    "traj.max_staleness=1", "traj.stale_groups=defer"])
     for m in run.steps:
         assert m["actor/num_optimizer_steps"] == 2 and m["traj_plan/split_groups"] == 0
         assert m["traj_plan/split_trajectories"] == 0
     _assert_stale_rows_keep_their_log_probs(run.steps, "training/off_policy/trajectory_staleness/max")
+    _assert_token_staleness_within(run.steps, 1.0)
     _assert_resumed_without_training_twice(run)
 
 
@@ -94,7 +111,8 @@ def test_separate_async_trains_on_cpu_with_gloo_weight_sync_and_resumes_after_si
     sync check has rows to read on every step. The user's plain override (verl's warm-up of one batch) trains end to
     end in ``test_failed_rollouts.py::test_separate_async_times_out_hanging_sessions_and_drops_their_groups``."""
     run = _killed_and_resumed(tiny_home, tmp_path, ["trainer.v1.trainer_mode=separate_async",
-                                                    "trainer.v1.separate_async.num_warmup_batches=0.5"])
+                                                    "trainer.v1.separate_async.num_warmup_batches=0.5",
+                                                    "traj.max_staleness=1"])
     assert "separate_async.parameter_sync_step=2" in run.output and "checkpoint_engine.backend=gloo" in run.output
     for m in run.steps:
         assert m["actor/num_optimizer_steps"] == 1 and m["traj_plan/split_groups"] == 0  # one mini-batch per update
@@ -104,4 +122,5 @@ def test_separate_async_trains_on_cpu_with_gloo_weight_sync_and_resumes_after_si
     assert all(m["traj_version/current_policy_rows"] > 0 for m in run.steps[:run.saved])
     assert sum(m.get("traj_version/current_policy_rows", 0) for m in run.steps[1:]) > 0  # checked after a sync
     _assert_stale_rows_keep_their_log_probs(run.steps, "traj_version/staleness_max")
+    _assert_token_staleness_within(run.steps, 1.0)
     _assert_resumed_without_training_twice(run)

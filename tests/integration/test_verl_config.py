@@ -3,6 +3,8 @@ verl 0.9.1's ``ppo_trainer`` plus ``traj:``), as the trainer receives it. Each t
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from verl_traj.config import TrajConfig
@@ -413,3 +415,31 @@ def test_failure_settings_only_v1_serves_are_refused_on_v0(started, override, fi
     with pytest.raises(TrajConfigError, match="trainer.use_v1=true") as err:
         started(["trainer.use_v1=false", override])
     assert err.value.field == field
+
+
+@pytest.mark.parametrize("override, field", [("traj.max_staleness=2", "traj.max_staleness"),
+                                             ("traj.stale_groups=defer", "traj.stale_groups")])
+def test_staleness_settings_are_refused_on_v0(started, override, field):
+    from verl_traj.config import TrajConfigError
+
+    with pytest.raises(TrajConfigError, match="trainer.use_v1=true") as err:
+        started(["trainer.use_v1=false", override])
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize("overrides, says", [(["traj.max_staleness=2"], "no effect on trainer.v1.trainer_mode=sync"),
+                                             (["traj.max_staleness=2", "traj.enable=false"], "not applied"),
+                                             (SEPARATE + ["traj.max_staleness=2"], None)])
+def test_a_staleness_bound_that_cannot_act_is_said_at_start_up(started, caplog, overrides, says):
+    with caplog.at_level(logging.WARNING, logger="verl_traj.integration.startup"):
+        started(overrides)
+    said = [r.getMessage() for r in caplog.records if "max_staleness" in r.getMessage()]
+    assert (said and says in said[0]) if says else not said, said
+
+
+def test_a_staleness_bound_below_one_version_is_refused_with_the_fix(started):
+    from verl_traj.config import TrajConfigError
+
+    with pytest.raises(TrajConfigError, match=r"traj.max_staleness.*0.5.*at least 1.*Fix: set a number >= 1") as err:
+        started(SEPARATE + ["traj.max_staleness=0.5"])
+    assert err.value.field == "traj.max_staleness"

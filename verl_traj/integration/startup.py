@@ -13,6 +13,7 @@ verl's settings. In order:
 4. in v1's ``separate_async`` mode, verl's rule ``train_batch_size = parameter_sync_step x ppo_mini_batch_size``
    (:func:`~.separate_async.settle_parameter_sync_step`: a null sync step derived from it); on v1's sync mode, exact
    refills of failed groups (:func:`~.v1_failures.settle_failed_groups`: ``traj.failed_groups`` replaces them);
+   ``traj.max_staleness`` only on v1, said where it cannot act (:func:`~.v1_staleness.settle_staleness`);
 5. the cross-checks of ``traj:`` against verl's sections (:func:`~.verl_checks.validate_against_verl`), and
    ``traj.prefix_tree`` only where the tree is built and tested (:mod:`.tree_checks`: on CPU it selects
    ``cpu_varlen`` for the actor's model);
@@ -43,6 +44,7 @@ from verl_traj.cpu.attention import CPU_VARLEN
 from verl_traj.cpu.settings import check_cpu_rollout_lora, select_cpu_attention, settle_cpu_separate_async
 from verl_traj.integration.separate_async import settle_parameter_sync_step
 from verl_traj.integration.v1_failures import settle_failed_groups
+from verl_traj.integration.v1_staleness import settle_staleness
 from verl_traj.integration.tree_checks import check_prefix_tree
 from verl_traj.integration.verl_checks import (flag_at, sequence_parallel_sizes, ulysses_size, uses_critic,
                                                validate_against_verl, value_at)
@@ -77,6 +79,9 @@ def check_startup(config: Any, platform_device: str) -> TrajConfig:
     refill = settle_failed_groups(config, traj_config)  # traj.failed_groups drops and replaces failed groups
     if refill:
         logger.info("verl_traj: exact refills of failed groups on the sync trainer: %s", refill)
+    idle_bound = settle_staleness(config, traj_config)  # traj.max_staleness: v1 only; where it cannot act, said
+    if idle_bound:
+        logger.warning("verl_traj: %s", idle_bound)
     validate_against_verl(traj_config, config)
     check_prefix_tree(traj_config, config, "cpu" if value_at(config, "trainer.device") == "cpu" else "cuda")
     if traj_config.enable:

@@ -61,7 +61,7 @@ from verl_traj.integration.step_plan import (check_same_dp_size, debug_dump, pla
                                              stock_plan_metrics_of)
 from verl_traj.integration.update_spec import UpdateSpec, has_multi_row_trajectory
 from verl_traj.integration.v1_advantage import corrected_per_trajectory, planned_advantage
-from verl_traj.integration.v1_failures import with_failed_group_policy
+from verl_traj.integration.v1_failures import with_group_policies
 from verl_traj.integration.v1_metrics import (RolloutBusy, StepPadding, current_policy_gap, stepwise_metrics,
                                               trajectory_metrics)
 from verl_traj.integration.v1_padding import write_padding_rows
@@ -121,9 +121,10 @@ class TrajV1Mixin(CompleteCheckpoints):
             install_value_loss(self.critic_wg, self.config.critic)
 
     def _build_replay_buffer(self):
-        """verl's, with ``traj.failed_groups`` deciding which failed groups leave the batch (:mod:`.v1_failures`)."""
+        """verl's, with ``traj.failed_groups`` deciding which failed groups leave the batch (:mod:`.v1_failures`) and
+        ``traj.max_staleness`` which stale ones (:mod:`.v1_staleness`)."""
         buffer = super()._build_replay_buffer()
-        return with_failed_group_policy(buffer, self.traj_config.failed_groups) if self.traj_config.enable else buffer
+        return with_group_policies(buffer, self.traj_config) if self.traj_config.enable else buffer
 
     def _fetch_one_gen_batch(self):
         """verl's, with prompt uids from (``data.seed``, step, position) instead of ``uuid4``: a seeded run plans

@@ -42,6 +42,7 @@ from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorke
 from verl_traj.config import TrajConfig
 from verl_traj.core.row_key import row_key
 from verl_traj.integration.v1_failures import run_session
+from verl_traj.integration.v1_staleness import record_versions, session_ledger, session_version_tokens
 from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, TURN_REWARD, StepExpansionError, trajectory_step_rows
 
 __all__ = ["MANAGER_FQN", "MERGE_TAG", "TURN_REWARD_TAG", "UNSUPPORTED_STEP_FIELDS", "TrajAgentLoopManagerTQ",
@@ -142,6 +143,11 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
     training session runs under ``traj.trajectory_timeout_s`` and a failed one tags its group with the reason and
     leaves no rows (:func:`~.v1_failures.run_session`)."""
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if TrajConfig.of(self.config).enable:  # the policy version of every token (traj_version/token_*)
+            record_versions(self.llm_client)
+
     async def _run_agent_loop(self, sampling_params: dict, trajectory: dict, **kwargs: Any) -> Any:
         rollout = self.config.actor_rollout_ref.rollout
         if rollout.get("full_determinism", False) and "priority" not in kwargs:
@@ -151,22 +157,30 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
         traj_config = TrajConfig.of(self.config)
         if trajectory.get("validate") or not traj_config.enable:
             return await session
-        return await run_session(session, traj_config.trajectory_timeout_s, str(kwargs["uid"]),
-                                 int(kwargs.get("session_id", 0)))
+        with session_ledger():
+            return await run_session(session, traj_config.trajectory_timeout_s, str(kwargs["uid"]),
+                                     int(kwargs.get("session_id", 0)))
 
     async def _agent_loop_postprocess(self, output: Any, validate: bool, **kwargs: Any) -> None:
         traj_config = TrajConfig.of(self.config)
-        if isinstance(output, list) or DEFAULT_STEPS_KEY not in output.extra_fields:
-            return await super()._agent_loop_postprocess(output, validate, **kwargs)
-        if validate or not traj_config.step_wise:  # one concatenated row: validation, or step rows not asked for
-            output.extra_fields.pop(DEFAULT_STEPS_KEY)
-            return await super()._agent_loop_postprocess(output, validate, **kwargs)
+        versions = None if validate else session_version_tokens()
+        if isinstance(output, list) or DEFAULT_STEPS_KEY not in output.extra_fields or validate \
+                or not traj_config.step_wise:  # verl's rows: validation, a list, or step rows not asked for
+            if not isinstance(output, list):
+                output.extra_fields.pop(DEFAULT_STEPS_KEY, None)
+            await super()._agent_loop_postprocess(output, validate, **kwargs)
+            last = len(output) - 1 if isinstance(output, list) else 0
+            if versions is not None and last >= 0:
+                await tq.async_kv_put(key=row_key(kwargs["uid"], kwargs["session_id"], last), partition_id="train",
+                                      tag=versions)
+            return
         await self._compute_score([output], kwargs=kwargs)
         stock = not traj_config.enable  # stock verl on step rows: one row per call, as verl's list outputs give it
         outputs, tags, stats = step_outputs(output, traj_config.merge_prefix and not stock, turn_rewards=not stock)
         outputs[-1].extra_fields["reward_extra_info"] = output.extra_fields.get("reward_extra_info", {})
         await super()._agent_loop_postprocess(outputs, validate, **kwargs)
         tags[0] = {**tags[0], MERGE_TAG: stats}
+        tags[-1] = {**tags[-1], **(versions or {})}
         keys = [row_key(kwargs["uid"], kwargs["session_id"], i) for i in range(len(outputs))]
         tagged = [i for i, t in enumerate(tags) if t]
         await tq.async_kv_batch_put(keys=[keys[i] for i in tagged], partition_id="train",

@@ -5,7 +5,7 @@ Two places:
 * the agent-loop worker (:func:`run_session`, from :class:`~.v1_agent_loop.TrajAgentLoopWorkerTQ`): each session
   runs under ``traj.trajectory_timeout_s``; when it fails, it tags its group's prompt key with the reason and clears
   any rows it had stored (never half a trajectory), then re-raises, so verl marks the group ``failure`` as usual;
-* the replay buffer (:func:`with_failed_group_policy`, from :class:`~.v1.TrajV1Mixin`): verl's class (sync or
+* the replay buffer (:func:`with_group_policies`, from :class:`~.v1.TrajV1Mixin`): verl's class (sync or
   async, or a user's subclass of it) gets :class:`FailedGroupPolicy` first in its MRO. It decides which failed
   groups leave (all under ``drop``; those without a finished session under ``keep_survivors``), lets verl evict and
   refill them, and logs ``traj_failure/*`` on every sampling (zeros when nothing failed).
@@ -23,13 +23,14 @@ from typing import Any, Awaitable, Optional
 import transfer_queue as tq
 from omegaconf import open_dict
 
-from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.failures import FAILURE_TAG_PREFIX, failed_groups_to_evict, failure_metrics, failure_tag
 from verl_traj.core.row_key import session_key_prefix
+from verl_traj.integration.v1_staleness import StaleGroupPolicy
 
-__all__ = ["FailedGroupPolicy", "REFILL", "run_session", "settle_failed_groups", "with_failed_group_policy"]
+__all__ = ["FailedGroupPolicy", "REFILL", "run_session", "settle_failed_groups", "with_group_policies"]
 
 REFILL = "trainer.v1.sampler.sync_refill_failed_groups"
 
@@ -80,7 +81,8 @@ def _tag_lock() -> asyncio.Lock:
 
 
 class FailedGroupPolicy:
-    """Mixed in before verl's replay buffer class (:func:`with_failed_group_policy`)."""
+    """Mixed in before verl's replay buffer class (:func:`with_group_policies`). Its ``_log`` collects what the next
+    training ``sample`` reports, for :class:`~.v1_staleness.StaleGroupPolicy` too."""
 
     failed_group_policy = "drop"
 
@@ -107,13 +109,13 @@ class FailedGroupPolicy:
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple:
         batch, metrics = super().sample(global_steps, partition_id, batch_size)
         if partition_id != "val":  # what was handled since the last training sample (zeros: logged every step)
-            metrics.update({**failure_metrics({}, (), ()), **self.__dict__.pop("_failure_log", {})})
+            metrics.update({**failure_metrics({}, (), ()), **self.__dict__.pop("_group_log", {})})
         return batch, metrics
 
     def _log(self, metrics: dict[str, float]) -> None:
         """Add to what the next training ``sample`` reports (evictions can happen outside ``sample`` too: verl's
         ``wait_for_sampleable``)."""
-        totals = self.__dict__.setdefault("_failure_log", {})
+        totals = self.__dict__.setdefault("_group_log", {})
         for key, value in metrics.items():
             totals[key] = totals.get(key, 0.0) + value
 
@@ -124,20 +126,24 @@ class FailedGroupPolicy:
                 if tag.get("is_prompt") and any(k.startswith(FAILURE_TAG_PREFIX) for k in tag)}
 
 
-_CLASSES: dict[type, type] = {}
+_CLASSES: dict[tuple, type] = {}
 
 
-def with_failed_group_policy(buffer: Any, policy: str) -> Any:
-    """``buffer`` (verl's replay buffer, or a subclass) with :class:`FailedGroupPolicy` first in its class's MRO."""
+def with_group_policies(buffer: Any, traj_config: TrajConfig) -> Any:
+    """``buffer`` (verl's replay buffer, or a subclass) with :class:`FailedGroupPolicy` first in its class's MRO and,
+    on the async modes (:class:`ReplayBufferAsync`: the only ones whose rows can be stale),
+    :class:`~.v1_staleness.StaleGroupPolicy` next."""
     if not isinstance(buffer, ReplayBuffer):
         raise TrajConfigError(
             f"trainer.v1.sampler.custom_sampler gives {type(buffer).__name__}, not a subclass of verl's ReplayBuffer: "
             "verl_traj cannot apply traj.failed_groups to it, and failed groups would be handled by rules it does not "
             "know. Fix: subclass verl.trainer.ppo.v1.replay_buffer.ReplayBuffer (or ReplayBufferAsync), or set "
             "traj.enable=false.", field="trainer.v1.sampler.custom_sampler")
+    mixins = (FailedGroupPolicy, StaleGroupPolicy) if isinstance(buffer, ReplayBufferAsync) else (FailedGroupPolicy,)
     cls = type(buffer)
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Traj{cls.__name__}", (FailedGroupPolicy, cls), {"__module__": __name__})
-    buffer.__class__ = _CLASSES[cls]
-    buffer.failed_group_policy = policy
+    if (cls, mixins) not in _CLASSES:
+        _CLASSES[cls, mixins] = type(f"Traj{cls.__name__}", (*mixins, cls), {"__module__": __name__})
+    buffer.__class__ = _CLASSES[cls, mixins]
+    buffer.failed_group_policy = traj_config.failed_groups
+    buffer.max_staleness, buffer.stale_group_policy = traj_config.max_staleness, traj_config.stale_groups
     return buffer

@@ -17,7 +17,9 @@ import ray
 import transfer_queue as tq
 
 from verl_traj.core.row_key import parse_row_keys
+from verl_traj.core.staleness import token_staleness_metrics
 from verl_traj.integration.v1_agent_loop import MERGE_TAG, turn_reward_entries
+from verl_traj.integration.v1_staleness import VERSION_TOKENS_TAG
 from verl_traj.stepwise.prefix_merge import MergeStats
 
 __all__ = ["RolloutBusy", "StepPadding", "current_policy_gap", "last_rows_of_trajectories", "stepwise_metrics",
@@ -49,13 +51,17 @@ def last_rows_of_trajectories(keys: list[str], is_padding: np.ndarray) -> np.nda
 
 
 def _version_metrics(tags: list[dict], global_steps: int) -> dict[str, float]:
-    """``traj_version/*`` from the last rows' ``min_global_steps`` / ``max_global_steps`` tags (none if missing)."""
+    """``traj_version/*`` from the last rows' ``min_global_steps`` / ``max_global_steps`` tags (none if missing) and
+    their version tokens (``token_*``, :func:`~verl_traj.core.staleness.token_staleness_metrics`; none if missing)."""
+    out = {}
+    if all(VERSION_TOKENS_TAG in t for t in tags):
+        out = token_staleness_metrics([t[VERSION_TOKENS_TAG] for t in tags], global_steps - 1)
     if not all(t.get("min_global_steps") is not None and t.get("max_global_steps") is not None for t in tags):
-        return {}
+        return out
     lo = np.array([int(t["min_global_steps"]) for t in tags])
     hi = np.array([int(t["max_global_steps"]) for t in tags])
     stale = global_steps - 1 - lo
-    return {"traj_version/staleness_max": float(stale.max()), "traj_version/staleness_mean": float(stale.mean()),
+    return {**out, "traj_version/staleness_max": float(stale.max()), "traj_version/staleness_mean": float(stale.mean()),
             "traj_version/span_max": float((hi - lo + 1).max()),
             "traj_version/multi_version_share": float((hi > lo).mean())}
 
@@ -89,7 +95,9 @@ def trajectory_metrics(batch: Any, global_steps: int) -> dict[str, float]:
       ``max_global_steps`` tags, which verl's staleness control reads), per trajectory (verl's
       ``training/off_policy/*`` are per row): ``staleness_max`` / ``_mean`` = versions behind the trained policy at
       its first token (verl's worst-case staleness, ``global_steps - 1 - min_global_steps``), ``span_max`` = versions
-      it spans, ``multi_version_share`` = share generated across more than one (partial rollouts)."""
+      it spans, ``multi_version_share`` = share generated across more than one (partial rollouts); in tokens
+      (``traj.enable``): ``token_staleness_mean`` / ``_max`` and ``current_policy_token_share``, what
+      ``traj.max_staleness`` bounds (:mod:`verl_traj.core.staleness`)."""
     pad = np.array([bool(t.get("is_padding", False)) for t in batch.tags], dtype=bool)
     last = last_rows_of_trajectories(batch.keys, pad)
     if last.size == 0:

@@ -1,0 +1,138 @@
+"""Staleness per trajectory on verl's v1 pieces (:mod:`verl_traj.integration.v1_staleness`):
+
+* the version of every generate attempt, through verl's own ``FullyAsyncLLMServerClient`` resume loop (a partial
+  rollout aborted at a weight sync and resumed under the next version), with only the Ray transport replaced;
+* verl's ``ReplayBufferAsync`` with verl_traj's group policies over a real TransferQueue (Ray + TQ in this process):
+  ``drop`` evicts a group with one trajectory over the bound, whole, and verl refills it; ``defer`` holds sampling
+  until a running group that would pass the bound at the next step finishes, then trains it; both counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from omegaconf import OmegaConf
+
+from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
+from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
+from verl.workers.rollout.replica import TokenOutput
+
+from verl_traj.config import TrajConfig
+from verl_traj.integration.v1_failures import with_group_policies
+from verl_traj.integration.v1_staleness import VERSION_TOKENS_TAG, record_versions, session_ledger, \
+    session_version_tokens
+
+from tests.integration.test_v1_transfer_queue import tq  # noqa: F401  (the module's Ray + TransferQueue)
+
+pytestmark = pytest.mark.e2e
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class _Server:
+    """A rollout server that is aborted once by a weight sync: 5 tokens under version 3, then 7 under version 4."""
+
+    def __init__(self):
+        self.script = [(5, "aborted", 3), (7, "completed", 4)]
+        self.generate = _Remote(self._generate)
+
+    async def _generate(self, **kwargs):
+        n, reason, version = self.script.pop(0)
+        return TokenOutput(token_ids=list(range(n)), log_probs=[-0.1] * n, stop_reason=reason,
+                           extra_fields={"global_steps": version})
+
+
+class _Balancer:
+    def __init__(self, server):
+        async def fields():
+            return []
+
+        async def acquire(**_):
+            return "s0", server
+
+        self.require_acquire_fields = _Remote(fields)
+        self.require_release_fields = _Remote(fields)
+        self.acquire_server = _Remote(acquire)
+        self.release_server = _Remote(lambda **_: None)
+
+
+def test_each_attempt_of_a_resumed_partial_rollout_is_recorded_with_its_version():
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm", "response_length": 32}}})
+    client = record_versions(FullyAsyncLLMServerClient(config, load_balancer_handle=_Balancer(_Server())))
+
+    async def session():
+        with session_ledger():
+            out = await client.generate("req", prompt_ids=[1, 2, 3], sampling_params={"temperature": 1.0})
+            return out, session_version_tokens()
+
+    out, versions = asyncio.run(session())
+    assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]) == (3, 4)  # verl's own tags
+    assert len(out.token_ids) == 12
+    assert versions == {VERSION_TOKENS_TAG: [[3, 5], [4, 7]]}  # what verl's min/max cannot say: 5 old, 7 new
+    assert type(client).__mro__.index(FullyAsyncLLMServerClient) < [c.__name__ for c in type(client).__mro__].index(
+        "AttemptRecorder")  # below verl's resume loop, so each attempt passes through it
+
+
+# ---- the replay buffer over a real TransferQueue -------------------------------------------------------------------
+
+def _put_group(tq, uid: str, dispatched: int, ledgers: list, status: str = "finished") -> None:
+    """A prompt key as verl's agent-loop worker leaves it, and one row per session with its version tokens."""
+    for session, ledger in enumerate(ledgers):
+        tq.kv_put(key=f"{uid}_{session}_0", partition_id="train",
+                  tag={"status": "success", "global_steps": dispatched, VERSION_TOKENS_TAG: ledger})
+    tq.kv_put(key=uid, partition_id="train", tag={"is_prompt": True, "status": status, "global_steps": dispatched})
+
+
+def _buffer(tq, policy: str, refill):
+    buffer = ReplayBufferAsync(trainer_mode="colocate_async", trainer_config=OmegaConf.create({}),
+                               max_off_policy_threshold=None, max_off_policy_strategy="drop",
+                               sampler_kwargs=OmegaConf.create({}), poll_interval=0.05, refill_fn=refill)
+    return with_group_policies(buffer, TrajConfig(max_staleness=1.0, stale_groups=policy))
+
+
+def _clear(tq) -> None:
+    keys = list((tq.kv_list(partition_id="train") or {}).get("train", {}))
+    if keys:
+        tq.kv_clear(partition_id="train", keys=keys)
+
+
+def test_drop_evicts_the_whole_group_over_the_bound_and_verl_refills_it(tq):  # noqa: F811
+    _clear(tq)
+    # at step 6 the trained policy is version 5: one trajectory of "stale" is 1.5 versions behind, its sibling 0
+    _put_group(tq, "fresh", 5, [[[4, 10], [5, 10]], [[5, 8]]])
+    _put_group(tq, "stale", 4, [[[3, 10], [4, 10]], [[5, 8]]])
+    refills = []
+    buffer = _buffer(tq, "drop", lambda k: (refills.append(k), _put_group(tq, "refill", 6, [[[5, 6]]] * 2)))
+    batch, metrics = buffer.sample(global_steps=6, partition_id="train", batch_size=2)
+    assert sorted({key.split("_")[0] for key in batch.keys}) == ["fresh", "refill"]
+    assert refills == [1] and metrics["traj_staleness/groups_dropped_total"] == 1.0
+    left = (tq.kv_list(partition_id="train") or {}).get("train", {})
+    assert not any(key.startswith("stale") for key in left)  # both sessions gone, never half the group
+    assert metrics["traj_staleness/groups_deferred_total"] == 0.0
+
+
+def test_defer_waits_for_a_running_group_that_would_pass_the_bound_and_then_trains_it(tq):  # noqa: F811
+    _clear(tq)
+    _put_group(tq, "ready", 5, [[[5, 9]]])
+    tq.kv_put(key="slow", partition_id="train", tag={"is_prompt": True, "status": "running", "global_steps": 4})
+    tq.kv_put(key="new", partition_id="train", tag={"is_prompt": True, "status": "running", "global_steps": 6})
+    finisher = threading.Timer(0.6, lambda: _put_group(tq, "slow", 4, [[[4, 3], [5, 6]]]))
+    finisher.start()
+    buffer = _buffer(tq, "defer", refill=lambda k: None)
+    start = time.perf_counter()
+    batch, metrics = buffer.sample(global_steps=6, partition_id="train", batch_size=1)
+    finisher.join()
+    # dispatched at step 4, "slow" would be 6 - 4 + 1 = 3 versions behind at step 7: the trainer waited for it; "new"
+    # (dispatched at step 6) held nothing. verl takes the oldest sampleable group first: "slow", within the bound
+    assert {key.split("_")[0] for key in batch.keys} == {"slow"}
+    assert time.perf_counter() - start >= 0.5
+    assert metrics["traj_staleness/groups_deferred_total"] == 1.0
+    assert 0.4 < metrics["traj_staleness/defer_wait_s_total"] < 30
+    assert metrics["traj_staleness/groups_dropped_total"] == 0.0
+    _clear(tq)
