@@ -54,3 +54,16 @@ def test_reasons_and_tags():
     assert failure_metrics({}, (), ()) == {"traj_failure/groups_dropped_total": 0.0,
                                            "traj_failure/groups_kept_total": 0.0,
                                            "traj_failure/trajectories_failed_total": 0.0}
+
+
+def test_a_verl_traj_refusal_is_tagged_fatal_and_raised_with_its_message_and_a_rollout_error_is_not():
+    from verl_traj.core.errors import TrajInputError
+    from verl_traj.core.failures import FATAL_TAG, fatal_failure
+
+    refusal = failure_tag(2, TrajInputError("reward=nan is not a finite number", field="reward"))
+    crash = failure_tag(0, RuntimeError("sandbox died"))
+    assert FATAL_TAG in refusal and FATAL_TAG not in crash
+    assert failure_metrics({"g": refusal}, {"g"}, ())["traj_failure/trajectories_failed_total"] == 1.0  # one session
+    fatal_failure({"g": crash})  # an ordinary failure: the group policy handles it
+    with pytest.raises(TrajInputError, match=r"group 'g'.*TrajInputError: reward=nan"):
+        fatal_failure({"h": crash, "g": refusal})

@@ -14,7 +14,7 @@ every check of the mode:
   trained again (from the planner's dump of every trained row, both runs);
 * staleness in tokens per policy version under ``traj.max_staleness=1`` (``defer`` on colocate_async, ``drop`` on
   separate_async): logged on every step, consistent with verl's own version tags, never over the bound (the exact
-  drop and defer decisions: tests/integration/test_v1_staleness.py).
+  drop and defer decisions: tests/integration/test_v1_group_policies.py).
 """
 
 from __future__ import annotations

@@ -392,6 +392,42 @@ def test_step_rows_refuse_what_they_cannot_carry(field, value):
     assert err.value.field == field
 
 
+def test_a_multi_turn_trajectory_without_step_records_is_refused_under_step_wise_and_a_single_turn_one_is_not():
+    """Regression (issue 31): with traj.step_wise=true a loop without StepRecordingMixin trained its multi-turn
+    trajectories as one row each, silently."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+
+    from verl_traj.integration.v1_agent_loop import check_recorded
+    from verl_traj.stepwise.expand import StepExpansionError
+
+    def output(turns):
+        return AgentLoopOutput(prompt_ids=[1], response_ids=[2], response_mask=[1], num_turns=turns,
+                               metrics=AgentLoopMetrics(), extra_fields={})
+
+    check_recorded(output(2), "single_turn_agent")  # one call: its one row is the step row
+    with pytest.raises(StepExpansionError, match=r"'my_loop'.*6 turns without step records.*StepRecordingMixin") as err:
+        check_recorded(output(6), "my_loop")
+    assert err.value.field == "traj.step_wise"
+
+
+def test_the_policy_versions_verl_reads_are_filled_from_the_recorded_calls_or_refused_with_the_fix():
+    """Regression (issue 31): a loop of one's own that built its output without extra_fields' min/max_global_steps
+    crashed inside verl's v1 metrics (int(None))."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+
+    from verl_traj.integration.session_ledger import SessionLedger
+    from verl_traj.integration.v1_agent_loop import check_version_fields
+    from verl_traj.stepwise.expand import StepExpansionError
+
+    out = AgentLoopOutput(prompt_ids=[1], response_ids=[2], response_mask=[1], metrics=AgentLoopMetrics(),
+                          extra_fields={})
+    with pytest.raises(StepExpansionError, match=r"'mine'.*min_global_steps.*Fix: copy the server output"):
+        check_version_fields(out, "mine")
+    SessionLedger(attempts=[(4, 3), (5, 0), (6, 2)]).fill_version_fields(out.extra_fields)
+    assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]) == (4, 6)
+    check_version_fields(out, "mine")
+
+
 def test_last_rows_of_trajectories_pick_each_trajectorys_highest_step():
     """``traj_reward/*`` reads one score per trajectory: its last row (highest step, whatever the row order),
     never a padding row."""

@@ -24,10 +24,14 @@ import asyncio
 from collections import Counter
 from typing import Iterable, Mapping
 
-__all__ = ["FAILED_GROUP_POLICIES", "FAILURE_TAG_PREFIX", "failed_groups_to_evict", "failure_metrics",
+from verl_traj.core.errors import TrajInputError
+
+__all__ = ["FAILED_GROUP_POLICIES", "FAILURE_TAG_PREFIX", "FATAL_TAG", "failed_groups_to_evict", "fatal_failure",
+           "failure_metrics",
            "failure_reason", "failure_tag"]
 
 FAILED_GROUP_POLICIES = ("drop", "keep_survivors")
+FATAL_TAG = "traj_fatal"  # a failed session's verl_traj refusal (message): stops training
 FAILURE_TAG_PREFIX = "traj_failure_"  # + session id: the tag of a group's prompt key naming why that session failed
 
 
@@ -40,8 +44,22 @@ def failure_reason(error: BaseException) -> str:
 
 def failure_tag(session_id: int, error: BaseException) -> dict[str, str]:
     """The tag a failed session adds to its group's prompt key (one field per session: concurrent sessions of a group
-    write different fields, and TransferQueue merges a key's tags)."""
-    return {f"{FAILURE_TAG_PREFIX}{int(session_id)}": failure_reason(error)}
+    write different fields, and TransferQueue merges a key's tags). A verl_traj refusal (:class:`TrajInputError`: the
+    loop recorded something wrong, the same in every rollout) also carries its message under :data:`FATAL_TAG`:
+    dropping and refilling would only repeat it."""
+    tag = {f"{FAILURE_TAG_PREFIX}{int(session_id)}": failure_reason(error)}
+    if isinstance(error, TrajInputError):
+        tag[FATAL_TAG] = f"{type(error).__name__}: {error}"
+    return tag
+
+
+def fatal_failure(prompt_tags: Mapping[str, Mapping]) -> None:
+    """Raise the first verl_traj refusal a failed session recorded (:data:`FATAL_TAG`) in the trainer, so a loop that
+    records something wrong stops training with its message instead of being dropped and refilled for ever."""
+    for uid, tag in prompt_tags.items():
+        if FATAL_TAG in (tag or {}):
+            raise TrajInputError(f"a rollout of group {uid!r} was refused by verl_traj, and every rollout would be: "
+                                 f"{tag[FATAL_TAG]}", field="agent loop")
 
 
 def failed_groups_to_evict(failed: set[str], with_survivors: set[str], policy: str) -> set[str]:

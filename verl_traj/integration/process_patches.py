@@ -37,6 +37,11 @@ replacements in; this module imports nothing of verl_traj (it lists patches, it 
   ``verl.models.transformers.monkey_patch._flash_attention_forward`` (the kernel verl's remove-padding / Ulysses
   path calls; entry 10 on CPU) <- a tree-aware wrapper of it: a call carrying a prefix tree runs the exact tree
   attention, any other runs the wrapped kernel after refusing tree-shaped position ids.
+* :func:`tool_parser_log_patches` -- in an agent-loop worker process, when the first
+  :class:`~verl_traj.integration.stepwise_agent_loop.StepwiseToolAgentLoop` is built, now (idempotent):
+  ``verl.experimental.agent_loop.tool_parser.logger`` += a filter that counts, inside a training session, each tool
+  call the model wrote malformed (``traj_agent/malformed_tool_call_share``) instead of logging it at ERROR; outside a
+  session the record passes.
 
 :func:`install` installs a list in order; ``on_import(module_name, callback)`` is the caller's post-import
 hook for the entries that wait for verl to import their module.
@@ -50,7 +55,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["ProcessPatch", "REPLACE", "REGISTER", "NOW", "IF_LOADED", "ON_IMPORT", "apply", "install",
-           "cpu_rollout_registrations", "cpu_platform_patches", "prefix_tree_attention_patches",
+           "cpu_rollout_registrations", "cpu_platform_patches", "prefix_tree_attention_patches", "tool_parser_log_patches",
            "PROCESS_GROUP_MODULES", "PROCESS_GROUP_FUNCTIONS"]
 
 REPLACE = "replace"  # module.name = change(module.name); no write when change returns the original
@@ -176,3 +181,11 @@ def prefix_tree_attention_patches(tree_aware_attention: Callable[[Callable], Cal
     return [ProcessPatch(VERL_MONKEY_PATCH, "_flash_attention_forward", tree_aware_attention,
                          "run prefix-tree micro-batches through the exact tree attention and refuse tree-shaped "
                          "position ids in any other attention call")]
+
+
+def tool_parser_log_patches(add_counter: Callable[[Any], None]) -> list[ProcessPatch]:
+    """The malformed-tool-call counter on verl's tool-parser logger (order: module docstring). ``add_counter(logger)``
+    adds the filter unless the logger has it (installing twice changes nothing)."""
+    return [ProcessPatch("verl.experimental.agent_loop.tool_parser", "logger", add_counter,
+                         "count the tool calls a policy writes malformed as a metric instead of an ERROR line each",
+                         kind=REGISTER)]

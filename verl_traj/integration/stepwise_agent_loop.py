@@ -22,6 +22,8 @@ from typing import Any, Optional
 from uuid import uuid4
 
 from verl_traj.config import TrajConfig
+from verl_traj.integration.process_patches import install, tool_parser_log_patches
+from verl_traj.integration.session_ledger import current_ledger
 from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, encode_step_records
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,8 @@ AGENT_LOOP_CONFIG_YAML = (
 
 __all__ = [
     "AGENT_LOOP_NAME",
+    "CountingToolParser",
+    "MalformedToolCallCounter",
     "AGENT_LOOP_CONFIG_YAML",
     "RecordingServerManager",
     "StepRecordingMixin",
@@ -63,6 +67,45 @@ class RecordingServerManager:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+MALFORMED_TOOL_CALL_LOG = "Failed to decode tool call"  # what verl's tool parsers log, at ERROR, for each one
+
+
+class MalformedToolCallCounter(logging.Filter):
+    """On verl's tool-parser logger: inside a training session (:func:`~.session_ledger.current_ledger`), a tool call
+    the model wrote malformed is counted for ``traj_agent/malformed_tool_call_share`` instead of logged as an ERROR
+    (the policy learning its format is expected behaviour, worth a metric, not an alarm); outside one it is logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ledger = current_ledger()
+        if ledger is None or not str(record.msg).startswith(MALFORMED_TOOL_CALL_LOG):
+            return True
+        ledger.malformed_tool_calls += 1
+        return False
+
+
+class CountingToolParser:
+    """Wraps a verl tool parser: counts the tool calls it parses into the session's ledger."""
+
+    def __init__(self, inner: Any):
+        self._inner = inner
+
+    async def extract_tool_calls(self, *args: Any, **kwargs: Any) -> Any:
+        content, calls = await self._inner.extract_tool_calls(*args, **kwargs)
+        ledger = current_ledger()
+        if ledger is not None:
+            ledger.tool_calls += len(calls)
+        return content, calls
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def add_malformed_counter(logger: logging.Logger) -> None:
+    """Put :class:`MalformedToolCallCounter` on ``logger`` unless it has one."""
+    if not any(isinstance(f, MalformedToolCallCounter) for f in logger.filters):
+        logger.addFilter(MalformedToolCallCounter())
 
 
 try:
@@ -123,7 +166,13 @@ if _ToolAgentLoop is not None:
 
     @_register(AGENT_LOOP_NAME)
     class StepwiseToolAgentLoop(StepRecordingMixin, _ToolAgentLoop):
-        """verl's tool agent loop, plus one record per LLM call (for one training row per turn)."""
+        """verl's tool agent loop, plus one record per LLM call (for one training row per turn) and its tool calls
+        counted, parsed and malformed (``traj_agent/*``, v1)."""
+
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            self.tool_parser = CountingToolParser(self.tool_parser)
+            install(tool_parser_log_patches(add_malformed_counter), on_import=None)  # idempotent
 
 else:  # pragma: no cover
     StepwiseToolAgentLoop = None  # type: ignore[assignment,misc]

@@ -42,11 +42,13 @@ from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorke
 from verl_traj.config import TrajConfig
 from verl_traj.core.row_key import row_key
 from verl_traj.integration.v1_failures import run_session
-from verl_traj.integration.v1_staleness import record_versions, session_ledger, session_version_tokens
+from verl_traj.integration.session_ledger import current_ledger, session_ledger
+from verl_traj.integration.v1_staleness import record_versions
 from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, TURN_REWARD, StepExpansionError, trajectory_step_rows
 
 __all__ = ["MANAGER_FQN", "MERGE_TAG", "TURN_REWARD_TAG", "UNSUPPORTED_STEP_FIELDS", "TrajAgentLoopManagerTQ",
-           "TrajAgentLoopWorkerTQ", "check_step_output", "session_priority", "step_outputs", "turn_reward_entries"]
+           "TrajAgentLoopWorkerTQ", "check_recorded", "check_step_output", "check_version_fields", "session_priority",
+           "step_outputs", "turn_reward_entries"]
 
 MANAGER_FQN = "verl_traj.integration.v1_agent_loop.TrajAgentLoopManagerTQ"
 MERGE_TAG = "traj_merge"  # tag of a session's first row: its MergeStats as a dict
@@ -98,6 +100,29 @@ def step_outputs(output: AgentLoopOutput, merge_prefix: bool, steps_key: str = D
         for row in rows
     ]
     return outputs, tags, dataclasses.asdict(stats)
+
+
+def check_recorded(output: AgentLoopOutput, agent_name: Any) -> None:
+    """With ``traj.step_wise``: a multi-turn trajectory (more than one prompt and one answer) must carry its step
+    records; without them it would silently train as one row."""
+    if DEFAULT_STEPS_KEY not in output.extra_fields and (output.num_turns or 0) > 2:
+        raise StepExpansionError(
+            f"traj.step_wise=true, but agent loop {agent_name!r} returned a trajectory of {output.num_turns} turns "
+            f"without step records (extra_fields[{DEFAULT_STEPS_KEY!r}]): it would train as one row, not one row per "
+            "LLM call. Fix: put verl_traj.integration.stepwise_agent_loop.StepRecordingMixin first in the loop's "
+            "bases (docs/agent_loops.md), or set traj.step_wise=false.", field="traj.step_wise")
+
+
+def check_version_fields(output: AgentLoopOutput, agent_name: Any) -> None:
+    """verl's v1 trainer reads ``min_global_steps`` / ``max_global_steps`` from every row's ``extra_fields`` (a loop
+    that builds its output without them crashes inside verl's metrics): refuse it here, naming the fix."""
+    missing = [k for k in ("min_global_steps", "max_global_steps") if output.extra_fields.get(k) is None]
+    if missing:
+        raise StepExpansionError(
+            f"agent loop {agent_name!r} returned extra_fields without {missing}, the policy versions verl's v1 trainer "
+            "reads from every row, and the rollout server reported none verl_traj could fill them from. Fix: copy the "
+            "server output's extra_fields into the AgentLoopOutput (extra_fields=dict(output.extra_fields), as verl's "
+            "loops do), or use a rollout server that reports global_steps.", field="extra_fields")
 
 
 def _turn_reward_tag(per_token: torch.Tensor) -> dict:
@@ -163,7 +188,14 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
 
     async def _agent_loop_postprocess(self, output: Any, validate: bool, **kwargs: Any) -> None:
         traj_config = TrajConfig.of(self.config)
-        versions = None if validate else session_version_tokens()
+        ledger = None if validate else current_ledger()
+        versions = ledger.tags() if ledger is not None else None  # the session's versions and tool calls
+        if traj_config.step_wise and not validate and not isinstance(output, list):
+            check_recorded(output, kwargs.get("agent_name"))
+        for out in [] if validate else output if isinstance(output, list) else [output]:  # training rows
+            if ledger is not None:
+                ledger.fill_version_fields(out.extra_fields)
+            check_version_fields(out, kwargs.get("agent_name"))
         if isinstance(output, list) or DEFAULT_STEPS_KEY not in output.extra_fields or validate \
                 or not traj_config.step_wise:  # verl's rows: validation, a list, or step rows not asked for
             if not isinstance(output, list):

@@ -26,7 +26,8 @@ from omegaconf import open_dict
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 
 from verl_traj.config import TrajConfig, TrajConfigError
-from verl_traj.core.failures import FAILURE_TAG_PREFIX, failed_groups_to_evict, failure_metrics, failure_tag
+from verl_traj.core.failures import (FAILURE_TAG_PREFIX, failed_groups_to_evict, failure_metrics, failure_tag,
+                                     fatal_failure)
 from verl_traj.core.row_key import session_key_prefix
 from verl_traj.integration.v1_staleness import StaleGroupPolicy
 
@@ -97,13 +98,17 @@ class FailedGroupPolicy:
     def _evict_terminal_groups(self, global_steps: int, partition_id: str, eviction_reasons: tuple) -> tuple:
         failed = eviction_reasons[2]
         if failed and partition_id != "val":
-            self._log(failure_metrics(self._prompt_tags(partition_id), failed, ()))
+            tags = self._prompt_tags(partition_id)
+            fatal_failure(tags)  # a verl_traj refusal: every refill would fail the same way
+            self._log(failure_metrics(tags, failed, ()))
         return super()._evict_terminal_groups(global_steps, partition_id, eviction_reasons)
 
     def _materialize_batch(self, partition_id: str, selected_prompt_uids: list[str], partition_snapshot: dict) -> Any:
         kept = set(selected_prompt_uids) & self.failure_keys[partition_id]
         if kept and partition_id != "val":  # keep_survivors: trained on the finished sessions
-            self._log(failure_metrics(self._prompt_tags(partition_id), (), kept))
+            tags = self._prompt_tags(partition_id)
+            fatal_failure(tags)
+            self._log(failure_metrics(tags, (), kept))
         return super()._materialize_batch(partition_id, selected_prompt_uids, partition_snapshot)
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple:

@@ -19,11 +19,11 @@ import transfer_queue as tq
 from verl_traj.core.row_key import parse_row_keys
 from verl_traj.core.staleness import token_staleness_metrics
 from verl_traj.integration.v1_agent_loop import MERGE_TAG, turn_reward_entries
-from verl_traj.integration.v1_staleness import VERSION_TOKENS_TAG
+from verl_traj.integration.session_ledger import TOOL_CALLS_TAG, VERSION_TOKENS_TAG
 from verl_traj.stepwise.prefix_merge import MergeStats
 
 __all__ = ["RolloutBusy", "StepPadding", "current_policy_gap", "last_rows_of_trajectories", "stepwise_metrics",
-           "trajectory_metrics"]
+           "tool_call_metrics", "trajectory_metrics"]
 
 
 def stepwise_metrics(tags: list[dict]) -> dict[str, float]:
@@ -87,6 +87,18 @@ def current_policy_gap(batch: Any, global_steps: int) -> dict[str, float]:
             "traj_version/current_policy_rows": float(len(rows))}
 
 
+def tool_call_metrics(tags: list[dict]) -> dict[str, float]:
+    """``traj_agent/*`` from the last rows' :data:`TOOL_CALLS_TAG` (``[parsed, malformed]``; none if no trajectory
+    has it): ``tool_calls_mean`` (per trajectory, both kinds) and ``malformed_tool_call_share`` (of the tool calls the
+    model wrote, those the parser could not decode)."""
+    counts = np.array([t.get(TOOL_CALLS_TAG, (0, 0)) for t in tags], dtype=np.float64).reshape(-1, 2)
+    if not any(TOOL_CALLS_TAG in t for t in tags):
+        return {}
+    written = counts.sum()
+    return {"traj_agent/tool_calls_mean": float(written / len(tags)),
+            "traj_agent/malformed_tool_call_share": float(counts[:, 1].sum() / written) if written else 0.0}
+
+
 def trajectory_metrics(batch: Any, global_steps: int) -> dict[str, float]:
     """Per trajectory, whatever its row count, read from each trajectory's last row (stock runs too):
 
@@ -97,7 +109,8 @@ def trajectory_metrics(batch: Any, global_steps: int) -> dict[str, float]:
       its first token (verl's worst-case staleness, ``global_steps - 1 - min_global_steps``), ``span_max`` = versions
       it spans, ``multi_version_share`` = share generated across more than one (partial rollouts); in tokens
       (``traj.enable``): ``token_staleness_mean`` / ``_max`` and ``current_policy_token_share``, what
-      ``traj.max_staleness`` bounds (:mod:`verl_traj.core.staleness`)."""
+      ``traj.max_staleness`` bounds (:mod:`verl_traj.core.staleness`);
+    * ``traj_agent/*``: the tool calls the model wrote, and the share it wrote malformed (:func:`tool_call_metrics`)."""
     pad = np.array([bool(t.get("is_padding", False)) for t in batch.tags], dtype=bool)
     last = last_rows_of_trajectories(batch.keys, pad)
     if last.size == 0:
@@ -108,6 +121,7 @@ def trajectory_metrics(batch: Any, global_steps: int) -> dict[str, float]:
     out = {"traj_reward/mean": float(score.mean()), "traj_reward/min": float(score.min()),
            "traj_reward/max": float(score.max()), "traj_reward/trajectories": float(last.size)}
     out.update(_version_metrics([batch.tags[i] for i in last], global_steps))
+    out.update(tool_call_metrics([batch.tags[i] for i in last]))
     return out
 
 

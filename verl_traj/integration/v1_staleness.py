@@ -5,8 +5,8 @@ Two places:
 * the agent-loop worker records every generate attempt: :func:`record_versions` gives its LLM-server client
   :class:`AttemptRecorder` just above verl's ``LLMServerClient`` in the MRO, so each server call (one attempt; verl's
   ``FullyAsyncLLMServerClient`` resumes an aborted call with further attempts) adds ``(version, tokens)`` to the
-  running session's ledger (a context variable :func:`session_ledger` opens, so concurrent sessions never mix). When
-  the session's rows are stored, its last row gets the ledger as the tag :data:`VERSION_TOKENS_TAG`;
+  running session's ledger (:mod:`.session_ledger`). When the session's rows are stored, its last row gets them,
+  summed per version, as the tag ``traj_version_tokens``;
 * the replay buffer of the async modes gets :class:`StaleGroupPolicy` (:func:`~.v1_failures.with_group_policies`):
   with ``traj.max_staleness`` it drops groups with a trajectory over the bound (verl's stale-group eviction and
   refill) or, with ``traj.stale_groups=defer``, holds sampling while a running group could pass it, and logs
@@ -17,22 +17,17 @@ The trainer logs ``traj_version/token_staleness_*`` of what each step trains (:m
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from verl.workers.rollout.llm_server import LLMServerClient
 
 from verl_traj.config import TrajConfig, TrajConfigError
-from verl_traj.core.staleness import groups_over_bound, groups_to_defer, version_tokens
+from verl_traj.core.staleness import groups_over_bound, groups_to_defer
+from verl_traj.integration.session_ledger import VERSION_TOKENS_TAG, current_ledger
 
-__all__ = ["AttemptRecorder", "Deferral", "StaleGroupPolicy", "VERSION_TOKENS_TAG", "record_versions", "session_ledger", "settle_staleness",
-           "session_version_tokens"]
-
-VERSION_TOKENS_TAG = "traj_version_tokens"  # tag of a session's last row: [[version, tokens], ...]
-_LEDGER: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("verl_traj_version_ledger", default=None)
+__all__ = ["AttemptRecorder", "Deferral", "StaleGroupPolicy", "record_versions", "settle_staleness"]
 
 
 class AttemptRecorder(LLMServerClient):
@@ -40,9 +35,9 @@ class AttemptRecorder(LLMServerClient):
 
     async def generate(self, *args: Any, **kwargs: Any) -> Any:
         output = await super().generate(*args, **kwargs)
-        ledger = _LEDGER.get()
+        ledger = current_ledger()
         if ledger is not None:
-            ledger.append((output.extra_fields.get("global_steps"), len(output.token_ids)))
+            ledger.attempts.append((output.extra_fields.get("global_steps"), len(output.token_ids)))
         return output
 
 
@@ -80,27 +75,13 @@ def record_versions(client: Any) -> Any:
             "record which policy version generated each token, which traj.max_staleness needs. Fix: subclass "
             "verl.workers.rollout.llm_server.LLMServerClient, or unset traj.max_staleness.", field="traj.max_staleness")
     cls = type(client)
-    if cls not in _CLIENTS:
-        _CLIENTS[cls] = type(f"Traj{cls.__name__}", (cls, AttemptRecorder), {"__module__": __name__})
+    if isinstance(client, AttemptRecorder):
+        return client
+    if cls not in _CLIENTS:  # verl's own class (the sync mode's) is replaced by the recorder, a subclass of it
+        bases = (AttemptRecorder,) if cls is LLMServerClient else (cls, AttemptRecorder)
+        _CLIENTS[cls] = type(f"Traj{cls.__name__}", bases, {"__module__": __name__})
     client.__class__ = _CLIENTS[cls]
     return client
-
-
-@contextlib.contextmanager
-def session_ledger() -> Iterator[list]:
-    """A fresh ledger for the session run inside (its tasks inherit it: ``asyncio`` copies the context)."""
-    ledger: list = []
-    token = _LEDGER.set(ledger)
-    try:
-        yield ledger
-    finally:
-        _LEDGER.reset(token)
-
-
-def session_version_tokens() -> Optional[dict]:
-    """``{VERSION_TOKENS_TAG: [[version, tokens], ...]}`` of the running session, or ``None`` outside one."""
-    ledger = _LEDGER.get()
-    return None if ledger is None else {VERSION_TOKENS_TAG: version_tokens(ledger)}
 
 
 class StaleGroupPolicy:
@@ -159,9 +140,11 @@ class StaleGroupPolicy:
         if missing:
             raise TrajConfigError(
                 f"traj.max_staleness={self.max_staleness} is set, but the rows of group {missing[0]!r} carry no "
-                f"{VERSION_TOKENS_TAG!r} tag: they were not stored by verl_traj's agent-loop worker, so the versions "
-                "of their tokens are unknown. Fix: keep actor_rollout_ref.rollout.agent.agent_loop_manager_class as "
-                "verl_traj sets it (or subclass TrajAgentLoopManagerTQ), or unset traj.max_staleness.",
+                f"{VERSION_TOKENS_TAG!r} tag, so the versions of their tokens are unknown: the rollout server reported "
+                "no policy version (extra_fields['global_steps']) or the rows were not stored by verl_traj's "
+                "agent-loop worker. Fix: use a rollout server that reports global_steps (verl's vLLM, SGLang and the "
+                "CPU server do), keep actor_rollout_ref.rollout.agent.agent_loop_manager_class as verl_traj sets it "
+                "(or subclass TrajAgentLoopManagerTQ), or unset traj.max_staleness.",
                 field="traj.max_staleness")
         return ledgers
 

@@ -1,10 +1,12 @@
-"""Staleness per trajectory on verl's v1 pieces (:mod:`verl_traj.integration.v1_staleness`):
+"""verl_traj's group policies on verl's v1 pieces (:mod:`verl_traj.integration.v1_staleness`, ``v1_failures``):
 
 * the version of every generate attempt, through verl's own ``FullyAsyncLLMServerClient`` resume loop (a partial
   rollout aborted at a weight sync and resumed under the next version), with only the Ray transport replaced;
 * verl's ``ReplayBufferAsync`` with verl_traj's group policies over a real TransferQueue (Ray + TQ in this process):
   ``drop`` evicts a group with one trajectory over the bound, whole, and verl refills it; ``defer`` holds sampling
-  until a running group that would pass the bound at the next step finishes, then trains it; both counted.
+  until a running group that would pass the bound at the next step finishes, then trains it; both counted;
+* a rollout that failed with a verl_traj refusal (the loop recorded something wrong) stops training with its message
+  instead of being dropped and refilled for ever.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import pytest
 from omegaconf import OmegaConf
 
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
-from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
+from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
 
 from verl_traj.config import TrajConfig
+from verl_traj.core.errors import TrajInputError
 from verl_traj.integration.v1_failures import with_group_policies
-from verl_traj.integration.v1_staleness import VERSION_TOKENS_TAG, record_versions, session_ledger, \
-    session_version_tokens
+from verl_traj.integration.session_ledger import VERSION_TOKENS_TAG, session_ledger
+from verl_traj.integration.v1_staleness import record_versions
 
 from tests.integration.test_v1_transfer_queue import tq  # noqa: F401  (the module's Ray + TransferQueue)
 
@@ -67,9 +70,9 @@ def test_each_attempt_of_a_resumed_partial_rollout_is_recorded_with_its_version(
     client = record_versions(FullyAsyncLLMServerClient(config, load_balancer_handle=_Balancer(_Server())))
 
     async def session():
-        with session_ledger():
+        with session_ledger() as ledger:
             out = await client.generate("req", prompt_ids=[1, 2, 3], sampling_params={"temperature": 1.0})
-            return out, session_version_tokens()
+            return out, ledger.tags()
 
     out, versions = asyncio.run(session())
     assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]) == (3, 4)  # verl's own tags
@@ -77,6 +80,21 @@ def test_each_attempt_of_a_resumed_partial_rollout_is_recorded_with_its_version(
     assert versions == {VERSION_TOKENS_TAG: [[3, 5], [4, 7]]}  # what verl's min/max cannot say: 5 old, 7 new
     assert type(client).__mro__.index(FullyAsyncLLMServerClient) < [c.__name__ for c in type(client).__mro__].index(
         "AttemptRecorder")  # below verl's resume loop, so each attempt passes through it
+
+
+def test_verls_plain_client_of_the_sync_mode_records_its_one_attempt_per_call():
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm", "response_length": 32}}})
+    server = _Server()
+    server.script = [(6, "completed", 2)]
+    client = record_versions(LLMServerClient(config, load_balancer_handle=_Balancer(server)))
+    assert record_versions(client) is client and isinstance(client, LLMServerClient)
+
+    async def session():
+        with session_ledger() as ledger:
+            await client.generate("req", prompt_ids=[1], sampling_params={})
+            return ledger.tags()
+
+    assert asyncio.run(session()) == {VERSION_TOKENS_TAG: [[2, 6]]}
 
 
 # ---- the replay buffer over a real TransferQueue -------------------------------------------------------------------
@@ -135,4 +153,22 @@ def test_defer_waits_for_a_running_group_that_would_pass_the_bound_and_then_trai
     assert metrics["traj_staleness/groups_deferred_total"] == 1.0
     assert 0.4 < metrics["traj_staleness/defer_wait_s_total"] < 30
     assert metrics["traj_staleness/groups_dropped_total"] == 0.0
+    _clear(tq)
+
+
+def test_a_verl_traj_refusal_in_a_rollout_stops_training_with_its_message_instead_of_refilling(tq):  # noqa: F811
+    """A loop that records something wrong fails every rollout the same way: dropping and refilling its groups would
+    loop for ever. The refusal's message, tagged by the failed session, is raised in the trainer."""
+    from verl_traj.core.failures import failure_tag
+    from verl_traj.stepwise.expand import StepExpansionError
+
+    _clear(tq)
+    error = StepExpansionError("step_rewards returned 2 rewards for 3 LLM calls", field="reward")
+    tq.kv_put(key="broken", partition_id="train",
+              tag={"is_prompt": True, "status": "failure", "global_steps": 6, **failure_tag(0, error)})
+    refills = []
+    buffer = _buffer(tq, "drop", refill=refills.append)
+    with pytest.raises(TrajInputError, match=r"group 'broken'.*StepExpansionError.*2 rewards for 3 LLM calls"):
+        buffer.sample(global_steps=6, partition_id="train", batch_size=1)
+    assert refills == []
     _clear(tq)
