@@ -14,6 +14,10 @@ Writes
 * ``OUT/compare.png``: per-step curves of every run, one panel per metric,
 * ``OUT/compare.json`` and each run's metrics (``OUT/NAME.jsonl``, its log ``OUT/NAME.log``).
 
+With ``--seeds 0,1,2`` every variant runs once per seed (``data.seed`` and ``actor_rollout_ref.rollout.seed``: the
+prompt order and the sampling); the tables give each metric's mean over the seeds with the seeds' spread, and the plot
+the mean reward with a min-max band over the seeds against training step, tokens trained and wall-clock.
+
 Metrics: mean reward per trajectory (``traj_reward/mean``; verl's ``critic/score/mean`` averages rows), optimizer
 steps per training step, the learning rate (the schedule's position), groups and trajectories split over
 mini-batches, padding rows, tokens trained, step time. For a stock run (``traj.enable=false``)
@@ -21,6 +25,7 @@ the split counts are observed on verl's own mini-batches (``stock_plan/*``; noth
 
     python scripts/compare.py --config-name cpu_tiny --steps 20 [--out compare/] [hydra overrides for every run ...]
     python scripts/compare.py --out compare/ --report-only [--variant ...]   # tables and plot from finished runs
+    python scripts/compare.py --config-name quickstart --steps 30 --seeds 0,1,2 --variant quick=   # over seeds
     python scripts/compare.py --config-name calc_agent_cpu --steps 30 --out compare_turns \\
         --variant stock=traj.enable=false --variant grpo= --variant ppo_gae=@calc_agent_cpu_ppo \\
         traj.step_wise=true 'actor_rollout_ref.rollout.agent.agent_loop_config_path=${verl_traj_pkg:}/configs/agent_loops/stepwise.yaml'
@@ -37,6 +42,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from verl_traj.metrics_log import load_metrics
 
@@ -86,20 +92,27 @@ def parse_variant(spec: str) -> Variant:
     return Variant(name, config, tuple(tokens))
 
 
-def run(variant: Variant, args, out: Path) -> list[dict]:
-    metrics = out / f"{variant.name}.jsonl"
+def run_name(variant: Variant, seed: Optional[int]) -> str:
+    """``NAME`` (the preset's seed) or ``NAME.sSEED``: the stem of the run's metrics and log files."""
+    return variant.name if seed is None else f"{variant.name}.s{seed}"
+
+
+def run(variant: Variant, args, out: Path, seed: Optional[int] = None) -> list[dict]:
+    name = run_name(variant, seed)
+    metrics = out / f"{name}.jsonl"
     metrics.unlink(missing_ok=True)
     env = dict(os.environ, VERL_FILE_LOGGER_PATH=str(metrics))
+    seeded = [] if seed is None else [f"data.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}"]
     cmd = [sys.executable, "-m", "verl_traj.main_ppo", "--config-name", variant.config_name or args.config_name,
            f"trainer.total_training_steps={args.steps}", "trainer.logger=[console,file]",
            "trainer.resume_mode=disable", f"trainer.experiment_name=compare_{variant.name}", *args.overrides,
-           *variant.overrides]
+           *variant.overrides, *seeded]
     t0 = time.time()
-    with open(out / f"{variant.name}.log", "w") as log:
+    with open(out / f"{name}.log", "w") as log:
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     if rc != 0:
-        raise SystemExit(f"the {variant.name} run failed (exit {rc}); see {out / f'{variant.name}.log'}")
-    print(f"[compare] {variant.name}: {args.steps} steps in {time.time() - t0:.0f} s", file=sys.stderr)
+        raise SystemExit(f"the {name} run failed (exit {rc}); see {out / f'{name}.log'}")
+    print(f"[compare] {name}: {args.steps} steps in {time.time() - t0:.0f} s", file=sys.stderr)
     return load_metrics(str(metrics))
 
 
@@ -135,6 +148,63 @@ def tables(runs: dict[Variant, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def seed_trend(per_seed: list[list[float]]) -> dict:
+    """Each seed's first third -> last third of its steps (means) and the trend between, over ``S`` seeds' series:
+    ``first``, ``last``, ``trend`` (means over the seeds), ``trends`` (each seed's), ``step_spread`` (mean over the
+    steps of max - min across the seeds: how far apart seeds are at one step)."""
+    thirds = [(_mean(v[:max(len(v) // 3, 1)]), _mean(v[-max(len(v) // 3, 1):])) for v in per_seed if v]
+    trends = [last - first for first, last in thirds]
+    steps = min((len(v) for v in per_seed), default=0)
+    spread = _mean([max(v[i] for v in per_seed) - min(v[i] for v in per_seed) for i in range(steps)])
+    return {"first": _mean([f for f, _ in thirds]), "last": _mean([l for _, l in thirds]), "trend": _mean(trends),
+            "trends": trends, "step_spread": spread}
+
+
+def _seed_cell(per_seed: list[list[float]]) -> str:
+    if not any(per_seed):
+        return "-"
+    t = seed_trend(per_seed)
+    each = ", ".join(f"{d:+.3g}" for d in t["trends"])
+    return f"{t['first']:.4g} → {t['last']:.4g} ({t['trend']:+.3g}; seeds {each})"
+
+
+def seed_tables(runs: dict) -> str:
+    """Tables over seeds: per metric and variant, the mean over seeds of first third -> last third with each seed's
+    trend; then the mean reward per step, mean [min, max] over the seeds."""
+    names = [v.name for v in runs]
+    lines = ["| metric | " + " | ".join(f"{n}: first third → last third, mean over seeds (trend; each seed's)"
+                                         for n in names) + " |", "|---|" + "---|" * len(names)]
+    for row in ROWS:
+        cells = [_seed_cell([_series(rows, v.key(row)) for rows in seeds.values()]) for v, seeds in runs.items()]
+        lines.append(f"| {row[0]} | " + " | ".join(cells) + " |")
+    lines += ["", "| step | " + " | ".join(f"{n}: {ROWS[0][0]}, mean [min, max] over seeds" for n in names) + " |",
+              "|---|" + "---|" * len(names)]
+    series = {v: [_series(rows, v.key(ROWS[0])) for rows in seeds.values()] for v, seeds in runs.items()}
+    for i in range(max(len(x) for per in series.values() for x in per)):
+        cells = []
+        for per in series.values():
+            at = [x[i] for x in per if i < len(x)]
+            cells.append(f"{_mean(at):.3f} [{min(at):.3f}, {max(at):.3f}]" if at else "-")
+        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def verdicts(runs: dict) -> str:
+    """One line per variant: the reward's trend over the seeds, next to how far apart the seeds are."""
+    out = []
+    for v, seeds in runs.items():
+        t = seed_trend([_series(rows, v.key(ROWS[0])) for rows in seeds.values()])
+        out.append(f"{v.name}: {ROWS[0][0]} {t['first']:.3f} → {t['last']:.3f} (first → last third, mean of "
+                   f"{len(seeds)} seeds): trend {t['trend']:+.3f}, each seed {', '.join(f'{d:+.3f}' for d in t['trends'])}"
+                   f"; the seeds' trends span {max(t['trends']) - min(t['trends']):.3f}, one step's reward "
+                   f"{t['step_spread']:.3f} (mean max - min over the seeds)")
+    return "\n".join(out)
+
+
 def _rolling(values: list[float], window: int) -> list[float]:
     """Mean of the last ``window`` values at each step (fewer at the start)."""
     return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
@@ -164,6 +234,57 @@ def plot(runs: dict[Variant, list[dict]], path: Path, title: str, panels: int = 
     fig.savefig(path, dpi=100)
 
 
+AXES = (("training step", None), ("tokens trained", "perf/total_num_tokens"), ("wall-clock (s)", "timing_s/step"))
+
+
+def plot_seeds(runs: dict, path: Path, title: str, window: int = 1) -> None:
+    """The mean reward per trajectory of each variant against training step, tokens trained (cumulative) and
+    wall-clock (cumulative step time): the mean over seeds at each step (at the seeds' mean x), and a min-max band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(AXES), figsize=(5 * len(AXES), 3.6), sharey=True, squeeze=False)
+    for ax, (label, key) in zip(axes[0], AXES):
+        for v, seeds in runs.items():
+            per = [(_rolling(_series(rows, v.key(ROWS[0])), window),
+                    _cumulative(rows, key, v.key(ROWS[0]))) for rows in seeds.values()]
+            n = min(len(y) for y, _ in per)
+            if not n:
+                continue
+            x = [_mean([xs[i] for _, xs in per]) for i in range(n)]
+            ys = [[y[i] for y, _ in per] for i in range(n)]
+            line = ax.plot(x, [_mean(y) for y in ys], linewidth=1.6, label=f"{v.name} ({len(per)} seeds)")[0]
+            ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.18)
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0, 0].set_ylabel(ROWS[0][0] + (f" (mean of {window} steps)" if window > 1 else ""), fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _cumulative(rows: list[dict], key: Optional[str], present: str) -> list[float]:
+    """The x of each step that logged ``present``: its step number (``key`` None), else the running sum of ``key``."""
+    xs, total = [], 0.0
+    for r in rows:
+        total += float(r.get(key, 0.0)) if key else 0.0
+        if present in r:
+            xs.append(total if key else float(r["step"]))
+    return xs
+
+
+def _load(out: Path, variants: list, seeds: list) -> dict:
+    """``--report-only``: each variant's finished runs (one per seed)."""
+    missing = [str(out / f"{run_name(v, s)}.jsonl") for v in variants for s in seeds
+               if not (out / f"{run_name(v, s)}.jsonl").is_file()]
+    if missing:
+        raise SystemExit(f"--report-only: no metrics at {missing}; run without --report-only first")
+    return {v: {s: load_metrics(str(out / f"{run_name(v, s)}.jsonl")) for s in seeds} for v in variants}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config-name", default="cpu_tiny")
@@ -175,30 +296,38 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=1, help="plot rolling means over this many steps")
     ap.add_argument("--report-only", action="store_true",
                     help="run nothing: rebuild the tables and the plot from the variants' OUT/NAME.jsonl")
+    ap.add_argument("--seeds", default="", help="comma-separated seeds: each variant runs once per seed (data.seed, "
+                    "actor_rollout_ref.rollout.seed); the report gives means and spreads over them")
     ap.add_argument("overrides", nargs="*", help="hydra overrides applied to every run")
     args = ap.parse_args(argv)
     variants = [parse_variant(s) for s in (args.variant or DEFAULT_VARIANTS)]
     if len({v.name for v in variants}) != len(variants):
         raise SystemExit(f"--variant names must differ: {[v.name for v in variants]}")
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()] or [None]
+    except ValueError:
+        raise SystemExit(f"--seeds {args.seeds!r}: expected comma-separated integers, e.g. --seeds 0,1,2")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    if args.report_only:
-        missing = [str(out / f"{v.name}.jsonl") for v in variants if not (out / f"{v.name}.jsonl").is_file()]
-        if missing:
-            raise SystemExit(f"--report-only: no metrics at {missing}; run without --report-only first")
-        runs = {v: load_metrics(str(out / f"{v.name}.jsonl")) for v in variants}
-    else:
-        runs = {v: run(v, args, out) for v in variants}
-    text = tables(runs)
+    runs = _load(out, variants, seeds) if args.report_only else \
+        {v: {s: run(v, args, out, s) for s in seeds} for v in variants}
+    single = seeds == [None]
+    text = tables({v: r[None] for v, r in runs.items()}) if single else seed_tables(runs) + "\n\n" + verdicts(runs)
     cmd = shlex.join(["python", "scripts/compare.py", "--config-name", args.config_name, "--steps", str(args.steps),
+                      *([f"--seeds={args.seeds}"] if not single else []),
                       *[f"--variant={s}" for s in args.variant], *args.overrides])
     (out / "compare.md").write_text(f"# side by side\n\n`{cmd}`\n\n{text}\n")
     (out / "compare.json").write_text(json.dumps(
-        {"command": cmd, "runs": {v.name: {"config_name": v.config_name or args.config_name,
-                                           "overrides": list(v.overrides), "metrics": rows}
-                                  for v, rows in runs.items()}}, indent=1))
-    plot(runs, out / "compare.png", f"{args.config_name}: {' vs '.join(v.name for v in variants)}, same seed and data",
-         panels=max(1, min(args.panels, len(ROWS))), window=max(1, args.window))
+        {"command": cmd, "seeds": seeds,
+         "runs": {v.name: {"config_name": v.config_name or args.config_name, "overrides": list(v.overrides),
+                           **({"metrics": r[None]} if single else {"metrics_by_seed": {str(s): m for s, m in r.items()}})}
+                  for v, r in runs.items()}}, indent=1))
+    title = f"{args.config_name}: {' vs '.join(v.name for v in variants)}"
+    if single:
+        plot({v: r[None] for v, r in runs.items()}, out / "compare.png", f"{title}, same seed and data",
+             panels=max(1, min(args.panels, len(ROWS))), window=max(1, args.window))
+    else:
+        plot_seeds(runs, out / "compare.png", f"{title}, seeds {args.seeds}", window=max(1, args.window))
     print(text)
     print(f"\nwrote {out / 'compare.md'}, {out / 'compare.png'}, {out / 'compare.json'}")
     return 0

@@ -44,3 +44,21 @@ def test_a_bad_variant_or_missing_run_names_the_fix(tmp_path):
     assert bad.returncode != 0 and "expected NAME=[@CONFIG] [OVERRIDES]" in bad.stderr
     missing = _compare("--out", str(tmp_path), "--report-only", "--variant", "grpo=")
     assert missing.returncode != 0 and "run without --report-only first" in missing.stderr
+
+
+def test_over_seeds_the_report_gives_each_seeds_trend_the_mean_and_the_spread(tmp_path):
+    rewards = {0: [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], 1: [0.2, 0.2, 0.3, 0.3, 0.4, 0.4], 2: [0.3, 0.1, 0.4, 0.2, 0.5, 0.3]}
+    for seed, series in rewards.items():
+        _write(tmp_path / f"grpo.s{seed}.jsonl", [{"traj_reward/mean": r, "perf/total_num_tokens": 100.0,
+                                                   "timing_s/step": 2.0} for r in series])
+    run = _compare("--out", str(tmp_path), "--report-only", "--seeds", "0,1,2", "--variant", "grpo=")
+    assert run.returncode == 0, run.stderr
+    table = (tmp_path / "compare.md").read_text()
+    # first third -> last third per seed: 0.15 -> 0.55 (+0.4), 0.2 -> 0.4 (+0.2), 0.2 -> 0.4 (+0.2)
+    assert "| mean reward per trajectory | 0.1833 → 0.45 (+0.267; seeds +0.4, +0.2, +0.2) |" in table
+    assert "| 2 | 0.167 [0.100, 0.200] |" in table  # step 2 over the three seeds
+    assert "trend +0.267, each seed +0.400, +0.200, +0.200; the seeds' trends span 0.200" in table
+    assert (tmp_path / "compare.png").stat().st_size > 0
+    assert set(json.loads((tmp_path / "compare.json").read_text())["runs"]["grpo"]["metrics_by_seed"]) == {"0", "1", "2"}
+    bad = _compare("--out", str(tmp_path), "--report-only", "--seeds", "0,x", "--variant", "grpo=")
+    assert bad.returncode != 0 and "comma-separated integers" in bad.stderr

@@ -18,3 +18,15 @@ def test_run_equals_planned_and_the_gspo_prepass_is_reported_apart():
 
 def test_no_prepass_line_without_gspo_at_trajectory_scope():
     assert "pre-pass" not in summarize([_row()])
+
+
+def test_the_reward_is_reported_as_a_trend_and_malformed_tool_calls_as_a_share_per_step():
+    rewards = [0.40, 0.50, 0.42, 0.52, 0.55, 0.61, 0.58, 0.60, 0.62, 0.66]
+    shares = [0.10, 0.08, 0.05, 0.04, 0.02, 0.0, 0.0, 0.0, 0.01, 0.0]
+    text = summarize([_row(**{"traj_reward/mean": r, "traj_agent/malformed_tool_call_share": m})
+                      for r, m in zip(rewards, shares)])
+    assert "- mean reward per trajectory: 0.440 (steps 1-3) -> 0.627 (steps 8-10), +0.187; moving average of 5 " \
+           "steps 0.478 -> 0.614" in text
+    assert "10.0% of calls at step 1 -> 0.0% at step 10 (per step: 10% 8% 5% 4% 2% 0% 0% 0% 1% 0%)" in text
+    assert "moving average" not in summarize([_row(**{"traj_reward/mean": r}) for r in rewards[:6]])
+    assert "malformed" not in summarize([_row(**{"critic/score/mean": 0.5})])

@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Optional
 
-from verl_traj.metrics_log import load_metrics
+from verl_traj.metrics_log import load_metrics, moving_average
 
 __all__ = ["summarize"]
 
@@ -46,14 +46,43 @@ def _line_merge(rows: list[dict]) -> Optional[str]:
             f"{before:.0f} -> {after:.0f} training tokens ({before / max(after, 1):.2f}x fewer), loss tokens unchanged")
 
 
+def _line_reward(rows: list[dict], window: int = 5) -> Optional[str]:
+    """The reward's trend, readable through per-step noise: first third -> last third of the steps (means), and the
+    moving average at the first and last step (per trajectory where logged, else verl's per-row mean)."""
+    key = "traj_reward/mean" if _values(rows, "traj_reward/mean") else "critic/score/mean"
+    reward = _values(rows, key)
+    if not reward:
+        return None
+    what = "mean reward per trajectory" if key == "traj_reward/mean" else "mean reward"
+    if len(reward) < 3:
+        return f"- {what}: {reward[0]:.3f} (step 1) -> {reward[-1]:.3f} (step {len(reward)})"
+    n, third = len(reward), len(reward) // 3
+    first, last = sum(reward[:third]) / third, sum(reward[-third:]) / third
+    line = (f"- {what}: {first:.3f} (steps 1-{third}) -> {last:.3f} (steps {n - third + 1}-{n}), "
+            f"{last - first:+.3f}")
+    if n >= 2 * window:  # a moving average needs room to move
+        smooth = moving_average(reward, window)
+        line += f"; moving average of {window} steps {smooth[window - 1]:.3f} -> {smooth[-1]:.3f}"
+    return line
+
+
+def _line_tool_calls(rows: list[dict]) -> Optional[str]:
+    """Tool calls the model wrote malformed, as a share per step (the policy learning the call format)."""
+    share = _values(rows, "traj_agent/malformed_tool_call_share")
+    if not share:
+        return None
+    per_step = " ".join(f"{100 * v:.0f}%" for v in share)
+    return (f"- malformed tool calls (the parser could not decode them; counted, not logged as errors): "
+            f"{100 * share[0]:.1f}% of calls at step 1 -> {100 * share[-1]:.1f}% at step {len(share)} "
+            f"(per step: {per_step})")
+
+
 def summarize(rows: list[dict], metrics_path: str = "", plot_path: str = "") -> str:
     """A short human-readable account of the run (see the module docstring)."""
     if not rows:
         return "no metrics logged (use trainer.logger=[console,file])"
-    reward = _values(rows, "critic/score/mean")
     lines = [f"verl_traj summary: {len(rows)} training steps"]
-    if reward:
-        lines.append(f"- mean reward: {reward[0]:.3f} (step 1) -> {reward[-1]:.3f} (step {len(reward)})")
+    lines += [line for line in (_line_reward(rows), _line_tool_calls(rows)) if line]
     lines += [_line_units(rows), _line_steps(rows)]
     merge = _line_merge(rows)
     if merge:
