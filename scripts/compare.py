@@ -105,7 +105,7 @@ def run(variant: Variant, args, out: Path, seed: Optional[int] = None) -> list[d
     seeded = [] if seed is None else [f"data.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}"]
     cmd = [sys.executable, "-m", "verl_traj.main_ppo", "--config-name", variant.config_name or args.config_name,
            f"trainer.total_training_steps={args.steps}", "trainer.logger=[console,file]",
-           "trainer.resume_mode=disable", f"trainer.experiment_name=compare_{variant.name}", *args.overrides,
+           "trainer.resume_mode=disable", f"trainer.experiment_name=compare_{name}", *args.overrides,
            *variant.overrides, *seeded]
     t0 = time.time()
     with open(out / f"{name}.log", "w") as log:
@@ -198,6 +198,9 @@ def verdicts(runs: dict) -> str:
     out = []
     for v, seeds in runs.items():
         t = seed_trend([_series(rows, v.key(ROWS[0])) for rows in seeds.values()])
+        if not t["trends"]:
+            out.append(f"{v.name}: no {ROWS[0][0]} logged")
+            continue
         out.append(f"{v.name}: {ROWS[0][0]} {t['first']:.3f} → {t['last']:.3f} (first → last third, mean of "
                    f"{len(seeds)} seeds): trend {t['trend']:+.3f}, each seed {', '.join(f'{d:+.3f}' for d in t['trends'])}"
                    f"; the seeds' trends span {max(t['trends']) - min(t['trends']):.3f}, one step's reward "

@@ -138,6 +138,10 @@ class TrajConfig:
         _check_choice("traj.failed_groups", self.failed_groups, FAILED_GROUP_POLICIES)
         _check_choice("traj.stale_groups", self.stale_groups, STALE_GROUP_POLICIES)
         check_bound(self.max_staleness, error=TrajConfigError)
+        if self.stale_groups != "drop" and self.max_staleness is None:
+            raise TrajConfigError(
+                f"traj.stale_groups={self.stale_groups!r} without traj.max_staleness: there is no bound to defer for. "
+                "Fix: set traj.max_staleness (a number >= 1), or remove traj.stale_groups.", field="traj.stale_groups")
         timeout = self.trajectory_timeout_s
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
             raise TrajConfigError(

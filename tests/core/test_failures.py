@@ -56,14 +56,16 @@ def test_reasons_and_tags():
                                            "traj_failure/trajectories_failed_total": 0.0}
 
 
-def test_a_verl_traj_refusal_is_tagged_fatal_and_raised_with_its_message_and_a_rollout_error_is_not():
+def test_a_refusal_of_the_loops_contract_is_tagged_fatal_and_raised_and_a_refusal_of_one_rollouts_data_is_not():
     from verl_traj.core.errors import TrajInputError
     from verl_traj.core.failures import FATAL_TAG, fatal_failure
 
-    refusal = failure_tag(2, TrajInputError("reward=nan is not a finite number", field="reward"))
+    contract = failure_tag(2, TrajInputError("step_rewards returned 2 rewards for 3 LLM calls", field="step_rewards",
+                                             every_rollout=True))
+    data = failure_tag(1, TrajInputError("response_logprobs holds NaN", field="response_logprobs"))
     crash = failure_tag(0, RuntimeError("sandbox died"))
-    assert FATAL_TAG in refusal and FATAL_TAG not in crash
-    assert failure_metrics({"g": refusal}, {"g"}, ())["traj_failure/trajectories_failed_total"] == 1.0  # one session
-    fatal_failure({"g": crash})  # an ordinary failure: the group policy handles it
-    with pytest.raises(TrajInputError, match=r"group 'g'.*TrajInputError: reward=nan"):
-        fatal_failure({"h": crash, "g": refusal})
+    assert FATAL_TAG in contract and FATAL_TAG not in data and FATAL_TAG not in crash
+    assert failure_metrics({"g": contract}, {"g"}, ())["traj_failure/trajectories_failed_total"] == 1.0  # one session
+    fatal_failure({"g": crash, "h": data})  # ordinary failures: the group policy handles them
+    with pytest.raises(TrajInputError, match=r"group 'g'.*TrajInputError: step_rewards returned 2 rewards"):
+        fatal_failure({"h": crash, "g": contract})

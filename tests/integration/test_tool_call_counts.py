@@ -43,6 +43,21 @@ def test_a_sessions_malformed_tool_calls_are_counted_not_logged_and_logged_outsi
     assert [r for r in caplog.records if "Failed to decode tool call" in r.getMessage()]
 
 
+def test_every_verl_parsers_decode_failure_is_counted_and_other_records_pass():
+    from verl_traj.integration.stepwise_agent_loop import MalformedToolCallCounter
+
+    counter = MalformedToolCallCounter()
+
+    def record(msg):
+        return logging.LogRecord("verl", logging.ERROR, __file__, 1, msg, None, None)
+
+    with session_ledger() as ledger:
+        assert not counter.filter(record("Failed to decode tool call: Expecting value"))  # hermes, gpt-oss
+        assert not counter.filter(record("Failed to decode GLM tool call: bad json"))  # glm, seed, minimax, ...
+        assert counter.filter(record("Failed to load tool config"))  # not a model's malformed call: logged
+    assert ledger.malformed_tool_calls == 2
+
+
 def test_tool_call_metrics_are_shares_of_the_calls_written():
     tags = [{TOOL_CALLS_TAG: [3, 1]}, {TOOL_CALLS_TAG: [2, 0]}, {}]
     out = tool_call_metrics(tags)

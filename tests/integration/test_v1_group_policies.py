@@ -107,11 +107,11 @@ def _put_group(tq, uid: str, dispatched: int, ledgers: list, status: str = "fini
     tq.kv_put(key=uid, partition_id="train", tag={"is_prompt": True, "status": status, "global_steps": dispatched})
 
 
-def _buffer(tq, policy: str, refill):
+def _buffer(tq, policy: str, refill, failed_groups: str = "drop"):
     buffer = ReplayBufferAsync(trainer_mode="colocate_async", trainer_config=OmegaConf.create({}),
                                max_off_policy_threshold=None, max_off_policy_strategy="drop",
                                sampler_kwargs=OmegaConf.create({}), poll_interval=0.05, refill_fn=refill)
-    return with_group_policies(buffer, TrajConfig(max_staleness=1.0, stale_groups=policy))
+    return with_group_policies(buffer, TrajConfig(max_staleness=1.0, stale_groups=policy, failed_groups=failed_groups))
 
 
 def _clear(tq) -> None:
@@ -133,6 +133,22 @@ def test_drop_evicts_the_whole_group_over_the_bound_and_verl_refills_it(tq):  # 
     left = (tq.kv_list(partition_id="train") or {}).get("train", {})
     assert not any(key.startswith("stale") for key in left)  # both sessions gone, never half the group
     assert metrics["traj_staleness/groups_deferred_total"] == 0.0
+
+
+def test_a_failed_group_kept_for_its_survivors_is_still_bounded(tq):  # noqa: F811
+    """traj.failed_groups=keep_survivors keeps a failed group that has finished sessions; a stale one is dropped all
+    the same (the bound holds for every group that could train)."""
+    from verl_traj.core.failures import failure_tag
+
+    _clear(tq)
+    _put_group(tq, "fresh", 5, [[[5, 8]]])
+    _put_group(tq, "stale_survivor", 3, [[[3, 10]]], status="failure")  # session 0 finished, 2 versions behind
+    tq.kv_put(key="stale_survivor", partition_id="train", tag=failure_tag(1, RuntimeError("sandbox died")))
+    buffer = _buffer(tq, "drop", lambda k: _put_group(tq, "refill", 6, [[[5, 6]]]), failed_groups="keep_survivors")
+    batch, metrics = buffer.sample(global_steps=6, partition_id="train", batch_size=2)
+    assert sorted({key.split("_")[0] for key in batch.keys}) == ["fresh", "refill"]
+    assert metrics["traj_staleness/groups_dropped_total"] == 1.0
+    _clear(tq)
 
 
 def test_defer_waits_for_a_running_group_that_would_pass_the_bound_and_then_trains_it(tq):  # noqa: F811
@@ -163,7 +179,8 @@ def test_a_verl_traj_refusal_in_a_rollout_stops_training_with_its_message_instea
     from verl_traj.stepwise.expand import StepExpansionError
 
     _clear(tq)
-    error = StepExpansionError("step_rewards returned 2 rewards for 3 LLM calls", field="reward")
+    error = StepExpansionError("step_rewards returned 2 rewards for 3 LLM calls", field="step_rewards",
+                               every_rollout=True)
     tq.kv_put(key="broken", partition_id="train",
               tag={"is_prompt": True, "status": "failure", "global_steps": 6, **failure_tag(0, error)})
     refills = []

@@ -345,3 +345,33 @@ def test_trajectory_ratios_give_step_rows_and_merged_rows_the_same_weights(rs):
         assert metrics[merge]["traj_ratio/trajectories"] == 4
     if rs:  # the geometric-mean bounds reject some trajectory (whole, checked above), not all
         assert 0 < metrics[False]["traj_ratio/rejected_share"] < 1
+
+
+def test_a_wrong_turn_reward_count_is_refused_as_a_contract_every_rollout_breaks():
+    """Regression (issue 31 review): step_rewards of the wrong length raised a plain ValueError, so v1 dropped and
+    refilled its groups for ever; now a StepExpansionError that stops training (core.failures.FATAL_TAG)."""
+    from types import SimpleNamespace
+
+    from verl_traj.core.failures import FATAL_TAG, failure_tag
+    from verl_traj.stepwise.expand import StepExpansionError
+
+    class Server:
+        async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
+            return SimpleNamespace(token_ids=[5], log_probs=[-0.1])
+
+    class TwoCalls:
+        def __init__(self):
+            self.server_manager, self.response_length, self.config = Server(), 8, None
+
+        async def run(self, sampling_params, **kwargs):
+            await self.server_manager.generate("r", prompt_ids=[1], sampling_params={})
+            await self.server_manager.generate("r", prompt_ids=[1, 5, 2], sampling_params={})
+            return SimpleNamespace(prompt_ids=[1], extra_fields={})
+
+    class OneRewardTooFew(sal.StepRecordingMixin, TwoCalls):
+        def step_rewards(self, calls, output):
+            return [0.1]
+
+    with pytest.raises(StepExpansionError, match=r"step_rewards returned 1 rewards for 2 LLM calls. Fix") as err:
+        asyncio.run(OneRewardTooFew().run({}))
+    assert err.value.field == "step_rewards" and FATAL_TAG in failure_tag(0, err.value)

@@ -49,12 +49,15 @@ class TrajInputError(ValueError):
     ``None`` only for errors raised without one (older call sites); it survives pickling (Ray).
     """
 
-    def __init__(self, message: str, *, field: Optional[str] = None):
+    def __init__(self, message: str, *, field: Optional[str] = None, every_rollout: bool = False):
         message = str(message)
         if field is not None and field not in message:
             message = f"{field}: {message}"
         super().__init__(message)
         self.field = field
+        # raised by an agent loop that breaks a contract every rollout breaks the same way (a loop without step
+        # records, a wrong reward count): a failed rollout that no refill can fix (core.failures.FATAL_TAG)
+        self.every_rollout = every_rollout
 
     @classmethod
     def invalid(cls, field: str, value: Any, problem: str, fix: str) -> "TrajInputError":

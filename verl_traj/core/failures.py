@@ -44,11 +44,12 @@ def failure_reason(error: BaseException) -> str:
 
 def failure_tag(session_id: int, error: BaseException) -> dict[str, str]:
     """The tag a failed session adds to its group's prompt key (one field per session: concurrent sessions of a group
-    write different fields, and TransferQueue merges a key's tags). A verl_traj refusal (:class:`TrajInputError`: the
-    loop recorded something wrong, the same in every rollout) also carries its message under :data:`FATAL_TAG`:
-    dropping and refilling would only repeat it."""
+    write different fields, and TransferQueue merges a key's tags). A verl_traj refusal of the loop's contract
+    (a :class:`TrajInputError` raised with ``every_rollout=True``: every rollout would break it the same way) also
+    carries its message under :data:`FATAL_TAG`: dropping and refilling would only repeat it. A refusal of one
+    rollout's data (a NaN log-prob) fails that group only."""
     tag = {f"{FAILURE_TAG_PREFIX}{int(session_id)}": failure_reason(error)}
-    if isinstance(error, TrajInputError):
+    if isinstance(error, TrajInputError) and error.every_rollout:
         tag[FATAL_TAG] = f"{type(error).__name__}: {error}"
     return tag
 

@@ -116,14 +116,14 @@ def token_staleness_metrics(ledgers: Sequence[VersionTokens], trained_version: i
 
 def check_bound(bound: Optional[float], field: str = "traj.max_staleness", error: type = TrajInputError) -> None:
     """``bound``: ``None`` or a finite number >= 1 (policy versions), else ``error`` (a :class:`TrajInputError`
-    subclass) naming it. Below 1 an async trainer could wait or drop for ever: the freshest group it can sample was
-    dispatched a step earlier, its first tokens one version behind (and ``defer`` would wait for every running group,
-    the ones dispatched this step too)."""
+    subclass) naming it. Below 1, ``defer`` would wait for the groups dispatched in the current step too, which the
+    rollout keeps replacing (it would wait for ever), and ``drop`` would evict every group not generated entirely
+    after the last weight sync."""
     if bound is None:
         return
     if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not math.isfinite(bound) or bound < 1:
         raise error.invalid(
             field, bound, "is not a staleness bound: the most a trajectory's token staleness (the token-weighted "
             "mean of how many policy versions each token is behind the policy being trained) may be when it trains, "
-            "at least 1 (an async trainer's freshest groups are one version behind)", "set a number >= 1 (1: on "
+            "at least 1 (below, defer would wait for ever)", "set a number >= 1 (1: on "
             "average at most one update behind; 2.5: two and a half), or null for no bound")

@@ -24,17 +24,19 @@ TOOL_CALLS_TAG = "traj_tool_calls"  # [parsed, malformed]: the session's tool ca
 
 @dataclass
 class SessionLedger:
-    """One session's generate attempts ``(version, tokens)`` and tool-call counts."""
+    """One session's agent loop (its registered name, for messages), generate attempts ``(version, tokens)`` and
+    tool-call counts."""
 
+    agent_name: Optional[str] = None
     attempts: list = field(default_factory=list)
     tool_calls: int = 0
     malformed_tool_calls: int = 0
 
     def tags(self) -> dict:
-        """The last row's tags: :data:`VERSION_TOKENS_TAG` when the server reported the version of every attempt
-        that generated tokens (``traj.max_staleness`` refuses rows without it), :data:`TOOL_CALLS_TAG` when the loop
-        parsed tool calls."""
-        known = all(v is not None or n <= 0 for v, n in self.attempts)
+        """The last row's tags: :data:`VERSION_TOKENS_TAG` when attempts were recorded and the server reported the
+        version of every one that generated tokens (``traj.max_staleness`` refuses rows without it: a loop whose calls
+        bypass the recorder must not pass for fresh), :data:`TOOL_CALLS_TAG` when the loop parsed tool calls."""
+        known = bool(self.attempts) and all(v is not None or n <= 0 for v, n in self.attempts)
         out = {VERSION_TOKENS_TAG: version_tokens(self.attempts)} if known else {}
         if self.tool_calls or self.malformed_tool_calls:
             out[TOOL_CALLS_TAG] = [self.tool_calls, self.malformed_tool_calls]
@@ -45,9 +47,10 @@ class SessionLedger:
         version of its tokens) from the loop's ``extra_fields``; verl's own loops copy them from the server's output,
         a loop of one's own may not. Filled from the recorded attempts where missing."""
         versions = [v for v, n in self.attempts if v is not None]
-        if versions:
-            extra_fields.setdefault("min_global_steps", min(versions))
-            extra_fields.setdefault("max_global_steps", max(versions))
+        for key, value in (("min_global_steps", min(versions, default=None)),
+                           ("max_global_steps", max(versions, default=None))):
+            if extra_fields.get(key) is None and value is not None:
+                extra_fields[key] = value
 
 
 _LEDGER: contextvars.ContextVar[Optional[SessionLedger]] = contextvars.ContextVar("verl_traj_session_ledger",
@@ -55,9 +58,9 @@ _LEDGER: contextvars.ContextVar[Optional[SessionLedger]] = contextvars.ContextVa
 
 
 @contextlib.contextmanager
-def session_ledger() -> Iterator[SessionLedger]:
-    """A fresh ledger for the session run inside."""
-    ledger = SessionLedger()
+def session_ledger(agent_name: Optional[str] = None) -> Iterator[SessionLedger]:
+    """A fresh ledger for the session run inside (``agent_name``: its agent loop's registered name)."""
+    ledger = SessionLedger(agent_name=agent_name)
     token = _LEDGER.set(ledger)
     try:
         yield ledger

@@ -18,13 +18,14 @@ worker processes). The reward is computed once per trajectory in the agent loop 
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Optional
 from uuid import uuid4
 
 from verl_traj.config import TrajConfig
 from verl_traj.integration.process_patches import install, tool_parser_log_patches
 from verl_traj.integration.session_ledger import current_ledger
-from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, encode_step_records
+from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, StepExpansionError, encode_step_records
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,9 @@ class RecordingServerManager:
         return getattr(self._inner, name)
 
 
-MALFORMED_TOOL_CALL_LOG = "Failed to decode tool call"  # what verl's tool parsers log, at ERROR, for each one
+# what verl 0.9.1's tool parsers log, at ERROR, for each call they cannot decode ("Failed to decode tool call: ...",
+# "Failed to decode GLM tool call: ...", ...); a call they drop without a log line is not counted
+MALFORMED_TOOL_CALL_LOG = re.compile(r"Failed to decode (\S+ )?tool call")
 
 
 class MalformedToolCallCounter(logging.Filter):
@@ -79,7 +82,7 @@ class MalformedToolCallCounter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         ledger = current_ledger()
-        if ledger is None or not str(record.msg).startswith(MALFORMED_TOOL_CALL_LOG):
+        if ledger is None or not MALFORMED_TOOL_CALL_LOG.match(str(record.msg)):
             return True
         ledger.malformed_tool_calls += 1
         return False
@@ -153,8 +156,9 @@ class StepRecordingMixin:
         rewards = self.step_rewards(calls, output)
         if rewards is not None:
             if len(rewards) != len(calls):
-                raise ValueError(f"step_rewards returned {len(rewards)} rewards for {len(calls)} LLM calls: give one "
-                                 "reward per recorded call (0.0 for none).")
+                raise StepExpansionError(
+                    f"step_rewards returned {len(rewards)} rewards for {len(calls)} LLM calls. Fix: give one reward "
+                    "per recorded call (0.0 for none).", field="step_rewards", every_rollout=True)
             calls = [dict(call, reward=float(r)) for call, r in zip(calls, rewards)]
         output.extra_fields[DEFAULT_STEPS_KEY] = encode_step_records(truncate_calls(calls, budget))
         traj_cfg = TrajConfig.of(getattr(self, "config", None))

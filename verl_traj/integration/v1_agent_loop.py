@@ -110,7 +110,7 @@ def check_recorded(output: AgentLoopOutput, agent_name: Any) -> None:
             f"traj.step_wise=true, but agent loop {agent_name!r} returned a trajectory of {output.num_turns} turns "
             f"without step records (extra_fields[{DEFAULT_STEPS_KEY!r}]): it would train as one row, not one row per "
             "LLM call. Fix: put verl_traj.integration.stepwise_agent_loop.StepRecordingMixin first in the loop's "
-            "bases (docs/agent_loops.md), or set traj.step_wise=false.", field="traj.step_wise")
+            "bases (docs/agent_loops.md), or set traj.step_wise=false.", field="traj.step_wise", every_rollout=True)
 
 
 def check_version_fields(output: AgentLoopOutput, agent_name: Any) -> None:
@@ -122,7 +122,7 @@ def check_version_fields(output: AgentLoopOutput, agent_name: Any) -> None:
             f"agent loop {agent_name!r} returned extra_fields without {missing}, the policy versions verl's v1 trainer "
             "reads from every row, and the rollout server reported none verl_traj could fill them from. Fix: copy the "
             "server output's extra_fields into the AgentLoopOutput (extra_fields=dict(output.extra_fields), as verl's "
-            "loops do), or use a rollout server that reports global_steps.", field="extra_fields")
+            "loops do), or use a rollout server that reports global_steps.", field="extra_fields", every_rollout=True)
 
 
 def _turn_reward_tag(per_token: torch.Tensor) -> dict:
@@ -170,8 +170,9 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        if TrajConfig.of(self.config).enable:  # the policy version of every token (traj_version/token_*)
-            record_versions(self.llm_client)
+        traj_config = TrajConfig.of(self.config)
+        if traj_config.enable:  # the policy version of every token (traj_version/token_*, traj.max_staleness)
+            record_versions(self.llm_client, required=traj_config.max_staleness is not None)
 
     async def _run_agent_loop(self, sampling_params: dict, trajectory: dict, **kwargs: Any) -> Any:
         rollout = self.config.actor_rollout_ref.rollout
@@ -182,7 +183,7 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
         traj_config = TrajConfig.of(self.config)
         if trajectory.get("validate") or not traj_config.enable:
             return await session
-        with session_ledger():
+        with session_ledger(kwargs.get("agent_name")):
             return await run_session(session, traj_config.trajectory_timeout_s, str(kwargs["uid"]),
                                      int(kwargs.get("session_id", 0)))
 
@@ -190,19 +191,20 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
         traj_config = TrajConfig.of(self.config)
         ledger = None if validate else current_ledger()
         versions = ledger.tags() if ledger is not None else None  # the session's versions and tool calls
+        name = ledger.agent_name if ledger is not None else kwargs.get("agent_name")
         if traj_config.step_wise and not validate and not isinstance(output, list):
-            check_recorded(output, kwargs.get("agent_name"))
+            check_recorded(output, name)
         for out in [] if validate else output if isinstance(output, list) else [output]:  # training rows
             if ledger is not None:
                 ledger.fill_version_fields(out.extra_fields)
-            check_version_fields(out, kwargs.get("agent_name"))
+            check_version_fields(out, name)
         if isinstance(output, list) or DEFAULT_STEPS_KEY not in output.extra_fields or validate \
                 or not traj_config.step_wise:  # verl's rows: validation, a list, or step rows not asked for
             if not isinstance(output, list):
                 output.extra_fields.pop(DEFAULT_STEPS_KEY, None)
             await super()._agent_loop_postprocess(output, validate, **kwargs)
             last = len(output) - 1 if isinstance(output, list) else 0
-            if versions is not None and last >= 0:
+            if versions and last >= 0:
                 await tq.async_kv_put(key=row_key(kwargs["uid"], kwargs["session_id"], last), partition_id="train",
                                       tag=versions)
             return

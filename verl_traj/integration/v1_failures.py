@@ -144,7 +144,14 @@ def with_group_policies(buffer: Any, traj_config: TrajConfig) -> Any:
             "verl_traj cannot apply traj.failed_groups to it, and failed groups would be handled by rules it does not "
             "know. Fix: subclass verl.trainer.ppo.v1.replay_buffer.ReplayBuffer (or ReplayBufferAsync), or set "
             "traj.enable=false.", field="trainer.v1.sampler.custom_sampler")
-    mixins = (FailedGroupPolicy, StaleGroupPolicy) if isinstance(buffer, ReplayBufferAsync) else (FailedGroupPolicy,)
+    asynchronous = isinstance(buffer, ReplayBufferAsync)
+    if traj_config.max_staleness is not None and not asynchronous and getattr(buffer, "trainer_mode", "sync") != "sync":
+        raise TrajConfigError(
+            f"traj.max_staleness={traj_config.max_staleness} on trainer mode {buffer.trainer_mode!r} with the sampler "
+            f"{type(buffer).__name__}, a subclass of verl's sync ReplayBuffer: verl_traj bounds staleness on verl's "
+            "async buffer only, and the bound would not apply. Fix: subclass verl.trainer.ppo.v1.replay_buffer."
+            "ReplayBufferAsync, or unset traj.max_staleness.", field="traj.max_staleness")
+    mixins = (FailedGroupPolicy, StaleGroupPolicy) if asynchronous else (FailedGroupPolicy,)
     cls = type(buffer)
     if (cls, mixins) not in _CLASSES:
         _CLASSES[cls, mixins] = type(f"Traj{cls.__name__}", (*mixins, cls), {"__module__": __name__})

@@ -17,6 +17,7 @@ The trainer logs ``traj_version/token_staleness_*`` of what each step trains (:m
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -26,6 +27,8 @@ from verl.workers.rollout.llm_server import LLMServerClient
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.staleness import groups_over_bound, groups_to_defer
 from verl_traj.integration.session_ledger import VERSION_TOKENS_TAG, current_ledger
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["AttemptRecorder", "Deferral", "StaleGroupPolicy", "record_versions", "settle_staleness"]
 
@@ -65,10 +68,15 @@ def settle_staleness(config: Any, traj_config: TrajConfig) -> Optional[str]:
 _CLIENTS: dict[type, type] = {}
 
 
-def record_versions(client: Any) -> Any:
+def record_versions(client: Any, required: bool = True) -> Any:
     """``client`` (verl's ``LLMServerClient`` or a subclass, e.g. ``FullyAsyncLLMServerClient``) with
     :class:`AttemptRecorder` between its class and ``LLMServerClient``: the subclass's resume loop calls it once per
-    attempt. Any other client is refused (the versions of its tokens would be unknown)."""
+    attempt. Any other client is refused where a staleness bound needs the versions (``required``), else left as it
+    is with a warning (no ``traj_version/token_*`` metrics)."""
+    if not isinstance(client, LLMServerClient) and not required:
+        logger.warning("verl_traj: the agent loops' LLM client is a %s, not verl's LLMServerClient: the policy version "
+                       "of each token is not recorded (no traj_version/token_* metrics)", type(client).__name__)
+        return client
     if not isinstance(client, LLMServerClient):
         raise TrajConfigError(
             f"the agent loops' LLM client is a {type(client).__name__}, not verl's LLMServerClient: verl_traj cannot "
@@ -95,8 +103,8 @@ class StaleGroupPolicy:
         stale, dapo, failed, counts = super()._terminal_eviction_reasons(global_steps, partition_id)
         if self.max_staleness is None or partition_id == "val":
             return stale, dapo, failed, counts
-        over = groups_over_bound(self._group_ledgers(partition_id), global_steps - 1, self.max_staleness)
-        self._over_bound = over
+        over = groups_over_bound(self._group_ledgers(partition_id, failed), global_steps - 1, self.max_staleness)
+        self._over_bound = over - stale  # verl's own bound counts its own
         return stale | over, dapo, failed, counts
 
     def _evict_terminal_groups(self, global_steps: int, partition_id: str, eviction_reasons: tuple) -> tuple:
@@ -106,13 +114,14 @@ class StaleGroupPolicy:
         return super()._evict_terminal_groups(global_steps, partition_id, eviction_reasons)
 
     def _has_enough_samples(self, global_steps: int, partition_id: str, batch_size: int, sampleable_keys: set) -> bool:
+        enough = super()._has_enough_samples(global_steps, partition_id, batch_size, sampleable_keys)
         if self.stale_group_policy == "defer" and self.max_staleness is not None and partition_id != "val":
             steps = self.prompt_global_steps[partition_id]
             held = groups_to_defer({uid: steps[uid] for uid in self.running_keys[partition_id]}, global_steps,
-                                   self.max_staleness)
+                                   self.max_staleness) if enough else set()  # only a wait that defer adds counts
             if self._deferral.hold(held):
                 return False
-        return super()._has_enough_samples(global_steps, partition_id, batch_size, sampleable_keys)
+        return enough
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple:
         batch, metrics = super().sample(global_steps, partition_id, batch_size)
@@ -127,11 +136,13 @@ class StaleGroupPolicy:
     def _deferral(self) -> "Deferral":
         return self.__dict__.setdefault("_deferral_state", Deferral())
 
-    def _group_ledgers(self, partition_id: str) -> dict[str, list]:
-        """Each finished group's trajectories' version tokens (from their last rows' tags); a finished group whose
-        rows carry none is refused (its rows were stored by an agent-loop worker that did not record versions)."""
-        finished = self.finished_keys[partition_id]
-        ledgers: dict[str, list] = {uid: [] for uid in finished}
+    def _group_ledgers(self, partition_id: str, failed_evicted: set) -> dict[str, list]:
+        """The version tokens of the trajectories of each group that could train: finished, or failed and kept for
+        its survivors (``traj.failed_groups=keep_survivors``: failed groups not in ``failed_evicted``), from their
+        last rows' tags. A group whose rows carry none is refused (the versions of its tokens are unknown)."""
+        with_rows = {key.split("_")[0] for key in self.partitions[partition_id]}
+        kept = (self.failure_keys[partition_id] - set(failed_evicted)) & with_rows
+        ledgers: dict[str, list] = {uid: [] for uid in self.finished_keys[partition_id] | kept}
         for key, tag in self.partitions[partition_id].items():
             uid = key.split("_")[0]
             if uid in ledgers and VERSION_TOKENS_TAG in tag:
