@@ -333,3 +333,12 @@ def test_fuzzed_verl_settings_pass_or_name_field_and_fix(section, config):
             check()
         except TrajConfigError as err:
             _assert_names_field_and_fix(err)
+
+
+def test_defer_without_a_staleness_bound_is_refused_and_the_bound_is_checked():
+    with pytest.raises(TrajConfigError, match=r"traj.stale_groups='defer' without traj.max_staleness.*Fix") as err:
+        TrajConfig(stale_groups="defer")
+    assert err.value.field == "traj.stale_groups"
+    with pytest.raises(TrajConfigError, match=r"traj.max_staleness=0.5.*at least 1"):
+        TrajConfig(max_staleness=0.5)
+    assert TrajConfig(max_staleness=2, stale_groups="defer").max_staleness == 2
