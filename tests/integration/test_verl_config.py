@@ -417,14 +417,13 @@ def test_failure_settings_only_v1_serves_are_refused_on_v0(started, override, fi
     assert err.value.field == field
 
 
-@pytest.mark.parametrize("override, field", [("traj.max_staleness=2", "traj.max_staleness"),
-                                             ("traj.stale_groups=defer", "traj.stale_groups")])
-def test_staleness_settings_are_refused_on_v0(started, override, field):
+@pytest.mark.parametrize("overrides", [["traj.max_staleness=2"], ["traj.max_staleness=2", "traj.stale_groups=defer"]])
+def test_staleness_settings_are_refused_on_v0(started, overrides):
     from verl_traj.config import TrajConfigError
 
     with pytest.raises(TrajConfigError, match="trainer.use_v1=true") as err:
-        started(["trainer.use_v1=false", override])
-    assert err.value.field == field
+        started(["trainer.use_v1=false", *overrides])
+    assert err.value.field == "traj.max_staleness"
 
 
 @pytest.mark.parametrize("overrides, says", [(["traj.max_staleness=2"], "no effect on trainer.v1.trainer_mode=sync"),
