@@ -142,8 +142,8 @@ def test_a_failed_group_kept_for_its_survivors_is_still_bounded(tq):  # noqa: F8
 
     _clear(tq)
     _put_group(tq, "fresh", 5, [[[5, 8]]])
-    _put_group(tq, "stale_survivor", 3, [[[3, 10]]], status="failure")  # session 0 finished, 2 versions behind
-    tq.kv_put(key="stale_survivor", partition_id="train", tag=failure_tag(1, RuntimeError("sandbox died")))
+    _put_group(tq, "survivor", 3, [[[3, 10]]], status="failure")  # session 0: 2 versions behind
+    tq.kv_put(key="survivor", partition_id="train", tag=failure_tag(1, RuntimeError("sandbox died")))
     buffer = _buffer(tq, "drop", lambda k: _put_group(tq, "refill", 6, [[[5, 6]]]), failed_groups="keep_survivors")
     batch, metrics = buffer.sample(global_steps=6, partition_id="train", batch_size=2)
     assert sorted({key.split("_")[0] for key in batch.keys}) == ["fresh", "refill"]

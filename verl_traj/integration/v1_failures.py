@@ -135,9 +135,9 @@ _CLASSES: dict[tuple, type] = {}
 
 
 def with_group_policies(buffer: Any, traj_config: TrajConfig) -> Any:
-    """``buffer`` (verl's replay buffer, or a subclass) with :class:`FailedGroupPolicy` first in its class's MRO and,
-    on the async modes (:class:`ReplayBufferAsync`: the only ones whose rows can be stale),
-    :class:`~.v1_staleness.StaleGroupPolicy` next."""
+    """``buffer`` (verl's replay buffer, or a subclass) with :class:`FailedGroupPolicy` before its class in the MRO
+    and, on the async modes (:class:`ReplayBufferAsync`: the only ones whose rows can be stale),
+    :class:`~.v1_staleness.StaleGroupPolicy` before both (it bounds the groups the failure policy keeps)."""
     if not isinstance(buffer, ReplayBuffer):
         raise TrajConfigError(
             f"trainer.v1.sampler.custom_sampler gives {type(buffer).__name__}, not a subclass of verl's ReplayBuffer: "
@@ -151,7 +151,8 @@ def with_group_policies(buffer: Any, traj_config: TrajConfig) -> Any:
             f"{type(buffer).__name__}, a subclass of verl's sync ReplayBuffer: verl_traj bounds staleness on verl's "
             "async buffer only, and the bound would not apply. Fix: subclass verl.trainer.ppo.v1.replay_buffer."
             "ReplayBufferAsync, or unset traj.max_staleness.", field="traj.max_staleness")
-    mixins = (FailedGroupPolicy, StaleGroupPolicy) if asynchronous else (FailedGroupPolicy,)
+    # staleness first: it bounds every group the failure policy keeps (keep_survivors), so it reads that policy's choice
+    mixins = (StaleGroupPolicy, FailedGroupPolicy) if asynchronous else (FailedGroupPolicy,)
     cls = type(buffer)
     if (cls, mixins) not in _CLASSES:
         _CLASSES[cls, mixins] = type(f"Traj{cls.__name__}", (*mixins, cls), {"__module__": __name__})

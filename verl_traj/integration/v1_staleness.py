@@ -93,8 +93,8 @@ def record_versions(client: Any, required: bool = True) -> Any:
 
 
 class StaleGroupPolicy:
-    """Mixed in before verl's async replay buffer class (after :class:`~.v1_failures.FailedGroupPolicy`, whose
-    ``_log`` it reports through)."""
+    """Mixed in before :class:`~.v1_failures.FailedGroupPolicy` (whose ``_log`` it reports through, and whose choice
+    of failed groups to evict it reads) and verl's async replay buffer class."""
 
     max_staleness: Optional[float] = None
     stale_group_policy = "drop"
@@ -127,8 +127,8 @@ class StaleGroupPolicy:
         batch, metrics = super().sample(global_steps, partition_id, batch_size)
         if self.max_staleness is not None and partition_id != "val":
             deferred, seconds = self.__dict__.pop("_deferral_state", Deferral()).close()
-            metrics.update({"traj_staleness/groups_dropped_total": 0.0,
-                            "traj_staleness/groups_deferred_total": float(deferred),
+            metrics.setdefault("traj_staleness/groups_dropped_total", 0.0)  # the drops: FailedGroupPolicy's log
+            metrics.update({"traj_staleness/groups_deferred_total": float(deferred),
                             "traj_staleness/defer_wait_s_total": seconds})
         return batch, metrics
 
