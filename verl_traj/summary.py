@@ -58,8 +58,8 @@ def _line_reward(rows: list[dict], window: int = 5) -> Optional[str]:
         return f"- {what}: {reward[0]:.3f} (step 1) -> {reward[-1]:.3f} (step {len(reward)})"
     n, third = len(reward), len(reward) // 3
     first, last = sum(reward[:third]) / third, sum(reward[-third:]) / third
-    line = (f"- {what}: {first:.3f} (steps 1-{third}) -> {last:.3f} (steps {n - third + 1}-{n}), "
-            f"{last - first:+.3f}")
+    head, tail = ("step 1", f"step {n}") if third == 1 else (f"steps 1-{third}", f"steps {n - third + 1}-{n}")
+    line = f"- {what}: {first:.3f} ({head}) -> {last:.3f} ({tail}), {last - first:+.3f}"
     if n >= 2 * window:  # a moving average needs room to move
         smooth = moving_average(reward, window)
         line += f"; moving average of {window} steps {smooth[window - 1]:.3f} -> {smooth[-1]:.3f}"
