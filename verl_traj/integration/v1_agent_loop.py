@@ -190,7 +190,7 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
     async def _agent_loop_postprocess(self, output: Any, validate: bool, **kwargs: Any) -> None:
         traj_config = TrajConfig.of(self.config)
         ledger = None if validate else current_ledger()
-        versions = ledger.tags() if ledger is not None else None  # the session's versions and tool calls
+        ledger_tags = ledger.tags() if ledger is not None else {}  # the session's versions and tool calls
         name = ledger.agent_name if ledger is not None else kwargs.get("agent_name")
         if traj_config.step_wise and not validate and not isinstance(output, list):
             check_recorded(output, name)
@@ -204,9 +204,9 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
                 output.extra_fields.pop(DEFAULT_STEPS_KEY, None)
             await super()._agent_loop_postprocess(output, validate, **kwargs)
             last = len(output) - 1 if isinstance(output, list) else 0
-            if versions and last >= 0:
+            if ledger_tags and last >= 0:
                 await tq.async_kv_put(key=row_key(kwargs["uid"], kwargs["session_id"], last), partition_id="train",
-                                      tag=versions)
+                                      tag=ledger_tags)
             return
         await self._compute_score([output], kwargs=kwargs)
         stock = not traj_config.enable  # stock verl on step rows: one row per call, as verl's list outputs give it
@@ -214,7 +214,7 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
         outputs[-1].extra_fields["reward_extra_info"] = output.extra_fields.get("reward_extra_info", {})
         await super()._agent_loop_postprocess(outputs, validate, **kwargs)
         tags[0] = {**tags[0], MERGE_TAG: stats}
-        tags[-1] = {**tags[-1], **(versions or {})}
+        tags[-1] = {**tags[-1], **ledger_tags}
         keys = [row_key(kwargs["uid"], kwargs["session_id"], i) for i in range(len(outputs))]
         tagged = [i for i, t in enumerate(tags) if t]
         await tq.async_kv_batch_put(keys=[keys[i] for i in tagged], partition_id="train",

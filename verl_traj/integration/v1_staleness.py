@@ -73,6 +73,8 @@ def record_versions(client: Any, required: bool = True) -> Any:
     :class:`AttemptRecorder` between its class and ``LLMServerClient``: the subclass's resume loop calls it once per
     attempt. Any other client is refused where a staleness bound needs the versions (``required``), else left as it
     is with a warning (no ``traj_version/token_*`` metrics)."""
+    if isinstance(client, AttemptRecorder):
+        return client
     if not isinstance(client, LLMServerClient) and not required:
         logger.warning("verl_traj: the agent loops' LLM client is a %s, not verl's LLMServerClient: the policy version "
                        "of each token is not recorded (no traj_version/token_* metrics)", type(client).__name__)
@@ -83,8 +85,6 @@ def record_versions(client: Any, required: bool = True) -> Any:
             "record which policy version generated each token, which traj.max_staleness needs. Fix: subclass "
             "verl.workers.rollout.llm_server.LLMServerClient, or unset traj.max_staleness.", field="traj.max_staleness")
     cls = type(client)
-    if isinstance(client, AttemptRecorder):
-        return client
     if cls not in _CLIENTS:  # verl's own class (the sync mode's) is replaced by the recorder, a subclass of it
         bases = (AttemptRecorder,) if cls is LLMServerClient else (cls, AttemptRecorder)
         _CLIENTS[cls] = type(f"Traj{cls.__name__}", bases, {"__module__": __name__})
