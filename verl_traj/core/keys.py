@@ -33,6 +33,7 @@ LOSS_WEIGHT = "loss_weight"
 RATIO_GROUP = "ratio_group"  # [B] the trajectory whose sequence ratio a row shares (GSPO at trajectory scope)
 SEQ_RATIO_SHIFT = "seq_ratio_shift"  # [b] per-row shift of old log-probs that makes GSPO's row mean the trajectory's
 TURN_REWARDS = "turn_rewards"  # [B, R] per-step (turn) rewards of step rows, each on its call's last response token
+STEP_ANCHORS = "step_anchors"  # [B, R] int64: each LLM call's anchor key on its first response token (GiGPO), else 0
 
 PLANNED_FIELDS = "traj_planned_fields"  # non-tensor of an update: the comma-separated fields the trainer planned
 # non-tensor of an actor update: its old log-probs were computed by the parameters the update starts from (verl
@@ -54,4 +55,5 @@ def planned_update_fields(ratio_groups: bool = False) -> tuple[str, ...]:
 PLAN_KEYS = (MINI_BATCH_ID, MICRO_BATCH_ID, TRAJ_INDEX, IS_PADDING)
 
 __all__ = ["MINI_BATCH_ID", "MICRO_BATCH_ID", "TRAJ_INDEX", "IS_PADDING", "IS_LAST_STEP", "LOSS_WEIGHT", "PLAN_KEYS",
-           "OLD_LOG_PROBS_AT_START", "PLANNED_FIELDS", "RATIO_IN_LOSS", "RATIO_GROUP", "planned_update_fields", "SEQ_RATIO_SHIFT", "TURN_REWARDS"]
+           "OLD_LOG_PROBS_AT_START", "PLANNED_FIELDS", "RATIO_IN_LOSS", "RATIO_GROUP", "planned_update_fields", "SEQ_RATIO_SHIFT", "STEP_ANCHORS",
+           "TURN_REWARDS"]

@@ -37,11 +37,12 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from verl_traj.core.keys import IS_LAST_STEP, TURN_REWARDS
+from verl_traj.core.keys import IS_LAST_STEP, STEP_ANCHORS, TURN_REWARDS
 from verl_traj.core.padding import pad_position_ids
 from verl_traj.stepwise.expand_inputs import (StepExpansionError, check_expand_options, check_source_tensors,
                                               checked_log_probs, checked_loss_mask, checked_prefix_len, located,
                                               token_ids)
+from verl_traj.stepwise.anchors import observation_anchor
 from verl_traj.stepwise.prefix_merge import MergedRow, MergeStats, RowBuilder, merge_trajectory_steps
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
 
 DEFAULT_STEPS_KEY = "traj_steps"
 TURN_REWARD = "turn_reward"  # per-token values of a step row: each call's own reward on its last response token
+STEP_ANCHOR = "step_anchor"  # per-token int64 of a step row: each call's anchor key on its first response token
 # Tensor fields rebuilt by the expansion.
 _REBUILT = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask",
             "rollout_log_probs", "rm_scores")
@@ -153,11 +155,12 @@ def steps_from_row(
     starts = torch.nonzero(edges == 1).reshape(-1).tolist()
     ends = torch.nonzero(edges == -1).reshape(-1).tolist()
     out = []
-    for s, e in zip(starts, ends):
+    for k, (s, e) in enumerate(zip(starts, ends)):
         rec = {
             "prompt_ids": torch.cat([prompt_ids, response_ids[:s]]),
             "response_ids": response_ids[s:e],
             "response_mask": response_mask[s:e],
+            "anchor": observation_anchor(response_ids[ends[k - 1]:s] if k else torch.cat([prompt_ids, response_ids[:s]])),
         }
         if log_probs is not None:
             rec["response_logprobs"] = log_probs[s:e]
@@ -200,6 +203,8 @@ def encode_step_records(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             rec["response_mask"] = np.asarray(call["response_mask"], dtype=np.int8).reshape(-1)
         if call.get("reward") is not None:
             rec["reward"] = call["reward"]  # the call's turn reward (validated where rows are built)
+        if call.get("anchor") is not None:
+            rec["anchor"] = call["anchor"]  # the agent loop's own anchor key (validated where rows are built)
         steps.append(rec)
         prev_full = np.concatenate([prompt, resp])
     return {"steps": steps}
@@ -215,6 +220,7 @@ def decode_step_records(records: Any) -> list[dict[str, Any]]:
         resp = token_ids("response_ids", rec["response_ids"], where)
         if "prompt_ids" in rec and rec["prompt_ids"] is not None:
             prompt = token_ids("prompt_ids", rec["prompt_ids"], where)
+            shared = 0 if prev_full is None else _common_prefix_len(prev_full.numpy(), prompt.numpy())
         elif "prompt_tail_ids" in rec:
             shared = checked_prefix_len(rec, where, 0 if prev_full is None else prev_full.numel())
             head = prev_full[:shared] if shared else torch.zeros(0, dtype=torch.long)
@@ -225,6 +231,8 @@ def decode_step_records(records: Any) -> list[dict[str, Any]]:
         full = dict(rec)
         full["prompt_ids"] = prompt
         full["response_ids"] = resp
+        if full.get("anchor") is None:  # the tokens this call saw since the previous one
+            full["anchor"] = observation_anchor(prompt[shared:])
         out.append(full)
         prev_full = torch.cat([prompt, resp])
     return out
@@ -246,8 +254,25 @@ def _turn_reward(rec: Mapping[str, Any], n: int, b: int, k: int) -> torch.Tensor
     return out
 
 
-def _response_parts(rec: Mapping[str, Any], b: int, k: int, has_lp: bool):
-    """(response ids, response mask, log-probs or None, turn reward per token) of one record, validated."""
+def _anchor_tokens(rec: Mapping[str, Any], tail: Optional[torch.Tensor], n: int, where: str) -> torch.Tensor:
+    """``[n]`` int64: the call's anchor key (the record's own, else the hash of ``tail``, the tokens it saw since the
+    previous call) on its first response token, 0 elsewhere."""
+    out = torch.zeros(n, dtype=torch.long)
+    value = rec.get("anchor")
+    if value is None:
+        value = observation_anchor(tail)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 < int(value) < 1 << 63:
+        raise StepExpansionError(f"{where}: anchor={value!r} is not a positive 63-bit integer. Fix: give anchor keys "
+                                 "through StepRecordingMixin.anchor_keys (any str / bytes / int / tuple: it hashes "
+                                 "them).", field="anchor")
+    if n:
+        out[0] = int(value)
+    return out
+
+
+def _response_parts(rec: Mapping[str, Any], b: int, k: int, has_lp: bool, tail: Optional[torch.Tensor] = None):
+    """(response ids, response mask, log-probs or None, turn reward per token, anchor per token) of one record,
+    validated (``tail``: the tokens the call saw since the previous one, for its default anchor)."""
     where = f"row {b} step {k}"
     r = token_ids("response_ids", rec["response_ids"], where)
     m = checked_loss_mask(rec.get("response_mask"), where, r.numel())
@@ -260,7 +285,7 @@ def _response_parts(rec: Mapping[str, Any], b: int, k: int, has_lp: bool):
                 "the log-probs of every LLM call (or drop rollout_log_probs).", field="response_logprobs",
             )
         lp = checked_log_probs(lp, where, r.numel())
-    return r, m, lp, _turn_reward(rec, r.numel(), b, k)
+    return r, m, lp, _turn_reward(rec, r.numel(), b, k), _anchor_tokens(rec, tail, r.numel(), where)
 
 
 def _merge_delta_encoded(steps: Sequence[Mapping[str, Any]], b: int, has_lp: bool):
@@ -270,18 +295,18 @@ def _merge_delta_encoded(steps: Sequence[Mapping[str, Any]], b: int, has_lp: boo
     (the common prefix is the whole previous context). Rows are built from response and tail segments.
     """
     n = len(steps)
-    parts = [_response_parts(rec, b, k, has_lp) for k, rec in enumerate(steps)]
     tails = [token_ids("prompt_tail_ids", rec["prompt_tail_ids"], f"row {b} step record {k}")
              for k, rec in enumerate(steps)]
+    parts = [_response_parts(rec, b, k, has_lp, tails[k]) for k, rec in enumerate(steps)]
     pre, full_len = [], []
     for k in range(n):
         pre.append(checked_prefix_len(steps[k], f"row {b} step record {k}", full_len[k - 1] if k else 0))
         full_len.append(pre[k] + tails[k].numel() + parts[k][0].numel())
     rows: list[MergedRow] = []
-    names = [TURN_REWARD] + (["lp"] if has_lp else [])
+    names = [TURN_REWARD, STEP_ANCHOR] + (["lp"] if has_lp else [])
     row = RowBuilder(tails[0], 0, names)
-    for k, (r, m, lp, rw) in enumerate(parts):
-        values = {TURN_REWARD: rw, **({"lp": lp} if has_lp else {})}
+    for k, (r, m, lp, rw, anchor) in enumerate(parts):
+        values = {TURN_REWARD: rw, STEP_ANCHOR: anchor, **({"lp": lp} if has_lp else {})}
         if k and pre[k] == full_len[k - 1]:  # continues the current row
             row.add_observation(tails[k], m, values)
         elif k:
@@ -292,7 +317,7 @@ def _merge_delta_encoded(steps: Sequence[Mapping[str, Any]], b: int, has_lp: boo
     rows.append(row.close(n - 1, len(rows), True))
     stats = MergeStats(rows_before=n, rows_after=len(rows), tokens_before=int(sum(full_len)),
                        tokens_after=sum(x.num_tokens for x in rows),
-                       loss_tokens_before=int(sum(int(torch.count_nonzero(m)) for _, m, _, _ in parts)),
+                       loss_tokens_before=int(sum(int(torch.count_nonzero(p[1])) for p in parts)),
                        loss_tokens_after=sum(int(torch.count_nonzero(x.response_mask)) for x in rows))
     return rows, stats
 
@@ -323,6 +348,7 @@ class _StepRows:
     masks: list[torch.Tensor] = field(default_factory=list)
     log_probs: list[torch.Tensor] = field(default_factory=list)
     turn_rewards: list[torch.Tensor] = field(default_factory=list)
+    anchors: list[torch.Tensor] = field(default_factory=list)
     source_row: list[int] = field(default_factory=list)
     source_steps: list[list[int]] = field(default_factory=list)
     step_index: list[int] = field(default_factory=list)
@@ -338,6 +364,7 @@ class _StepRows:
             if has_lp:
                 self.log_probs.append(row.per_token["lp"])
             self.turn_rewards.append(row.per_token[TURN_REWARD])
+            self.anchors.append(row.per_token[STEP_ANCHOR])
             self.source_row.append(b)
             self.source_steps.append(row.source_steps)
             self.step_index.append(row.step_index)
@@ -408,7 +435,8 @@ def _source_rows(src: _Source, b: int, raw: Any, merge_prefix: bool) -> tuple[li
     parts = [_response_parts(rec, b, k, src.has_lp) for k, rec in enumerate(recs)]
     return merge_trajectory_steps(
         [_as_long(rec["prompt_ids"]) for rec in recs], [p[0] for p in parts], [p[1] for p in parts],
-        {TURN_REWARD: [p[3] for p in parts], **({"lp": [p[2] for p in parts]} if src.has_lp else {})},
+        {TURN_REWARD: [p[3] for p in parts], STEP_ANCHOR: [p[4] for p in parts],
+         **({"lp": [p[2] for p in parts]} if src.has_lp else {})},
         enable=merge_prefix,
     )
 
@@ -529,6 +557,7 @@ def expand_step_rows(
     response_width: Optional[int] = None,
     pad_to_multiple_of: int = 1,
     drop_keys: Sequence[str] = (),
+    step_anchors: bool = False,
 ) -> ExpandedBatch:
     """Expand one-row-per-trajectory rollout output into step rows (optionally prefix-merged).
 
@@ -544,6 +573,8 @@ def expand_step_rows(
         prompt_width / response_width: output widths (default: the longest step row, rounded up to
             ``pad_to_multiple_of``); a row longer than a given width raises.
         drop_keys: tensor / non-tensor fields to drop instead of carrying (e.g. ``routed_experts``).
+        step_anchors: also write :data:`~verl_traj.core.keys.STEP_ANCHORS` ``[B, R]`` int64 (each call's anchor
+            key on its first response token: GiGPO's step groups, :mod:`verl_traj.stepwise.step_groups`).
 
     Returns:
         :class:`ExpandedBatch` with ``traj_id_key``, ``step_index_key`` and ``is_last_step``
@@ -567,6 +598,9 @@ def expand_step_rows(
     turn = _right_pad(rows.turn_rewards, out_t["responses"].shape[1], 0.0) if rows.turn_rewards else None
     if turn is not None and bool(turn.any()):  # the agent loop gave turn rewards
         out_t[TURN_REWARDS] = turn
+    if step_anchors:
+        out_t[STEP_ANCHORS] = _right_pad(rows.anchors, out_t["responses"].shape[1], 0) if rows.anchors else \
+            torch.zeros(0, out_t["responses"].shape[1], dtype=torch.long)
     src_index = torch.tensor(rows.source_row, dtype=torch.long)
     out_t.update(_carry_tensors(tensors, src_index, drop, B, P, R))
     skip = drop | {steps_key, traj_id_key, step_index_key, IS_LAST_STEP}

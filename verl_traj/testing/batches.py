@@ -225,11 +225,14 @@ def as_dataproto(tensors: dict[str, torch.Tensor], non_tensors: dict[str, np.nda
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info={"global_token_num": gtn})
 
 
-def token_trajectory(rng: np.random.Generator, n_steps: int, break_at: Optional[int] = None, min_obs: int = 0):
+def token_trajectory(rng: np.random.Generator, n_steps: int, break_at: Optional[int] = None, min_obs: int = 0,
+                     prompt: Optional[torch.Tensor] = None, obs_vocab: int = 100):
     """A token-in/token-out chain: prompt, then (response, observation)*. Returns ``(records, prompt,
     response, response_mask, log_probs)``: one record per LLM call (the context it saw, its tokens and
-    log-probs) and the concatenated row. ``break_at``: the context is rewritten before that step."""
-    prompt = torch.randint(1, 100, (int(rng.integers(2, 6)),))
+    log-probs) and the concatenated row. ``break_at``: the context is rewritten before that step; ``prompt``: the
+    first call's context (a GRPO group's shared prompt; default random); observations are drawn from ``obs_vocab``
+    token ids (a small vocabulary makes trajectories meet the same observations: GiGPO's anchor states)."""
+    prompt = torch.randint(1, 100, (int(rng.integers(2, 6)),)) if prompt is None else prompt
     ctx = prompt.clone()
     records, resp, mask, lps = [], [], [], []
     for k in range(n_steps):
@@ -239,7 +242,8 @@ def token_trajectory(rng: np.random.Generator, n_steps: int, break_at: Optional[
         lp = -torch.rand(r.numel()) - 0.01
         records.append({"prompt_ids": ctx.tolist(), "response_ids": r.tolist(), "response_logprobs": lp.tolist()})
         last = k == n_steps - 1
-        obs = torch.zeros(0, dtype=torch.long) if last else torch.randint(200, 300, (int(rng.integers(min_obs, 4)),))
+        obs = torch.zeros(0, dtype=torch.long) if last else torch.randint(200, 200 + obs_vocab,
+                                                                         (int(rng.integers(min_obs, 4)),))
         resp += [r, obs]
         mask += [torch.ones(r.numel(), dtype=torch.long), torch.zeros(obs.numel(), dtype=torch.long)]
         lps += [lp, torch.zeros(obs.numel())]

@@ -1,0 +1,66 @@
+"""Anchor keys of LLM calls: which state a call acted from, for GiGPO's step groups (:mod:`.step_groups`).
+
+A key is a positive 63-bit integer, the same in every process and run (blake2b, never Python's salted ``hash``):
+
+* by default, :func:`observation_anchor` of the tokens the call saw since the previous call: its context after
+  the longest common prefix with the previous call's full context (prompt + response). When the chain holds that
+  is the observation (a tool result and the chat template around it); for the first call, the whole prompt; when
+  the loop rewrote its context (a sliding window), everything after the common prefix.
+* an agent loop's own key (:meth:`~verl_traj.integration.stepwise_agent_loop.StepRecordingMixin.anchor_keys`),
+  for environments whose state is not the text, or for matching similar observations: a ``str``, ``bytes``,
+  ``int`` or a tuple of them, hashed by :func:`anchor_key`.
+
+Pure module: numpy, torch and hashlib.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import torch
+
+from verl_traj.core.errors import TrajInputError
+
+__all__ = ["anchor_key", "observation_anchor"]
+
+_MASK = (1 << 63) - 1
+
+
+def _digest(data: bytes, kind: bytes) -> int:
+    value = int.from_bytes(hashlib.blake2b(kind + data, digest_size=8).digest(), "little") & _MASK
+    return value or 1  # 0 marks "no call starts here" in step_anchors
+
+
+def observation_anchor(tokens: Any) -> int:
+    """The anchor key of a call that saw ``tokens`` (1-D token ids) since the previous call."""
+    ids = tokens.detach().cpu().numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens)
+    return _digest(np.ascontiguousarray(ids.reshape(-1), dtype=np.int64).tobytes(), b"obs:")
+
+
+def _canonical(value: Any) -> bytes:
+    if isinstance(value, bool) or value is None:
+        raise TypeError(type(value).__name__)
+    if isinstance(value, (int, np.integer)):
+        return b"i" + str(int(value)).encode()
+    if isinstance(value, str):
+        return b"s" + value.encode()
+    if isinstance(value, bytes):
+        return b"b" + value
+    if isinstance(value, tuple):
+        parts = [_canonical(v) for v in value]
+        return b"t" + b"".join(len(p).to_bytes(4, "little") + p for p in parts)
+    raise TypeError(type(value).__name__)
+
+
+def anchor_key(value: Any, where: str = "anchor key") -> int:
+    """An agent loop's own anchor (``str``, ``bytes``, ``int`` or a tuple of them) as a key; anything else is
+    refused, naming ``where``."""
+    try:
+        return _digest(_canonical(value), b"user:")
+    except TypeError as exc:
+        raise TrajInputError.invalid(
+            where, value, f"is a {exc.args[0]}, not a str, bytes, int or tuple of them",
+            "return one hashable state description per LLM call from anchor_keys (e.g. the observation text, or a "
+            "tuple describing the environment's state)") from None
