@@ -25,6 +25,7 @@ from verl_traj.core.failures import FAILED_GROUP_POLICIES
 from verl_traj.core.keys import IS_LAST_STEP, PLAN_KEYS
 from verl_traj.core.loss_weights import loss_weight_modes
 from verl_traj.core.planning import GROUP_BY_CHOICES, MINI_BATCH_BALANCE_CHOICES
+from verl_traj.core.estimators import STEP_GROUP_BASELINES
 from verl_traj.core.staleness import STALE_GROUP_POLICIES, check_bound
 from verl_traj.stepwise.ratios import RATIO_SCOPES
 
@@ -102,6 +103,10 @@ class TrajConfig:
         stale_groups: what the bound does with a group that has a trajectory over it: ``"drop"`` (default: the whole
             group leaves, a fresh prompt replaces it) or ``"defer"`` (the trainer waits for running groups that would
             pass it at the next step; a finished group over it anyway is dropped).
+        step_advantage_weight: ``algorithm.adv_estimator=gigpo``: GiGPO's omega, the weight of the step-level advantage
+            added to the episode-level one (``>= 0``; 0 is GRPO on step rows). :mod:`verl_traj.stepwise.step_groups`.
+        step_group_baseline: ``gigpo``: the baseline of a step group: ``"gigpo"`` (default: the paper's mean and std
+            over the group) or ``"leave_one_out"`` (the mean of the group's other calls, no std: unbiased).
     """
 
     enable: bool = True
@@ -126,6 +131,8 @@ class TrajConfig:
     trajectory_timeout_s: Optional[float] = None
     max_staleness: Optional[float] = None
     stale_groups: str = "drop"
+    step_advantage_weight: float = 1.0
+    step_group_baseline: str = "gigpo"
 
     def __post_init__(self) -> None:
         for name in _BOOL_FIELDS:
@@ -138,6 +145,13 @@ class TrajConfig:
         _check_choice("traj.failed_groups", self.failed_groups, FAILED_GROUP_POLICIES)
         _check_choice("traj.stale_groups", self.stale_groups, STALE_GROUP_POLICIES)
         check_bound(self.max_staleness, error=TrajConfigError)
+        _check_choice("traj.step_group_baseline", self.step_group_baseline, STEP_GROUP_BASELINES)
+        weight = self.step_advantage_weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < float("inf"):
+            raise TrajConfigError(
+                f"traj.step_advantage_weight={weight!r} is invalid: it is GiGPO's omega, the weight of the step-level "
+                "advantage. Fix: set a finite number >= 0 (1.0, the paper's; 0 trains GRPO on step rows).",
+                field="traj.step_advantage_weight")
         if self.stale_groups != "drop" and self.max_staleness is None:
             raise TrajConfigError(
                 f"traj.stale_groups={self.stale_groups!r} without traj.max_staleness: there is no bound to defer for. "

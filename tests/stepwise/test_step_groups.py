@@ -183,3 +183,60 @@ def test_missing_anchor_keys_and_non_finite_rewards_are_refused():
         discounted_step_returns(calls, torch.tensor([1.0, float("nan")]), 1.0)
     with pytest.raises(TrajInputError, match="step_index"):
         StepCalls.build(torch.tensor([[5, 0], [6, 0]]), torch.tensor([0, 0]), [1, 1], torch.ones(2, 2))
+
+
+def _stopping_game(groups: int, n: int, turns: int, seed: int, p=0.5, answer=0.8, give_up=0.3, cost=0.1):
+    """A search game where the policy decides when to stop. At each turn the observation says whether the answer was
+    found (once found it stays found; before, it is found with probability ``p``); found: answer (+1, stop) with
+    probability ``answer``, else search on (-cost); not found: give up (0, stop) with probability ``give_up``, else
+    search on (-cost); the last turn ends the episode. Returns the calls ``(traj, turn, found, action, reward)`` and
+    the true advantage ``Q(s, a) - V(s)`` of each (turn, found, action), by backward induction."""
+    rng = np.random.default_rng(seed)
+    m = groups * n
+    found, alive = np.zeros(m, bool), np.ones(m, bool)
+    calls = []
+    for k in range(turns):
+        found |= alive & (rng.random(m) < p)
+        stop = np.where(found, rng.random(m) < answer, rng.random(m) < give_up)
+        reward = np.where(stop, np.where(found, 1.0, 0.0), -cost)
+        idx = np.flatnonzero(alive)
+        calls.append(np.stack([idx, np.full(idx.size, k), found[idx], stop[idx], reward[idx]], 1))
+        alive &= ~stop
+    v = {(turns, 0): 0.0, (turns, 1): 0.0}
+    true = {}
+    for k in reversed(range(turns)):
+        later = (lambda f: v[(k + 1, f)]) if k < turns - 1 else (lambda f: 0.0)
+        q = {(1, 1): 1.0, (1, 0): -cost + later(1), (0, 1): 0.0, (0, 0): -cost + p * later(1) + (1 - p) * later(0)}
+        for f, stop_p in ((1, answer), (0, give_up)):
+            v[(k, f)] = stop_p * q[(f, 1)] + (1 - stop_p) * q[(f, 0)]
+            true.update({(k, f, a): q[(f, a)] - v[(k, f)] for a in (0, 1)})
+    return np.concatenate(calls), true
+
+
+def test_per_turn_index_baselines_are_biased_when_the_policy_stops_and_anchor_baselines_are_not():
+    """The anchor-keyed leave-one-out baseline's estimate has the true advantage as its mean; the same estimator keyed
+    by turn index (verl RFC 7244's per-turn normalisation) does not: the calls at turn k mix found and not-found
+    states, and how many of each survive to turn k depends on when the policy stopped."""
+    n = 8
+    calls, true = _stopping_game(groups=4000, n=n, turns=4, seed=0)
+    traj, turn, found, action = (torch.from_numpy(calls[:, i].astype(np.int64)) for i in range(4))
+    reward = torch.from_numpy(calls[:, 4])
+    uid = np.arange(int(traj.max()) + 1) // n  # GRPO groups of n trajectories
+    bias = {}
+    for name, key in (("anchor", 2 * turn + found + 1), ("turn_index", turn + 1)):
+        c = _calls(traj, turn, key)
+        returns = discounted_step_returns(c, reward, 1.0)
+        group = step_group_ids(c, uid.astype(str))
+        est = step_group_advantages(returns, group, baseline="leave_one_out").numpy()
+        peer = torch.bincount(group)[group].numpy() > 1
+        worst = 0.0
+        for (k, f, a), value in true.items():
+            sel = peer & (turn.numpy() == k) & (found.numpy() == f) & (action.numpy() == a)
+            if sel.sum() < 500:
+                continue
+            err, se = est[sel].mean() - value, est[sel].std() / np.sqrt(sel.sum())
+            if name == "anchor":
+                assert abs(err) < 5 * se + 1e-3, (k, f, a, err, se)
+            worst = max(worst, abs(err) / se)
+        bias[name] = worst
+    assert bias["turn_index"] > 20, bias  # many standard errors off on some (turn, state, action)

@@ -18,6 +18,8 @@ Traits:
   so a turn gets credit from the turns after it.
 * ``padding_safe``: the real rows' outputs do not change when verl_traj's padding rows (groups of one with
   no loss token) are present, so the estimator may run on the whole batch (a test checks each).
+* ``step_groups``: per LLM call, from step rows only (``gigpo``: GiGPO's anchor-state step groups,
+  :mod:`verl_traj.stepwise.step_groups`); refused without ``traj.step_wise=true``.
 * ``step_rows``: allowed with ``traj.step_wise=true`` (scalar outcome: once per trajectory, broadcast; temporal: on
   the timeline); ``refusal`` says why not where it is not.
 """
@@ -29,7 +31,7 @@ from typing import Any
 
 from .errors import TrajInputError
 
-__all__ = ["CUSTOM", "ESTIMATORS", "EstimatorTraits", "estimator_name", "estimator_traits", "register_estimator_traits",
+__all__ = ["CUSTOM", "ESTIMATORS", "STEP_GROUP_BASELINES", "EstimatorTraits", "estimator_name", "estimator_traits", "register_estimator_traits",
            "step_row_estimators", "step_row_refusal"]
 
 
@@ -41,14 +43,16 @@ class EstimatorTraits:
     length_aware: bool = False
     temporal: bool = False
     padding_safe: bool = False
+    step_groups: bool = False
     refusal: str = ""  # non-empty: why the estimator cannot run on step rows
 
     @property
     def step_rows(self) -> bool:
-        return (self.scalar_outcome or self.temporal) and not self.refusal
+        return (self.scalar_outcome or self.temporal or self.step_groups) and not self.refusal
 
 
 ESTIMATORS: dict[str, EstimatorTraits] = {}
+STEP_GROUP_BASELINES = ("gigpo", "leave_one_out")  # traj.step_group_baseline (verl_traj.stepwise.step_groups)
 CUSTOM = EstimatorTraits(refusal="it is not one of verl_traj's known estimators, so its output is not known to be "
                                  "one scalar per response")
 
@@ -112,6 +116,9 @@ for _name, _traits in {
     "reinforce_plus_plus_baseline": EstimatorTraits(temporal=True, padding_safe=True),
     "optimal_token_baseline": EstimatorTraits(refusal=_TOKEN_BASELINE),
     "tir_optimal_token_baseline": EstimatorTraits(refusal=_TOKEN_BASELINE),
+    # verl_traj's own (registered with verl by verl_traj.integration.gigpo): GRPO per trajectory plus a step-level
+    # advantage per LLM call among the calls of its GRPO group that saw the same observation
+    "gigpo": EstimatorTraits(step_groups=True, padding_safe=True),
     "gdpo": EstimatorTraits(refusal="it whitens each reward dimension over a batch's rows, and reads per-dimension "
                                     "reward keys that exist per row, not per trajectory"),
 }.items():

@@ -35,6 +35,7 @@ SEQ_RATIO_SHIFT = "seq_ratio_shift"  # [b] per-row shift of old log-probs that m
 TURN_REWARDS = "turn_rewards"  # [B, R] per-step (turn) rewards of step rows, each on its call's last response token
 STEP_ANCHORS = "step_anchors"  # [B, R] int64: each LLM call's anchor key on its first response token (GiGPO), else 0
 
+ADVANTAGE_METRICS = "traj_advantage_metrics"  # meta_info of a batch: the advantage step's metrics (traj_gigpo/*)
 PLANNED_FIELDS = "traj_planned_fields"  # non-tensor of an update: the comma-separated fields the trainer planned
 # non-tensor of an actor update: its old log-probs were computed by the parameters the update starts from (verl
 # recomputes them right before every update; bypass_mode, which takes the rollout's, is refused), so the first
@@ -54,6 +55,6 @@ def planned_update_fields(ratio_groups: bool = False) -> tuple[str, ...]:
 # Tensor fields apply_plan adds (replaced if the input already carries them).
 PLAN_KEYS = (MINI_BATCH_ID, MICRO_BATCH_ID, TRAJ_INDEX, IS_PADDING)
 
-__all__ = ["MINI_BATCH_ID", "MICRO_BATCH_ID", "TRAJ_INDEX", "IS_PADDING", "IS_LAST_STEP", "LOSS_WEIGHT", "PLAN_KEYS",
+__all__ = ["ADVANTAGE_METRICS", "MINI_BATCH_ID", "MICRO_BATCH_ID", "TRAJ_INDEX", "IS_PADDING", "IS_LAST_STEP", "LOSS_WEIGHT", "PLAN_KEYS",
            "OLD_LOG_PROBS_AT_START", "PLANNED_FIELDS", "RATIO_IN_LOSS", "RATIO_GROUP", "planned_update_fields", "SEQ_RATIO_SHIFT", "STEP_ANCHORS",
            "TURN_REWARDS"]

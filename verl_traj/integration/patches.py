@@ -105,10 +105,12 @@ def patched(patches: Sequence[Patch]) -> Iterator[None]:
 
 
 def fit_patches(step_wise: bool, real_row_mask: Callable[[], Any] = lambda: None,
-                step_index_key: str = "step_index", trajectory_ratios: bool = False) -> list[Patch]:
+                step_index_key: str = "step_index", trajectory_ratios: bool = False,
+                step_groups: Any = None) -> list[Patch]:
     """Driver patches for one ``fit`` (order: module docstring). ``real_row_mask()``: the real-row mask of the
     batch the trainer planned last (for functions that get arrays, not the batch); ``step_index_key``: the field of
-    each step row's step (``traj.step_index_key``); ``trajectory_ratios``: ``traj.ratio_scope=trajectory``."""
+    each step row's step (``traj.step_index_key``); ``trajectory_ratios``: ``traj.ratio_scope=trajectory``;
+    ``step_groups``: GiGPO's ``traj:`` knobs (:class:`~verl_traj.stepwise.step_groups.StepGroupOptions`)."""
     from verl_traj.integration import real_rows
 
     out = []
@@ -116,7 +118,7 @@ def fit_patches(step_wise: bool, real_row_mask: Callable[[], Any] = lambda: None
         from verl_traj.integration.stepwise_rows import stepwise_advantage, trajectory_scoped_correction
 
         out.append(Patch(RAY_TRAINER, "compute_advantage",
-                         functools.partial(stepwise_advantage, step_index_key=step_index_key),
+                         functools.partial(stepwise_advantage, step_index_key=step_index_key, step_groups=step_groups),
                          "advantages per trajectory on step-wise rows (outcome once, temporal on its timeline)"))
         if trajectory_ratios:
             out.append(Patch(ROLLOUT_CORR, "compute_rollout_correction_and_add_to_batch",
@@ -128,7 +130,9 @@ def fit_patches(step_wise: bool, real_row_mask: Callable[[], Any] = lambda: None
         Patch(RAY_TRAINER, "extract_reward", real_rows.reward_on_real_rows, "zero the rewards of padding rows"),
     ]
     view = real_rows.shared_view()
-    out += [Patch(RAY_TRAINER, name, functools.partial(real_rows.metrics_on_real_rows, view=view), "log metrics of real rows")
+    out += [Patch(RAY_TRAINER, name, functools.partial(real_rows.metrics_on_real_rows, view=view,
+                                                      with_meta_metrics=name == "compute_data_metrics"),
+                  "log metrics of real rows (the data metrics with the advantage step's, e.g. traj_gigpo/*)")
             for name in METRIC_FUNCTIONS]
     out.append(Patch(RAY_TRAINER, "compute_spec_decode_metrics",
                      functools.partial(real_rows.spec_decode_on_real_rows, real_row_mask=real_row_mask),

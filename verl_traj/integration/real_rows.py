@@ -32,7 +32,7 @@ import torch
 
 from verl_traj.core.errors import check_finite
 from verl_traj.core.estimators import estimator_traits
-from verl_traj.core.keys import IS_PADDING
+from verl_traj.core.keys import ADVANTAGE_METRICS, IS_PADDING
 
 __all__ = [
     "is_padding",
@@ -228,13 +228,17 @@ class _LastView:
         return self._view
 
 
-def metrics_on_real_rows(fn: Callable, view: Optional[_LastView] = None) -> Callable:
-    """Wrap a verl metric function ``fn(batch, ...)``. Wrappers given the same ``view`` share one copy."""
+def metrics_on_real_rows(fn: Callable, view: Optional[_LastView] = None, with_meta_metrics: bool = False) -> Callable:
+    """Wrap a verl metric function ``fn(batch, ...)``. Wrappers given the same ``view`` share one copy.
+    ``with_meta_metrics``: add the metrics the advantage step left in ``batch.meta_info`` (v0's channel from
+    ``compute_advantage`` to the step's metrics: :data:`~verl_traj.core.keys.ADVANTAGE_METRICS`)."""
     view = view or _LastView()
 
     @functools.wraps(fn)
     def wrapper(batch: Any, *args: Any, **kwargs: Any) -> Any:
-        return fn(view.get(batch) if is_padding(batch) is not None else batch, *args, **kwargs)
+        out = fn(view.get(batch) if is_padding(batch) is not None else batch, *args, **kwargs)
+        extra = getattr(batch, "meta_info", {}).get(ADVANTAGE_METRICS) if with_meta_metrics else None
+        return {**out, **extra} if extra else out
 
     return wrapper
 

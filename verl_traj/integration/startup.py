@@ -39,9 +39,10 @@ from typing import Any, Optional
 from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, AdvantageEstimator
 
 from verl_traj.config import TrajConfig, TrajConfigError
-from verl_traj.core.estimators import estimator_name
+from verl_traj.core.estimators import estimator_name, estimator_traits
 from verl_traj.cpu.attention import CPU_VARLEN
 from verl_traj.cpu.settings import check_cpu_rollout_lora, select_cpu_attention, settle_cpu_separate_async
+from verl_traj.integration.gigpo import GIGPO, register_gigpo
 from verl_traj.integration.separate_async import settle_parameter_sync_step
 from verl_traj.integration.v1_failures import settle_failed_groups
 from verl_traj.integration.v1_staleness import settle_staleness
@@ -139,6 +140,7 @@ def known_adv_estimators() -> tuple[str, ...]:
 
 def check_adv_estimator(config: Any) -> None:
     """``algorithm.adv_estimator``: a name verl knows, with what it needs on this trainer."""
+    register_gigpo()  # verl_traj's own estimator, in verl's registry before the name is looked up
     given = value_at(config, ESTIMATOR)
     name, known = estimator_name(given), known_adv_estimators()
     if not isinstance(name, str) or name not in known:
@@ -152,8 +154,26 @@ def check_adv_estimator(config: Any) -> None:
     _check_estimator_inputs(config, name)
 
 
+def _check_step_groups(config: Any, name: str) -> None:
+    """``gigpo`` needs verl_traj's step rows; its ``traj:`` knobs need ``gigpo`` (else they would do nothing)."""
+    traj = TrajConfig.of(config)
+    if estimator_traits(name).step_groups and not (traj.enable and traj.step_wise):
+        raise TrajConfigError(
+            f"{ESTIMATOR}={name!r} groups each LLM call with the calls of its GRPO group that saw the same observation: "
+            f"it needs verl_traj's step rows, but traj.enable={traj.enable} and traj.step_wise={traj.step_wise}. Fix: "
+            "set traj.enable=true traj.step_wise=true (with a step-recording agent loop: docs/agent_loops.md), or "
+            f"{ESTIMATOR}=grpo.", field=ESTIMATOR)
+    default = TrajConfig()
+    for knob in ("step_advantage_weight", "step_group_baseline"):
+        if name != GIGPO and getattr(traj, knob) != getattr(default, knob):
+            raise TrajConfigError(
+                f"traj.{knob}={getattr(traj, knob)!r} is a knob of {ESTIMATOR}=gigpo, but {ESTIMATOR}={name!r}: it "
+                f"would do nothing. Fix: set {ESTIMATOR}=gigpo, or remove traj.{knob}.", field=f"traj.{knob}")
+
+
 def _check_estimator_inputs(config: Any, name: str) -> None:
     """What an estimator needs beyond its name, refused here instead of at the first advantage step."""
+    _check_step_groups(config, name)
     if name in V0_ONLY_ESTIMATORS and flag_at(config, "trainer.use_v1", False):
         raise TrajConfigError(
             f"{ESTIMATOR}={name!r} needs {V0_ONLY_ESTIMATORS[name]}: on the v1 trainer the advantage step fails after "

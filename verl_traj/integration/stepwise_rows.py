@@ -28,10 +28,12 @@ from verl_traj.core.estimators import estimator_traits
 from verl_traj.core.keys import IS_LAST_STEP, TRAJ_INDEX, TURN_REWARDS
 from verl_traj.stepwise.advantages import (StepwiseAdvantageError, check_stepwise_estimator,
                                            compute_trajectory_advantages)
+from verl_traj.integration.gigpo import GIGPO, gigpo_advantage
 from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, expand_step_rows
+from verl_traj.stepwise.step_groups import StepGroupOptions
 from verl_traj.stepwise.inputs import checked_flags, checked_traj_index
 
-__all__ = ["batch_timeline", "expand_dataproto_step_rows", "is_stepwise_batch", "stepwise_advantage",
+__all__ = ["batch_timeline", "expand_dataproto_step_rows", "is_stepwise_batch", "row_steps", "stepwise_advantage",
            "trajectory_scoped_correction"]
 
 
@@ -50,6 +52,7 @@ def expand_dataproto_step_rows(
     traj_id_key: str = "traj_id",
     step_index_key: str = "step_index",
     drop_keys: tuple[str, ...] = (),
+    step_anchors: bool = False,
 ) -> dict[str, float]:
     """Replace ``data`` (a verl ``DataProto``, one row per trajectory) IN PLACE by its step rows.
 
@@ -63,7 +66,7 @@ def expand_dataproto_step_rows(
     out = expand_step_rows(
         {k: data.batch[k] for k in data.batch.keys()}, dict(data.non_tensor_batch), steps_key=steps_key,
         merge_prefix=merge_prefix, pad_token_id=pad_token_id, traj_id_key=traj_id_key,
-        step_index_key=step_index_key, drop_keys=drop_keys,
+        step_index_key=step_index_key, drop_keys=drop_keys, step_anchors=step_anchors,
     )
     device = data.batch.device if hasattr(data.batch, "device") else None
     data.batch = TensorDict(dict(out.tensors), batch_size=[int(out.source_row.numel())], device=device)
@@ -114,12 +117,8 @@ def _with_turn_rewards(data: Any, on_last_row: bool = False) -> Any:
     return rewards + extra
 
 
-def batch_timeline(data: Any, step_index_key: str) -> Any:
-    """The :class:`~verl_traj.stepwise.timeline.Timeline` of a planned step-wise batch: ``traj_index`` from the
-    plan, each row's step from ``non_tensor_batch[step_index_key]``, the current ``response_mask``."""
-
-    from verl_traj.stepwise.timeline import Timeline
-
+def row_steps(data: Any, step_index_key: str) -> np.ndarray:
+    """``[B]`` each row's step, from ``non_tensor_batch[step_index_key]`` (a missing or non-numeric column refused)."""
     nt = data.non_tensor_batch
     if step_index_key not in nt:
         raise StepwiseAdvantageError(
@@ -133,8 +132,17 @@ def batch_timeline(data: Any, step_index_key: str) -> Any:
         except (TypeError, ValueError) as exc:
             raise StepwiseAdvantageError.invalid(step_index_key, steps, f"holds non-numbers ({exc})",
                                                  "keep each row's int step as the expansion wrote it") from exc
-    return Timeline.build(data.batch[TRAJ_INDEX], steps, _column(data.batch, "response_mask", "verl's "
-                                                                 "compute_response_mask writes it"))
+    return steps
+
+
+def batch_timeline(data: Any, step_index_key: str) -> Any:
+    """The :class:`~verl_traj.stepwise.timeline.Timeline` of a planned step-wise batch: ``traj_index`` from the
+    plan, each row's step (:func:`row_steps`), the current ``response_mask``."""
+
+    from verl_traj.stepwise.timeline import Timeline
+
+    return Timeline.build(data.batch[TRAJ_INDEX], row_steps(data, step_index_key),
+                          _column(data.batch, "response_mask", "verl's compute_response_mask writes it"))
 
 
 def _column(td: Any, key: str, where: str) -> torch.Tensor:
@@ -183,14 +191,16 @@ def _uid(nt: Any, rows: int) -> np.ndarray:
     return uid
 
 
-def stepwise_advantage(verl_compute_advantage: Callable, step_index_key: str = "step_index") -> Callable:
+def stepwise_advantage(verl_compute_advantage: Callable, step_index_key: str = "step_index",
+                       step_groups: Optional[StepGroupOptions] = None) -> Callable:
     """Wrap verl's ``compute_advantage(data, adv_estimator, gamma, lam, num_repeat,
     norm_adv_by_std_in_grpo, config)`` (same signature) for step-wise rows.
 
     Outcome estimators run once per trajectory and are broadcast onto its rows (``reward_reduction``: ``"sum"`` when
     ``config.use_kl_in_reward``, KL penalties sitting on every step row, else ``"last_step"``). Temporal estimators
     (``gae``, REINFORCE++) run on each trajectory's timeline: credit across its rows (``step_index_key``: the
-    non-tensor field holding each row's step)."""
+    non-tensor field holding each row's step). ``gigpo`` (:mod:`verl_traj.integration.gigpo`) groups each call with
+    the calls of its GRPO group that saw the same observation (``step_groups``: the ``traj:`` knobs)."""
 
     @functools.wraps(verl_compute_advantage)
     def compute_advantage(data: Any, adv_estimator: Any, gamma: float = 1.0, lam: float = 1.0, num_repeat: int = 1,
@@ -199,8 +209,13 @@ def stepwise_advantage(verl_compute_advantage: Callable, step_index_key: str = "
             return verl_compute_advantage(data, adv_estimator, gamma=gamma, lam=lam, num_repeat=num_repeat,
                                           norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=config)
         name = str(getattr(adv_estimator, "value", adv_estimator))
-        fn, extra = _estimator(name, norm_adv_by_std_in_grpo, config)
         td = data.batch
+        if name == GIGPO:
+            gigpo_advantage(data, _with_turn_rewards(data), row_steps(data, step_index_key),
+                            _uid(data.non_tensor_batch, td.batch_size[0]), gamma=gamma,
+                            episode=_estimator("grpo", norm_adv_by_std_in_grpo, config), options=step_groups)
+            return data
+        fn, extra = _estimator(name, norm_adv_by_std_in_grpo, config)
         if estimator_traits(name).temporal:
             td["advantages"], td["returns"] = _timeline_advantage(data, fn, extra, gamma, lam, step_index_key)
             return data

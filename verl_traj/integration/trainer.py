@@ -41,6 +41,8 @@ from verl_traj.core.keys import (IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MINI_BAT
                                  planned_update_fields)
 from verl_traj.core.padding import resolve_pad_token_id
 from verl_traj.integration.checkpoints import CompleteCheckpoints
+from verl_traj.integration.gigpo import uses_step_groups
+from verl_traj.integration.verl_checks import value_at
 from verl_traj.integration.losses import install_value_loss
 from verl_traj.integration.patches import fit_patches, patched
 from verl_traj.integration.step_plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
@@ -50,6 +52,7 @@ from verl_traj.integration.stepwise_rows import expand_dataproto_step_rows
 from verl_traj.integration.tree_forward import TREE_KEY
 from verl_traj.integration.update_spec import LossSpec, UpdateSpec, has_multi_row_trajectory
 from verl_traj.integration.workers import CRITIC_UNION_KEY
+from verl_traj.stepwise.step_groups import StepGroupOptions
 
 __all__ = ["TrajRayPPOTrainer", "attended_rows", "plan_batch_in_place"]
 
@@ -100,7 +103,8 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
             return super().fit()
         self._real_row_mask = None
         with patched(fit_patches(self.traj_config.step_wise, lambda: self._real_row_mask,
-                                 self.traj_config.step_index_key, self.spec.trajectory_ratios)):
+                                 self.traj_config.step_index_key, self.spec.trajectory_ratios,
+                                 StepGroupOptions.of(self.traj_config))):
             return super().fit()
 
     # ---- planning --------------------------------------------------------------------------------
@@ -125,6 +129,7 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
             step_metrics = expand_dataproto_step_rows(
                 batch, merge_prefix=self.traj_config.merge_prefix, pad_token_id=self._pad_token_id(),
                 traj_id_key=self.traj_config.traj_id_key, step_index_key=self.traj_config.step_index_key,
+                step_anchors=uses_step_groups(value_at(self.config, "algorithm.adv_estimator", "grpo")),
             )
             if metrics is not None:
                 metrics.update(step_metrics)

@@ -72,6 +72,7 @@ from verl_traj.integration.v1_planning import (debug_rows, dispatch_dp_size, in_
 from verl_traj.integration.v1_updates import extra_info, planned_update
 from verl_traj.integration.verl_config import prepare_v1_agent_loop
 from verl_traj.integration.workers import TrajCriticWorker, traj_actor_worker
+from verl_traj.stepwise.step_groups import StepGroupOptions
 
 __all__ = ["TrajV1Mixin", "traj_trainer_class"]
 
@@ -195,8 +196,11 @@ class TrajV1Mixin(CompleteCheckpoints):
         facts = self._facts_of(batch)
         per_trajectory = self.spec.trajectory_ratios
         correction = functools.partial(corrected_per_trajectory, facts) if per_trajectory else None
-        with patched(v1_advantage_patches(functools.partial(planned_advantage, facts), correction)):
-            return super()._compute_advantage(batch, metrics)
+        advantage = functools.partial(planned_advantage, facts, step_groups=StepGroupOptions.of(self.traj_config))
+        with patched(v1_advantage_patches(advantage, correction)):
+            out = super()._compute_advantage(batch, metrics)
+        metrics.update(facts.advantage_metrics)
+        return out
 
     def _update_critic(self, batch: Any, metrics: dict) -> Any:
         if not self.traj_config.enable:

@@ -22,9 +22,11 @@ from typing import Any, Callable, Optional
 
 from verl.trainer.ppo import ray_trainer
 
+from verl_traj.core.keys import ADVANTAGE_METRICS
 from verl_traj.integration.real_rows import advantage_on_real_rows
 from verl_traj.integration.stepwise_rows import stepwise_advantage, trajectory_scoped_correction
 from verl_traj.integration.v1_plan_facts import STEP_INDEX, PlanFacts
+from verl_traj.stepwise.step_groups import StepGroupOptions
 
 __all__ = ["corrected_per_trajectory", "planned_advantage"]
 
@@ -39,7 +41,7 @@ def _count_reward_once(data: Any, facts: PlanFacts) -> None:
 
 def planned_advantage(facts: PlanFacts, data: Any, batch_keys: list[str], adv_estimator: Any, gamma: float = 1.0,
                       lam: float = 1.0, num_repeat: int = 1, norm_adv_by_std_in_grpo: bool = True,
-                      config: Optional[Any] = None) -> Any:
+                      config: Optional[Any] = None, *, step_groups: Optional[StepGroupOptions] = None) -> Any:
     """v1's ``compute_advantage_for_multi_trajectories(data, batch_keys, adv_estimator, ...)`` for a planned batch
     (``facts`` bound first; ``data``: verl's ``DataProto`` of ``[B, R]`` fields in ``batch_keys`` order).
 
@@ -47,7 +49,9 @@ def planned_advantage(facts: PlanFacts, data: Any, batch_keys: list[str], adv_es
     counts the reward once, on its last step, plus the turn rewards on their tokens, then runs the step-wise
     advantage (outcome estimators once per trajectory, each row getting the trajectory's scalar on its own tokens;
     temporal ones on each trajectory's timeline of rows); otherwise verl's ``compute_advantage`` runs on the real
-    rows, as on v0. Also records each row's final loss tokens in ``facts`` (after verl's rollout correction)."""
+    rows, as on v0. Also records each row's final loss tokens in ``facts`` (after verl's rollout correction), and the
+    advantage step's metrics (``gigpo``: ``traj_gigpo/*``; ``step_groups``: its ``traj:`` knobs, bound by the trainer)
+    in ``facts.advantage_metrics``."""
     facts.attach(data, batch_keys)
     facts.record_final_loss_tokens(data.batch["response_mask"])
     kwargs = dict(gamma=gamma, lam=lam, num_repeat=num_repeat, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
@@ -55,8 +59,10 @@ def planned_advantage(facts: PlanFacts, data: Any, batch_keys: list[str], adv_es
     if not facts.stepwise:
         return advantage_on_real_rows(ray_trainer.compute_advantage)(data, adv_estimator, **kwargs)
     _count_reward_once(data, facts)
-    estimator = stepwise_advantage(ray_trainer.compute_advantage, step_index_key=STEP_INDEX)
-    return advantage_on_real_rows(estimator)(data, adv_estimator, **kwargs)
+    estimator = stepwise_advantage(ray_trainer.compute_advantage, step_index_key=STEP_INDEX, step_groups=step_groups)
+    out = advantage_on_real_rows(estimator)(data, adv_estimator, **kwargs)
+    facts.advantage_metrics.update(data.meta_info.pop(ADVANTAGE_METRICS, {}))
+    return out
 
 
 def corrected_per_trajectory(facts: PlanFacts, verl_add_to_batch: Callable, data: Any,

@@ -44,7 +44,9 @@ from verl_traj.core.row_key import row_key
 from verl_traj.integration.v1_failures import run_session
 from verl_traj.integration.session_ledger import current_ledger, session_ledger
 from verl_traj.integration.v1_staleness import record_versions
-from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, TURN_REWARD, StepExpansionError, trajectory_step_rows
+from verl_traj.integration.gigpo import anchor_tag, uses_step_groups
+from verl_traj.integration.verl_checks import value_at
+from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, STEP_ANCHOR, TURN_REWARD, StepExpansionError, trajectory_step_rows
 
 __all__ = ["MANAGER_FQN", "MERGE_TAG", "TURN_REWARD_TAG", "UNSUPPORTED_STEP_FIELDS", "TrajAgentLoopManagerTQ",
            "TrajAgentLoopWorkerTQ", "check_recorded", "check_step_output", "check_version_fields", "session_priority",
@@ -73,18 +75,20 @@ def check_step_output(output: AgentLoopOutput) -> None:
 
 
 def step_outputs(output: AgentLoopOutput, merge_prefix: bool, steps_key: str = DEFAULT_STEPS_KEY,
-                 turn_rewards: bool = True) -> tuple[list[AgentLoopOutput], list[dict], dict[str, int]]:
+                 turn_rewards: bool = True, anchors: bool = False) -> tuple[list[AgentLoopOutput], list[dict], dict[str, int]]:
     """The step rows of one scored trajectory output, as agent-loop outputs (the last carries the reward; extra
     fields but the step records are kept on every row), each row's tag (its turn rewards, see
     :data:`TURN_REWARD_TAG`; empty without) and the merge statistics. ``turn_rewards=False`` (stock verl on step
-    rows) refuses records that carry them."""
+    rows) refuses records that carry them. ``anchors``: each row's tag also carries its calls' anchor keys
+    (:data:`~verl_traj.integration.gigpo.STEP_ANCHOR_TAG`, for ``gigpo``)."""
     check_step_output(output)
     extra = {k: v for k, v in output.extra_fields.items() if k != steps_key}
     rows, stats = trajectory_step_rows(output.prompt_ids, output.response_ids, output.response_mask,
                                        output.response_logprobs, output.extra_fields.get(steps_key),
                                        merge_prefix=merge_prefix)
-    tags = [_turn_reward_tag(row.per_token[TURN_REWARD]) for row in rows]
-    if not turn_rewards and any(tags):
+    tags = [{**_turn_reward_tag(row.per_token[TURN_REWARD]), **(anchor_tag(row.per_token[STEP_ANCHOR]) if anchors else {})}
+            for row in rows]
+    if not turn_rewards and any(TURN_REWARD_TAG in t for t in tags):
         raise StepExpansionError(
             "the step records carry turn rewards (a 'reward' per LLM call) but traj.enable=false: stock verl has no "
             "channel for them (it copies the trajectory's reward onto every step row). Fix: set traj.enable=true, or "
@@ -210,7 +214,8 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
             return
         await self._compute_score([output], kwargs=kwargs)
         stock = not traj_config.enable  # stock verl on step rows: one row per call, as verl's list outputs give it
-        outputs, tags, stats = step_outputs(output, traj_config.merge_prefix and not stock, turn_rewards=not stock)
+        outputs, tags, stats = step_outputs(output, traj_config.merge_prefix and not stock, turn_rewards=not stock,
+                                            anchors=uses_step_groups(value_at(self.config, "algorithm.adv_estimator", "grpo")))
         outputs[-1].extra_fields["reward_extra_info"] = output.extra_fields.get("reward_extra_info", {})
         await super()._agent_loop_postprocess(outputs, validate, **kwargs)
         tags[0] = {**tags[0], MERGE_TAG: stats}

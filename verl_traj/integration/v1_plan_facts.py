@@ -14,14 +14,15 @@ the loss weights need only these counts, never the ``[B, R]`` mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from verl_traj.core import BatchLayout, MiniBatchPlan
-from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, TRAJ_INDEX, TURN_REWARDS
+from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, STEP_ANCHORS, TRAJ_INDEX, TURN_REWARDS
 from verl_traj.core.row_key import parse_row_keys
+from verl_traj.integration.gigpo import anchor_entries
 from verl_traj.integration.v1_agent_loop import turn_reward_entries
 
 __all__ = ["STEP_INDEX", "PlanFacts", "plan_facts", "row_loss_tokens"]
@@ -55,11 +56,13 @@ class PlanFacts:
     loss_tokens: torch.Tensor  # int64, loss tokens of each row (0 on padding)
     multi_row: bool  # some trajectory has several rows (steps)
     turn_rewards: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # (row, position, reward) [K]
+    step_anchors: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # (row, position, key) [K], gigpo
+    advantage_metrics: dict = field(default_factory=dict)  # the advantage step's (traj_gigpo/*), for the step's metrics
 
     @property
     def stepwise(self) -> bool:
         """The step-wise advantage path: a trajectory with several rows, or turn rewards to put on tokens."""
-        return self.multi_row or self.turn_rewards is not None
+        return self.multi_row or self.turn_rewards is not None or self.step_anchors is not None
 
     def check(self, keys: list[str]) -> None:
         """Raise unless ``keys`` are the planned keys, in the planned order."""
@@ -87,6 +90,10 @@ class PlanFacts:
             row, pos, reward = self.turn_rewards
             dense = torch.zeros(td["response_mask"].shape, dtype=torch.float32)
             td[TURN_REWARDS] = dense.index_put_((row, pos), reward, accumulate=True).to(td.device)
+        if self.step_anchors is not None:  # each call's anchor key on its first response token (gigpo)
+            row, pos, key = self.step_anchors
+            dense = torch.zeros(td["response_mask"].shape, dtype=torch.int64)
+            td[STEP_ANCHORS] = dense.index_put_((row, pos), key).to(td.device)
 
     def record_final_loss_tokens(self, response_mask: torch.Tensor) -> None:
         """Recount :attr:`loss_tokens` from the batch's final ``[B, R]`` ``response_mask`` (dispatch order; after
@@ -107,4 +114,5 @@ def plan_facts(batch: Any, plan: MiniBatchPlan, layout: BatchLayout) -> PlanFact
         mini_batch_id=plan.mini_batch_id.clone(),
         loss_tokens=torch.where(plan.is_padding, 0, layout.num_loss_tokens[src]).long(),
         multi_row=bool((layout.traj_num_steps > 1).any()), turn_rewards=turn_reward_entries(batch.tags),
+        step_anchors=anchor_entries(batch.tags),
     )

@@ -37,12 +37,24 @@ import numpy as np
 import torch
 
 from verl_traj.core.errors import TrajInputError, check_finite, check_index
+from verl_traj.core.estimators import STEP_GROUP_BASELINES as BASELINES
 
-__all__ = ["BASELINES", "StepCalls", "combine_advantages", "discounted_step_returns", "gigpo_advantages",
+__all__ = ["BASELINES", "StepCalls", "StepGroupOptions", "combine_advantages", "discounted_step_returns", "gigpo_advantages",
            "step_group_advantages", "step_group_ids", "step_group_metrics"]
 
-BASELINES = ("gigpo", "leave_one_out")
 ANCHORS = "step_anchors"  # the per-token field (verl_traj.core.keys.STEP_ANCHORS)
+
+
+@dataclass(frozen=True)
+class StepGroupOptions:
+    """GiGPO's knobs from the ``traj:`` section (``traj.step_advantage_weight``, ``traj.step_group_baseline``)."""
+
+    weight: float = 1.0
+    baseline: str = "gigpo"
+
+    @classmethod
+    def of(cls, traj_config: Any) -> "StepGroupOptions":
+        return cls(weight=float(traj_config.step_advantage_weight), baseline=str(traj_config.step_group_baseline))
 
 
 @dataclass(frozen=True)

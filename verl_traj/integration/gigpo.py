@@ -1,0 +1,113 @@
+"""``algorithm.adv_estimator=gigpo`` inside verl: the name in verl's estimator registry, and the advantage of a
+planned step-row batch (both trainers: v0's ``compute_advantage`` patch and v1's ``planned_advantage`` reach it
+through :func:`~verl_traj.integration.stepwise_rows.stepwise_advantage`).
+
+The step rows carry each LLM call's anchor key (``step_anchors``, ``[B, R]``): v0's expansion writes it, v1's
+agent-loop worker tags each row with its calls' keys (:data:`STEP_ANCHOR_TAG`) and the plan's facts put them back on
+their tokens. :func:`gigpo_advantage` then runs :func:`verl_traj.stepwise.step_groups.gigpo_advantages` with verl's
+GRPO as the episode-level estimator. Its metrics (``traj_gigpo/*``) travel in the batch's ``meta_info``
+(:data:`ADVANTAGE_METRICS`) to the step's metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from verl.trainer.ppo import core_algos
+
+from verl_traj.core.errors import TrajInputError
+from verl_traj.core.estimators import estimator_name, estimator_traits
+from verl_traj.core.keys import ADVANTAGE_METRICS, STEP_ANCHORS, TRAJ_INDEX
+from verl_traj.stepwise.advantages import run_outcome_estimator
+from verl_traj.stepwise.step_groups import StepGroupOptions, gigpo_advantages
+
+__all__ = ["ADVANTAGE_METRICS", "GIGPO", "STEP_ANCHOR_TAG", "anchor_entries", "anchor_tag", "gigpo_advantage",
+           "register_gigpo", "uses_step_groups"]
+
+GIGPO = "gigpo"
+STEP_ANCHOR_TAG = "traj_step_anchors"  # v1 row tag: [[response position, anchor key], ...] of the row's calls
+
+
+def _outside_step_rows(token_level_rewards: Any = None, response_mask: Any = None, index: Any = None,
+                       **kwargs: Any) -> Any:
+    """What verl's registry runs for ``gigpo`` on a batch without step rows: a refusal, never a silent GRPO."""
+    raise TrajInputError(
+        "algorithm.adv_estimator='gigpo' reached verl's own advantage path, on a batch without step rows: GiGPO groups "
+        "each LLM call with the calls of its GRPO group that saw the same observation, so it needs one row per call. "
+        "Fix: set traj.enable=true and traj.step_wise=true with a step-recording agent loop (docs/agent_loops.md), "
+        "or another estimator (grpo).", field="algorithm.adv_estimator")
+
+
+def register_gigpo() -> None:
+    """Put ``gigpo`` in verl's estimator registry (idempotent): verl's config and start-up checks accept the name,
+    and a batch that reaches verl's own path with it is refused."""
+    if core_algos.ADV_ESTIMATOR_REGISTRY.get(GIGPO) is not _outside_step_rows:
+        core_algos.register_adv_est(GIGPO)(_outside_step_rows)
+
+
+def uses_step_groups(adv_estimator: Any) -> bool:
+    """The estimator reads each call's anchor key (the step rows must carry them)."""
+    return estimator_traits(estimator_name(adv_estimator)).step_groups
+
+
+def anchor_tag(per_token: torch.Tensor) -> dict:
+    """``{STEP_ANCHOR_TAG: [[position, key], ...]}`` of one row's ``[n]`` int64 anchors; ``{}`` for a row without."""
+    pos = per_token.nonzero().flatten()
+    return {STEP_ANCHOR_TAG: torch.stack([pos, per_token[pos]], 1).tolist()} if pos.numel() else {}
+
+
+def anchor_entries(tags: list[dict]) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(row, position, key)`` ``[K]`` int64 of every anchor the rows' ``tags`` carry, or ``None`` without any."""
+    tagged = [(b, t[STEP_ANCHOR_TAG]) for b, t in enumerate(tags) if t.get(STEP_ANCHOR_TAG)]
+    if not tagged:
+        return None
+    rows = torch.cat([torch.full((len(e),), b, dtype=torch.int64) for b, e in tagged])
+    entries = torch.tensor([pair for _, e in tagged for pair in e], dtype=torch.int64)
+    return rows, entries[:, 0], entries[:, 1]
+
+
+def _trajectory_uids(uid: np.ndarray, traj_index: torch.Tensor) -> np.ndarray:
+    """``[T]`` the GRPO uid of each trajectory (its first row's; the layout checked a trajectory has one)."""
+    real = torch.nonzero(traj_index >= 0).reshape(-1)
+    num_t = int(traj_index[real].max()) + 1 if real.numel() else 0
+    first = torch.full((num_t,), traj_index.numel(), dtype=torch.long)
+    first = first.scatter_reduce(0, traj_index[real], real, reduce="amin")
+    return np.asarray(uid, dtype=object)[first.numpy()]
+
+
+def gigpo_advantage(data: Any, rewards: torch.Tensor, steps: Any, uid: np.ndarray, *, gamma: float,
+                    episode: tuple[Callable, dict], options: Optional[StepGroupOptions]) -> None:
+    """GiGPO's advantages of a planned step-row batch (verl ``DataProto``), in place: ``advantages`` and ``returns``
+    (= advantages, as verl's GRPO), metrics under ``meta_info[ADVANTAGE_METRICS]``.
+
+    ``rewards``: ``[B, R]`` token rewards with the turn rewards on their tokens; ``steps``: ``[B]`` each row's step;
+    ``uid``: ``[B]`` GRPO ids; ``episode``: verl's GRPO and the keyword arguments it accepts (its normalisation);
+    ``options``: the ``traj:`` knobs (required: a caller that did not wire them is an error, not a default)."""
+    if options is None:
+        raise RuntimeError("gigpo_advantage needs the traj: section's StepGroupOptions (the caller did not pass them)")
+    td = data.batch
+    if STEP_ANCHORS not in td.keys():
+        raise TrajInputError(
+            f"batch[{STEP_ANCHORS!r}] is missing: GiGPO needs each LLM call's anchor key, which the step rows carry "
+            "when algorithm.adv_estimator=gigpo at rollout. Fix: keep the field through the batch (a custom "
+            "expansion must pass step_anchors=True to expand_step_rows).", field=STEP_ANCHORS)
+    fn, kwargs = episode
+
+    def episode_fn(scores: torch.Tensor, traj_uid: np.ndarray) -> torch.Tensor:
+        return run_outcome_estimator(fn, scores, traj_uid, estimator_name="grpo", estimator_kwargs=kwargs)[0]
+
+    norm = bool(kwargs.get("norm_adv_by_std_in_grpo", True))
+    advantages, metrics = gigpo_advantages(
+        rewards, td["response_mask"], td[TRAJ_INDEX], steps, td[STEP_ANCHORS],
+        _trajectory_uids(uid, td[TRAJ_INDEX].cpu()), episode_fn, gamma=gamma, weight=options.weight,
+        baseline=options.baseline, norm_by_std=norm)
+    td["advantages"] = advantages.to(td["response_mask"].device)
+    td["returns"] = td["advantages"].clone()
+    del td[STEP_ANCHORS]  # read once: the update does not need it
+    data.meta_info[ADVANTAGE_METRICS] = metrics
+
+
+register_gigpo()  # verl's extension point, as its own estimators register at import
