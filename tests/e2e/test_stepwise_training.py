@@ -62,17 +62,26 @@ def _run_stepwise(tiny, tmp_path, trainer: str, merge: bool, *, config_name: str
 def test_stepwise_training_on_cpu(tool_home, tmp_path, trainer, merge):
     """v1: the agent-loop worker stores each session's step rows; v0: the trainer expands them (both merge
     with traj.merge_prefix). The loop gives every LLM call a turn reward (:class:`~verl_traj.testing.agent_loops.
-    TurnRewardToolAgentLoop`): each reaches the trainer, one per LLM call, on both trainers."""
+    TurnRewardToolAgentLoop`): each reaches the trainer, one per LLM call, on both trainers. The estimator is GiGPO
+    (``algorithm.adv_estimator=gigpo``, step groups by anchor state): every LLM call lands in one step group (the
+    calls behind a GRPO group's shared prompt in one of four), and its advantage trains."""
     from verl_traj.testing.agent_loops import TURN_REWARD
 
-    metrics, out = _run_stepwise(tool_home, tmp_path, trainer, merge, loop=TURN_REWARD_LOOP)
-    keys = [k for k in metrics[0] if k.startswith(("traj_stepwise/", "traj_plan/", "actor/", "training/rollout_probs"))]
+    metrics, out = _run_stepwise(tool_home, tmp_path, trainer, merge, loop=TURN_REWARD_LOOP,
+                                 extra=("algorithm.adv_estimator=gigpo", "algorithm.gamma=0.95"))
+    keys = [k for k in metrics[0] if k.startswith(("traj_stepwise/", "traj_plan/", "traj_gigpo/", "actor/",
+                                                  "training/rollout_probs"))]
     summary = json.dumps([{k: m.get(k) for k in keys} for m in metrics], default=str)
     try:
         _check(metrics, merge)
         for m in metrics:  # one turn reward per LLM call (a step row before merging), none lost or doubled
             assert m["traj_stepwise/turn_rewards_nonzero"] == m["traj_stepwise/rows_before"]
             assert m["traj_stepwise/turn_reward_sum"] == TURN_REWARD * m["traj_stepwise/rows_before"]
+            # GiGPO: every call in one step group; each GRPO group's first calls (its shared prompt) share one
+            groups, shared = m["traj_gigpo/step_groups"], m["traj_gigpo/steps_in_shared_groups"]
+            assert 8 <= groups <= m["traj_stepwise/rows_before"] - 24, summary  # 8 prompts x 4 first calls
+            assert shared >= 32 / m["traj_stepwise/rows_before"] and 0 < m["traj_gigpo/step_adv_share"] < 1
+            assert m["traj_gigpo/step_group_size_mean"] == pytest.approx(m["traj_stepwise/rows_before"] / groups)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\nmetrics: {summary}\nlog tail: {out[-4000:]}") from exc
 
