@@ -248,9 +248,9 @@ def test_every_estimator_verl_dispatches_is_accepted_and_a_typo_is_refused():
     known = known_adv_estimators()
     assert set(known) == set(ADV_ESTIMATOR_REGISTRY) | {e.value for e in AdvantageEstimator}
     assert {"gae", "grpo", "reinforce_plus_plus", "rloo", "opo", "grpo_passk", "gpg", "remax"} <= set(known)
-    for name in known:
+    for name in known:  # (gigpo, verl_traj's own, runs on step rows)
         check_adv_estimator({"algorithm": {"adv_estimator": name, "gdpo_reward_keys": ["a", "b"]},
-                             "trainer": {"use_v1": False},
+                             "trainer": {"use_v1": False}, "traj": {"step_wise": True},
                              "actor_rollout_ref": {"actor": {"calculate_sum_pi_squared": True}}})
     for typo, hint in (("simply", ""), ("GRPO", ""), ("rlo", "did you mean 'rloo'?")):
         with pytest.raises(TrajConfigError, match="is not an advantage estimator verl knows") as err:

@@ -490,6 +490,17 @@ def _outcome_on_last_rows(rm_scores: torch.Tensor, rows: _StepRows, out: dict[st
     return rm
 
 
+def _per_call_tensors(rows: _StepRows, width: int, step_anchors: bool) -> dict[str, torch.Tensor]:
+    """``[B, R]`` per-call fields: the turn rewards where the agent loop gave any, the anchor keys when asked."""
+    out = {}
+    turn = _right_pad(rows.turn_rewards, width, 0.0) if rows.turn_rewards else None
+    if turn is not None and bool(turn.any()):  # the agent loop gave turn rewards
+        out[TURN_REWARDS] = turn
+    if step_anchors:
+        out[STEP_ANCHORS] = _right_pad(rows.anchors, width, 0) if rows.anchors else torch.zeros(0, width, dtype=torch.long)
+    return out
+
+
 def _carry_tensors(tensors: Mapping[str, torch.Tensor], src_index: torch.Tensor, drop: set, B: int, P: int,
                    R: int) -> dict[str, torch.Tensor]:
     """Per-row tensors (``[B]`` or ``[B, k]``) repeated onto every step row; per-token ones refused."""
@@ -595,12 +606,7 @@ def expand_step_rows(
     out_t = _layout_tensors(rows, src, (prompt_width, response_width), pad_to_multiple_of, pad_token_id)
     if "rm_scores" in tensors:
         out_t["rm_scores"] = _outcome_on_last_rows(tensors["rm_scores"], rows, out_t)
-    turn = _right_pad(rows.turn_rewards, out_t["responses"].shape[1], 0.0) if rows.turn_rewards else None
-    if turn is not None and bool(turn.any()):  # the agent loop gave turn rewards
-        out_t[TURN_REWARDS] = turn
-    if step_anchors:
-        out_t[STEP_ANCHORS] = _right_pad(rows.anchors, out_t["responses"].shape[1], 0) if rows.anchors else \
-            torch.zeros(0, out_t["responses"].shape[1], dtype=torch.long)
+    out_t.update(_per_call_tensors(rows, out_t["responses"].shape[1], step_anchors))
     src_index = torch.tensor(rows.source_row, dtype=torch.long)
     out_t.update(_carry_tensors(tensors, src_index, drop, B, P, R))
     skip = drop | {steps_key, traj_id_key, step_index_key, IS_LAST_STEP}

@@ -4,6 +4,10 @@ One process per DP rank (``torch.multiprocessing`` spawn, gloo). The workers are
 ``ActorRolloutRefWorker.init_model`` / the trainer's critic builds them, from ``configs/cpu_tiny.yaml``
 and the tiny model of :mod:`verl_traj.cpu.build_tiny`; a planned batch is dispatched as verl's trainer
 does (``left_right_2_no_padding``, the update's non-tensor keys, rank ``r`` gets the contiguous block r).
+
+On a CUDA GPU (``scripts/bench_update.py --device cuda``): nccl, one GPU per rank, :func:`gpu_config` (the same
+preset without the CPU platform: verl's own GPU defaults, bf16 mixed precision) and, where flash-attn is missing,
+:func:`register_torch_varlen` (the flash-attention path in torch, where the prefix-tree attention sits).
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 
-__all__ = ["free_port", "init_rank", "compose_config", "cpu_config", "actor_worker", "critic_worker", "rank_tensordict", "plan_for_update"]
+__all__ = ["free_port", "init_rank", "compose_config", "cpu_config", "gpu_config", "register_torch_varlen", "TORCH_VARLEN",
+           "actor_worker", "critic_worker", "rank_tensordict", "plan_for_update"]
+
+TORCH_VARLEN = "torch_varlen"  # attn_implementation name of :func:`register_torch_varlen`
 
 
 def free_port() -> int:
@@ -24,21 +31,54 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_rank(rank: int, world: int, port: int, home: str, threads: int = 1) -> None:
-    """Environment and gloo process group of one spawned rank (verl reads RANK / WORLD_SIZE / ...); ``home`` is
-    ``VERL_TRAJ_HOME`` (the presets read the tiny model from its ``tiny/``)."""
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "VERL_TRAJ_HOME": str(home)})
+def init_rank(rank: int, world: int, port: int, home: str, threads: int = 1, device: str = "cpu") -> None:
+    """Environment and process group of one spawned rank (verl reads RANK / WORLD_SIZE / ...); ``home`` is
+    ``VERL_TRAJ_HOME`` (the presets read the tiny model from its ``tiny/``). ``device="cuda"``: GPU ``rank`` of this
+    machine, nccl; else gloo."""
+    cuda = device == "cuda"
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank) if cuda else "0",
+                       "LOCAL_WORLD_SIZE": str(world) if cuda else "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "VERL_TRAJ_HOME": str(home)})
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, threads))
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                            init_method=f"tcp://127.0.0.1:{port}")
 
 
 def cpu_config(overrides: Sequence[str] = ()) -> Any:
     """``configs/cpu_tiny.yaml`` with hydra overrides, resolved."""
     return compose_config("cpu_tiny", overrides)
+
+
+def gpu_config(overrides: Sequence[str] = ()) -> Any:
+    """``configs/cpu_tiny.yaml`` without its CPU platform (``~platform``): verl's own GPU defaults (FSDP mixed
+    precision bf16 over fp32 parameters, gradient checkpointing, remove-padding), FSDP2 as on CPU; with hydra
+    overrides (``actor_rollout_ref.model.path``: the model), resolved."""
+    return compose_config("cpu_tiny", ["~platform", "actor_rollout_ref.actor.strategy=fsdp2",
+                                       "actor_rollout_ref.actor.fsdp_config.strategy=fsdp2", *overrides])
+
+
+def register_torch_varlen(name: str = TORCH_VARLEN) -> str:
+    """transformers' flash-attention path under ``name`` (its attention and mask functions), with the torch
+    variable-length kernel (:func:`verl_traj.cpu.attention.varlen_attention`) where verl's remove-padding wrapper
+    calls flash-attn: the CPU platform's ``cpu_varlen`` for a GPU process without flash-attn (the prefix-tree
+    forward's attention hooks into that path; its tree micro-batches never reach the torch kernel). In this process,
+    idempotent; returns ``name``."""
+    import verl.models.transformers.monkey_patch as verl_monkey_patch
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    from verl_traj.cpu.attention import flash_mask, flash_path, varlen_attention
+
+    AttentionInterface.register(name, flash_path())
+    AttentionMaskInterface.register(name, flash_mask())
+    if not getattr(verl_monkey_patch._flash_attention_forward, "_prefix_tree_aware", False):
+        verl_monkey_patch._flash_attention_forward = varlen_attention
+    return name
 
 
 def compose_config(name: str, overrides: Sequence[str] = (), *, resolve: bool = True) -> Any:
