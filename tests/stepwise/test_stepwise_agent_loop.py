@@ -46,7 +46,7 @@ class ScriptedServer:
         return _Out(ids, [-0.01 * k - 0.001 * i for i in range(len(ids))])
 
 
-def _run(tokenizer, n_calls, response_length=512):
+def _run(tokenizer, n_calls, response_length=512, loop_cls=StepwiseToolAgentLoop):
     from verl_traj.cpu.build_tiny import TOOL_SCHEMA
     from verl_traj.cpu.tools import DigitsTool
 
@@ -62,7 +62,7 @@ def _run(tokenizer, n_calls, response_length=512):
     server = ScriptedServer(tokenizer, n_calls)
 
     async def main():
-        loop = StepwiseToolAgentLoop(
+        loop = loop_cls(
             trainer_config=DictConfigWrap(cfg), server_manager=server, tokenizer=tokenizer, processor=None,
             dataset_cls=RLHFDataset, data_config=DictConfigWrap(cfg.data), tools=ToolListWrap([tool]),
         )
@@ -190,3 +190,29 @@ def test_shipped_agent_loop_config_registers_the_stepwise_loop():
     for entry in entries:
         module, _, cls = entry["_target_"].rpartition(".")
         assert getattr(__import__(module, fromlist=[cls]), cls) is StepwiseToolAgentLoop
+
+
+class _KeyedLoop(StepwiseToolAgentLoop):
+    """A loop that names each call's state itself (here: whether it is the first call), for GiGPO's step groups."""
+
+    def anchor_keys(self, calls, output):
+        return [("start",) if k == 0 else ("tool", 3) for k in range(len(calls))]
+
+
+@pytest.mark.parametrize("loop_cls", [StepwiseToolAgentLoop, _KeyedLoop])
+def test_each_call_carries_its_anchor_key_default_or_the_loops_own(tokenizer, loop_cls):
+    """The default anchor of a call is the hash of the tokens it saw since the previous call (the first: its whole
+    prompt; later: the tool response and the chat template around it); a loop's ``anchor_keys`` replaces it (where the
+    expansion puts them: ``test_step_groups.py``)."""
+    from verl_traj.stepwise.anchors import anchor_key, observation_anchor
+
+    out, server = _run(tokenizer, 2, loop_cls=loop_cls)
+    steps = decode_step_records(out.extra_fields["traj_steps"])
+    full = [rec["prompt_ids"].tolist() + rec["response_ids"].tolist() for rec in steps]
+    if loop_cls is _KeyedLoop:
+        expected = [anchor_key(("start",)), anchor_key(("tool", 3)), anchor_key(("tool", 3))]
+    else:
+        expected = [observation_anchor(server.seen[0])] + [observation_anchor(server.seen[k][len(full[k - 1]):])
+                                                            for k in (1, 2)]
+        assert expected[1] != expected[0]
+    assert [rec["anchor"] for rec in steps] == expected

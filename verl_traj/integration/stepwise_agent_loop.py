@@ -25,6 +25,8 @@ from uuid import uuid4
 from verl_traj.config import TrajConfig
 from verl_traj.integration.process_patches import install, tool_parser_log_patches
 from verl_traj.integration.session_ledger import current_ledger
+from verl_traj.core.errors import TrajInputError
+from verl_traj.stepwise.anchors import anchor_key
 from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, StepExpansionError, encode_step_records
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ __all__ = [
     "StepRecordingMixin",
     "StepwiseToolAgentLoop",
     "truncate_calls",
+    "with_anchor_keys",
 ]
 
 
@@ -141,6 +144,14 @@ class StepRecordingMixin:
         default: outcome only). Called once the trajectory finished."""
         return None
 
+    def anchor_keys(self, calls: list[dict[str, Any]], output: Any) -> Optional[list[Any]]:
+        """One anchor state per recorded LLM call, for GiGPO's step groups (``algorithm.adv_estimator=gigpo``): a
+        ``str``, ``bytes``, ``int`` or tuple of them describing the state the call acted from (calls of one GRPO group
+        with equal keys form a step group), or ``None`` (the default: the tokens each call saw since the previous
+        one, :func:`~verl_traj.stepwise.anchors.observation_anchor`). For environments whose state is not the text,
+        or to match similar observations (normalise them into one key). Called once the trajectory finished."""
+        return None
+
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any):
         calls: list[dict[str, Any]] = []
         inner = self.server_manager
@@ -160,6 +171,7 @@ class StepRecordingMixin:
                     f"step_rewards returned {len(rewards)} rewards for {len(calls)} LLM calls. Fix: give one reward "
                     "per recorded call (0.0 for none).", field="step_rewards", every_rollout=True)
             calls = [dict(call, reward=float(r)) for call, r in zip(calls, rewards)]
+        calls = with_anchor_keys(calls, self.anchor_keys(calls, output))
         output.extra_fields[DEFAULT_STEPS_KEY] = encode_step_records(truncate_calls(calls, budget))
         traj_cfg = TrajConfig.of(getattr(self, "config", None))
         output.extra_fields[traj_cfg.traj_id_key] = uuid4().hex
@@ -180,6 +192,22 @@ if _ToolAgentLoop is not None:
 
 else:  # pragma: no cover
     StepwiseToolAgentLoop = None  # type: ignore[assignment,misc]
+
+
+def with_anchor_keys(calls: list[dict[str, Any]], keys: Optional[list[Any]]) -> list[dict[str, Any]]:
+    """``calls`` with each one's ``anchor`` (:func:`~verl_traj.stepwise.anchors.anchor_key` of the loop's own key);
+    unchanged for ``None``. A wrong count or an unhashable key stops training (the loop's contract, every rollout)."""
+    if keys is None:
+        return calls
+    if isinstance(keys, (str, bytes)) or not hasattr(keys, "__len__") or len(keys) != len(calls):
+        raise StepExpansionError(
+            f"anchor_keys returned {keys!r:.80} for {len(calls)} LLM calls. Fix: return one key per recorded call (a "
+            "list), or None for the default (the tokens each call saw since the previous one).", field="anchor_keys",
+            every_rollout=True)
+    try:
+        return [dict(call, anchor=anchor_key(key, f"anchor_keys()[{k}]")) for k, (call, key) in enumerate(zip(calls, keys))]
+    except TrajInputError as exc:
+        raise StepExpansionError(str(exc), field="anchor_keys", every_rollout=True) from None
 
 
 def truncate_calls(calls: list[dict[str, Any]], max_context: int) -> list[dict[str, Any]]:
