@@ -408,6 +408,10 @@ def test_a_multi_turn_trajectory_without_step_records_is_refused_under_step_wise
     with pytest.raises(StepExpansionError, match=r"'my_loop'.*6 turns without step records.*StepRecordingMixin") as err:
         check_recorded(output(6), "my_loop")
     assert err.value.field == "traj.step_wise"
+    check_recorded([output(2), output(2)], "list_loop")  # verl's rows, one per output
+    with pytest.raises(StepExpansionError, match=r"gigpo.*'list_loop' returned a list") as err:  # no calls to key
+        check_recorded([output(2), output(2)], "list_loop", anchors=True)
+    assert err.value.every_rollout
 
 
 def test_the_policy_versions_verl_reads_are_filled_from_the_recorded_calls_or_refused_with_the_fix():

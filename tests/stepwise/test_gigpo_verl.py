@@ -5,6 +5,8 @@ GiGPO without step rows and its knobs without GiGPO, naming the field and the fi
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -20,35 +22,30 @@ from verl_traj.integration.v1_agent_loop import step_outputs
 from verl_traj.stepwise.expand import expand_step_rows
 from verl_traj.stepwise.step_groups import StepGroupOptions
 from verl_traj.testing import step_record_batch, token_trajectory
-from verl_traj.testing.trainers import ray_less_trainer
+from omegaconf import OmegaConf
+
+from tests.integration.test_v1_adapter import _v1_view
+from verl_traj.core.row_key import parse_row_keys
+from verl_traj.integration.gigpo import anchor_tag
+from verl_traj.integration.stepwise_rows import stepwise_advantage
+from verl_traj.integration.v1_advantage import planned_advantage
+from verl_traj.testing.batches import as_dataproto
 
 from .test_step_groups import reference
-from .verl_batches import stepwise_dataproto
-
-
-def _trainer(merge: bool):
-    return ray_less_trainer({"data": {"train_batch_size": 2}, "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 1}},
-                             "algorithm": {"adv_estimator": "gigpo"}}, TrajConfig(step_wise=True, merge_prefix=merge),
-                            dp=2)
+from .verl_batches import planned_gigpo_batch
 
 
 @pytest.mark.parametrize("merge", [False, True])
 def test_v0_trains_gigpo_on_its_planned_step_rows_as_the_papers_equations(merge):
     """The v0 trainer's own path: ``_balance_batch`` expands (anchor keys included), plans and pads for dp=2, then
-    fit's ``compute_advantage`` (the step-wise adapter under the real-rows wrapper) computes GiGPO."""
-    data, trajs = stepwise_dataproto(7, turn_rewards=True)
-    for records in data.non_tensor_batch["traj_steps"]:  # exact in float32: no return ties broken by rounding
-        for k, rec in enumerate(records[:-1]):
-            rec["reward"] = 0.25 * (k + 1)
-    _trainer(merge)._balance_batch(data, {})
+    fit's ``compute_advantage`` (the step-wise adapter under the real-rows wrapper) computes GiGPO; calls of a group
+    meet the same observations, so the step-level term is in play."""
+    data, trajs, uids, outcomes = planned_gigpo_batch(7, merge)
     assert STEP_ANCHORS in data.batch.keys()
-    assert bool((data.batch["traj_index"] < 0).any()) != merge  # step rows: padding rows for dp=2; merged: 4 rows
-    data.batch["token_level_rewards"] = data.batch["rm_scores"].clone()
     options = StepGroupOptions(weight=0.7, baseline="gigpo")
     with patched(fit_patches(True, step_groups=options)):
         ray_trainer.compute_advantage(data, "gigpo", gamma=0.9, norm_adv_by_std_in_grpo=True)
-    ref = reference([t[0] for t in trajs], ["g0", "g0", "g1", "g1"], [1.0, 0.0, 0.3, 0.9], gamma=0.9, weight=0.7,
-                    baseline="gigpo", norm=True)
+    ref = reference([t[0] for t in trajs], uids, outcomes, gamma=0.9, weight=0.7, baseline="gigpo", norm=True)
     adv, mask = data.batch["advantages"], data.batch["response_mask"]
     for b in range(adv.shape[0]):
         if data.batch["traj_index"][b] < 0:
@@ -62,14 +59,30 @@ def test_v0_trains_gigpo_on_its_planned_step_rows_as_the_papers_equations(merge)
             torch.testing.assert_close(chunk, torch.full_like(chunk, ref[(t, j)]), rtol=1e-5, atol=1e-5)
     assert STEP_ANCHORS not in data.batch.keys()  # read once, not sent to the update
     metrics = data.meta_info[ADVANTAGE_METRICS]
-    # ten calls, each trajectory behind its own prompt with its own observations: ten step groups of one
-    assert metrics["traj_gigpo/step_groups"] == 10 and metrics["traj_gigpo/steps_in_shared_groups"] == 0
+    # more calls in shared groups than the six first calls behind the two prompts (6 of 21 calls)
+    assert metrics["traj_gigpo/steps_in_shared_groups"] > 0.3 and metrics["traj_gigpo/step_adv_share"] > 0.05
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_v1_planned_advantage_gives_v0s_gigpo(merge):
+    """v1: the rows' anchor tags, decoded by the plan's facts, and the trajectory's reward copied onto every step row
+    (v1's convention, counted once) give exactly v0's GiGPO advantages; the metrics reach the plan's facts."""
+    data, *_ = planned_gigpo_batch(5, merge)
+    keys, scores, facts = _v1_view(data)
+    facts = dataclasses.replace(facts, step_anchors=anchor_entries([anchor_tag(r) for r in data.batch[STEP_ANCHORS]]))
+    tensors = {"token_level_scores": scores, "token_level_rewards": scores.clone(),
+               "response_mask": data.batch["response_mask"], "attention_mask": data.batch["attention_mask"]}
+    options = StepGroupOptions(weight=1.0, baseline="leave_one_out")
+    got = planned_advantage(facts, as_dataproto(tensors, {"uid": parse_row_keys(keys).uid}), keys, "gigpo",
+                            gamma=0.95, config=OmegaConf.create({}), step_groups=options).batch["advantages"]
+    expected = stepwise_advantage(ray_trainer.compute_advantage, step_groups=options)(data, "gigpo", gamma=0.95,
+                                                                                       config=OmegaConf.create({}))
+    torch.testing.assert_close(got, expected.batch["advantages"])
+    assert facts.advantage_metrics["traj_gigpo/steps_in_shared_groups"] > 0
 
 
 def test_gigpo_without_the_traj_knobs_wired_is_an_error_not_a_default():
-    data, _ = stepwise_dataproto(1)
-    _trainer(False)._balance_batch(data, {})
-    data.batch["token_level_rewards"] = data.batch["rm_scores"].clone()
+    data, *_ = planned_gigpo_batch(1)
     with patched(fit_patches(True)), pytest.raises(RuntimeError, match="StepGroupOptions"):
         ray_trainer.compute_advantage(data, "gigpo")
 

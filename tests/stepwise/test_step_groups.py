@@ -23,6 +23,7 @@ from verl_traj.core.keys import STEP_ANCHORS, TURN_REWARDS
 from verl_traj.stepwise.step_groups import (StepCalls, discounted_step_returns, gigpo_advantages,
                                             step_group_advantages, step_group_ids)
 from verl_traj.testing import step_record_batch, token_trajectory
+from verl_traj.testing.stopping_game import baseline_estimates, estimate_cells, stopping_game
 
 from .helpers import traj_index_of
 
@@ -43,7 +44,7 @@ def reference(trajs, uids, outcomes, *, gamma, weight, baseline, norm, eps=1e-6)
         prev = None
         for k, rec in enumerate(recs):
             p = list(rec["prompt_ids"])
-            obs = tuple(p) if prev is None else tuple(p[_common(prev, p):])
+            obs = tuple(p) if prev is None else tuple(p[_common(prev, p):]) or tuple(p)  # nothing new: the context
             r = float(rec.get("reward", 0.0)) + (outcomes[t] if k == len(recs) - 1 else 0.0)
             calls[(t, k)] = [obs, r]
             prev = p + list(rec["response_ids"])
@@ -114,8 +115,10 @@ def _shuffled_with_padding(out, seed: int, pads: int):
     t, nt = out.tensors, out.non_tensors
     n = t["responses"].shape[0]
     perm = torch.randperm(n + pads, generator=torch.Generator().manual_seed(seed))
-    def grow(x):
-        return torch.cat([x, torch.zeros((pads, *x.shape[1:]), dtype=x.dtype)])[perm]
+    copies = torch.randint(0, n, (pads,), generator=torch.Generator().manual_seed(seed))
+
+    def grow(x):  # padding rows: copies of real rows (anchors, rewards, mask and all) that traj_index -1 disowns
+        return torch.cat([x, x[copies]])[perm]
     rewards = grow(t["rm_scores"] + t.get(TURN_REWARDS, torch.zeros_like(t["rm_scores"])))
     pad = (perm >= n).numpy()
     traj = np.concatenate([nt["traj_id"], np.array(["pad"] * pads, dtype=object)])[perm.numpy()]
@@ -185,58 +188,42 @@ def test_missing_anchor_keys_and_non_finite_rewards_are_refused():
         StepCalls.build(torch.tensor([[5, 0], [6, 0]]), torch.tensor([0, 0]), [1, 1], torch.ones(2, 2))
 
 
-def _stopping_game(groups: int, n: int, turns: int, seed: int, p=0.5, answer=0.8, give_up=0.3, cost=0.1):
-    """A search game where the policy decides when to stop. At each turn the observation says whether the answer was
-    found (once found it stays found; before, it is found with probability ``p``); found: answer (+1, stop) with
-    probability ``answer``, else search on (-cost); not found: give up (0, stop) with probability ``give_up``, else
-    search on (-cost); the last turn ends the episode. Returns the calls ``(traj, turn, found, action, reward)`` and
-    the true advantage ``Q(s, a) - V(s)`` of each (turn, found, action), by backward induction."""
-    rng = np.random.default_rng(seed)
-    m = groups * n
-    found, alive = np.zeros(m, bool), np.ones(m, bool)
-    calls = []
-    for k in range(turns):
-        found |= alive & (rng.random(m) < p)
-        stop = np.where(found, rng.random(m) < answer, rng.random(m) < give_up)
-        reward = np.where(stop, np.where(found, 1.0, 0.0), -cost)
-        idx = np.flatnonzero(alive)
-        calls.append(np.stack([idx, np.full(idx.size, k), found[idx], stop[idx], reward[idx]], 1))
-        alive &= ~stop
-    v = {(turns, 0): 0.0, (turns, 1): 0.0}
-    true = {}
-    for k in reversed(range(turns)):
-        later = (lambda f: v[(k + 1, f)]) if k < turns - 1 else (lambda f: 0.0)
-        q = {(1, 1): 1.0, (1, 0): -cost + later(1), (0, 1): 0.0, (0, 0): -cost + p * later(1) + (1 - p) * later(0)}
-        for f, stop_p in ((1, answer), (0, give_up)):
-            v[(k, f)] = stop_p * q[(f, 1)] + (1 - stop_p) * q[(f, 0)]
-            true.update({(k, f, a): q[(f, a)] - v[(k, f)] for a in (0, 1)})
-    return np.concatenate(calls), true
-
-
 def test_per_turn_index_baselines_are_biased_when_the_policy_stops_and_anchor_baselines_are_not():
     """The anchor-keyed leave-one-out baseline's estimate has the true advantage as its mean; the same estimator keyed
     by turn index (verl RFC 7244's per-turn normalisation) does not: the calls at turn k mix found and not-found
     states, and how many of each survive to turn k depends on when the policy stopped."""
-    n = 8
-    calls, true = _stopping_game(groups=4000, n=n, turns=4, seed=0)
-    traj, turn, found, action = (torch.from_numpy(calls[:, i].astype(np.int64)) for i in range(4))
-    reward = torch.from_numpy(calls[:, 4])
-    uid = np.arange(int(traj.max()) + 1) // n  # GRPO groups of n trajectories
-    bias = {}
-    for name, key in (("anchor", 2 * turn + found + 1), ("turn_index", turn + 1)):
-        c = _calls(traj, turn, key)
-        returns = discounted_step_returns(c, reward, 1.0)
-        group = step_group_ids(c, uid.astype(str))
-        est = step_group_advantages(returns, group, baseline="leave_one_out").numpy()
-        peer = torch.bincount(group)[group].numpy() > 1
-        worst = 0.0
-        for (k, f, a), value in true.items():
-            sel = peer & (turn.numpy() == k) & (found.numpy() == f) & (action.numpy() == a)
-            if sel.sum() < 500:
-                continue
-            err, se = est[sel].mean() - value, est[sel].std() / np.sqrt(sel.sum())
-            if name == "anchor":
-                assert abs(err) < 5 * se + 1e-3, (k, f, a, err, se)
-            worst = max(worst, abs(err) / se)
-        bias[name] = worst
-    assert bias["turn_index"] > 20, bias  # many standard errors off on some (turn, state, action)
+    calls, true = stopping_game(groups=4000, n=8, turns=4, seed=0)
+    worst = {}
+    for key in ("anchor", "turn_index"):
+        est, peer = baseline_estimates(calls, 8, key, "leave_one_out")
+        cells = estimate_cells(calls, true, est, peer)
+        assert len(cells) >= 8
+        if key == "anchor":
+            for c in cells:
+                assert abs(c["mean"] - c["true"]) < 5 * c["se"] + 1e-3, c
+        worst[key] = max(abs(c["mean"] - c["true"]) / c["se"] for c in cells)
+    assert worst["turn_index"] > 20, worst  # many standard errors off on some (turn, state, action)
+
+
+def test_the_outcome_of_a_call_that_generated_nothing_still_counts():
+    """Regression (review): a last call with no response token carries the outcome on a row with no call; the
+    trajectory's return keeps it (GRPO's half) and its last trained call is credited with it (the step half)."""
+    prompt = [5, 6, 7]
+    trajs = []
+    for last_empty in (True, False):
+        records = [{"prompt_ids": prompt, "response_ids": [11, 12], "response_logprobs": [-0.1, -0.1]},
+                   {"prompt_ids": prompt + [11, 12, 201], "response_ids": [] if last_empty else [13],
+                    "response_logprobs": [] if last_empty else [-0.1]}]
+        response = torch.tensor([11, 12, 201] + ([] if last_empty else [13]))
+        mask = torch.tensor([1, 1, 0] + ([] if last_empty else [1]))
+        trajs.append((records, torch.tensor(prompt), response, mask, torch.zeros(response.numel())))
+    tensors, non = step_record_batch(trajs, ["g", "g"], [1.0, 0.0], R=8)
+    out = expand_step_rows(tensors, non, merge_prefix=False, step_anchors=True)
+    t = out.tensors
+    rewards = t["rm_scores"]
+    adv, _ = gigpo_advantages(rewards, t["response_mask"], traj_index_of(out.non_tensors["traj_id"]),
+                              out.non_tensors["step_index"], t[STEP_ANCHORS], np.array(["g", "g"], dtype=object),
+                              _episode_fn(False), gamma=1.0, weight=1.0, norm_by_std=False)
+    # episode: returns 1 and 0 -> +0.5 / -0.5; the first calls share the prompt: returns 1 and 0 -> +0.5 / -0.5
+    assert adv[0][t["response_mask"][0] != 0].tolist() == [1.0, 1.0]
+    assert adv[2][t["response_mask"][2] != 0].tolist() == [-1.0, -1.0]

@@ -106,9 +106,18 @@ def step_outputs(output: AgentLoopOutput, merge_prefix: bool, steps_key: str = D
     return outputs, tags, dataclasses.asdict(stats)
 
 
-def check_recorded(output: AgentLoopOutput, agent_name: Any) -> None:
+def check_recorded(output: Any, agent_name: Any, anchors: bool = False) -> None:
     """With ``traj.step_wise``: a multi-turn trajectory (more than one prompt and one answer) must carry its step
-    records; without them it would silently train as one row."""
+    records; without them it would silently train as one row. With ``anchors`` (``gigpo``) a loop's list of outputs
+    is refused too (its rows carry no calls to key); a one-call output without records is cut as v0 cuts it."""
+    if isinstance(output, list):
+        if anchors:
+            raise StepExpansionError(
+                f"algorithm.adv_estimator=gigpo, but agent loop {agent_name!r} returned a list of outputs (one row "
+                "each) instead of one trajectory with step records: GiGPO cannot tell which calls its rows hold. Fix: "
+                "return one AgentLoopOutput and record the calls with StepRecordingMixin (docs/agent_loops.md), or "
+                "algorithm.adv_estimator=grpo.", field="algorithm.adv_estimator", every_rollout=True)
+        return
     if DEFAULT_STEPS_KEY not in output.extra_fields and (output.num_turns or 0) > 2:
         raise StepExpansionError(
             f"traj.step_wise=true, but agent loop {agent_name!r} returned a trajectory of {output.num_turns} turns "
@@ -196,14 +205,15 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
         ledger = None if validate else current_ledger()
         ledger_tags = ledger.tags() if ledger is not None else {}  # the session's versions and tool calls
         name = ledger.agent_name if ledger is not None else kwargs.get("agent_name")
-        if traj_config.step_wise and not validate and not isinstance(output, list):
-            check_recorded(output, name)
+        anchors = traj_config.enable and uses_step_groups(value_at(self.config, "algorithm.adv_estimator", "grpo"))
+        if traj_config.step_wise and not validate:
+            check_recorded(output, name, anchors)
         for out in [] if validate else output if isinstance(output, list) else [output]:  # training rows
             if ledger is not None:
                 ledger.fill_version_fields(out.extra_fields)
             check_version_fields(out, name)
-        if isinstance(output, list) or DEFAULT_STEPS_KEY not in output.extra_fields or validate \
-                or not traj_config.step_wise:  # verl's rows: validation, a list, or step rows not asked for
+        recorded = not isinstance(output, list) and (DEFAULT_STEPS_KEY in output.extra_fields or anchors)
+        if validate or not traj_config.step_wise or not recorded:  # verl's rows: validation, a list, no records
             if not isinstance(output, list):
                 output.extra_fields.pop(DEFAULT_STEPS_KEY, None)
             await super()._agent_loop_postprocess(output, validate, **kwargs)
@@ -215,7 +225,7 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
         await self._compute_score([output], kwargs=kwargs)
         stock = not traj_config.enable  # stock verl on step rows: one row per call, as verl's list outputs give it
         outputs, tags, stats = step_outputs(output, traj_config.merge_prefix and not stock, turn_rewards=not stock,
-                                            anchors=uses_step_groups(value_at(self.config, "algorithm.adv_estimator", "grpo")))
+                                            anchors=anchors)
         outputs[-1].extra_fields["reward_extra_info"] = output.extra_fields.get("reward_extra_info", {})
         await super()._agent_loop_postprocess(outputs, validate, **kwargs)
         tags[0] = {**tags[0], MERGE_TAG: stats}

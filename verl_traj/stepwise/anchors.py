@@ -5,7 +5,11 @@ A key is a positive 63-bit integer, the same in every process and run (blake2b, 
 * by default, :func:`observation_anchor` of the tokens the call saw since the previous call: its context after
   the longest common prefix with the previous call's full context (prompt + response). When the chain holds that
   is the observation (a tool result and the chat template around it); for the first call, the whole prompt; when
-  the loop rewrote its context (a sliding window), everything after the common prefix.
+  the loop rewrote its context (a sliding window), everything after the common prefix; when the call saw nothing
+  new (it continues its own previous output), its whole context (:func:`observation_tokens`). It describes the
+  latest observation, not the whole state: identical short results reached from different states (``OK``, one error
+  text) share a key, and a rewritten context puts earlier responses into it. Where that matters, the loop gives
+  its own keys.
 * an agent loop's own key (:meth:`~verl_traj.integration.stepwise_agent_loop.StepRecordingMixin.anchor_keys`),
   for environments whose state is not the text, or for matching similar observations: a ``str``, ``bytes``,
   ``int`` or a tuple of them, hashed by :func:`anchor_key`.
@@ -23,7 +27,7 @@ import torch
 
 from verl_traj.core.errors import TrajInputError
 
-__all__ = ["anchor_key", "observation_anchor"]
+__all__ = ["anchor_key", "observation_anchor", "observation_tokens"]
 
 _MASK = (1 << 63) - 1
 
@@ -31,6 +35,12 @@ _MASK = (1 << 63) - 1
 def _digest(data: bytes, kind: bytes) -> int:
     value = int.from_bytes(hashlib.blake2b(kind + data, digest_size=8).digest(), "little") & _MASK
     return value or 1  # 0 marks "no call starts here" in step_anchors
+
+
+def observation_tokens(prompt: torch.Tensor, shared: int) -> torch.Tensor:
+    """What a call with context ``prompt`` saw since the previous call, whose context + response shares the first
+    ``shared`` tokens with it: ``prompt[shared:]``, or the whole ``prompt`` where that is empty."""
+    return prompt[shared:] if shared < prompt.numel() else prompt
 
 
 def observation_anchor(tokens: Any) -> int:

@@ -42,7 +42,7 @@ from verl_traj.core.padding import pad_position_ids
 from verl_traj.stepwise.expand_inputs import (StepExpansionError, check_expand_options, check_source_tensors,
                                               checked_log_probs, checked_loss_mask, checked_prefix_len, located,
                                               token_ids)
-from verl_traj.stepwise.anchors import observation_anchor
+from verl_traj.stepwise.anchors import observation_anchor, observation_tokens
 from verl_traj.stepwise.prefix_merge import MergedRow, MergeStats, RowBuilder, merge_trajectory_steps
 
 __all__ = [
@@ -232,7 +232,7 @@ def decode_step_records(records: Any) -> list[dict[str, Any]]:
         full["prompt_ids"] = prompt
         full["response_ids"] = resp
         if full.get("anchor") is None:  # the tokens this call saw since the previous one
-            full["anchor"] = observation_anchor(prompt[shared:])
+            full["anchor"] = observation_anchor(observation_tokens(prompt, shared))
         out.append(full)
         prev_full = torch.cat([prompt, resp])
     return out
@@ -297,7 +297,11 @@ def _merge_delta_encoded(steps: Sequence[Mapping[str, Any]], b: int, has_lp: boo
     n = len(steps)
     tails = [token_ids("prompt_tail_ids", rec["prompt_tail_ids"], f"row {b} step record {k}")
              for k, rec in enumerate(steps)]
-    parts = [_response_parts(rec, b, k, has_lp, tails[k]) for k, rec in enumerate(steps)]
+    seen = tails  # what each call saw since the previous one; a call that saw nothing new: its whole context
+    if any(t.numel() == 0 and rec.get("anchor") is None for t, rec in zip(tails, steps)):
+        seen = [full["prompt_ids"] if tails[k].numel() == 0 else tails[k]
+                for k, full in enumerate(decode_step_records(list(steps)))]
+    parts = [_response_parts(rec, b, k, has_lp, seen[k]) for k, rec in enumerate(steps)]
     pre, full_len = [], []
     for k in range(n):
         pre.append(checked_prefix_len(steps[k], f"row {b} step record {k}", full_len[k - 1] if k else 0))

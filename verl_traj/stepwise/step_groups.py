@@ -123,6 +123,19 @@ class StepCalls:
         out = torch.zeros(self.row.numel(), dtype=torch.float64)
         return out.index_add_(0, self.token_call[hit], per_token.detach().cpu().double()[hit])
 
+    def rewards(self, token_rewards: torch.Tensor, traj_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, R]`` token rewards -> ``(per call [S], per trajectory [T])`` float64: a call's reward is the sum over
+        its span; a reward on no call's tokens (the outcome on a call that generated nothing) counts for its
+        trajectory's last call; a trajectory's return is every reward on its rows."""
+        r = token_rewards.detach().cpu().double()
+        real = traj_index >= 0
+        per_traj = torch.zeros(self.num_trajectories, dtype=torch.float64)
+        episode = per_traj.index_add(0, traj_index[real], r[real].sum(-1))
+        stray = per_traj.index_add(0, traj_index[real], r.masked_fill(self.token_call >= 0, 0.0)[real].sum(-1))
+        last = torch.zeros(self.num_trajectories, dtype=torch.long).scatter_reduce(0, self.traj, self.order, "amax")
+        per_call = self.call_sums(r) + stray[self.traj] * (self.order == last[self.traj])
+        return per_call, episode
+
     def scatter(self, per_call: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
         """``[S]`` -> ``[B, R]``: each call's value on its loss tokens, 0 elsewhere (padding rows included)."""
         hit = self.token_call >= 0
@@ -236,9 +249,9 @@ def gigpo_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, traj_in
     if np.shape(traj_uid) != (calls.num_trajectories,):
         raise TrajInputError.invalid("traj_uid", traj_uid, f"has shape {np.shape(traj_uid)}, expected "
                                      f"[{calls.num_trajectories}]", "pass one GRPO uid per trajectory")
-    per_call = calls.call_sums(rewards)
+    per_call, episode = calls.rewards(rewards, check_index("traj_index", traj_index, "pass the plan's traj_index",
+                                                           rows=rewards.shape[0], low=-1))
     returns = discounted_step_returns(calls, per_call, gamma)
-    episode = torch.zeros(calls.num_trajectories, dtype=torch.float64).index_add_(0, calls.traj, per_call)
     episode_adv = episode_fn(episode.float(), np.asarray(traj_uid, dtype=object)).detach().cpu().double()
     group = step_group_ids(calls, traj_uid)
     step = step_group_advantages(returns, group, baseline=baseline, norm_by_std=norm_by_std, epsilon=epsilon)
