@@ -42,7 +42,15 @@ worker's own count), and what verl's ``rearrange_micro_batches`` would cut for t
 positions (without remove-padding every micro-batch is padded to its longest row: the share of computed
 positions that are padding); padding rows.
 
+On a CUDA GPU (``--device cuda``, ``scripts/gpu_update_ab.sh``): nccl, one GPU per rank, verl's own GPU settings
+(``gpu_config``: bf16 mixed precision, gradient checkpointing), the model of ``--model``. The rows' attention is
+``--rows-attention`` (flash-attn is not needed: e.g. transformers' ``flex_attention`` or ``sdpa``, which mask packed
+sequences by their position ids); with ``--tree`` the tree variants use ``torch_varlen`` (the flash-attention path,
+where the tree's compiled flex attention sits) and the rows variants keep ``--rows-attention``.
+
     python scripts/bench_update.py --dp 2 [--cases default swebench small_cap] [--remove-padding] [--json]
+    python scripts/bench_update.py --device cuda --dp 1 --model DIR --remove-padding --tree \
+        --rows-attention flex_attention --cases shared_prompt gspo --variants traj traj_tree --json
 """
 
 from __future__ import annotations
@@ -275,15 +283,17 @@ def prepare(case: dict, variant: str, options: Optional[dict], cfg, vocab: int, 
                    "row_tokens": int(batch.batch["attention_mask"].sum()), **report}
 
 
-def _config(case: dict, remove_padding: bool = False, attention: Optional[str] = None):
-    from verl_traj.testing.engine import cpu_config
+def _config(case: dict, remove_padding: bool = False, attention: Optional[str] = None, device: str = "cpu",
+            model: Optional[str] = None):
+    from verl_traj.testing.engine import cpu_config, gpu_config
 
     attn = [f"actor_rollout_ref.model.override_config.attn_implementation={attention}"] if attention else []
+    attn += [f"actor_rollout_ref.model.path={model}"] if model else []
     if case.get("loss_mode") == "gspo":  # verl's GSPO recipe: sequence-mean of token-means
         attn += ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"]
     if case["source"] == "step_rows":
         case = {**case, **dict(zip(("prompt_len", "response_len"), _step_row_lengths(case)))}
-    return cpu_config([*attn, f"actor_rollout_ref.model.use_remove_padding={str(remove_padding).lower()}",
+    return (gpu_config if device == "cuda" else cpu_config)([*attn, f"actor_rollout_ref.model.use_remove_padding={str(remove_padding).lower()}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={case['groups'] // case['mini_batches']}",
         f"actor_rollout_ref.rollout.n={case['n']}", f"data.train_batch_size={case['groups']}",
         f"data.max_prompt_length={case['prompt_len']}", f"data.max_response_length={case['response_len']}",
@@ -292,25 +302,71 @@ def _config(case: dict, remove_padding: bool = False, attention: Optional[str] =
     ])
 
 
-def _time_update(worker, batch, rank: int, dp: int, rows: int):
+def _time_update(worker, batch, rank: int, dp: int, rows: int, cuda: bool = False):
+    import torch
     import torch.distributed as dist
     from verl.utils import tensordict_utils as tu
 
     from verl_traj.testing.engine import rank_tensordict
 
     td = rank_tensordict(batch, rank, dp, rows)
+    if cuda:
+        torch.cuda.synchronize()
     dist.barrier()
     t0 = time.perf_counter()
     out = worker.train_mini_batch(td)
+    if cuda:
+        torch.cuda.synchronize()
     dist.barrier()
     metrics = tu.get(out, "metrics") if out is not None else {}
     return time.perf_counter() - t0, metrics
 
 
+def _attention(args, options: Optional[dict]) -> Optional[str]:
+    """The variant's attn_implementation: without ``--rows-attention`` as before (``cpu_varlen`` for every variant
+    with ``--tree``, else the platform's choice); with it, that one for rows and the flash-attention path (CPU:
+    ``cpu_varlen``; CUDA: ``torch_varlen``, registered here) for the prefix-tree variants."""
+    if args.rows_attention is None:
+        return "cpu_varlen" if args.tree else None
+    if not (options or {}).get("prefix_tree"):
+        return args.rows_attention
+    if args.device != "cuda":
+        return "cpu_varlen"
+    from verl_traj.testing.engine import register_torch_varlen
+
+    return register_torch_varlen()
+
+
+def _fused_logprobs_wanted(args) -> bool:
+    """``--logprobs auto``: on CUDA without flash-attn (verl's per-token fallback), else verl's own."""
+    import importlib.util
+
+    return args.logprobs == "fused" or (args.logprobs == "auto" and args.device == "cuda"
+                                        and importlib.util.find_spec("flash_attn") is None)
+
+
+def _install_fused_logprobs() -> None:
+    """verl's engine computes log-probs with flash-attn's fused cross-entropy kernel where flash-attn is installed,
+    else ``logprobs_from_logits_v2``, a Python loop over the tokens (one log-softmax each): on a GPU without flash-attn
+    that loop, not the model, would set the time. In this process the engine gets one vectorised fp32 log-softmax
+    (``cross_entropy``: the fused kernel's numbers) instead, for rows and trees alike."""
+    import torch.nn.functional as F
+    import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
+
+    def logprobs_from_logits(logits, labels, inplace_backward=True):
+        flat = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+        return -flat.view(labels.shape)
+
+    fsdp_impl.logprobs_from_logits = logprobs_from_logits
+
+
 def _proc(rank: int, dp: int, port: int, args, out_path: str):
     from verl_traj.testing.engine import actor_worker, init_rank
 
-    init_rank(rank, dp, port, args.home, args.threads)
+    init_rank(rank, dp, port, args.home, args.threads, args.device)
+    cuda = args.device == "cuda"
+    if _fused_logprobs_wanted(args):
+        _install_fused_logprobs()
     results = {}
     for name in args.cases:
         case = CASES[name]
@@ -318,7 +374,7 @@ def _proc(rank: int, dp: int, port: int, args, out_path: str):
         chosen = variants(args.pass_cost, args.remove_padding, args.tree, case)
         for variant, options in {v: o for v, o in chosen.items() if v in STOCK or not args.variants
                                  or v in args.variants}.items():
-            cfg = _config(case, args.remove_padding, "cpu_varlen" if args.tree else None)
+            cfg = _config(case, args.remove_padding, _attention(args, options), args.device, args.model)
             worker = actor_worker(cfg, options is not None)
             batch, info = prepare(case, variant, options, cfg, int(worker.model_config.hf_config.vocab_size), dp, args.seed,
                                   args.remove_padding)
@@ -328,17 +384,30 @@ def _proc(rank: int, dp: int, port: int, args, out_path: str):
             for variant in names[it % len(names):] + names[:it % len(names)]:  # rotated: no variant always first
                 r = runs[variant]
                 # stock: fixed-size mini-batches of rows / M (the same optimizer steps as the plan)
-                dt, metrics = _time_update(r["worker"], r["batch"], rank, dp, r["info"]["source_rows"] // case["mini_batches"])
+                dt, metrics = _time_update(r["worker"], r["batch"], rank, dp, r["info"]["source_rows"] // case["mini_batches"],
+                                           cuda)
                 if it:
                     r["times"].append(dt)
                 r["metrics"] = metrics
         results[name] = {v: _summary(r) for v, r in runs.items()}
+        if cuda:  # this case's workers (model, optimizer) off the GPU before the next case builds its own
+            _release(runs)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
     import torch.distributed as dist
 
     dist.destroy_process_group()
+
+
+def _release(runs: dict) -> None:
+    import gc
+
+    import torch
+
+    runs.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _summary(run: dict) -> dict:
@@ -386,6 +455,19 @@ def _table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _device_config(args) -> dict:
+    """The report's device keys: none for the CPU defaults (their JSON unchanged)."""
+    if args.device == "cpu" and args.model is None and args.rows_attention is None and args.logprobs == "auto":
+        return {}
+    import torch
+
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" and torch.cuda.is_available() else None
+    return {"device": args.device, "gpu": gpu, "model": args.model, "rows_attention": args.rows_attention,
+            "tree_attention": ("torch_varlen" if args.device == "cuda" else "cpu_varlen") if args.tree else None,
+            "logprobs": "fused (vectorised fp32 log-softmax)" if _fused_logprobs_wanted(args) else "verl's",
+            "torch": torch.__version__}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dp", type=int, default=2)
@@ -404,11 +486,22 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="+", default=None,
                     help="run only these verl_traj variants (the stock ones always run: the baseline), e.g. "
                          "'traj_tree' 'traj_tree scope=trajectory'")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: one GPU per rank (nccl), verl's GPU settings (bf16 mixed precision); use --dp 1 on one GPU")
+    ap.add_argument("--model", default=None, help="the model directory (default: the tiny model under --home)")
+    ap.add_argument("--rows-attention", default=None,
+                    help="attn_implementation of the rows variants (e.g. flex_attention, sdpa); with --tree the tree "
+                         "variants use the flash-attention path (cpu_varlen on CPU, torch_varlen on CUDA)")
+    ap.add_argument("--logprobs", choices=["auto", "verl", "fused"], default="auto",
+                    help="fused: one vectorised fp32 log-softmax in verl's engine instead of its per-token fallback "
+                         "(auto: on CUDA without flash-attn, whose fused cross-entropy verl uses where installed)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = ap.parse_args(argv)
     if args.tree and not args.remove_padding:
         ap.error("--tree needs --remove-padding (the prefix tree runs on verl's remove-padding path)")
-    if not (Path(args.home) / "tiny" / "model").exists():
+    if args.device == "cuda" and args.rows_attention is None:
+        args.rows_attention = "sdpa"  # no cpu_varlen there: transformers' sdpa masks packed sequences by position ids
+    if args.model is None and not (Path(args.home) / "tiny" / "model").exists():
         from verl_traj.cpu.build_tiny import build
 
         build(str(Path(args.home) / "tiny"))
@@ -423,14 +516,19 @@ def main(argv=None) -> int:
         with open(out) as f:
             results = json.load(f)
     report = {"config": {"dp": args.dp, "repeats": args.repeats, "threads": args.threads, "seed": args.seed,
-                         "remove_padding": args.remove_padding, "tree": args.tree, "cases": {c: CASES[c] for c in args.cases}},
+                         "remove_padding": args.remove_padding, "tree": args.tree, "cases": {c: CASES[c] for c in args.cases},
+                         **_device_config(args)},
               "results": results}
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         mode = "remove-padding" if args.remove_padding else "padded (sdpa, no remove-padding)"
-        mode += ", cpu_varlen attention for every variant" if args.tree else ""
-        print(f"actor update on CPU, dp={args.dp}, {mode}, median of {args.repeats} (alternating, after one warm-up each)")
+        if args.rows_attention is None:
+            mode += ", cpu_varlen attention for every variant" if args.tree else ""
+        else:
+            mode += f", rows attention {args.rows_attention}" + (", tree variants on the flash-attention path" if args.tree else "")
+        where = "CPU" if args.device == "cpu" else f"CUDA ({args.model or 'tiny model'}, bf16 mixed precision)"
+        print(f"actor update on {where}, dp={args.dp}, {mode}, median of {args.repeats} (alternating, after one warm-up each)")
         print(_table(report))
     return 0
 

@@ -57,28 +57,42 @@ def cpu_config(overrides: Sequence[str] = ()) -> Any:
 def gpu_config(overrides: Sequence[str] = ()) -> Any:
     """``configs/cpu_tiny.yaml`` without its CPU platform (``~platform``): verl's own GPU defaults (FSDP mixed
     precision bf16 over fp32 parameters, gradient checkpointing, remove-padding), FSDP2 as on CPU; with hydra
-    overrides (``actor_rollout_ref.model.path``: the model), resolved."""
+    overrides (``actor_rollout_ref.model.path``: the model), resolved. ``override_config.attn_implementation`` is
+    there (verl's default, ``flash_attention_2``), so an override can name another, as on CPU."""
     return compose_config("cpu_tiny", ["~platform", "actor_rollout_ref.actor.strategy=fsdp2",
-                                       "actor_rollout_ref.actor.fsdp_config.strategy=fsdp2", *overrides])
+                                       "actor_rollout_ref.actor.fsdp_config.strategy=fsdp2",
+                                       "+actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2",
+                                       *overrides])
 
 
 def register_torch_varlen(name: str = TORCH_VARLEN) -> str:
     """transformers' flash-attention path under ``name`` (its attention and mask functions), with the torch
     variable-length kernel (:func:`verl_traj.cpu.attention.varlen_attention`) where verl's remove-padding wrapper
     calls flash-attn: the CPU platform's ``cpu_varlen`` for a GPU process without flash-attn (the prefix-tree
-    forward's attention hooks into that path; its tree micro-batches never reach the torch kernel). In this process,
-    idempotent; returns ``name``."""
-    import verl.models.transformers.monkey_patch as verl_monkey_patch
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
+    forward's attention hooks into that path; its tree micro-batches never reach the torch kernel). Installed now in
+    this process through :mod:`~verl_traj.integration.process_patches` (the CPU platform's entries 9 and 10, the
+    kernel in verl's module only, and kept where the tree-aware wrapper is already in place); idempotent. Returns
+    ``name``."""
     from verl_traj.cpu.attention import flash_mask, flash_path, varlen_attention
+    from verl_traj.integration.process_patches import REGISTER, VERL_MONKEY_PATCH, ProcessPatch, install
 
-    AttentionInterface.register(name, flash_path())
-    AttentionMaskInterface.register(name, flash_mask())
-    if not getattr(verl_monkey_patch._flash_attention_forward, "_prefix_tree_aware", False):
-        verl_monkey_patch._flash_attention_forward = varlen_attention
+    def kernel(current: Any) -> Any:
+        return current if getattr(current, "_prefix_tree_aware", False) else varlen_attention
+
+    install([ProcessPatch("transformers.modeling_utils", "AttentionInterface",
+                          lambda interface: interface.register(name, flash_path()),
+                          f"name transformers' flash-attention path '{name}'", kind=REGISTER),
+             ProcessPatch("transformers.masking_utils", "AttentionMaskInterface",
+                          lambda interface: interface.register(name, flash_mask()),
+                          f"give '{name}' the flash-attention mask", kind=REGISTER),
+             ProcessPatch(VERL_MONKEY_PATCH, "_flash_attention_forward", kernel,
+                          "run flash-attention's variable-length contract in torch where flash-attn is missing")],
+            _now_only)
     return name
+
+
+def _now_only(module_name: str, _callback: Any) -> None:
+    raise RuntimeError(f"register_torch_varlen installs now, not on import of {module_name}")
 
 
 def compose_config(name: str, overrides: Sequence[str] = (), *, resolve: bool = True) -> Any:
