@@ -227,3 +227,21 @@ def test_the_outcome_of_a_call_that_generated_nothing_still_counts():
     # episode: returns 1 and 0 -> +0.5 / -0.5; the first calls share the prompt: returns 1 and 0 -> +0.5 / -0.5
     assert adv[0][t["response_mask"][0] != 0].tolist() == [1.0, 1.0]
     assert adv[2][t["response_mask"][2] != 0].tolist() == [-1.0, -1.0]
+
+
+def test_the_baseline_benchmark_prints_the_docs_table(capsys):
+    """``scripts/bench_step_baselines.py`` (the table in docs/stepwise.md): one row per (turn, state, action) with
+    every baseline's mean estimate; at this size too, per-turn-index gets the sign of searching on after finding the
+    answer wrong and the anchor baseline does not."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_step_baselines.py"
+    spec = importlib.util.spec_from_file_location("bench_step_baselines", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.run(groups=1500, seed=1)
+    row = next(r for r in rows if r["turn"] == 0 and r["found"] and not r["stops"])
+    assert row["true"] < 0 < row["turn_index/leave_one_out"] and row["anchor/leave_one_out"] < 0
+    bench.main(["--groups", "300"])
+    assert capsys.readouterr().out.startswith("| turn, state, action | true |")
