@@ -22,20 +22,8 @@ SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 exec 3>&1  # stage messages: to the console, never into a result file
 
-stage() {  # stage NAME TIMEOUT_S COMMAND... : run with a timeout, record rc and seconds
-  local name=$1 limit=$2 t0=$SECONDS rc
-  shift 2
-  echo "=== [$name] (timeout ${limit}s, t=${SECONDS}s): $*" >&3
-  timeout --kill-after=10 "$limit" "$@"
-  rc=$?
-  local note=""
-  case $rc in 124 | 137) note=" (TIMED OUT)" ;; esac
-  echo "=== [$name] rc=$rc in $((SECONDS - t0))s$note" >&3
-  echo "$name rc=$rc$note seconds=$((SECONDS - t0)) timeout=$limit" >>"$SUMMARY"
-  return "$rc"
-}
-
-left() { echo $((DEADLINE - SECONDS)); }
+# shellcheck source=scripts/gpu_stages.sh
+. scripts/gpu_stages.sh  # stage, left
 
 # 1. facts
 {
