@@ -2,7 +2,7 @@
 # Quick start on any machine (no GPU needed): install, then train the multi-turn calculator agent with
 # step-wise rows and prefix merging for a few steps, and print what verl_traj did.
 #
-#   bash scripts/quickstart.sh                                    # prepare (once) + 5 steps + summary + plot
+#   bash scripts/quickstart.sh                                    # prepare (once) + 15 steps + summary + plot
 #   bash scripts/quickstart.sh trainer.total_training_steps=20    # extra arguments: hydra overrides
 #
 # The fastest smoke run (single-turn tiny task, ~1 minute): python -m verl_traj.cpu.build_tiny, then

@@ -71,7 +71,7 @@ def test_quickstart_from_the_installed_wheel_outside_the_checkout(wheel, recipe_
     summary = out[out.index("verl_traj summary"):]
     assert f"{STEPS} training steps" in summary and "every one kept whole in one mini-batch" in summary
     assert "LLM calls became" in summary and "by prefix merging" in summary
-    assert "optimizer steps per training step: [2] (as configured" in summary
+    assert "optimizer steps per training step: [4] (as configured" in summary
     assert (tmp_path / "out" / "run.png").exists()
     metrics = [json.loads(line)["data"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
                if line.strip()]
