@@ -106,7 +106,8 @@ class TrajConfig:
         step_advantage_weight: ``algorithm.adv_estimator=gigpo``: GiGPO's omega, the weight of the step-level advantage
             added to the episode-level one (``>= 0``; 0 is GRPO on step rows). :mod:`verl_traj.stepwise.step_groups`.
         step_group_baseline: ``gigpo``: the baseline of a step group: ``"gigpo"`` (default: the paper's mean and std
-            over the group) or ``"leave_one_out"`` (the mean of the group's other calls, no std: unbiased).
+            over the group) or ``"leave_one_out"`` (the mean of the group's other calls, no std: unbiased where the
+            anchor key is the state).
     """
 
     enable: bool = True

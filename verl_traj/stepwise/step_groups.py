@@ -18,7 +18,8 @@ Step-group baselines (``traj.step_group_baseline``):
   only with ``norm_adv_by_std_in_grpo``); a call alone in its group gets 0 (``R_t - R_t``; verl-agent's code gives
   it its raw return instead, a signal with no baseline).
 * ``leave_one_out``: ``R_t - mean of the OTHER calls' R`` in the group, no std: the mean of the estimate given the
-  state and action is ``Q(s, a) - V(s)`` exactly (the others are independent visits of ``s``); a call alone gets 0.
+  state and action is ``Q(s, a) - V(s)`` exactly where the key is the state (Markov) and a trajectory visits it at
+  most once (the others are then independent visits of ``s``); a call alone gets 0.
 
 Per-turn-index normalisation (verl RFC 7244) is this module with the turn index as anchor key; it is biased when
 the policy decides when to stop (the calls at index ``k`` come from different states): ``tests/stepwise/
