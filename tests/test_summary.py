@@ -30,3 +30,18 @@ def test_the_reward_is_reported_as_a_trend_and_malformed_tool_calls_as_a_share_p
     assert "10.0% of calls at step 1 -> 0.0% at step 10 (per step: 10% 8% 5% 4% 2% 0% 0% 0% 1% 0%)" in text
     assert "moving average" not in summarize([_row(**{"traj_reward/mean": r}) for r in rewards[:6]])
     assert "malformed" not in summarize([_row(**{"critic/score/mean": 0.5})])
+
+
+def test_the_plot_and_the_summary_report_the_same_reward(tmp_path, monkeypatch):
+    """The quick start's plot showed verl's per-row ``critic/score/mean`` (a trajectory weighed by its rows on v1)
+    while its summary reported the per-trajectory reward: both now read ``metrics_log.reward_key``."""
+    from verl_traj import plots
+    from verl_traj.metrics_log import reward_key
+
+    rows = [{"step": i + 1, "critic/score/mean": 0.9, "traj_reward/mean": 0.1 * i} for i in range(6)]
+    assert reward_key(rows) == "traj_reward/mean"
+    assert reward_key([{"step": 1, "critic/score/mean": 0.9}]) == "critic/score/mean"
+    plotted = []
+    monkeypatch.setattr(plots, "moving_average", lambda values, window: plotted.append(values) or values)
+    plots.plot_run(rows, tmp_path / "run.png")
+    assert plotted == [[0.1 * i for i in range(6)]] and (tmp_path / "run.png").exists()

@@ -11,7 +11,16 @@ import json
 import re
 from pathlib import Path
 
-__all__ = ["load_metrics", "moving_average"]
+__all__ = ["load_metrics", "moving_average", "reward_key"]
+
+PER_TRAJECTORY_REWARD = "traj_reward/mean"  # verl_traj's (v1): each trajectory once, whatever its rows
+
+
+def reward_key(rows: list[dict]) -> str:
+    """The reward the summary and the plot report: per trajectory where the run logged it, else verl's per-row mean
+    (``critic/score/mean``: on v1 step rows it weighs a trajectory by its rows)."""
+    return PER_TRAJECTORY_REWARD if any(PER_TRAJECTORY_REWARD in r for r in rows) else "critic/score/mean"
+
 
 _CONSOLE = re.compile(r"step:(\d+) - (.*)")
 _KV = re.compile(r"([\w/@.\-]+):(?:np\.\w+\()?(-?[0-9.eE+\-]+|nan|inf)\)?")

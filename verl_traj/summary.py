@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Optional
 
-from verl_traj.metrics_log import load_metrics, moving_average
+from verl_traj.metrics_log import load_metrics, moving_average, reward_key
 
 __all__ = ["summarize"]
 
@@ -49,7 +49,7 @@ def _line_merge(rows: list[dict]) -> Optional[str]:
 def _line_reward(rows: list[dict], window: int = 5) -> Optional[str]:
     """The reward's trend, readable through per-step noise: first third -> last third of the steps (means), and the
     moving average at the first and last step (per trajectory where logged, else verl's per-row mean)."""
-    key = "traj_reward/mean" if _values(rows, "traj_reward/mean") else "critic/score/mean"
+    key = reward_key(rows)
     reward = _values(rows, key)
     if not reward:
         return None
