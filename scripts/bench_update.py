@@ -468,7 +468,7 @@ def _device_config(args) -> dict:
             "torch": torch.__version__}
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
@@ -496,6 +496,11 @@ def main(argv=None) -> int:
                     help="fused: one vectorised fp32 log-softmax in verl's engine instead of its per-token fallback "
                          "(auto: on CUDA without flash-attn, whose fused cross-entropy verl uses where installed)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.tree and not args.remove_padding:
         ap.error("--tree needs --remove-padding (the prefix tree runs on verl's remove-padding path)")

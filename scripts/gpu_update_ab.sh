@@ -61,11 +61,12 @@ LOG="$OUT/bench_update.log"
 : >"$SUMMARY"
 : >"$LOG"
 mkdir -p "$WORK"
+rm -f "$WORK"/case_*.json # a warm machine keeps $WORK: only this call's cases are reported
 exec 3>&1 # stage messages: to the console, never into a result file
 
 # shellcheck source=scripts/gpu_stages.sh
 . scripts/gpu_stages.sh  # stage, left
-cap() { local l; l=$(left); [ "$1" -lt "$l" ] && echo "$1" || echo "$l"; } # min(own timeout, time left)
+cap() { local l; l=$(left); [ "$l" -lt 1 ] && l=1; [ "$1" -lt "$l" ] && echo "$1" || echo "$l"; } # min(own, left), >= 1
 
 write_ray_stub() { # DIR: DIR/ray/__init__.py (see its docstring)
   mkdir -p "$1/ray"
@@ -338,11 +339,14 @@ while [ $# -gt 0 ]; do
     continue
   fi
   echo "=== bench $name (rows attention $ROWS)" >>"$LOG"
-  if ! stage "bench_$name" "$limit" "$PY" scripts/bench_update.py --device "$DEVICE" --dp 1 --model "$WORK/model" \
+  stage "bench_$name" "$limit" "$PY" scripts/bench_update.py --device "$DEVICE" --dp 1 --model "$WORK/model" \
     --remove-padding --tree --rows-attention "$ROWS" --cases "$name" --variants traj traj_tree --repeats "$REPEATS" \
-    --home "$WORK/home" --json >"$WORK/case_$name.json" 2>>"$LOG"; then
+    --home "$WORK/home" --json >"$WORK/case_$name.json" 2>>"$LOG"
+  rc=$?
+  if [ "$rc" -ne 0 ]; then
     tail -n 25 "$LOG"
-    if [ "$ROWS" = flex_attention ] && [ -z "${ROWS_ATTENTION:-}" ]; then
+    # a timeout (124 / 137: compile time, not a flex failure) keeps the rows' attention
+    if [ "$rc" -ne 124 ] && [ "$rc" -ne 137 ] && [ "$ROWS" = flex_attention ] && [ -z "${ROWS_ATTENTION:-}" ]; then
       ROWS=sdpa # flex rows failed in the engine: the remaining cases on sdpa, then this one again (in the summary)
       echo "rows attention -> sdpa (flex_attention failed in bench_$name; it runs again last)" | tee -a "$SUMMARY"
       set -- "$@" "$name"
