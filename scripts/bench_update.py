@@ -350,14 +350,20 @@ def _install_fused_logprobs() -> None:
     else ``logprobs_from_logits_v2``, a Python loop over the tokens (one log-softmax each): on a GPU without flash-attn
     that loop, not the model, would set the time. In this process the engine gets one vectorised fp32 log-softmax
     (``cross_entropy``: the fused kernel's numbers) instead, for rows and trees alike."""
+    import verl.workers.engine.fsdp.transformer_impl  # noqa: F401  (installed now: the module must be loaded)
+
+    from verl_traj.integration.process_patches import fused_logprobs_patches, install
+
+    install(fused_logprobs_patches(lambda _verl: fused_logprobs), on_import=None)
+
+
+def fused_logprobs(logits, labels, inplace_backward=True):
+    """``[..., V]`` logits, ``[...]`` labels -> ``[...]`` fp32 log-probs of the labels, one ``cross_entropy``."""
     import torch.nn.functional as F
-    import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
 
-    def logprobs_from_logits(logits, labels, inplace_backward=True):
-        flat = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
-        return -flat.view(labels.shape)
+    flat = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+    return -flat.view(labels.shape)
 
-    fsdp_impl.logprobs_from_logits = logprobs_from_logits
 
 
 def _proc(rank: int, dp: int, port: int, args, out_path: str):

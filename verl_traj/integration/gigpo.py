@@ -20,8 +20,9 @@ from verl.trainer.ppo import core_algos
 
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.estimators import estimator_name, estimator_traits
-from verl_traj.core.keys import ADVANTAGE_METRICS, STEP_ANCHORS, TRAJ_INDEX
-from verl_traj.stepwise.advantages import run_outcome_estimator
+from verl_traj.core.keys import ADVANTAGE_METRICS, IS_LAST_STEP, STEP_ANCHORS, TRAJ_INDEX
+from verl_traj.core.row_tags import sparse_tag, tag_entries
+from verl_traj.stepwise.advantages import last_step_rows, run_outcome_estimator
 from verl_traj.stepwise.step_groups import StepGroupOptions, gigpo_advantages
 
 __all__ = ["ADVANTAGE_METRICS", "GIGPO", "STEP_ANCHOR_TAG", "anchor_entries", "anchor_tag", "gigpo_advantage",
@@ -55,27 +56,12 @@ def uses_step_groups(adv_estimator: Any) -> bool:
 
 def anchor_tag(per_token: torch.Tensor) -> dict:
     """``{STEP_ANCHOR_TAG: [[position, key], ...]}`` of one row's ``[n]`` int64 anchors; ``{}`` for a row without."""
-    pos = per_token.nonzero().flatten()
-    return {STEP_ANCHOR_TAG: torch.stack([pos, per_token[pos]], 1).tolist()} if pos.numel() else {}
+    return sparse_tag(STEP_ANCHOR_TAG, per_token)
 
 
 def anchor_entries(tags: list[dict]) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``(row, position, key)`` ``[K]`` int64 of every anchor the rows' ``tags`` carry, or ``None`` without any."""
-    tagged = [(b, t[STEP_ANCHOR_TAG]) for b, t in enumerate(tags) if t.get(STEP_ANCHOR_TAG)]
-    if not tagged:
-        return None
-    rows = torch.cat([torch.full((len(e),), b, dtype=torch.int64) for b, e in tagged])
-    entries = torch.tensor([pair for _, e in tagged for pair in e], dtype=torch.int64)
-    return rows, entries[:, 0], entries[:, 1]
-
-
-def _trajectory_uids(uid: np.ndarray, traj_index: torch.Tensor) -> np.ndarray:
-    """``[T]`` the GRPO uid of each trajectory (its first row's; the layout checked a trajectory has one)."""
-    real = torch.nonzero(traj_index >= 0).reshape(-1)
-    num_t = int(traj_index[real].max()) + 1 if real.numel() else 0
-    first = torch.full((num_t,), traj_index.numel(), dtype=torch.long)
-    first = first.scatter_reduce(0, traj_index[real], real, reduce="amin")
-    return np.asarray(uid, dtype=object)[first.numpy()]
+    return tag_entries(tags, STEP_ANCHOR_TAG, torch.int64)
 
 
 def gigpo_advantage(data: Any, rewards: torch.Tensor, steps: Any, uid: np.ndarray, *, gamma: float,
@@ -100,9 +86,10 @@ def gigpo_advantage(data: Any, rewards: torch.Tensor, steps: Any, uid: np.ndarra
         return run_outcome_estimator(fn, scores, traj_uid, estimator_name="grpo", estimator_kwargs=kwargs)[0]
 
     norm = bool(kwargs.get("norm_adv_by_std_in_grpo", True))
+    last = last_step_rows(td[TRAJ_INDEX].cpu(), data.non_tensor_batch[IS_LAST_STEP])  # one row per trajectory
     advantages, metrics = gigpo_advantages(
         rewards, td["response_mask"], td[TRAJ_INDEX], steps, td[STEP_ANCHORS],
-        _trajectory_uids(uid, td[TRAJ_INDEX].cpu()), episode_fn, gamma=gamma, weight=options.weight,
+        np.asarray(uid, dtype=object)[last.numpy()], episode_fn, gamma=gamma, weight=options.weight,
         baseline=options.baseline, norm_by_std=norm)
     td["advantages"] = advantages.to(td["response_mask"].device)
     td["returns"] = td["advantages"].clone()

@@ -28,7 +28,7 @@ from verl_traj.core.estimators import estimator_traits
 from verl_traj.core.keys import IS_LAST_STEP, TRAJ_INDEX, TURN_REWARDS
 from verl_traj.stepwise.advantages import (StepwiseAdvantageError, check_stepwise_estimator,
                                            compute_trajectory_advantages)
-from verl_traj.integration.gigpo import GIGPO, gigpo_advantage
+from verl_traj.integration.gigpo import gigpo_advantage
 from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, expand_step_rows
 from verl_traj.stepwise.step_groups import StepGroupOptions
 from verl_traj.stepwise.inputs import checked_flags, checked_traj_index
@@ -210,7 +210,7 @@ def stepwise_advantage(verl_compute_advantage: Callable, step_index_key: str = "
                                           norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=config)
         name = str(getattr(adv_estimator, "value", adv_estimator))
         td = data.batch
-        if name == GIGPO:
+        if estimator_traits(name).step_groups:  # per LLM call, from the rows' anchor keys (gigpo)
             gigpo_advantage(data, _with_turn_rewards(data), row_steps(data, step_index_key),
                             _uid(data.non_tensor_batch, td.batch_size[0]), gamma=gamma,
                             episode=_estimator("grpo", norm_adv_by_std_in_grpo, config), options=step_groups)

@@ -41,6 +41,7 @@ from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorke
 
 from verl_traj.config import TrajConfig
 from verl_traj.core.row_key import row_key
+from verl_traj.core.row_tags import sparse_tag, tag_entries
 from verl_traj.integration.v1_failures import run_session
 from verl_traj.integration.session_ledger import current_ledger, session_ledger
 from verl_traj.integration.v1_staleness import record_versions
@@ -140,19 +141,13 @@ def check_version_fields(output: AgentLoopOutput, agent_name: Any) -> None:
 
 def _turn_reward_tag(per_token: torch.Tensor) -> dict:
     """``{TURN_REWARD_TAG: [[position, reward], ...]}`` of one row's ``[n]`` turn rewards; ``{}`` when all are 0."""
-    pos = per_token.nonzero().flatten()
-    return {TURN_REWARD_TAG: torch.stack([pos.double(), per_token[pos].double()], 1).tolist()} if pos.numel() else {}
+    return sparse_tag(TURN_REWARD_TAG, per_token)
 
 
 def turn_reward_entries(tags: list[dict]) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``(row, position, reward)`` of every turn reward the rows' ``tags`` carry (``[K]`` int64, int64, float32;
     ``row`` indexes ``tags``), or ``None`` when no row has any: one ``index_put`` puts them on their tokens."""
-    tagged = [(b, t[TURN_REWARD_TAG]) for b, t in enumerate(tags) if t.get(TURN_REWARD_TAG)]
-    if not tagged:
-        return None
-    rows = torch.cat([torch.full((len(e),), b, dtype=torch.int64) for b, e in tagged])
-    entries = torch.tensor([pair for _, e in tagged for pair in e], dtype=torch.float64)
-    return rows, entries[:, 0].long(), entries[:, 1].float()
+    return tag_entries(tags, TURN_REWARD_TAG, torch.float32)
 
 
 def _actor_base(actor_class: Any) -> type:

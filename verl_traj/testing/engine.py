@@ -74,25 +74,14 @@ def register_torch_varlen(name: str = TORCH_VARLEN) -> str:
     kernel in verl's module only, and kept where the tree-aware wrapper is already in place); idempotent. Returns
     ``name``."""
     from verl_traj.cpu.attention import flash_mask, flash_path, varlen_attention
-    from verl_traj.integration.process_patches import REGISTER, VERL_MONKEY_PATCH, ProcessPatch, install
+    from verl_traj.integration.process_patches import install, torch_varlen_patches
 
     def kernel(current: Any) -> Any:
         return current if getattr(current, "_prefix_tree_aware", False) else varlen_attention
 
-    install([ProcessPatch("transformers.modeling_utils", "AttentionInterface",
-                          lambda interface: interface.register(name, flash_path()),
-                          f"name transformers' flash-attention path '{name}'", kind=REGISTER),
-             ProcessPatch("transformers.masking_utils", "AttentionMaskInterface",
-                          lambda interface: interface.register(name, flash_mask()),
-                          f"give '{name}' the flash-attention mask", kind=REGISTER),
-             ProcessPatch(VERL_MONKEY_PATCH, "_flash_attention_forward", kernel,
-                          "run flash-attention's variable-length contract in torch where flash-attn is missing")],
-            _now_only)
+    install(torch_varlen_patches(name, lambda interface: interface.register(name, flash_path()),
+                                 lambda interface: interface.register(name, flash_mask()), kernel), on_import=None)
     return name
-
-
-def _now_only(module_name: str, _callback: Any) -> None:
-    raise RuntimeError(f"register_torch_varlen installs now, not on import of {module_name}")
 
 
 def compose_config(name: str, overrides: Sequence[str] = (), *, resolve: bool = True) -> Any:
