@@ -16,7 +16,9 @@ Writes
 
 With ``--seeds 0,1,2`` every variant runs once per seed (``data.seed`` and ``actor_rollout_ref.rollout.seed``: the
 prompt order and the sampling); the tables give each metric's mean over the seeds with the seeds' spread, and the plot
-the mean reward with a min-max band over the seeds against training step, tokens trained and wall-clock.
+the mean reward with a min-max band over the seeds against training step, tokens trained and wall-clock; at equal
+tokens trained and at equal wall-clock (the cheapest variant's totals) each variant's steps reached and the reward over
+the last third of them (``scripts/seed_report.py``).
 
 Metrics: mean reward per trajectory (``traj_reward/mean``; verl's ``critic/score/mean`` averages rows), optimizer
 steps per training step, the learning rate (the schedule's position), groups and trajectories split over
@@ -43,6 +45,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Optional
+
+from seed_report import at_equal_budget, metric_series, plot_seeds, rolling_mean, seed_tables, verdicts
 
 from verl_traj.metrics_log import load_metrics
 
@@ -116,10 +120,6 @@ def run(variant: Variant, args, out: Path, seed: Optional[int] = None) -> list[d
     return load_metrics(str(metrics))
 
 
-def _series(rows: list[dict], key: str) -> list[float]:
-    return [float(r[key]) for r in rows if key in r]
-
-
 def _fmt(values: list[float]) -> str:
     return f"{sum(values) / len(values):.4g}" if values else "-"
 
@@ -136,7 +136,7 @@ def tables(runs: dict[Variant, list[dict]]) -> str:
     names = [v.name for v in runs]
     lines = ["| metric | " + " | ".join(f"{n}: mean (first third → last third)" for n in names) + " |",
              "|---|" + "---|" * len(names)]
-    lines += [f"| {row[0]} | " + " | ".join(_trend(_series(rows, v.key(row))) for v, rows in runs.items()) + " |"
+    lines += [f"| {row[0]} | " + " | ".join(_trend(metric_series(rows, v.key(row))) for v, rows in runs.items()) + " |"
               for row in ROWS]
     lines += ["", "| step | " + " | ".join(f"{row[0]}: {' / '.join(names)}" for row in ROWS) + " |",
               "|---|" + "---|" * len(ROWS)]
@@ -146,72 +146,6 @@ def tables(runs: dict[Variant, list[dict]]) -> str:
                  for row in ROWS]
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
-
-
-def seed_trend(per_seed: list[list[float]]) -> dict:
-    """Each seed's first third -> last third of its steps (means) and the trend between, over ``S`` seeds' series:
-    ``first``, ``last``, ``trend`` (means over the seeds), ``trends`` (each seed's), ``step_spread`` (mean over the
-    steps of max - min across the seeds: how far apart seeds are at one step)."""
-    thirds = [(_mean(v[:max(len(v) // 3, 1)]), _mean(v[-max(len(v) // 3, 1):])) for v in per_seed if v]
-    trends = [last - first for first, last in thirds]
-    steps = min((len(v) for v in per_seed), default=0)
-    spread = _mean([max(v[i] for v in per_seed) - min(v[i] for v in per_seed) for i in range(steps)])
-    return {"first": _mean([f for f, _ in thirds]), "last": _mean([l for _, l in thirds]), "trend": _mean(trends),
-            "trends": trends, "step_spread": spread}
-
-
-def _seed_cell(per_seed: list[list[float]]) -> str:
-    if not any(per_seed):
-        return "-"
-    t = seed_trend(per_seed)
-    each = ", ".join(f"{d:+.3g}" for d in t["trends"])
-    return f"{t['first']:.4g} → {t['last']:.4g} ({t['trend']:+.3g}; seeds {each})"
-
-
-def seed_tables(runs: dict) -> str:
-    """Tables over seeds: per metric and variant, the mean over seeds of first third -> last third with each seed's
-    trend; then the mean reward per step, mean [min, max] over the seeds."""
-    names = [v.name for v in runs]
-    lines = ["| metric | " + " | ".join(f"{n}: first third → last third, mean over seeds (trend; each seed's)"
-                                         for n in names) + " |", "|---|" + "---|" * len(names)]
-    for row in ROWS:
-        cells = [_seed_cell([_series(rows, v.key(row)) for rows in seeds.values()]) for v, seeds in runs.items()]
-        lines.append(f"| {row[0]} | " + " | ".join(cells) + " |")
-    lines += ["", "| step | " + " | ".join(f"{n}: {ROWS[0][0]}, mean [min, max] over seeds" for n in names) + " |",
-              "|---|" + "---|" * len(names)]
-    series = {v: [_series(rows, v.key(ROWS[0])) for rows in seeds.values()] for v, seeds in runs.items()}
-    for i in range(max(len(x) for per in series.values() for x in per)):
-        cells = []
-        for per in series.values():
-            at = [x[i] for x in per if i < len(x)]
-            cells.append(f"{_mean(at):.3f} [{min(at):.3f}, {max(at):.3f}]" if at else "-")
-        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def verdicts(runs: dict) -> str:
-    """One line per variant: the reward's trend over the seeds, next to how far apart the seeds are."""
-    out = []
-    for v, seeds in runs.items():
-        t = seed_trend([_series(rows, v.key(ROWS[0])) for rows in seeds.values()])
-        if not t["trends"]:
-            out.append(f"{v.name}: no {ROWS[0][0]} logged")
-            continue
-        out.append(f"{v.name}: {ROWS[0][0]} {t['first']:.3f} → {t['last']:.3f} (first → last third, mean of "
-                   f"{len(seeds)} seeds): trend {t['trend']:+.3f}, each seed {', '.join(f'{d:+.3f}' for d in t['trends'])}"
-                   f"; the seeds' trends span {max(t['trends']) - min(t['trends']):.3f}, one step's reward "
-                   f"{t['step_spread']:.3f} (mean max - min over the seeds)")
-    return "\n".join(out)
-
-
-def _rolling(values: list[float], window: int) -> list[float]:
-    """Mean of the last ``window`` values at each step (fewer at the start)."""
-    return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
-            for i in range(len(values))]
 
 
 def plot(runs: dict[Variant, list[dict]], path: Path, title: str, panels: int = len(ROWS), window: int = 1) -> None:
@@ -227,7 +161,7 @@ def plot(runs: dict[Variant, list[dict]], path: Path, title: str, panels: int = 
         for variant, rows in runs.items():
             pts = [(r["step"], float(r[variant.key(row)])) for r in rows if variant.key(row) in r]
             if pts:
-                ax.plot([p[0] for p in pts], _rolling([p[1] for p in pts], window), linewidth=1.4, label=variant.name)
+                ax.plot([p[0] for p in pts], rolling_mean([p[1] for p in pts], window), linewidth=1.4, label=variant.name)
         ax.set_ylabel(row[0] + (f"\n(mean of {window} steps)" if window > 1 else ""), fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -235,48 +169,6 @@ def plot(runs: dict[Variant, list[dict]], path: Path, title: str, panels: int = 
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-
-
-AXES = (("training step", None), ("tokens trained", "perf/total_num_tokens"), ("wall-clock (s)", "timing_s/step"))
-
-
-def plot_seeds(runs: dict, path: Path, title: str, window: int = 1) -> None:
-    """The mean reward per trajectory of each variant against training step, tokens trained (cumulative) and
-    wall-clock (cumulative step time): the mean over seeds at each step (at the seeds' mean x), and a min-max band."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(AXES), figsize=(5 * len(AXES), 3.6), sharey=True, squeeze=False)
-    for ax, (label, key) in zip(axes[0], AXES):
-        for v, seeds in runs.items():
-            per = [(_rolling(_series(rows, v.key(ROWS[0])), window),
-                    _cumulative(rows, key, v.key(ROWS[0]))) for rows in seeds.values()]
-            n = min(len(y) for y, _ in per)
-            if not n:
-                continue
-            x = [_mean([xs[i] for _, xs in per]) for i in range(n)]
-            ys = [[y[i] for y, _ in per] for i in range(n)]
-            line = ax.plot(x, [_mean(y) for y in ys], linewidth=1.6, label=f"{v.name} ({len(per)} seeds)")[0]
-            ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.18)
-        ax.set_xlabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    axes[0, 0].set_ylabel(ROWS[0][0] + (f" (mean of {window} steps)" if window > 1 else ""), fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-
-
-def _cumulative(rows: list[dict], key: Optional[str], present: str) -> list[float]:
-    """The x of each step that logged ``present``: its step number (``key`` None), else the running sum of ``key``."""
-    xs, total = [], 0.0
-    for r in rows:
-        total += float(r.get(key, 0.0)) if key else 0.0
-        if present in r:
-            xs.append(total if key else float(r["step"]))
-    return xs
 
 
 def _load(out: Path, variants: list, seeds: list) -> dict:
@@ -315,7 +207,8 @@ def main(argv=None) -> int:
     runs = _load(out, variants, seeds) if args.report_only else \
         {v: {s: run(v, args, out, s) for s in seeds} for v in variants}
     single = seeds == [None]
-    text = tables({v: r[None] for v, r in runs.items()}) if single else seed_tables(runs) + "\n\n" + verdicts(runs)
+    text = tables({v: r[None] for v, r in runs.items()}) if single else "\n\n".join(
+        [seed_tables(runs, ROWS), verdicts(runs, ROWS[0]) + "\n" + at_equal_budget(runs, ROWS[0])])
     cmd = shlex.join(["python", "scripts/compare.py", "--config-name", args.config_name, "--steps", str(args.steps),
                       *([f"--seeds={args.seeds}"] if not single else []),
                       *[f"--variant={s}" for s in args.variant], *args.overrides])
@@ -330,7 +223,7 @@ def main(argv=None) -> int:
         plot({v: r[None] for v, r in runs.items()}, out / "compare.png", f"{title}, same seed and data",
              panels=max(1, min(args.panels, len(ROWS))), window=max(1, args.window))
     else:
-        plot_seeds(runs, out / "compare.png", f"{title}, seeds {args.seeds}", window=max(1, args.window))
+        plot_seeds(runs, out / "compare.png", f"{title}, seeds {args.seeds}", ROWS[0], window=max(1, args.window))
     print(text)
     print(f"\nwrote {out / 'compare.md'}, {out / 'compare.png'}, {out / 'compare.json'}")
     return 0

@@ -62,3 +62,23 @@ def test_over_seeds_the_report_gives_each_seeds_trend_the_mean_and_the_spread(tm
     assert set(json.loads((tmp_path / "compare.json").read_text())["runs"]["grpo"]["metrics_by_seed"]) == {"0", "1", "2"}
     bad = _compare("--out", str(tmp_path), "--report-only", "--seeds", "0,x", "--variant", "grpo=")
     assert bad.returncode != 0 and "comma-separated integers" in bad.stderr
+
+
+def test_over_seeds_the_report_compares_variants_at_equal_tokens_and_wall_clock(tmp_path):
+    """The cheap variant (2 s, 100 tokens a step) sets the budget (12 s, 600 tokens over its 6 steps); the dear one
+    (4 s, 300 tokens) is cut at 3 steps for wall-clock and 2 for tokens, its reward the last third of those steps."""
+    cheap, dear = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.3, 0.5, 0.7, 0.8, 0.9, 1.0]
+    for seed in (0, 1):
+        _write(tmp_path / f"grpo.s{seed}.jsonl", [{"traj_reward/mean": r + seed / 10, "perf/total_num_tokens": 100.0,
+                                                   "timing_s/step": 2.0} for r in cheap])
+        _write(tmp_path / f"stock.s{seed}.jsonl", [{"traj_reward/mean": r, "perf/total_num_tokens": 300.0,
+                                                    "timing_s/step": 4.0 + seed} for r in dear])
+    run = _compare("--out", str(tmp_path), "--report-only", "--seeds", "0,1", "--variant", "grpo=",
+                   "--variant", "stock=traj.enable=false")
+    assert run.returncode == 0, run.stderr
+    table = (tmp_path / "compare.md").read_text()
+    # grpo: last third of 6 steps = steps 5-6: 0.55 (seed 0), 0.65 (seed 1); stock seed 1 (5 s a step) reaches 2 steps
+    assert ("at equal tokens trained (600: grpo's total, mean of its seeds): grpo 6-6 steps, last third 0.600; "
+            "stock 2-2 steps, last third 0.500") in table
+    assert ("at equal wall-clock (12 s: grpo's total, mean of its seeds): grpo 6-6 steps, last third 0.600; "
+            "stock 2-3 steps, last third 0.600") in table
