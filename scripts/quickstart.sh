@@ -5,7 +5,7 @@
 #   bash scripts/quickstart.sh                                    # prepare (once) + 15 steps + summary + plot
 #   bash scripts/quickstart.sh trainer.total_training_steps=20    # extra arguments: hydra overrides
 #
-# The fastest smoke run (single-turn tiny task, ~1 minute): python -m verl_traj.cpu.build_tiny, then
+# The fastest smoke run (single-turn tiny task, 2-3 minutes with start-up): python -m verl_traj.cpu.build_tiny, then
 # python -m verl_traj.main_ppo --config-name cpu_tiny
 # Outputs: $VERL_TRAJ_OUT (default ./verl_traj_quickstart): metrics.jsonl, run.png, train.log.
 set -euo pipefail

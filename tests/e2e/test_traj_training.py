@@ -80,7 +80,7 @@ def test_traj_training_one_rank(shared_run, trainer):
     _check_run(run, run.workdir / "dump" / "plan.jsonl", mini_batches=2, epochs=2, expect_padding=False)
 
 
-@pytest.mark.parametrize("trainer", TRAINERS_V0_OPT_IN)  # v0 on two ranks by default: tests/stepwise/test_stepwise_e2e.py
+@pytest.mark.parametrize("trainer", TRAINERS_V0_OPT_IN)  # v0 on two ranks by default: tests/e2e/test_stepwise_training.py
 def test_traj_training_two_ranks_padding_token_cap(shared_run, trainer):
     """dp=2, groups of 3 rows, 3 groups per mini-batch -> 9 rows per mini-batch -> a padding row each;
     the token cap cuts several micro-batches per rank (the shared ``dp2_reference`` run, on verl's remove-padding
