@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+# scripts/ is sys.path[0] when this file runs as a script (its only use)
 from seed_report import at_equal_budget, metric_series, plot_seeds, rolling_mean, seed_tables, verdicts
 
 from verl_traj.metrics_log import load_metrics

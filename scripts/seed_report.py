@@ -4,11 +4,13 @@ verl_traj run, key in a stock run)`` tuple, read through ``Variant.key``. Pure a
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
 
 def metric_series(rows: list[dict], key: str) -> list[float]:
+    """The values of ``key`` at the steps that logged it, in step order."""
     return [float(r[key]) for r in rows if key in r]
 
 
@@ -35,6 +37,7 @@ def seed_trend(per_seed: list[list[float]]) -> dict:
 
 
 def _seed_cell(per_seed: list[list[float]]) -> str:
+    """One table cell: the mean over seeds of first third -> last third, the mean trend and each seed's."""
     if not any(per_seed):
         return "-"
     t = seed_trend(per_seed)
@@ -121,24 +124,37 @@ def _cumulative(rows: list[dict], key: Optional[str], present: str) -> list[floa
     return xs
 
 
+BUDGETS = (("tokens trained", "perf/total_num_tokens", ""), ("wall-clock", "timing_s/step", " s"))
+
+
 def at_equal_budget(runs: dict, reward: tuple[str, str, str]) -> str:
-    """The reward at equal cost, one line per axis (tokens trained, wall-clock: the running sums of
-    ``perf/total_num_tokens`` and ``timing_s/step``). The budget is the least total any variant spends (the mean over
-    its seeds); every seed of every variant is cut at its last step within it, and each variant gets the steps reached
-    (min-max over its seeds) and the reward's mean over the last third of those steps (mean over the seeds: the
-    tables' "last third", on the steps the budget buys)."""
+    """The reward at equal cost, one line per axis of :data:`BUDGETS` (tokens trained, wall-clock: the running sums
+    of ``perf/total_num_tokens`` and ``timing_s/step``). The budget is the least total any variant spends (the mean
+    over its seeds); every seed of every variant is cut at its last step within it, and each variant gets the steps
+    reached (min-max over its seeds) and the reward's mean over the last third of those steps (mean over the seeds
+    that reached a step: the tables' "last third", on the steps the budget buys). An axis whose cost is not logged,
+    or not finite, at a step that logged the reward says so instead of comparing."""
     out = []
-    for label, key, unit in (("tokens trained", "perf/total_num_tokens", ""), ("wall-clock", "timing_s/step", " s")):
-        cost = {v: [(_cumulative(rows, key, v.key(reward)), metric_series(rows, v.key(reward))) for rows in seeds.values()]
-                for v, seeds in runs.items()}
-        totals = {v: _mean([xs[-1] for xs, _ in per if xs]) for v, per in cost.items() if any(xs for xs, _ in per)}
-        least = min(totals, key=lambda v: totals[v], default=None)
-        if least is None or not totals[least] > 0:
+    for label, key, unit in BUDGETS:
+        unlogged = [f"{v.name} seed {seed}" for v, seeds in runs.items() for seed, rows in seeds.items()
+                    if any(v.key(reward) in r and not math.isfinite(float(r.get(key, "nan"))) for r in rows)]
+        if unlogged:
+            out.append(f"at equal {label}: not compared ({key} missing or not finite in {', '.join(unlogged)})")
             continue
-        budget, cells = totals[least], []
-        for v, per in cost.items():
-            reached = [sum(x <= budget * (1 + 1e-9) for x in xs) for xs, _ in per]
-            last = [_mean(ys[:n][-max(n // 3, 1):]) for (_, ys), n in zip(per, reached) if n]
-            cells.append(f"{v.name} {min(reached)}-{max(reached)} steps, last third {_mean(last):.3f}")
-        out.append(f"at equal {label} ({budget:,.0f}{unit}: {least.name}'s total, mean of its seeds): " + "; ".join(cells))
+        out.append(_budget_line(runs, reward, label, key, unit))
     return "\n".join(out)
+
+
+def _budget_line(runs: dict, reward: tuple[str, str, str], label: str, key: str, unit: str) -> str:
+    cost = {v: [(_cumulative(rows, key, v.key(reward)), metric_series(rows, v.key(reward))) for rows in seeds.values()]
+            for v, seeds in runs.items()}
+    totals = {v: _mean([xs[-1] for xs, _ in per if xs]) for v, per in cost.items() if any(xs for xs, _ in per)}
+    if not totals:
+        return f"at equal {label}: not compared (no {reward[0]} logged)"
+    least = min(totals, key=lambda v: totals[v])
+    budget, cells = totals[least], []
+    for v, per in cost.items():
+        reached = [sum(x <= budget * (1 + 1e-9) for x in xs) for xs, _ in per] or [0]
+        last = [_mean(ys[:n][-max(n // 3, 1):]) for (_, ys), n in zip(per, reached) if n]
+        cells.append(f"{v.name} {min(reached)}-{max(reached)} steps, last third {_mean(last):.3f}")
+    return f"at equal {label} ({budget:,.0f}{unit}: {least.name}'s total, mean of its seeds): " + "; ".join(cells)

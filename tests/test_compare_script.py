@@ -65,20 +65,31 @@ def test_over_seeds_the_report_gives_each_seeds_trend_the_mean_and_the_spread(tm
 
 
 def test_over_seeds_the_report_compares_variants_at_equal_tokens_and_wall_clock(tmp_path):
-    """The cheap variant (2 s, 100 tokens a step) sets the budget (12 s, 600 tokens over its 6 steps); the dear one
-    (4 s, 300 tokens) is cut at 3 steps for wall-clock and 2 for tokens, its reward the last third of those steps."""
+    """The cheap variant, listed second (2 and 3 s a step over its two seeds, 100 tokens), sets the budget from the
+    mean over its seeds (15 s, 600 tokens over 6 steps): its seed 1 is cut at 5 steps. The dear one (4 and 5 s, 300
+    tokens) is cut at 3 and 3 steps for wall-clock and at 2 for tokens; the reward is the last third of those steps."""
     cheap, dear = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.3, 0.5, 0.7, 0.8, 0.9, 1.0]
     for seed in (0, 1):
-        _write(tmp_path / f"grpo.s{seed}.jsonl", [{"traj_reward/mean": r + seed / 10, "perf/total_num_tokens": 100.0,
-                                                   "timing_s/step": 2.0} for r in cheap])
         _write(tmp_path / f"stock.s{seed}.jsonl", [{"traj_reward/mean": r, "perf/total_num_tokens": 300.0,
                                                     "timing_s/step": 4.0 + seed} for r in dear])
-    run = _compare("--out", str(tmp_path), "--report-only", "--seeds", "0,1", "--variant", "grpo=",
-                   "--variant", "stock=traj.enable=false")
+        _write(tmp_path / f"grpo.s{seed}.jsonl", [{"traj_reward/mean": r + seed / 10, "perf/total_num_tokens": 100.0,
+                                                   "timing_s/step": 2.0 + seed} for r in cheap])
+    args = ("--out", str(tmp_path), "--report-only", "--seeds", "0,1", "--variant", "stock=traj.enable=false",
+            "--variant", "grpo=")
+    run = _compare(*args)
     assert run.returncode == 0, run.stderr
     table = (tmp_path / "compare.md").read_text()
-    # grpo: last third of 6 steps = steps 5-6: 0.55 (seed 0), 0.65 (seed 1); stock seed 1 (5 s a step) reaches 2 steps
-    assert ("at equal tokens trained (600: grpo's total, mean of its seeds): grpo 6-6 steps, last third 0.600; "
-            "stock 2-2 steps, last third 0.500") in table
-    assert ("at equal wall-clock (12 s: grpo's total, mean of its seeds): grpo 6-6 steps, last third 0.600; "
-            "stock 2-3 steps, last third 0.600") in table
+    # tokens: stock 2 steps (0.5 both seeds); grpo whole: steps 5-6, 0.55 and 0.65
+    assert ("at equal tokens trained (600: grpo's total, mean of its seeds): stock 2-2 steps, last third 0.500; "
+            "grpo 6-6 steps, last third 0.600") in table
+    # wall-clock 15 s: stock 3 steps at 4 s and 5 s (step 3: 0.7); grpo seed 0 6 steps (0.55), seed 1 5 steps at 3 s
+    # (last third of 5 = step 5: 0.6)
+    assert ("at equal wall-clock (15 s: grpo's total, mean of its seeds): stock 3-3 steps, last third 0.700; "
+            "grpo 5-6 steps, last third 0.575") in table
+    rows = [{"traj_reward/mean": r, "timing_s/step": 4.0} for r in dear]  # a seed that logged no tokens
+    _write(tmp_path / "stock.s1.jsonl", rows)
+    assert _compare(*args).returncode == 0
+    table = (tmp_path / "compare.md").read_text()
+    assert ("at equal tokens trained: not compared (perf/total_num_tokens missing or not finite in stock seed 1)"
+            in table)
+    assert "at equal wall-clock (15 s: grpo's total" in table
