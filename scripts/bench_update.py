@@ -365,7 +365,6 @@ def fused_logprobs(logits, labels, inplace_backward=True):
     return -flat.view(labels.shape)
 
 
-
 def _proc(rank: int, dp: int, port: int, args, out_path: str):
     from verl_traj.testing.engine import actor_worker, init_rank
 

@@ -13,7 +13,7 @@ from verl_traj.metrics_log import moving_average, reward_key
 __all__ = ["PANELS", "plot_run"]
 
 PANELS = [
-    ("reward", ["critic/score/mean"], "mean reward"),  # the summary's reward key (metrics_log.reward_key) at run time
+    ("reward", None, "mean reward"),  # None: the run's reward as the summary reports it (metrics_log.reward_key)
     ("critic", ["critic/vf_loss"], "value loss (PPO)"),
     ("kl", ["actor/kl_loss"], "KL to reference"),
     ("response", ["response_length/mean", "num_turns/mean"], "tokens / turns"),
@@ -32,8 +32,7 @@ def plot_run(rows: list[dict], output: str | Path, title: str = "verl_traj run",
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    chosen = {"reward": [reward_key(rows)]}  # the reward the summary reports (per trajectory where logged)
-    panels = [(name, [k for k in chosen.get(name, keys) if any(k in r for r in rows)], label)
+    panels = [(name, [k for k in (keys or [reward_key(rows)]) if any(k in r for r in rows)], label)
               for name, keys, label in PANELS]
     panels = [p for p in panels if p[1]]
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.3 * len(panels)), sharex=True, squeeze=False)
