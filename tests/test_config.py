@@ -23,13 +23,50 @@ def test_from_mapping_roundtrip_and_unknown_key():
         TrajConfig.from_mapping({"micro_batch_max_token": 4096})
 
 
-def test_of_parses_a_whole_config_once_per_object():
-    from omegaconf import OmegaConf
+def _verl_config(traj: dict):
+    """verl's own whole trainer config (what an agent-loop worker holds) with a ``traj:`` section."""
+    import os
 
-    config = OmegaConf.create({"traj": {"traj_id_key": "episode"}, "data": {}})
+    import verl
+
+    config = OmegaConf.load(os.path.join(os.path.dirname(verl.__file__), "trainer/config/_generated_ppo_trainer.yaml"))
+    config.traj = traj
+    return config
+
+
+def test_a_lookup_per_session_never_hashes_or_compares_verls_config(monkeypatch):
+    """Issue 40: ``TrajConfig.of`` runs per agent session; its cache once hashed and deep-compared verl's whole config
+    on every hit (0.1-0.5 s each). Counted, not timed: 1,000 lookups parse once and touch the config's ``__hash__`` /
+    ``__eq__`` never."""
+    from omegaconf import DictConfig
+
+    import verl_traj.config as config_module
+
+    config = _verl_config({"traj_id_key": "episode", "step_wise": True})
+    calls = {"hash": 0, "eq": 0, "parse": 0}
+    for name, key in (("__hash__", "hash"), ("__eq__", "eq")):
+        original = getattr(DictConfig, name)
+        monkeypatch.setattr(DictConfig, name, lambda self, *a, _o=original, _k=key: calls.__setitem__(
+            _k, calls[_k] + 1) or _o(self, *a))
+    parse = TrajConfig.from_mapping.__func__
+    monkeypatch.setattr(TrajConfig, "from_mapping", classmethod(
+        lambda cls, section: calls.__setitem__("parse", calls["parse"] + 1) or parse(cls, section)))
     first = TrajConfig.of(config)
-    assert first.traj_id_key == "episode" and TrajConfig.of(config) is first
-    assert TrajConfig.of(OmegaConf.create({"traj": {"traj_id_key": "other"}})).traj_id_key == "other"
+    assert all(TrajConfig.of(config) is first for _ in range(1000))
+    assert first.traj_id_key == "episode" and first.step_wise
+    assert calls == {"hash": 0, "eq": 0, "parse": 1}
+    # an equal but distinct config is its own entry; a collected config leaves the cache
+    other = _verl_config({"traj_id_key": "other"})
+    assert TrajConfig.of(other).traj_id_key == "other" and calls["parse"] == 2
+    before = len(config_module._PARSED)
+    del other
+    import gc
+
+    gc.collect()
+    assert len(config_module._PARSED) == before - 1
+
+
+def test_of_parses_plain_dicts_and_none_each_time_and_refuses_unknown_keys():
     assert TrajConfig.of({"traj": {"group_by": "trajectory"}}).group_by == "trajectory"  # plain dict: no cache
     assert TrajConfig.of(None) == TrajConfig()
     with pytest.raises(TrajConfigError, match="unknown key"):

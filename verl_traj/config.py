@@ -237,20 +237,28 @@ class TrajConfig:
 
     @classmethod
     def of(cls, config: Any) -> "TrajConfig":
-        """The ``traj:`` section of verl's whole config, parsed once per config object (agent loops run per
-        trajectory and read it there; the cache holds the config weakly)."""
+        """The ``traj:`` section of verl's whole config, parsed once per config object.
+
+        Agent loops run once per session and read it there, so a lookup must cost nothing that grows with the
+        config: the cache is keyed by the object's identity (``id``, checked against a weak reference), never by its
+        hash or equality (an OmegaConf config hashes and compares its whole tree: ~0.1-0.5 s for verl's config). A
+        config is read as it was at its first lookup (verl does not change ``traj:`` after start-up). Objects that
+        cannot be weakly referenced (a plain dict) are parsed each time."""
+        key = id(config)
+        entry = _PARSED.get(key)
+        if entry is not None and entry[0]() is config:
+            return entry[1]
+        parsed = cls.from_mapping(config.get("traj") if config is not None else None)
         try:
-            return _PARSED[config]
-        except (KeyError, TypeError):
-            parsed = cls.from_mapping(config.get("traj") if config is not None else None)
-        try:
-            _PARSED[config] = parsed
-        except TypeError:  # not weak-referenceable (a plain dict): parse each time
-            pass
+            ref = weakref.ref(config, lambda _, key=key: _PARSED.pop(key, None))
+        except TypeError:  # not weak-referenceable (a plain dict, None): parse each time
+            return parsed
+        _PARSED[key] = (ref, parsed)
         return parsed
 
 
-_PARSED: "weakref.WeakKeyDictionary[Any, TrajConfig]" = weakref.WeakKeyDictionary()
+# id(config) -> (weak reference to config, its parsed traj section); an entry leaves when its config is collected.
+_PARSED: dict[int, tuple["weakref.ref[Any]", TrajConfig]] = {}
 
 
 # traj.* fields that must be real bools: a string "false" is truthy, and None skips every check keyed on them.

@@ -178,7 +178,10 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        traj_config = TrajConfig.of(self.config)
+        # read once per worker: every session below uses these (no per-session work that grows with the config)
+        self.traj_config = traj_config = TrajConfig.of(self.config)
+        self.records_anchors = traj_config.enable and uses_step_groups(
+            value_at(self.config, "algorithm.adv_estimator", "grpo"))
         if traj_config.enable:  # the policy version of every token (traj_version/token_*, traj.max_staleness)
             record_versions(self.llm_client, required=traj_config.max_staleness is not None)
 
@@ -188,7 +191,7 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
             n = rollout.val_kwargs.n if trajectory.get("validate") else rollout.n
             kwargs["priority"] = session_priority(trajectory["sample_index"], kwargs.get("session_id", 0), n)
         session = super()._run_agent_loop(sampling_params, trajectory, **kwargs)
-        traj_config = TrajConfig.of(self.config)
+        traj_config = self.traj_config
         if trajectory.get("validate") or not traj_config.enable:
             return await session
         with session_ledger(kwargs.get("agent_name")):
@@ -196,11 +199,11 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
                                      int(kwargs.get("session_id", 0)))
 
     async def _agent_loop_postprocess(self, output: Any, validate: bool, **kwargs: Any) -> None:
-        traj_config = TrajConfig.of(self.config)
+        traj_config = self.traj_config
         ledger = None if validate else current_ledger()
         ledger_tags = ledger.tags() if ledger is not None else {}  # the session's versions and tool calls
         name = ledger.agent_name if ledger is not None else kwargs.get("agent_name")
-        anchors = traj_config.enable and uses_step_groups(value_at(self.config, "algorithm.adv_estimator", "grpo"))
+        anchors = self.records_anchors
         if traj_config.step_wise and not validate:
             check_recorded(output, name, anchors)
         for out in [] if validate else output if isinstance(output, list) else [output]:  # training rows
