@@ -25,9 +25,12 @@ The patch sets, each in the order it is installed (a later patch of the same nam
   ``verl.trainer.ppo.v1.get_trainer_cls`` <- the registered class with :class:`~verl_traj.integration.v1.TrajV1Mixin`
   first (every mode, under its own name: v1 reads meaning from the mode name).
 * :func:`v1_advantage_patches` -- driver, during one ``TrajV1Mixin._compute_advantage``:
-  ``trainer_base.compute_advantage_for_multi_trajectories`` <- the planned batch's advantage (real rows, one
-  outcome per trajectory); with step rows and ``traj.ratio_scope=trajectory`` also
-  ``trainer_base.compute_rollout_correction_and_add_to_batch`` <- verl's rollout correction per trajectory.
+  1. ``trainer_base.compute_advantage_for_multi_trajectories`` <- the planned batch's advantage (real rows, one
+     outcome per trajectory);
+  2. ``trainer_base.apply_kl_penalty`` <- real rows only (v0's wrapper, after the plan's facts are attached: v1
+     imports verl's function by name, so patch 3 of :func:`fit_patches` never reaches it);
+  3. with step rows and ``traj.ratio_scope=trajectory`` also
+     ``trainer_base.compute_rollout_correction_and_add_to_batch`` <- verl's rollout correction per trajectory.
 * :func:`v1_metric_patches` -- driver, during one ``TrajV1Mixin._compute_metrics``:
   ``trainer_base.compute_timing_metrics``, ``compute_throughout_metrics`` <- real rows only.
 * :func:`update_patches` -- actor / critic worker, during one planned ``train_mini_batch``:
@@ -155,14 +158,19 @@ def v1_task_runner_patches(traj_trainer_class: Callable[[type], type]) -> list[P
     return [Patch("verl.trainer.ppo.v1", "get_trainer_cls", wrap, "run verl's v1 trainers with TrajV1Mixin")]
 
 
-def v1_advantage_patches(advantage: Callable, correction: Optional[Callable] = None) -> list[Patch]:
+def v1_advantage_patches(advantage: Callable, correction: Optional[Callable] = None, *,
+                         kl_penalty: Callable) -> list[Patch]:
     """``advantage``: replaces ``compute_advantage_for_multi_trajectories`` (same signature; the mixin passes
     :func:`~verl_traj.integration.v1_advantage.planned_advantage` with the batch's plan facts bound);
-    ``correction(verl_correction, data, rollout_corr_config)``: wraps verl's rollout correction (step rows at
-    ``traj.ratio_scope=trajectory``: :func:`~verl_traj.integration.v1_advantage.corrected_per_trajectory`), or
-    ``None``."""
+    ``kl_penalty(verl_apply_kl_penalty, data, kl_ctrl, kl_penalty)``: wraps verl's KL-in-reward (the mixin passes
+    :func:`~verl_traj.integration.v1_advantage.kl_penalty_on_planned_rows` with the facts bound; only called with
+    ``algorithm.use_kl_in_reward=true``); ``correction(verl_correction, data, rollout_corr_config)``: wraps verl's
+    rollout correction (step rows at ``traj.ratio_scope=trajectory``:
+    :func:`~verl_traj.integration.v1_advantage.corrected_per_trajectory`), or ``None``."""
     out = [Patch(V1_TRAINER, "compute_advantage_for_multi_trajectories", lambda _original: advantage,
-                 "compute the planned batch's advantages")]
+                 "compute the planned batch's advantages"),
+           Patch(V1_TRAINER, "apply_kl_penalty", lambda original: functools.partial(kl_penalty, original),
+                 "apply the KL penalty on real rows only (v1 imports verl's by name: v0's patch misses it)")]
     if correction is not None:
         out.append(Patch(V1_TRAINER, "compute_rollout_correction_and_add_to_batch",
                          lambda original: functools.partial(correction, original),

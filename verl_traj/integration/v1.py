@@ -60,7 +60,7 @@ from verl_traj.integration.real_rows import metrics_on_masked_rows
 from verl_traj.integration.step_plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
                                              stock_plan_metrics_of)
 from verl_traj.integration.update_spec import UpdateSpec, has_multi_row_trajectory
-from verl_traj.integration.v1_advantage import corrected_per_trajectory, planned_advantage
+from verl_traj.integration.v1_advantage import corrected_per_trajectory, kl_penalty_on_planned_rows, planned_advantage
 from verl_traj.integration.v1_failures import with_group_policies
 from verl_traj.integration.v1_metrics import (RolloutBusy, StepPadding, current_policy_gap, stepwise_metrics,
                                               trajectory_metrics)
@@ -197,7 +197,8 @@ class TrajV1Mixin(CompleteCheckpoints):
         per_trajectory = self.spec.trajectory_ratios
         correction = functools.partial(corrected_per_trajectory, facts) if per_trajectory else None
         advantage = functools.partial(planned_advantage, facts, step_groups=StepGroupOptions.of(self.traj_config))
-        with patched(v1_advantage_patches(advantage, correction)):
+        kl_penalty = functools.partial(kl_penalty_on_planned_rows, facts)  # KL-in-reward on real rows
+        with patched(v1_advantage_patches(advantage, correction, kl_penalty=kl_penalty)):
             out = super()._compute_advantage(batch, metrics)
         metrics.update(facts.advantage_metrics)
         return out

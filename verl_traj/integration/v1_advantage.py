@@ -5,8 +5,10 @@ The chain, from the trainer step (three hops to the estimator):
 1. ``TrajV1Mixin._compute_advantage`` (:mod:`verl_traj.integration.v1`) runs verl's own ``_compute_advantage``
    (``trainer/ppo/v1/trainer_base.py``: fetch the fields from TransferQueue, KL-in-reward, rollout correction, the
    advantage, write back) with its global ``compute_advantage_for_multi_trajectories`` replaced for that call by
-   :func:`planned_advantage` of the batch's :class:`~verl_traj.integration.v1_plan_facts.PlanFacts` (and, for
-   step rows at ``traj.ratio_scope=trajectory``, its rollout correction by :func:`corrected_per_trajectory`);
+   :func:`planned_advantage` of the batch's :class:`~verl_traj.integration.v1_plan_facts.PlanFacts`, its
+   ``apply_kl_penalty`` (imported by name from ``ray_trainer``: v0's patch does not reach it) by
+   :func:`kl_penalty_on_planned_rows` (and, for step rows at ``traj.ratio_scope=trajectory``, its rollout correction
+   by :func:`corrected_per_trajectory`);
 2. :func:`planned_advantage` (here) attaches the plan's facts, records the final loss tokens and calls the
    estimator on the real rows (:func:`~verl_traj.integration.real_rows.advantage_on_real_rows`);
 3. the estimator: verl's ``compute_advantage``, or for step rows
@@ -23,12 +25,12 @@ from typing import Any, Callable, Optional
 from verl.trainer.ppo import ray_trainer
 
 from verl_traj.core.keys import ADVANTAGE_METRICS
-from verl_traj.integration.real_rows import advantage_on_real_rows
+from verl_traj.integration.real_rows import advantage_on_real_rows, kl_penalty_on_real_rows
 from verl_traj.integration.stepwise_rows import stepwise_advantage, trajectory_scoped_correction
 from verl_traj.integration.v1_plan_facts import STEP_INDEX, PlanFacts
 from verl_traj.stepwise.step_groups import StepGroupOptions
 
-__all__ = ["corrected_per_trajectory", "planned_advantage"]
+__all__ = ["corrected_per_trajectory", "kl_penalty_on_planned_rows", "planned_advantage"]
 
 
 def _count_reward_once(data: Any, facts: PlanFacts) -> None:
@@ -73,3 +75,15 @@ def corrected_per_trajectory(facts: PlanFacts, verl_add_to_batch: Callable, data
     Returns ``(data, metrics)`` as verl's does."""
     facts.attach(data, list(facts.keys))
     return trajectory_scoped_correction(verl_add_to_batch, step_index_key=STEP_INDEX)(data, rollout_corr_config)
+
+
+def kl_penalty_on_planned_rows(facts: PlanFacts, verl_apply_kl_penalty: Callable, data: Any, *args: Any,
+                               **kwargs: Any) -> tuple[Any, dict]:
+    """v1's ``apply_kl_penalty(data, kl_ctrl, kl_penalty)`` for a planned batch (``facts`` and verl's function bound
+    first; ``data``: verl's ``DataProto`` of ``[B, R]`` fields, dispatch order): the facts attached (v1 builds it from
+    a fixed field list, without the padding flag), then v0's
+    :func:`~verl_traj.integration.real_rows.kl_penalty_on_real_rows`: the KL statistics
+    (``actor/reward_kl_penalty``) and the adaptive controller's update see the real rows (their mean KL, their
+    count); padding rows keep their (zero) scores as rewards. Returns ``(data, metrics)`` as verl's does."""
+    facts.attach(data, list(facts.keys))
+    return kl_penalty_on_real_rows(verl_apply_kl_penalty)(data, *args, **kwargs)
