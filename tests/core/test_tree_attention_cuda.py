@@ -7,7 +7,9 @@ Reference: :func:`per_row_causal_attention` in fp64 on the same device, each row
 tree's leaves with ``row_index`` (so the gradients of both sides land on the same tree leaves). fp32 must match to
 1e-4 (relative to the largest reference value); bf16 is reported and held to a loose bound (4x the error of
 per-row bf16 sdpa, at least 2e-2 relative). Every tree is padded to ``N_PAD`` tokens with single-token roots (a
-valid forest, the last 128-block partial), so the compiled flex kernel is built once per dtype.
+valid forest, the last 128-block partial: the blocked kernel and the block-mask check see it). Flex runs as production
+runs it (:mod:`verl_traj.core.tree_flex`: the tree padded on to the 1,024 bucket, symbolic length, dynamo's default
+recompile limit, a limit hit raises instead of running the dense eager path): one kernel per dtype and grad mode.
 
 Skipped without CUDA (``VERL_TRAJ_TREE_ATTN_DEVICE=cpu`` runs the same checks on the CPU, flex excepted: it has no
 CPU backward). With
@@ -123,17 +125,19 @@ def report():
 
 @pytest.fixture(scope="module")
 def flex():
-    """``flex_attention`` compiled once for the module (fixed shapes: one graph per dtype)."""
-    from torch.nn.attention.flex_attention import flex_attention
+    """Compiled ``flex_attention`` with ``tree_block_mask`` as production calls it
+    (:func:`~verl_traj.core.tree_flex.flex_tree_attention`: symbolic length, ``fullgraph``, dynamo's default recompile
+    limit, a limit hit raises instead of running the eager path), on the tree padded as production pads it (to a
+    multiple of ``BUCKET`` with single-token roots; ``tree_block_mask``'s partial last block is checked below)."""
+    from verl_traj.core.tree_flex import bucketed, flex_tree_attention
 
-    cfg = torch._dynamo.config
-    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    old = getattr(cfg, name)
-    setattr(cfg, name, max(old, 64))  # one mask_mod closure per tree: never fall back to the eager (dense) path
-    compiled = torch.compile(flex_attention, dynamic=False)
-    yield lambda q, k, v, mask: compiled(*(x.transpose(0, 1)[None] for x in (q, k, v)), block_mask=mask,
-                                         enable_gqa=True)[0].transpose(0, 1)
-    setattr(cfg, name, old)
+    def attend(q, k, v, se):
+        n, pad = se.numel(), bucketed(se.numel()) - se.numel()
+        mask = tree_block_mask(torch.cat([se, torch.arange(n, n + pad, device=se.device)]), 128)
+        qkv = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1)[None] for x in (q, k, v))
+        return flex_tree_attention(*qkv, mask)[0].transpose(0, 1)[:n]
+
+    return attend
 
 
 def check(case, dtype_name, variant, attend, report):
@@ -169,7 +173,7 @@ def test_blocked_tree_attention_equals_rows(case, dtype_name, report):
 def test_flex_tree_block_mask_equals_rows(case, dtype_name, flex, report):
     if DEVICE == "cpu":
         pytest.skip("flex_attention has no backward on the CPU")
-    check(case, dtype_name, "tree/flex", lambda q, k, v, se: flex(q, k, v, tree_block_mask(se, 128)), report)
+    check(case, dtype_name, "tree/flex", flex, report)
 
 
 @pytest.mark.parametrize("case", sorted(cases()))
@@ -188,7 +192,7 @@ def test_block_mask_on_device_matches_dense(case):
             assert bool(blocks[qb, kb].all())
 
 
-# ---- the engine's CUDA kernel: verl_traj.core.tree_flex (buckets, one compile per bucket and dtype) ----------------
+# ---- the engine's CUDA kernel: verl_traj.core.tree_flex (dynamic length, one compile per dtype and grad mode) -----
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("case", sorted(cases()))
@@ -202,14 +206,19 @@ def test_engine_flex_kernel_equals_rows(case, dtype_name, report):
     check(case, dtype_name, "engine/flex", lambda q, k, v, se: tree_attention_flex(q, k, v, FlexTree(se)), report)
 
 
-def test_engine_flex_compiles_once_per_bucket_and_dtype():
-    """Trees of different sizes and shapes in one bucket reuse one compiled kernel (a recompile per micro-batch would
-    cost seconds each); a larger tree takes the next bucket; outputs stay exact (fp32) after the reuse."""
+def test_engine_flex_compiles_once_per_dtype_and_grad_mode(monkeypatch):
+    """Trees of different sizes and shapes, in one bucket and in the next (2,048: two trees packed), reuse one compiled
+    kernel (the length is symbolic: a recompile per size would cost seconds each and reach dynamo's recompile limit
+    within a few steps), never flex's eager path; outputs stay exact (fp32) after the reuse."""
     if DEVICE == "cpu":
         pytest.skip("flex_attention has no backward on the CPU")
+    import torch.nn.attention.flex_attention as flex_module
     from torch._dynamo.utils import counters
 
     from verl_traj.core.tree_flex import FlexTree, tree_attention_flex
+
+    eager = []
+    monkeypatch.setattr(flex_module, "_warn_once", lambda warning_id, *args, **kwargs: eager.append(warning_id))
 
     def run(se):
         n = se.numel()
@@ -227,4 +236,4 @@ def test_engine_flex_compiles_once_per_bucket_and_dtype():
              if bool((se[:m] < m).all())]  # a prefix of a forest whose subtrees end inside it
     assert sizes and all(s == first for s in sizes), (first, sizes)
     big = torch.cat([trees[0], trees[1] + N_PAD])  # two trees packed: 2000 tokens, the 2048 bucket
-    assert run(big) > first
+    assert run(big) == first and not eager, eager
