@@ -4,7 +4,9 @@
    :mod:`verl_traj.recipes.calc_agent.prepare`; about 2 minutes on 2 cores, cached under ``$VERL_TRAJ_HOME``);
 2. trains the multi-turn agent for a few steps with step-wise rows and prefix merging
    (``--config-name quickstart``; extra arguments are hydra overrides, e.g. ``trainer.total_training_steps=10``);
-3. prints what verl_traj did (:func:`verl_traj.summary.summarize`) and writes a plot of the run.
+3. prints what verl_traj did (:func:`verl_traj.summary.summarize`), what the prepared model did before training
+   (:func:`prepared_summary`: its evaluation's accuracy and the tool calls it wrote malformed, counted as training
+   counts them, never logged as errors), and writes a plot of the run.
 
 Outputs go to ``$VERL_TRAJ_OUT`` (default ``./verl_traj_quickstart``): ``metrics.jsonl``, ``run.png``, ``train.log``.
 Works from a checkout or from an installed wheel (the configs ship with the package).
@@ -12,10 +14,13 @@ Works from a checkout or from an installed wheel (the configs ship with the pack
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import psutil
 
 from verl_traj.metrics_log import load_metrics
 from verl_traj.summary import summarize
@@ -23,6 +28,31 @@ from verl_traj.summary import summarize
 
 def _home() -> Path:
     return Path(os.environ.get("VERL_TRAJ_HOME", Path.home() / ".cache" / "verl_traj"))
+
+
+def prepared_summary(model_dir: Path) -> str:
+    """One summary line from the prepared model's ``WARM_START.json`` (written by the prepare step's evaluation):
+    its greedy and sampled accuracy and the tool calls it wrote malformed; ``""`` when it has no evaluation."""
+    stamp = model_dir / "WARM_START.json"
+    figures = json.loads(stamp.read_text()) if stamp.is_file() else {}
+    if "sampled_accuracy" not in figures:
+        return ""
+    line = (f"- the prepared model before training (its evaluation when prepared): accuracy "
+            f"{figures['greedy_accuracy']:.2f} greedy, {figures['sampled_accuracy']:.2f} sampled")
+    if "sampled_malformed_calls" not in figures:
+        return line + "; its malformed tool calls were not counted (prepared by an older verl_traj: delete the cache)"
+    return line + (f"; malformed tool calls in that evaluation (counted, not logged as errors): "
+                   f"{figures['greedy_malformed_calls']} greedy, {figures['sampled_malformed_calls']} sampled "
+                   f"({figures['sampled_malformed_call_share']:.1%} of its sampled calls)")
+
+
+def _env(metrics: Path) -> dict:
+    """The environment of both steps: the cache, the metrics file, and transfer_queue's torch threads (it asks for 8
+    and warns, once a transfer, where the machine has fewer physical cores: ask for what there is)."""
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    env = dict(os.environ, VERL_TRAJ_HOME=str(_home()), VERL_FILE_LOGGER_PATH=str(metrics))
+    env.setdefault("TQ_NUM_THREADS", str(min(8, cores)))
+    return env
 
 
 def _run(cmd: list[str], env: dict, log: Path | None = None) -> None:
@@ -47,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
-    env = dict(os.environ, VERL_TRAJ_HOME=str(_home()), VERL_FILE_LOGGER_PATH=str(metrics))
+    env = _env(metrics)
     _run([sys.executable, "-m", "verl_traj.recipes.calc_agent.prepare", "--home", str(_home() / "calc_agent")], env)
     _run([sys.executable, "-m", "verl_traj.main_ppo", "--config-name", "quickstart", "trainer.logger=[console,file]",
           *overrides], env, log=out / "train.log")
@@ -59,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         plot = str(plot_run(rows, out / "run.png", "verl_traj quick start: calculator agent, step-wise rows"))
     except ImportError:
         print("[quickstart] matplotlib is not installed (pip install 'verl_traj[plot]'): no plot", flush=True)
-    print("\n" + summarize(rows, str(metrics), plot))
+    print("\n" + "\n".join(filter(None, [summarize(rows, str(metrics), plot),
+                                           prepared_summary(_home() / "calc_agent" / "model")])))
     return 0
 
 

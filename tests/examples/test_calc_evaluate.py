@@ -5,6 +5,7 @@ Hugging Face ``generate``."""
 
 import asyncio
 import json
+import logging
 import random
 
 import pytest
@@ -35,7 +36,10 @@ def test_call_tool_runs_the_real_tool_and_reports_errors_as_verl_does(tools):
     assert run("calculator", '{"expression": "2 / 3"}').startswith("error: unsupported element")  # the tool's own error
     assert run("search", '{"q": "x"}') == "Unknown function 'search'. Available tools: ['calculator']"
     assert run("calculator", "{not json").startswith("Invalid JSON in arguments for 'calculator'")
-    assert run("calculator", '{"expr": "1 + 1"}').startswith("Error executing tool 'calculator'")  # wrong argument name
+    # arguments the calculator cannot take: answered with what is wrong, never run (verl would raise inside it)
+    assert run("calculator", '{"expr": "1 + 1"}') == (
+        "Invalid arguments for 'calculator': unexpected argument 'expr'; missing required argument 'expression'. "
+        "calculator takes: expression (string, required).")
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +54,15 @@ class OracleModel:
     problem is found by its question, the turn by the number of tool results already in the prompt);
     with ``wrong_answer`` the final answer is off by one."""
 
-    def __init__(self, tokenizer, problems, wrong_answer=False):
-        self.tokenizer, self.wrong_answer = tokenizer, wrong_answer
+    def __init__(self, tokenizer, problems, wrong_answer=False, first_turn=None):
+        self.tokenizer, self.wrong_answer, self.first_turn = tokenizer, wrong_answer, first_turn
         self.by_question = {p.question: p for p in problems}
 
     def _next_turn(self, prompt: str) -> str:
         problem = next(p for q, p in self.by_question.items() if q in prompt)
         done = prompt.count("<tool_response>")
+        if self.first_turn is not None and done == 0:
+            return self.first_turn
         if done < len(problem.steps):
             return "\n" + CALL.format(problem.steps[done][0])  # as the chat template renders a call turn
         return f"<answer>{problem.answer + int(self.wrong_answer)}</answer>"
@@ -87,6 +93,30 @@ def test_play_runs_the_tool_loop(tokenizer, tools, wrong_answer):
         assert r["correct"] is (not wrong_answer)
         # a call turn re-renders as the template renders it (content "" around the call), not with "\n" added
         assert all(m["content"] == "" for m in r["messages"] if m.get("tool_calls")), r["messages"]
+
+
+BROKEN = '\n<tool_call>\n{"name": "calculator", "arguments": {"expression": </tool_call>'  # not JSON
+NESTED = '\n<tool_call>\n{"name": "calculator", "arguments": {"arguments": {"expression": "2 + 3"}}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("first_turn, answered", [
+    (BROKEN, None),  # the parser cannot decode it: the turn has no call and ends the episode
+    (NESTED, "Invalid arguments for 'calculator': unexpected argument 'arguments'; missing required argument "
+             "'expression'. calculator takes: expression (string, required)."),  # the calculator cannot take it
+])
+def test_play_counts_malformed_calls_as_training_does_and_logs_none(tokenizer, tools, caplog, first_turn, answered):
+    problems = [task.make_problem(random.Random(7), 1, 9), task.make_problem(random.Random(8), 2, 9)]
+    model = OracleModel(tokenizer, problems, first_turn=first_turn)
+    with caplog.at_level(logging.DEBUG):
+        results = evaluate.play(model, tokenizer, problems, tools, temperature=0.0, max_turns=5)
+    logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not logged, logged  # verl's hermes parser logs "Failed to decode tool call: ..." at ERROR outside a session
+    assert [r["tool_calls"][1] for r in results] == [1, 1]  # [parsed, malformed] per episode, as traj_agent/* counts
+    for r in results:
+        if answered is None:
+            assert r["calls"] == 0 and r["tool_calls"] == [0, 1]
+        else:  # answered as a tool would answer, and the episode goes on
+            assert f"<tool_response>\n{answered}\n</tool_response>" in r["response"] and r["calls"] >= 1
 
 
 def test_play_stops_at_max_turns(tokenizer, tools):

@@ -1,6 +1,9 @@
 """The calculator-agent recipe's task: safe evaluation, problem generation, reward."""
 
+import gc
 import random
+import sys
+import threading
 
 import pytest
 from hypothesis import given, settings
@@ -61,3 +64,43 @@ def test_turn_rewards_reward_calls_the_calculator_can_compute():
     good = '<tool_call>{"name": "calculator", "arguments": {"expression": "3 + 4 * 2"}}</tool_call>'
     bad = '<tool_call>{"name": "calculator", "arguments": {"expression": "3 +"}}</tool_call>'
     assert turn_rewards([good, bad, "<answer>11</answer>", ""]) == [TURN_REWARD, 0.0, 0.0, 0.0]
+
+
+class _Finalized:
+    """Garbage whose finalizer runs Python code: a collection inside ast.parse lets another thread run there."""
+
+    def __init__(self):
+        self.cycle = self
+
+    def __del__(self):
+        sum(range(50))
+
+
+def test_the_calculator_evaluates_from_many_threads_at_once():
+    """verl runs the (sync) calculator tool with asyncio.to_thread and reward functions in an executor. CPython 3.11's
+    ast.parse keeps its recursion depth per interpreter: concurrent parses fail with "SystemError: AST constructor
+    recursion depth mismatch" (seen in the quick start as "Error executing tool 'calculator': AST constructor ...")
+    unless they take turns. Garbage collections with finalizers switch threads inside ast.parse, as in a busy worker."""
+    errors: list[str] = []
+
+    def work():
+        for k in range(3000):
+            _Finalized(), _Finalized()
+            try:
+                assert task.evaluate(f"(((1 + {k}) * 3) - 4) * (5 + (6 - 7))") == ((1 + k) * 3 - 4) * 4
+            except SystemError as exc:
+                errors.append(str(exc))
+
+    thresholds, interval = gc.get_threshold(), sys.getswitchinterval()
+    gc.set_threshold(5, 1, 1)
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        gc.set_threshold(*thresholds)
+        sys.setswitchinterval(interval)
+    assert not errors, f"{len(errors)} of 12000 parses failed, e.g. {errors[0]}"

@@ -25,6 +25,7 @@ from uuid import uuid4
 from verl_traj.config import TrajConfig
 from verl_traj.integration.process_patches import install, tool_parser_log_patches
 from verl_traj.integration.session_ledger import current_ledger
+from verl_traj.integration.tool_call_checks import check_tool_call
 from verl_traj.core.errors import TrajInputError
 from verl_traj.stepwise.anchors import anchor_key
 from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, StepExpansionError, encode_step_records
@@ -40,6 +41,7 @@ AGENT_LOOP_CONFIG_YAML = (
 __all__ = [
     "AGENT_LOOP_NAME",
     "CountingToolParser",
+    "counting_tool_parser",
     "MalformedToolCallCounter",
     "AGENT_LOOP_CONFIG_YAML",
     "RecordingServerManager",
@@ -114,9 +116,19 @@ def add_malformed_counter(logger: logging.Logger) -> None:
         logger.addFilter(MalformedToolCallCounter())
 
 
+def counting_tool_parser(parser: Any) -> CountingToolParser:
+    """verl's tool ``parser`` with its tool calls counted into the running session's ledger, parsed
+    (:class:`CountingToolParser`) and malformed (:class:`MalformedToolCallCounter` on verl's tool-parser logger,
+    installed once per process: inside a session the decode failures are counted, not logged). The one way the
+    training loop and the offline evaluation (``recipes/calc_agent/evaluate.py``) count tool calls."""
+    install(tool_parser_log_patches(add_malformed_counter), on_import=None)  # idempotent
+    return parser if isinstance(parser, CountingToolParser) else CountingToolParser(parser)
+
+
 try:
     from verl.experimental.agent_loop.agent_loop import register as _register
     from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop as _ToolAgentLoop
+    from verl.tools.schemas import ToolResponse as _ToolResponse
 except ImportError as _exc:  # verl's agent loop needs optional deps (PIL, ...): keep the rest usable
     logger.warning("StepwiseToolAgentLoop unavailable: %s", _exc)
     _ToolAgentLoop = None
@@ -183,12 +195,19 @@ if _ToolAgentLoop is not None:
     @_register(AGENT_LOOP_NAME)
     class StepwiseToolAgentLoop(StepRecordingMixin, _ToolAgentLoop):
         """verl's tool agent loop, plus one record per LLM call (for one training row per turn) and its tool calls
-        counted, parsed and malformed (``traj_agent/*``, v1)."""
+        counted, parsed and malformed (``traj_agent/*``, v1); a call no tool can run (unknown name, arguments the
+        tool's schema refuses) is answered with what is wrong and counted malformed instead of run and logged
+        (:func:`~.tool_call_checks.check_tool_call`)."""
 
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
-            self.tool_parser = CountingToolParser(self.tool_parser)
-            install(tool_parser_log_patches(add_malformed_counter), on_import=None)  # idempotent
+            self.tool_parser = counting_tool_parser(self.tool_parser)
+
+        async def _call_tool(self, tool_call: Any, tools_kwargs: dict[str, Any], agent_data: Any) -> Any:
+            problem = check_tool_call(tool_call, getattr(agent_data, "_active_tools", self.tools))
+            if problem is not None:
+                return _ToolResponse(text=problem), 0.0, {}
+            return await super()._call_tool(tool_call, tools_kwargs, agent_data)
 
 else:  # pragma: no cover
     StepwiseToolAgentLoop = None  # type: ignore[assignment,misc]

@@ -2,10 +2,13 @@
 
     python -m verl_traj.recipes.calc_agent.evaluate --model ~/.cache/verl_traj/calc_agent/model [--samples 64] [--temperature 1.0]
 
-Plays each episode the way verl's ``tool_agent`` loop does, with verl's own pieces: its hermes
+Plays each episode the way verl_traj's step-wise ``tool_agent`` loop does, with verl's own pieces: its hermes
 ``ToolParser``, the calculator loaded by ``load_function_tools_from_path`` and run with the loop's
-error texts, the result fed back as a tool message, at most ``--max-turns`` assistant turns; and scores it with the recipe's ``compute_score``. Prints one JSON line:
-accuracy, mean reward, mean tool calls per episode, and the start of one response.
+error texts, the result fed back as a tool message, at most ``--max-turns`` assistant turns; and scores it with the
+recipe's ``compute_score``. Tool calls the model wrote malformed (the parser cannot decode them, or the calculator
+cannot take their arguments) are counted as in training (:func:`~verl_traj.integration.stepwise_agent_loop.
+counting_tool_parser`, :func:`~verl_traj.integration.tool_call_checks.check_tool_call`), not logged. Prints one JSON
+line: accuracy, mean reward, mean tool calls per episode, the malformed calls, and the start of one response.
 Used to size the warm start (greedy and temperature-1 accuracy of the prepared model) and to
 check a trained model outside the trainer.
 """
@@ -19,22 +22,25 @@ import random
 import sys
 from pathlib import Path
 
+from verl_traj.integration.session_ledger import session_ledger
+from verl_traj.integration.stepwise_agent_loop import counting_tool_parser
+from verl_traj.integration.tool_call_checks import check_tool_call
 from verl_traj.recipes.calc_agent import task
 
 HERE = Path(__file__).resolve().parent
 
 
 async def call_tool(tools: dict, call) -> str:
-    """One parsed call run as verl's ``ToolAgentLoop._call_tool`` runs a function tool, with its error
-    texts for an unknown tool, arguments that are not JSON, and a tool that raises."""
+    """One parsed call run as the step-wise loop runs a function tool: a call no tool can run (unknown name, arguments
+    the tool's schema refuses) answered with what is wrong and counted malformed in the session
+    (:func:`~verl_traj.integration.tool_call_checks.check_tool_call`), the others by verl's ``_call_tool``, with its
+    error text for a tool that raises."""
     from verl.tools.function_tool import normalize_function_tool_return
 
-    if call.name not in tools:
-        return f"Unknown function '{call.name}'. Available tools: {list(tools)}"
-    try:
-        arguments = json.loads(call.arguments)
-    except (json.JSONDecodeError, TypeError) as exc:
-        return f"Invalid JSON in arguments for '{call.name}': {exc}"
+    problem = check_tool_call(call, tools)
+    if problem is not None:
+        return problem
+    arguments = json.loads(call.arguments)
     try:
         response, _, _ = normalize_function_tool_return(await tools[call.name].call(arguments))
     except Exception as exc:  # noqa: BLE001 - the loop turns any tool failure into a tool message
@@ -67,30 +73,36 @@ def _generate_turn(model, tokenizer, texts: list[str], sampling: dict, max_new_t
     return [new[r, :n].tolist() for r, n in enumerate(lengths.tolist())]
 
 
+async def _turn(parser, tools: dict, rows: list[list[int]]) -> list[tuple]:
+    """Each row's assistant turn parsed and its first call run, in a session of its own (the tool calls counted
+    there, as in training): ``(content, call or None, tool result or None, [parsed, malformed])`` per row."""
+
+    async def one(ids):
+        with session_ledger("calc_agent_evaluate") as ledger:
+            content, calls = await parser.extract_tool_calls(ids)
+            result = await call_tool(tools, calls[0]) if calls else None
+        return content, (calls[0] if calls else None), result, [ledger.tool_calls, ledger.malformed_tool_calls]
+
+    return await asyncio.gather(*(one(ids) for ids in rows))
+
+
 def play(model, tokenizer, problems: list[task.Problem], tools: dict, *, temperature: float,
          max_turns: int, max_new_tokens: int = 64, seed: int = 0) -> list[dict]:
     """Play ``problems`` as a batch, one assistant turn per ``generate`` call; one result dict per problem.
 
     ``tools``: name -> verl ``FunctionTool`` (``task.calc_tools()``). Each turn is parsed by verl's
-    hermes ``ToolParser`` and its first call (verl's default ``max_parallel_calls: 1``) executed by
-    ``call_tool``; a turn without a call ends the episode, as in verl's ``tool_agent`` loop.
+    hermes ``ToolParser`` (counting, :func:`_turn`) and its first call (verl's default ``max_parallel_calls: 1``)
+    executed by ``call_tool``; a turn without a call ends the episode, as in verl's ``tool_agent`` loop.
     """
     import torch
     from verl.experimental.agent_loop.tool_parser import ToolParser
 
-    parser = ToolParser.get_tool_parser("hermes", tokenizer)
+    parser = counting_tool_parser(ToolParser.get_tool_parser("hermes", tokenizer))
     schemas = [tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in tools.values()]
-
-    async def turn(rows: list[list[int]]):
-        async def one(ids):
-            content, calls = await parser.extract_tool_calls(ids)
-            return content, (calls[0] if calls else None), (await call_tool(tools, calls[0]) if calls else None)
-
-        return await asyncio.gather(*(one(ids) for ids in rows))
-
     torch.manual_seed(seed)
     chats = [[{"role": "system", "content": task.SYSTEM_PROMPT}, {"role": "user", "content": p.question}] for p in problems]
     responses, calls, live = [""] * len(problems), [0] * len(problems), list(range(len(problems)))
+    written = [[0, 0] for _ in problems]  # [parsed, malformed] tool calls per episode
     tokenizer.padding_side = "left"
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
     for _ in range(max_turns):
@@ -100,8 +112,9 @@ def play(model, tokenizer, problems: list[task.Problem], tools: dict, *, tempera
                  for i in live]
         rows = _generate_turn(model, tokenizer, texts, sampling, max_new_tokens)
         still = []
-        for i, ids, (content, call, result) in zip(live, rows, asyncio.run(turn(rows))):
+        for i, ids, (content, call, result, counts) in zip(live, rows, asyncio.run(_turn(parser, tools, rows))):
             responses[i] += tokenizer.decode(ids)
+            written[i] = [a + b for a, b in zip(written[i], counts)]
             # The chat is re-rendered by the template every turn (verl's loop appends token ids instead):
             # strip the whitespace the template itself puts around a tool call, so that a well-formed turn
             # re-renders to exactly the tokens the model produced.
@@ -113,13 +126,16 @@ def play(model, tokenizer, problems: list[task.Problem], tools: dict, *, tempera
             responses[i] += f"\n<tool_response>\n{result}\n</tool_response>\n"
             still.append(i)
         live = still
-    return [_result(p, responses[i], calls[i], chats[i]) for i, p in enumerate(problems)]
+    return [_result(p, responses[i], calls[i], chats[i], written[i]) for i, p in enumerate(problems)]
 
 
-def _result(problem: task.Problem, response: str, calls: int, messages: list[dict]) -> dict:
+def _result(problem: task.Problem, response: str, calls: int, messages: list[dict], written: list[int]) -> dict:
+    """``calls``: the calls run (a malformed call the calculator could not take included, answered with what was
+    wrong); ``tool_calls``: ``[parsed, malformed]`` as training counts them (``traj_agent/*``)."""
     score = task.compute_score("calc_agent", response, str(problem.answer),
                                {"intermediates": [v for _, v in problem.steps]})
-    return {"score": score, "correct": score == 1.0, "calls": calls, "response": response, "messages": messages}
+    return {"score": score, "correct": score == 1.0, "calls": calls, "response": response, "messages": messages,
+            "tool_calls": written}
 
 
 def evaluate_model(model_dir: Path, *, samples: int, temperature: float, seed: int, max_operand: int = 9,
@@ -139,11 +155,14 @@ def evaluate_model(model_dir: Path, *, samples: int, temperature: float, seed: i
         results += play(model, tokenizer, problems[start:start + batch], tools, temperature=temperature,
                         max_turns=max_turns, seed=seed + start)
     n = len(results)
+    parsed, malformed = (sum(r["tool_calls"][k] for r in results) for k in (0, 1))
     return {
         "model": str(model_dir), "samples": n, "temperature": temperature,
         "accuracy": sum(r["correct"] for r in results) / n,
         "mean_reward": sum(r["score"] for r in results) / n,
         "mean_calls": sum(r["calls"] for r in results) / n,
+        # as traj_agent/malformed_tool_call_share: of the tool calls the model wrote, those no tool could run
+        "malformed_calls": malformed, "malformed_call_share": malformed / (parsed + malformed) if malformed else 0.0,
         "example": results[0]["response"][:400],
     }
 

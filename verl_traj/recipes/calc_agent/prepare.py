@@ -12,7 +12,8 @@ Writes under ``$VERL_TRAJ_HOME/calc_agent`` (default ``~/.cache/verl_traj/calc_a
   call, and nothing can be downloaded here. The warm start is stopped early on purpose (300 steps:
   it has just learned to copy operands and tool results; about 75% greedy but only about 30%
   accurate when sampled at temperature 1), so GRPO has a visible way to go. Its figures, including
-  that accuracy measured by ``verl_traj.recipes.calc_agent.evaluate``, land in ``model/WARM_START.json``.
+  that accuracy and the tool calls it writes malformed, measured by ``verl_traj.recipes.calc_agent.evaluate``, land
+  in ``model/WARM_START.json``.
 Pass ``--data-only`` on a GPU machine: a real instruct model needs no tiny model and no warm start.
 """
 
@@ -159,6 +160,9 @@ def main(argv=None) -> None:
             result = evaluate_model(home / "model", samples=args.eval_samples, temperature=temperature, seed=args.seed,
                                     max_operand=args.max_operand)
             figures[f"{name}_accuracy"], figures[f"{name}_reward"] = result["accuracy"], result["mean_reward"]
+            # tool calls it wrote that no tool could run: counted as training counts them, not logged
+            figures[f"{name}_malformed_calls"] = result["malformed_calls"]
+            figures[f"{name}_malformed_call_share"] = result["malformed_call_share"]
         stamp.write_text(json.dumps(figures, indent=1))
     print(json.dumps({"home": str(home), "model": None if args.data_only else str(home / "model"), "data": str(home / "data")}))
 

@@ -20,6 +20,7 @@ import ast
 import operator
 import random
 import re
+import threading
 from typing import NamedTuple
 
 SYSTEM_PROMPT = (
@@ -30,6 +31,10 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 _SYMBOL = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 ANSWER_RE = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
 CALL_RE = re.compile(r'"expression"\s*:\s*"([^"]*)"')
+# CPython 3.11 keeps ast.parse's recursion depth per interpreter, not per thread: parses running concurrently in
+# threads (verl runs a sync function tool with asyncio.to_thread, and reward functions in an executor) corrupt it
+# and fail with "SystemError: AST constructor recursion depth mismatch". Parses here take turns.
+_PARSE_LOCK = threading.RLock()
 
 
 class CalculatorError(ValueError):
@@ -39,7 +44,8 @@ class CalculatorError(ValueError):
 def evaluate(expression: str) -> int:
     """Evaluate integer arithmetic (+, -, *, parentheses) safely; raise CalculatorError otherwise."""
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        with _PARSE_LOCK:
+            tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as exc:
         raise CalculatorError(f"cannot parse {expression!r}") from exc
 
