@@ -3,9 +3,11 @@
 * the tree-aware attention: a tree call equals each row's causal attention; a tree reaching the plain kernel raises;
 * a tiny Qwen2 on the flash-attention path (``cpu_varlen``): tree logits gathered to rows equal the packed rows';
 * verl's real FSDP2 engine worker on CPU (gloo, fp32, remove-padding, ``cpu_varlen``), rows sharing prefixes (GRPO
-  groups behind one prompt, a duplicate row, step rows whose context is another row's prefix, a retokenised step):
-  the log-prob pass (``infer_batch``) gives the same per-row log-probs and entropy, and one training
-  forward + backward (verl's PPO loss with an entropy term) the same gradient, with and without the tree.
+  groups behind one prompt, a duplicate row, step rows whose context is another row's prefix, a retokenised step)
+  planned by the trainer's own code (``traj.prefix_tree``: the plan's micro-batches, their trees' facts built on the
+  driver): the log-prob pass (``infer_batch``) gives the same per-row log-probs and entropy, and one training
+  forward + backward (verl's PPO loss with an entropy term) the same gradient, with and without the tree, the trees
+  built on the device from the plan's facts in each pass.
 """
 
 from __future__ import annotations
@@ -19,11 +21,15 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from verl_traj.core.errors import TrajInputError
 from verl_traj.core.prefix_tree import build_prefix_tree, gather_flat
 from verl_traj.core.tree_attention import TreeAttentionError, per_row_causal_attention
+from verl_traj.core.tree_facts import micro_batch_tree_facts
 from verl_traj.cpu.attention import CPU_VARLEN, varlen_attention
 from verl_traj.integration import tree_forward as tree_forward_module
 from verl_traj.integration.tree_forward import TREE_KWARG, TreeAttentionInput, tree_aware_attention
+from verl_traj.integration.tree_log import TreeForwardLog
+from verl_traj.integration.tree_plan_facts import TREE_INDEX, TREE_SIZE_KEY
 from verl_traj.testing.engine import free_port
 
 
@@ -85,15 +91,27 @@ def test_a_model_on_the_flash_path_forwards_a_tree_exactly():
 
 
 def _micro_batch(rows: list, **settings):
-    """A remove-padding micro-batch of ``rows`` (nested ids, per-row ``arange`` position ids) with ``settings``."""
+    """A remove-padding micro-batch of ``rows`` (nested ids, per-row ``arange`` position ids) with ``settings`` and
+    its tree's facts as the plan ships them (one micro-batch: :func:`micro_batch_tree_facts` with one part)."""
     from verl.utils import tensordict_utils as tu
 
+    facts = micro_batch_tree_facts(rows, np.zeros(len(rows), dtype=np.int64))
     nested = {"input_ids": torch.nested.as_nested_tensor(rows, layout=torch.jagged),
-              "position_ids": torch.nested.as_nested_tensor([torch.arange(len(r)) for r in rows], layout=torch.jagged)}
-    return tu.get_tensordict(nested, {"use_remove_padding": True, "temperature": 1.0, **settings})
+              "position_ids": torch.nested.as_nested_tensor([torch.arange(len(r)) for r in rows], layout=torch.jagged),
+              TREE_INDEX: torch.nested.nested_tensor_from_jagged(torch.from_numpy(facts.index),
+                                                                 torch.from_numpy(facts.offsets))}
+    return tu.get_tensordict(nested, {"use_remove_padding": True, "temperature": 1.0,
+                                      TREE_SIZE_KEY: int(facts.size[0]), **settings})
 
 
-def test_what_the_tree_forward_does_not_carry_is_refused():
+def _settled(tree, checks: dict) -> None:
+    """The pass's one read of a micro-batch's device checks (raises on a mismatch)."""
+    log = TreeForwardLog()
+    log.add(tree, tree.num_tree_tokens, checks)
+    log.settle()
+
+
+def test_the_tree_from_the_plans_facts_is_the_rows_tree_and_what_it_does_not_carry_is_refused():
     from types import SimpleNamespace
 
     check, tree_batch = tree_forward_module._check_micro_batch, tree_forward_module._tree_batch
@@ -101,7 +119,16 @@ def test_what_the_tree_forward_does_not_carry_is_refused():
     engine = SimpleNamespace(use_ulysses_sp=False, module=SimpleNamespace(
         config=SimpleNamespace(_attn_implementation="flash_attention_2")))
     check(engine, _micro_batch(rows))
-    assert len(tree_forward_module.micro_batch_rows(_micro_batch(rows))) == len(rows)
+    tree, ref = tree_forward_module.micro_batch_tree(_micro_batch(rows)), build_prefix_tree(rows)
+    for name in ("input_ids", "position_ids", "subtree_end", "row_index"):
+        assert torch.equal(getattr(tree, name), getattr(ref, name)), name
+    _settled(tree, tree.checks)
+    for missing in (TREE_INDEX, TREE_SIZE_KEY):
+        bare = _micro_batch(rows)
+        bare.pop(missing) if missing == TREE_INDEX else bare.set_non_tensor(missing, None)
+        with pytest.raises(TrajInputError, match=missing) as raised:
+            tree_forward_module.micro_batch_tree(bare)
+        assert raised.value.field == missing
     for settings, match in (({"use_remove_padding": False}, "use_remove_padding"),
                             ({"use_fused_kernels": True}, "use_fused_kernels"),
                             ({"distillation_use_topk": True}, "distillation_use_topk")):
@@ -113,15 +140,19 @@ def test_what_the_tree_forward_does_not_carry_is_refused():
             config=SimpleNamespace(_attn_implementation="sdpa"))), _micro_batch(rows))
     shifted = _micro_batch(rows)
     shifted["position_ids"] = torch.nested.as_nested_tensor([torch.arange(len(r)) + 1 for r in rows], layout=torch.jagged)
-    with pytest.raises(TreeAttentionError, match="not 0..L-1"):
-        tree_forward_module.micro_batch_rows(shifted)
-    tree = build_prefix_tree(rows)
+    moved = tree_forward_module.micro_batch_tree(shifted)
+    with pytest.raises(TrajInputError, match="not 0..L-1") as raised:
+        _settled(moved, moved.checks)
+    assert raised.value.field == "position_ids"
     with_temperature = _micro_batch(rows)
     with_temperature["temperature"] = torch.full((len(rows),), 0.7)
-    assert tree_batch(with_temperature, tree)["temperature"].tolist() == pytest.approx([0.7])
+    batch, checks = tree_batch(with_temperature, tree)
+    assert batch["temperature"].tolist() == pytest.approx([0.7])
+    _settled(tree, checks)
     with_temperature["temperature"] = torch.linspace(0.5, 1.0, len(rows))
-    with pytest.raises(TreeAttentionError, match="different temperatures"):
-        tree_batch(with_temperature, tree)
+    with pytest.raises(TrajInputError, match="one temperature") as raised:
+        _settled(tree, tree_batch(with_temperature, tree)[1])
+    assert raised.value.field == "temperature"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -167,7 +198,29 @@ def _batch(rows: list):
                "attention_mask": attn, "position_ids": torch.clamp(torch.cumsum(attn, -1) - 1, min=0),
                "response_mask": mask.long(), "old_log_probs": torch.zeros(B, R),
                "advantages": (torch.randn(B, 1, generator=g) * mask).contiguous()}
-    return as_dataproto(tensors, {"uid": np.array([f"u{i}" for i in range(B)], dtype=object)})
+    uid = [",".join(map(str, p[:8])) for p, _, _ in rows]  # a group: the rows behind one prompt (one trajectory's too)
+    return as_dataproto(tensors, {"uid": np.array(uid, dtype=object)})
+
+
+def _planned(batch, cap: int, world: int):
+    """``batch`` planned in place as the trainer plans it with ``traj.prefix_tree`` (one mini-batch; micro-batches
+    under ``cap`` tree tokens; each one's tree facts attached)."""
+    from verl_traj.testing.engine import plan_for_update
+
+    plan_for_update(batch, _config(cap), world, prefix_tree=True)
+    return batch
+
+
+@contextlib.contextmanager
+def _trees(engine):
+    """What a verl_traj worker does in a marked pass: the plan's micro-batches, each forwarded as its tree."""
+    from verl_traj.integration.patches import micro_batch_patches, patched
+    from verl_traj.integration.planned_update import PlannedUpdate
+    from verl_traj.integration.tree_forward import tree_forward
+
+    with patched(micro_batch_patches(PlannedUpdate(seed=0, fields=()).prepare_micro_batches)), \
+            tree_forward(engine) as log:
+        yield log
 
 
 def _rank_data(batch, rank: int, world: int, tree: bool, **extra):
@@ -224,14 +277,12 @@ def _not_last(nested: torch.Tensor) -> torch.Tensor:
 def _compare(worker, batch, rank, world) -> dict:
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from verl_traj.integration.tree_forward import tree_forward
-
     lp, ent = _infer(worker, batch, rank, world, tree=False)
     per = len(batch) // world
     td = _rank_data(batch, rank, world, False)
     batch.batch["old_log_probs"][rank * per:(rank + 1) * per] = no_padding_2_padding(lp, td) * td["response_mask"]
     g_ref = _grad(worker, batch, rank, world, tree=False)
-    with tree_forward(worker.engine) as log:
+    with _trees(worker.engine) as log:
         tlp, tent = _infer(worker, batch, rank, world, tree=True)
         with mock.patch.object(tree_forward_module, "tree_attention", wraps=tree_forward_module.tree_attention) as spy:
             g_tree = _grad(worker, batch, rank, world, tree=True)
@@ -247,13 +298,11 @@ def _compare(worker, batch, rank, world) -> dict:
 
 def _padded(worker, batch, rank, world) -> dict:
     """verl's static tail padding (``pad_to_length``, bucket 64) on: the log-prob pass with and without the tree."""
-    from verl_traj.integration.tree_forward import tree_forward
-
     engine = worker.engine
     engine.pad_to_length, engine.pad_to_length_bucket = True, 64
     try:
         lp, ent = _infer(worker, batch, rank, world, tree=False)
-        with tree_forward(engine) as log:
+        with _trees(engine) as log:
             tlp, tent = _infer(worker, batch, rank, world, tree=True)
     finally:
         engine.pad_to_length = False
@@ -276,10 +325,8 @@ def _refusals(worker, batch, rank, world) -> dict:
     kernel without the tree-aware wrapper (the tree never reached the tree attention: refused after it)."""
     from verl.models.transformers import monkey_patch
 
-    from verl_traj.integration.tree_forward import tree_forward
-
     errors, config = {}, worker.engine.module.config
-    with tree_forward(worker.engine):
+    with _trees(worker.engine):
         for name, ctx in (("sdpa", _attention_set_to(config, "sdpa")),
                           ("plain_kernel", mock.patch.object(monkey_patch, "_flash_attention_forward", varlen_attention))):
             with ctx:
@@ -297,7 +344,8 @@ def _config(cap: int, extra=()):
     return cpu_config(["actor_rollout_ref.model.use_remove_padding=true",
                        f"actor_rollout_ref.model.override_config.attn_implementation={CPU_VARLEN}",
                        "actor_rollout_ref.actor.entropy_coeff=0.1", "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                       f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={cap}", *extra])
+                       f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={cap}", "data.train_batch_size=4",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=4", *extra])
 
 
 def _proc(rank: int, world: int, port: int, home: str, cap: int, out_path: str, extra: tuple, more: bool) -> None:
@@ -308,7 +356,7 @@ def _proc(rank: int, world: int, port: int, home: str, cap: int, out_path: str, 
     init_rank(rank, world, port, home)
     try:
         worker = actor_worker(_config(cap, extra), planned=False)
-        batch = _batch(_shared_prefix_rows(int(worker.model_config.hf_config.vocab_size)))
+        batch = _planned(_batch(_shared_prefix_rows(int(worker.model_config.hf_config.vocab_size))), cap, world)
         res = _compare(worker, batch, rank, world)
         if more:
             res.update(padded=_padded(worker, batch, rank, world), refused=_refusals(worker, batch, rank, world))
@@ -351,9 +399,11 @@ def test_real_engine_tree_forward_equals_rows_dp1(tiny_home, tmp_path):
 
 @pytest.mark.dist
 def test_real_engine_tree_forward_equals_rows_dp2_capped_checkpointed(tiny_home, tmp_path):
-    """dp=2, a token cap that cuts each rank's 6 rows into 2 micro-batches (one tree each), gradient
-    checkpointing on (the backward recomputes every layer: the tree rides along as the model keyword)."""
-    ranks = _run(tiny_home.parent, 2, 150, tmp_path, extra=["actor_rollout_ref.model.enable_gradient_checkpointing=true"])
+    """dp=2, a token cap (60 tree tokens) under which the plan cuts each rank's rows into several micro-batches (one
+    tree each), gradient checkpointing on (the backward recomputes every layer: the tree rides along as the model
+    keyword)."""
+    ranks = _run(tiny_home.parent, 2, 60, tmp_path,
+                 extra=["actor_rollout_ref.model.enable_gradient_checkpointing=true"])
     print(json.dumps(ranks))
     for res in ranks:
         _assert_exact(res)

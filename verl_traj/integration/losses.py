@@ -19,6 +19,11 @@ hard-coded mode are refused at start-up (``verl_traj.integration.verl_checks.SUP
 
 Both require ``loss_weight`` (:func:`require_loss_weight`): they are installed only on verl_traj's workers, which run
 planned updates only; a micro-batch without it raises, naming the field (it never falls back to verl's loss).
+
+No device-to-host sync beyond verl's own loss: what verl_traj adds (``*/loss_weight_mass``, GSPO's trajectory-ratio
+shift and its non-finite check) goes to the update's :class:`~verl_traj.integration.loss_sink.LossSink`, read once
+when the update ends, and GSPO's in-loss trajectory ratio is computed without a host read
+(:func:`~verl_traj.stepwise.ratios.micro_batch_ratio_shift`).
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from verl.workers.utils.padding import no_padding_2_padding
 
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import LOSS_WEIGHT, RATIO_GROUP, RATIO_IN_LOSS, SEQ_RATIO_SHIFT
-from verl_traj.stepwise.ratios import group_log_ratio_sums, sequence_ratio_shift
+from verl_traj.integration.loss_sink import LOSS_SINK, LossSink, record, record_nonfinite
+from verl_traj.stepwise.ratios import micro_batch_ratio_shift, nonfinite_rows
 
 
 def _set_global_batch_info(config: Any, dp_size: int) -> None:
@@ -63,10 +69,12 @@ def weighted_policy_loss(
     ref_log_prob: Optional[torch.Tensor] = None,
     rollout_is_weights: Optional[torch.Tensor] = None,
     seq_ratio_shift: Optional[torch.Tensor] = None,
+    sink: Optional[LossSink] = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """Policy (+ entropy + KL) loss of one micro-batch on padded ``[b, R]`` tensors (see module doc).
     ``seq_ratio_shift`` ``[b]``: GSPO at trajectory scope, each row's old log-probs shifted by a constant so that the
-    loss fn's per-row mean log-ratio is its trajectory's (:func:`~verl_traj.stepwise.ratios.sequence_ratio_shift`)."""
+    loss fn's per-row mean log-ratio is its trajectory's (:func:`~verl_traj.stepwise.ratios.sequence_ratio_shift`).
+    ``sink``: where verl_traj's own metrics go (read once per update); None: verl's ``Metric`` now."""
     _set_global_batch_info(config, dp_size)
     if seq_ratio_shift is not None:
         old_log_prob = old_log_prob + seq_ratio_shift.to(device=old_log_prob.device, dtype=old_log_prob.dtype)[:, None]
@@ -85,13 +93,11 @@ def weighted_policy_loss(
     # (= sum over ranks / dp, and every rank's partial sum carries the * dp_size factor).
     metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=AggregationType.SUM)
     if seq_ratio_shift is not None:  # how far each row's own sequence ratio was from its trajectory's
-        metrics["actor/traj_seq_ratio_shift_abs_max"] = Metric(value=seq_ratio_shift.detach().abs().max(),
-                                                                aggregation=AggregationType.MAX)
+        record(metrics, sink, "max", "actor/traj_seq_ratio_shift_abs_max", seq_ratio_shift.detach().abs().max())
     weighted_mask = mask.to(torch.float32) * w_row  # [b, R] fp32
     # sum of weight x tokens over the mini-batch (x dp: verl averages metrics over ranks): 1 for the token-mean,
     # seq-mean-token-mean and traj-mean modes; shows the trainer's weights reached this loss
-    metrics["actor/loss_weight_mass"] = Metric(value=weighted_mask.sum().detach() * dp_size,
-                                               aggregation=AggregationType.SUM)
+    record(metrics, sink, "sum", "actor/loss_weight_mass", weighted_mask.sum() * dp_size)
     extra, extra_metrics = _entropy_and_kl(config, log_prob, weighted_mask, dp_size, entropy, ref_log_prob)
     metrics.update(extra_metrics)
     return pg_loss + extra, metrics
@@ -126,8 +132,10 @@ def weighted_value_loss(
     response_mask: torch.Tensor,
     loss_weight: torch.Tensor,
     dp_size: int,
+    sink: Optional[LossSink] = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Clipped value loss of one micro-batch on padded [b, R] tensors (see module doc)."""
+    """Clipped value loss of one micro-batch on padded [b, R] tensors (see module doc); ``sink`` as for
+    :func:`weighted_policy_loss`."""
     mask = response_mask.to(torch.bool)
     weighted_mask = mask.to(torch.float32) * loss_weight.to(torch.float32)[:, None]  # fp32 (bf16 rounds weights)
     vf_loss, _ = compute_value_loss(
@@ -144,12 +152,12 @@ def weighted_value_loss(
             vpreds=vpreds.detach(), values=values, returns=returns, response_mask=mask,
             cliprange_value=config.cliprange_value, loss_agg_mode="token-sum", dp_size=dp_size,
         )
-    metrics = {
+    metrics = {  # verl's value_loss reads the same three now
         "critic/vf_loss": Metric(value=vf_loss, aggregation=AggregationType.SUM),
-        "critic/loss_weight_mass": Metric(value=weighted_mask.sum().detach() * dp_size, aggregation=AggregationType.SUM),
         "critic/vf_clipfrac": vf_clipfrac.detach().item(),
         "critic/vpred_mean": masked_mean(vpreds, mask).detach().item(),
     }
+    record(metrics, sink, "sum", "critic/loss_weight_mass", weighted_mask.sum() * dp_size)
     return vf_loss, metrics
 
 
@@ -179,30 +187,19 @@ def traj_ppo_loss(config: Any, model_output, data: TensorDict, dp_group=None):
     if in_loss:
         fields.append(RATIO_GROUP)
     padded = data.select(*fields).to_padded_tensor()
+    sink = tu.get_non_tensor_data(data=data, key=LOSS_SINK, default=None)
     shift = padded.get(SEQ_RATIO_SHIFT, None)
-    if in_loss and shift is None:
-        shift = live_ratio_shift(log_prob, padded["old_log_probs"], padded["response_mask"], padded[RATIO_GROUP])
+    if in_loss and shift is None:  # every trajectory's rows in this micro-batch: the pre-pass's value, no pre-pass
+        old, mask, group = padded["old_log_probs"], padded["response_mask"], padded[RATIO_GROUP]
+        shift = micro_batch_ratio_shift(log_prob, old, mask, group)
+        for name, values in (("old_log_probs", old), ("log_probs", log_prob.detach())):
+            record_nonfinite(sink, name, nonfinite_rows(values, mask, group))
     return weighted_policy_loss(
         config, log_prob=log_prob, old_log_prob=padded["old_log_probs"], advantages=padded["advantages"],
         response_mask=padded["response_mask"], loss_weight=padded[LOSS_WEIGHT], dp_size=dp_size, entropy=entropy,
         ref_log_prob=padded.get("ref_log_prob", None), rollout_is_weights=padded.get("rollout_is_weights", None),
-        seq_ratio_shift=shift,
+        seq_ratio_shift=shift, sink=sink,
     )
-
-
-def live_ratio_shift(log_prob: torch.Tensor, old_log_prob: torch.Tensor, response_mask: torch.Tensor,
-                     group: torch.Tensor) -> torch.Tensor:
-    """``[b]`` GSPO's trajectory-wide sequence-ratio shift from this micro-batch's own live log-probs (detached),
-    where every trajectory's rows are in it (the update says so: ``traj_ratio_in_loss``): the pre-pass's value
-    without the pre-pass. ``group`` ``[b]``: each row's trajectory, ``-1`` on padding rows."""
-    group = group.to(log_prob.device).long()
-    num = int(group.max()) + 1 if group.numel() else 0
-    if num <= 0:
-        return torch.zeros(group.shape, dtype=old_log_prob.dtype, device=log_prob.device)
-    old = old_log_prob.to(log_prob.device)
-    mask = response_mask.to(log_prob.device)
-    sums = group_log_ratio_sums(log_prob.detach(), old, mask, group, num)
-    return sequence_ratio_shift(log_prob.detach(), old, mask, group, sums)
 
 
 def traj_value_loss(config: Any, model_output, data: TensorDict, dp_group=None):
@@ -212,7 +209,8 @@ def traj_value_loss(config: Any, model_output, data: TensorDict, dp_group=None):
     dp_size = int(data["dp_size"])
     padded = data.select("values", "returns", "response_mask", LOSS_WEIGHT).to_padded_tensor()
     return weighted_value_loss(config, vpreds=vpreds, values=padded["values"], returns=padded["returns"],
-                               response_mask=padded["response_mask"], loss_weight=padded[LOSS_WEIGHT], dp_size=dp_size)
+                               response_mask=padded["response_mask"], loss_weight=padded[LOSS_WEIGHT], dp_size=dp_size,
+                               sink=tu.get_non_tensor_data(data=data, key=LOSS_SINK, default=None))
 
 
 __all__ = [

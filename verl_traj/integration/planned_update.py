@@ -1,6 +1,11 @@
 """A planned update as the workers run it: the contract check, the plan's mini-batches and micro-batches, and what
 ran (:class:`PlannedUpdate`). :mod:`.workers` swaps these into verl's ``train_mini_batch`` (and, for prefix-tree
 batches, ``infer_batch``) for one call.
+
+The micro-batches are cut on the batch's host copy (verl's workers move each micro-batch to the device in
+``forward_step``), so what each one needs besides its rows rides along as non-tensor data, read from the host:
+a prefix-tree micro-batch's tree size (:data:`~.tree_plan_facts.TREE_SIZE_KEY`) and the update's loss sink
+(:data:`~.loss_sink.LOSS_SINK`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from verl.utils import tensordict_utils as tu
 from verl_traj.core import mini_batch_order
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID, PLANNED_FIELDS, RATIO_GROUP
+from verl_traj.integration.loss_sink import LOSS_SINK, LossSink
+from verl_traj.integration.tree_plan_facts import TREE_SIZE, TREE_SIZE_KEY, micro_batch_tree_sizes
 
 __all__ = ["CRITIC_UNION_KEY", "PlannedUpdate", "check_planned_update", "mini_batch_slices"]
 
@@ -62,14 +69,15 @@ def mini_batch_slices(mini_batch_id: torch.Tensor, union: int = 1) -> list[tuple
     return list(zip([0] + ends[:-1], ends))
 
 
-def _micro_batch_parts(data: TensorDict) -> list[torch.Tensor]:
-    """Row positions of each planned micro-batch of a mini-batch (``(mini_batch_id, micro_batch_id)`` pairs,
-    so a union of mini-batches keeps each one's micro-batches)."""
+def _micro_batch_parts(data: TensorDict) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``(row positions of each planned micro-batch of a mini-batch, [b] micro-batch of each row)``: one per
+    ``(mini_batch_id, micro_batch_id)`` pair, so a union of mini-batches keeps each one's micro-batches (host ops on
+    the ids' host copy; a micro-batch id is below the row count, which bounds the key)."""
     micro = data[MICRO_BATCH_ID].detach().cpu().long()
-    key = data[MINI_BATCH_ID].detach().cpu().long() * (int(micro.max()) + 1) + micro
+    key = data[MINI_BATCH_ID].detach().cpu().long() * (micro.shape[0] + 1) + micro
     _, inverse = torch.unique(key, return_inverse=True)
     order = torch.argsort(inverse, stable=True)
-    return list(torch.split(order, torch.bincount(inverse).tolist()))
+    return list(torch.split(order, torch.bincount(inverse).tolist())), inverse
 
 
 @dataclass
@@ -88,6 +96,8 @@ class PlannedUpdate:
     prepass_micro_batches: int = 0
     prepass_skipped: int = 0
     in_prepass: bool = False
+    sink: Optional[LossSink] = None  # the update's loss sink, on each training micro-batch (:mod:`.loss_sink`)
+    group_bound: int = 0  # GSPO at trajectory scope: a bound on the update's trajectories (the pre-pass's table)
 
     @property
     def ratio_groups(self) -> bool:
@@ -111,14 +121,27 @@ class PlannedUpdate:
                 raise TrajInputError(f"a micro-batch cut was asked for inside a planned update whose rows carry no "
                                      f"{MICRO_BATCH_ID!r}: the planned micro-batches would be lost. The batch must "
                                      "come from verl_traj's trainer unmodified.", field=MICRO_BATCH_ID)
-            parts = _micro_batch_parts(data)
+            parts, inverse = _micro_batch_parts(data)
+            micro_batches = [tu.index_select_tensor_dict(data, idx) for idx in parts]
+            if TREE_SIZE in data.keys():  # prefix trees: each one's size, a host int (no device read in the pass)
+                sizes = micro_batch_tree_sizes(data, inverse, torch.stack([idx[0] for idx in parts]))
+                for micro_batch, size in zip(micro_batches, sizes):
+                    tu.assign_non_tensor(micro_batch, **{TREE_SIZE_KEY: size})
             if self.in_prepass:
                 self.prepass_micro_batches += len(parts)
             else:
+                self._to_sink(micro_batches)
                 self.micro_batches_run.append(len(parts))
-            return [tu.index_select_tensor_dict(data, idx) for idx in parts], [idx.tolist() for idx in parts]
+            return micro_batches, [idx.tolist() for idx in parts]
 
         return prepare_micro_batches
+
+    def _to_sink(self, micro_batches: list) -> None:
+        """The update's loss sink on each training micro-batch, at the optimizer step they belong to."""
+        if self.sink is not None:
+            self.sink.step = len(self.micro_batches_run)
+            for micro_batch in micro_batches:
+                tu.assign_non_tensor(micro_batch, **{LOSS_SINK: self.sink})
 
     def metrics(self, epochs: int) -> dict[str, list]:
         runs, epochs = self.micro_batches_run, max(epochs, 1)

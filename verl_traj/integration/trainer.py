@@ -14,6 +14,9 @@ With ``traj.enable=true``:
   weights (:mod:`verl_traj.integration.losses`). The critic may step on unions of the actor's mini-batches.
 * During ``fit`` verl's advantage, KL-in-reward and metric functions see real rows only
   (:func:`verl_traj.integration.patches.fit_patches`; restored when ``fit`` returns or raises).
+* With ``traj.prefix_tree``, :func:`plan_batch_in_place` also builds every planned micro-batch's tree here, where
+  the token ids are on the host, and ships what the workers need with the plan (:mod:`.tree_plan_facts`): every
+  later pass of the step rebuilds the trees on the device from those facts.
 * Start-up: :func:`verl_traj.integration.verl_config.prepare_config`.
 * Debug: ``VERL_TRAJ_DEBUG_DUMP=<dir>`` appends one JSON line per step to ``<dir>/plan.jsonl`` with every
   row's uid, traj_id, mini_batch_id, is_padding and lengths (used by the e2e tests).
@@ -50,6 +53,7 @@ from verl_traj.integration.step_plan import (check_same_dp_size, debug_dump, pla
 from verl_traj.integration.real_rows import is_padding, real_rows
 from verl_traj.integration.stepwise_rows import expand_dataproto_step_rows
 from verl_traj.integration.tree_forward import TREE_KEY
+from verl_traj.integration.tree_plan_facts import dense_tree_facts
 from verl_traj.integration.update_spec import LossSpec, UpdateSpec, has_multi_row_trajectory
 from verl_traj.integration.workers import CRITIC_UNION_KEY
 from verl_traj.stepwise.step_groups import StepGroupOptions
@@ -66,7 +70,8 @@ def attended_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list
 def plan_batch_in_place(batch: DataProto, spec: UpdateSpec, dp_size: int, *, pad_token_id: int = 0,
                         seed: int = 0) -> MiniBatchPlan:
     """Plan a verl batch with the core and apply the plan IN PLACE on the DataProto (rows reordered
-    rank-major, padding rows appended, the plan's per-row facts added as tensors). Returns the plan."""
+    rank-major, padding rows appended, the plan's per-row facts added as tensors; with ``traj.prefix_tree`` the
+    planned micro-batches' tree facts too, from the planned rows). Returns the plan."""
     traj_config, nt = spec.traj_config, batch.non_tensor_batch
     step_wise = traj_config.traj_id_key in nt and traj_config.step_index_key in nt
     layout = build_layout(
@@ -82,6 +87,10 @@ def plan_batch_in_place(batch: DataProto, spec: UpdateSpec, dp_size: int, *, pad
                                traj_key=traj_config.traj_id_key, step_key=traj_config.step_index_key)
     batch.batch = TensorDict(out_t, batch_size=[plan.num_rows], device=batch.batch.device)
     batch.non_tensor_batch = out_nt
+    if traj_config.prefix_tree:  # the planned rows, padding rows included, in dispatch order
+        planned = attended_rows(batch.batch["input_ids"], batch.batch["attention_mask"])
+        for key, value in dense_tree_facts(planned, plan).items():
+            batch.batch[key] = value.to(batch.batch.device) if batch.batch.device is not None else value
     return plan
 
 

@@ -17,7 +17,10 @@ Hook points (each declared, with how it is undone):
    installed by :func:`~verl_traj.integration.patches.patched`; on exit the instance attributes are removed and the
    class's methods show through again):
 
-   * inputs: the micro-batch's rows become one :class:`~verl_traj.core.prefix_tree.PrefixTree`; verl's own
+   * inputs: the micro-batch's tree is built on its device from its rows and the plan's facts
+     (:func:`~verl_traj.core.tree_facts.tree_from_facts`: each row token's tree index, shipped by the trainer, and
+     the tree's size, a host int the planned micro-batch carries; :mod:`.tree_plan_facts`), no host copy of token
+     ids; verl's own
      ``prepare_model_inputs`` gets a one-row micro-batch holding the tree tokens and their depths, so verl packs,
      rolls the labels (the next serialised token is each tree token's child wherever it has one: branch copies),
      and pads exactly as for rows; the tree's ``subtree_end`` (verl's tail padding appended as one chain) rides
@@ -28,19 +31,25 @@ Hook points (each declared, with how it is undone):
      crosses into the next packed row, and verl never reads it (``no_padding_2_padding`` drops it).
 
 Exact because every row token's tree instance has exactly the row's tokens as ancestors (same ids, positions = depth
-= the row's own position ids, checked): logits, log-probs at the rolled label and entropy equal the per-row forward's,
-and the backward through the gather sums each shared token's gradient over its rows.
+= the row's own position ids): logits, log-probs at the rolled label and entropy equal the per-row forward's, and the
+backward through the gather sums each shared token's gradient over its rows. The facts are checked against the rows
+on the device (:attr:`~verl_traj.core.tree_facts.DeviceTree.checks`, with the rows' temperatures); the counts are
+read once when the pass ends (:meth:`TreeForwardLog.settle`, the pass's one device-to-host read), never per
+micro-batch, and a mismatch raises there.
 
 Refused (a :class:`~verl_traj.core.tree_attention.TreeAttentionError` naming the fix): no remove-padding,
-fused kernels, distillation, multi-modal inputs, 3-D / non-``arange`` position ids, per-row temperatures that differ,
-an attention implementation other than the flash-attention path, attention dropout / sliding window / soft-capping.
+fused kernels, distillation, multi-modal inputs, 3-D position ids, an attention implementation other than the
+flash-attention path, attention dropout / sliding window / soft-capping; a micro-batch without the plan's tree facts
+(a :class:`~verl_traj.core.errors.TrajInputError`). Counted on the device and refused when the pass ends (a
+``TrajInputError`` naming the field): facts that do not reproduce the rows, non-``arange`` position ids, per-row
+temperatures that differ.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -49,15 +58,18 @@ from transformers.integrations.flash_attention import flash_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from verl.utils import tensordict_utils as tu
 
-from verl_traj.core.prefix_tree import PrefixTree, attention_pairs, build_prefix_tree, row_attention_pairs
-from verl_traj.core.tree_attention import (TreeAttentionError, check_tree, refuse_tree_in_plain_attention,
-                                           tree_attention, tree_attention_blocks)
+from verl_traj.core.errors import TrajInputError
+from verl_traj.core.tree_attention import (TreeAttentionError, refuse_tree_in_plain_attention, tree_attention,
+                                           tree_attention_blocks)
+from verl_traj.core.tree_facts import DeviceTree, tree_from_facts
 from verl_traj.core.tree_flex import FlexTree, tree_attention_flex
 from verl_traj.integration.patches import Patch, patched
 from verl_traj.integration.process_patches import install, prefix_tree_attention_patches
+from verl_traj.integration.tree_log import TreeForwardLog
+from verl_traj.integration.tree_plan_facts import TREE_INDEX, TREE_SIZE_KEY
 
 __all__ = ["TREE_KEY", "TREE_KWARG", "TreeAttentionInput", "TreeForwardLog", "tree_aware_attention",
-           "install_tree_attention", "tree_forward_patches", "tree_forward", "per_row_outputs", "micro_batch_rows"]
+           "install_tree_attention", "tree_forward_patches", "tree_forward", "per_row_outputs", "micro_batch_tree"]
 
 TREE_KEY = "prefix_tree"  # non-tensor key of a batch: forward each of its micro-batches as a prefix tree
 TREE_KWARG = "prefix_tree_attention"  # model keyword carrying the tree to the attention
@@ -81,33 +93,9 @@ class TreeAttentionInput:
         self.calls = 0
 
 
-@dataclass
-class TreeForwardLog:
-    """Per tree micro-batch (in order): rows, row tokens ``T``, tree tokens ``N``, branch copies, the tokens the
-    model forwards (``N`` plus verl's tail padding), and the (query, key) pairs the tree's attention computes beside
-    those of the per-row causal attention over the same rows."""
-
-    rows: list = field(default_factory=list)
-    row_tokens: list = field(default_factory=list)
-    tree_tokens: list = field(default_factory=list)
-    branch_copies: list = field(default_factory=list)
-    forwarded_tokens: list = field(default_factory=list)
-    attention_pairs: list = field(default_factory=list)
-    row_attention_pairs: list = field(default_factory=list)
-
-    def add(self, tree: PrefixTree, forwarded: int) -> None:
-        self.rows.append(tree.num_rows)
-        self.row_tokens.append(tree.num_row_tokens)
-        self.tree_tokens.append(tree.num_tree_tokens)
-        self.branch_copies.append(tree.num_branch_copies)
-        self.forwarded_tokens.append(forwarded)
-        self.attention_pairs.append(attention_pairs(tree))
-        self.row_attention_pairs.append(row_attention_pairs(tree))
-
-
 @dataclass(frozen=True)
 class _TreeState:
-    tree: PrefixTree
+    tree: DeviceTree
     batch: TensorDict  # the one-row micro-batch verl's code saw
     attention: TreeAttentionInput
 
@@ -186,34 +174,38 @@ def _check_micro_batch(engine: Any, micro_batch: TensorDict) -> None:
                 "flash_attention_2")
 
 
-def micro_batch_rows(micro_batch: TensorDict) -> list[torch.Tensor]:
-    """The rows' token ids (CPU), after checking their position ids are ``0..L-1`` per row (the tree's depths)."""
-    ids, pos = micro_batch["input_ids"], micro_batch["position_ids"]
-    offsets = ids.offsets().cpu()
-    lengths = offsets.diff()
+def micro_batch_tree(micro_batch: TensorDict) -> DeviceTree:
+    """The micro-batch's tree on its device, from its rows and the plan's facts (:data:`TREE_INDEX` per row token,
+    :data:`TREE_SIZE_KEY` the tree's size): tensor ops only, no host copy (the checks stay on the device)."""
+    size = tu.get_non_tensor_data(data=micro_batch, key=TREE_SIZE_KEY, default=None)
+    if size is None or TREE_INDEX not in micro_batch.keys():
+        missing = TREE_INDEX if TREE_INDEX not in micro_batch.keys() else TREE_SIZE_KEY
+        raise TrajInputError(f"prefix-tree forward: a micro-batch without the plan's {missing!r} (the workers build "
+                             "each tree from the facts the trainer ships with the plan, on the plan's micro-batches). "
+                             "Fix: run marked passes through verl_traj's workers on a batch its trainer planned with "
+                             "traj.prefix_tree=true.", field=missing)
+    ids, pos, index = micro_batch["input_ids"], micro_batch["position_ids"], micro_batch[TREE_INDEX]
     if pos.dim() != 2:
         _refuse(f"position_ids are {pos.dim()}-D (multi-dimensional rotary)", "forward these rows without the tree")
-    want = torch.arange(int(offsets[-1])) - torch.repeat_interleave(offsets[:-1], lengths)
-    if not torch.equal(pos.values().cpu().long(), want):
-        _refuse("a row's position_ids are not 0..L-1 (a tree token's position is its depth)",
-                "forward these rows without the tree")
-    return list(torch.split(ids.values().cpu(), lengths.tolist()))
+    return tree_from_facts(ids.values(), pos.values(), ids.offsets(), index.values() if index.is_nested else index,
+                           int(size))
 
 
-def _tree_batch(micro_batch: TensorDict, tree: PrefixTree) -> TensorDict:
+def _tree_batch(micro_batch: TensorDict, tree: DeviceTree) -> tuple[TensorDict, dict]:
     """The one-row micro-batch verl's code sees: the tree's tokens and depths, the scalar settings of
-    ``micro_batch``; a per-row temperature must be one value (shared tokens serve several rows)."""
+    ``micro_batch``; and the tree's checks, with the rows whose temperature differs from the first's counted (a
+    per-row temperature must be one value: shared tokens serve several rows)."""
     device = micro_batch["input_ids"].values().device
     offsets = torch.tensor([0, tree.num_tree_tokens], device=device)
     tensors = {name: torch.nested.nested_tensor_from_jagged(t.to(device), offsets)
                for name, t in (("input_ids", tree.input_ids), ("position_ids", tree.position_ids))}
     settings = {k: v.data for k, v in micro_batch.items() if isinstance(v, NonTensorData)}
+    checks = dict(tree.checks)
     temperature = micro_batch.get("temperature", None)
-    if isinstance(temperature, torch.Tensor):
-        if temperature.numel() and not bool((temperature == temperature.reshape(-1)[0]).all()):
-            _refuse("the rows have different temperatures", "give the rows of a tree micro-batch one temperature")
+    if isinstance(temperature, torch.Tensor) and temperature.numel():
+        checks["temperature"] = (temperature != temperature.reshape(-1)[0]).sum()
         tensors["temperature"] = temperature.reshape(-1)[:1]
-    return tu.get_tensordict(tensors, settings)
+    return tu.get_tensordict(tensors, settings), checks
 
 
 def _padded_subtree_end(subtree_end: torch.Tensor, length: int) -> torch.Tensor:
@@ -227,9 +219,8 @@ def _prepare_inputs(verl_prepare: Callable, engine: Any, log: TreeForwardLog, mi
     if not tu.get_non_tensor_data(data=micro_batch, key=TREE_KEY, default=False):
         return verl_prepare(micro_batch=micro_batch)
     _check_micro_batch(engine, micro_batch)
-    tree = build_prefix_tree(micro_batch_rows(micro_batch))
-    check_tree(tree.subtree_end, tree.position_ids)
-    batch = _tree_batch(micro_batch, tree)
+    tree = micro_batch_tree(micro_batch)
+    batch, checks = _tree_batch(micro_batch, tree)
     model_inputs, output_args = verl_prepare(micro_batch=batch)
     # under Ulysses each rank holds a slice; the attention sees the whole (padded) sequence after verl's all-to-all
     sp = int(getattr(engine, "ulysses_sequence_parallel_size", 1)) if getattr(engine, "use_ulysses_sp", False) else 1
@@ -237,11 +228,11 @@ def _prepare_inputs(verl_prepare: Callable, engine: Any, log: TreeForwardLog, mi
     attention = TreeAttentionInput(_padded_subtree_end(tree.subtree_end, length).to(device))
     model_inputs[TREE_KWARG] = attention
     output_args[_STATE] = _TreeState(tree, batch, attention)
-    log.add(tree, length)
+    log.add(tree, length, checks)
     return model_inputs, output_args
 
 
-def per_row_outputs(model_output: dict, tree: PrefixTree, offsets: torch.Tensor) -> dict:
+def per_row_outputs(model_output: dict, tree: DeviceTree, offsets: torch.Tensor) -> dict:
     """Nested ``[1, N]`` per-tree-token outputs -> nested ``[R, L_r]`` per row (``offsets`` ``[R + 1]``, the rows'
     packed order); :data:`LABELED_OUTPUTS` get 0 at each row's last token (see module docstring)."""
     out = dict(model_output)
@@ -284,8 +275,9 @@ def tree_forward_patches(engine: Any, log: TreeForwardLog) -> list[Patch]:
 @contextlib.contextmanager
 def tree_forward(engine: Any) -> Iterator[TreeForwardLog]:
     """Within: ``engine`` forwards micro-batches marked ``prefix_tree=True`` as prefix trees (hooks 1 and 2).
-    Yields the log of the tree micro-batches run."""
+    Yields the log of the tree micro-batches run, settled on exit (its one device read; a mismatch raises)."""
     install_tree_attention()
     log = TreeForwardLog()
     with patched(tree_forward_patches(engine, log)):
         yield log
+    log.settle()

@@ -5,7 +5,9 @@ A row key is ``{uid}_{session}_{index}`` (:mod:`verl_traj.core.row_key`): ``uid`
 ``{uid}_{session}`` one trajectory, ``index`` its step. The planner itself is the core's
 (:func:`~verl_traj.integration.step_plan.plan_layout`); these functions move its input out of TransferQueue and its
 output back in. The only ``[B, R]`` reads are :func:`read_layout`'s fetch of ``response_mask``, counted to ``[B]``, and
-with ``traj.prefix_tree`` :func:`read_rows`' fetch of ``input_ids`` (the tree planner's costs).
+with ``traj.prefix_tree`` two fetches of ``input_ids``: :func:`read_rows` (the tree planner's costs) and
+:func:`store_plan_ids`' of the planned rows, padding rows included, whose trees it builds once per step (the tree facts
+the workers rebuild them from on the device in every pass, :mod:`.tree_plan_facts`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from transfer_queue import KVBatchMeta
 from verl_traj.core import BatchLayout, MiniBatchPlan, build_layout_from_counts
 from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID
 from verl_traj.core.row_key import parse_row_keys, row_key_order
+from verl_traj.integration.tree_plan_facts import nested_tree_facts
 from verl_traj.integration.v1_plan_facts import row_loss_tokens
 
 __all__ = ["debug_rows", "dispatch_dp_size", "in_key_order", "ordered_batch", "read_layout", "read_rows",
@@ -71,11 +74,16 @@ def ordered_batch(batch: KVBatchMeta, plan: MiniBatchPlan, pad_keys: list[str], 
 
 def store_plan_ids(batch: KVBatchMeta, plan: MiniBatchPlan) -> None:
     """``mini_batch_id`` and ``micro_batch_id`` (``[B]`` int64, dispatch order) as fields of every row of the
-    planned ``batch``; named in its field list when it has one (the workers fetch exactly those)."""
-    tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=TensorDict(
-        {MINI_BATCH_ID: plan.mini_batch_id, MICRO_BATCH_ID: plan.micro_batch_id}, batch_size=[plan.num_rows]))
+    planned ``batch``; with a prefix-tree plan also each planned micro-batch's tree facts (``TREE_INDEX`` nested per
+    row, ``TREE_SIZE`` ``[B]``) from the planned rows as stored (one fetch of their ``input_ids``). Named in its field
+    list when it has one (the workers fetch exactly those)."""
+    fields = {MINI_BATCH_ID: plan.mini_batch_id, MICRO_BATCH_ID: plan.micro_batch_id}
+    if plan.spec.prefix_tree:
+        fields.update(nested_tree_facts(read_rows(batch), plan).items())
+    tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                    fields=TensorDict(fields, batch_size=[plan.num_rows]))
     if batch.fields is not None:
-        batch.fields = list(dict.fromkeys([*batch.fields, MINI_BATCH_ID, MICRO_BATCH_ID]))
+        batch.fields = list(dict.fromkeys([*batch.fields, *fields]))
 
 
 def debug_rows(batch: KVBatchMeta, plan: MiniBatchPlan, layout: BatchLayout) -> dict[str, list]:

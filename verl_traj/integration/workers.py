@@ -22,7 +22,9 @@ so :class:`PlannedUpdate` steps it once after the last optimizer step instead (v
 counts happen to agree).
 
 The loss: ``TrajActorRolloutRefWorker.init_model`` installs ``traj_ppo_loss``; the critic's ``traj_value_loss`` is
-set by the trainer through ``set_loss_fn``, as verl does for ``value_loss``. Both require ``loss_weight``.
+set by the trainer through ``set_loss_fn``, as verl does for ``value_loss``. Both require ``loss_weight``. What they
+add to verl's loss goes to the update's :class:`~.loss_sink.LossSink`, read once when the update ends on every rank
+(its metrics reported, a non-finite count raised), so no micro-batch waits on the device beyond verl's own reads.
 """
 
 from __future__ import annotations
@@ -39,13 +41,15 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.keys import OLD_LOG_PROBS_AT_START, RATIO_IN_LOSS, SEQ_RATIO_SHIFT
-from verl_traj.integration.actor_sequence_ratios import stochastic_in_training, trajectory_ratio_shift
+from verl_traj.core.keys import OLD_LOG_PROBS_AT_START, RATIO_GROUP, RATIO_IN_LOSS, SEQ_RATIO_SHIFT
+from verl_traj.integration.actor_sequence_ratios import (check_ratio_groups, ratio_group_bound, stochastic_in_training,
+                                                         trajectory_ratio_shift)
+from verl_traj.integration.loss_sink import LossSink
 from verl_traj.integration.losses import traj_ppo_loss
 from verl_traj.integration.planned_update import (CRITIC_UNION_KEY, PlannedUpdate, check_planned_update,
                                                    mini_batch_slices)
 from verl_traj.integration.patches import gspo_prepass_patches, micro_batch_patches, patched, update_patches
-from verl_traj.integration.tree_forward import TreeForwardLog
+from verl_traj.integration.tree_log import TreeTotals
 from verl_traj.integration.tree_passes import tree_marked, tree_metrics, tree_pass
 
 __all__ = ["PlannedUpdate", "TrajActorMixin", "TrajActorRolloutRefWorker", "TrajActorTrainingWorker", "TrajCriticWorker",
@@ -69,19 +73,26 @@ class TrajTrainingWorker(TrainingWorker):
         run = PlannedUpdate(seed=int(tu.get(data, key="seed", default=42)), fields=check_planned_update(data),
                             union=int(tu.pop(data, key=CRITIC_UNION_KEY, default=1)),
                             old_log_probs_at_start=bool(tu.pop(data, key=OLD_LOG_PROBS_AT_START, default=False)),
-                            ratio_in_loss=bool(tu.get(data, key=RATIO_IN_LOSS, default=False)))
+                            ratio_in_loss=bool(tu.get(data, key=RATIO_IN_LOSS, default=False)), sink=LossSink())
         epochs = int(tu.get(data, key="epochs", default=1))
         verl_iterations = _fixed_size_arithmetic(data, self.engine.get_data_parallel_size()) * epochs
+        if run.ratio_groups:  # checked here, once, on the host copy: the loss and the pre-pass never read it back
+            run.group_bound = ratio_group_bound(data.shape[0], self.engine.get_data_parallel_size())
+            check_ratio_groups(data[RATIO_GROUP], run.group_bound)
         trees = self._trees(data, lambda: sum(run.micro_batches_run) + run.prepass_micro_batches, "the update")
         with patched(self._update_patches(run)), trees as tree_log:
             output = super().train_mini_batch(data)
         lr = self.engine.lr_scheduler_step() if run.steps < verl_iterations else None  # verl did not step it
+        dp_group = self.engine.get_data_parallel_group()
+        loss_metrics = run.sink.read(run.steps, dp_group)  # every rank: the sink's one read, its checks
+        infer = self._tree_infer_totals.take()  # every rank, one without output too: nothing accumulates
         if output is None:
             return output
         metrics = dict(tu.get(output, "metrics"))
         metrics.update(run.metrics(epochs))
+        metrics.update(loss_metrics)
         if tree_log is not None:
-            metrics.update(tree_metrics(tree_log, self._tree_infer_log, self.engine.get_data_parallel_group()))
+            metrics.update(tree_metrics(tree_log, infer, dp_group))
         if lr is not None:
             metrics["lr"] = [lr]
         return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": metrics}).cpu()
@@ -92,15 +103,16 @@ class TrajTrainingWorker(TrainingWorker):
 
     def _trees(self, data: TensorDict, counts: Callable[[], int], what: str, infer: bool = False) -> Any:
         """:func:`~.tree_passes.tree_pass` for a batch marked ``prefix_tree``, else a context yielding ``None``;
-        ``infer``: an inference pass, whose trees this worker's next update reports."""
+        ``infer``: an inference pass, whose trees this worker's next update reports (:class:`~.tree_log.TreeTotals`:
+        two numbers, so a reference worker, which never updates, holds no growing log)."""
         if not tree_marked(data):
             return contextlib.nullcontext()
-        return tree_pass(self.engine, counts, what, self._tree_infer_log if infer else None)
+        return tree_pass(self.engine, counts, what, self._tree_infer_totals if infer else None)
 
     @property
-    def _tree_infer_log(self) -> TreeForwardLog:
+    def _tree_infer_totals(self) -> TreeTotals:
         if not hasattr(self, "_infer_trees"):
-            self._infer_trees = TreeForwardLog()
+            self._infer_trees = TreeTotals()
         return self._infer_trees
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
@@ -153,13 +165,19 @@ class TrajActorTrainingWorker(TrajTrainingWorker):
 
     def _sequence_ratio_shift(self, run: PlannedUpdate, verl_forward_backward: Callable,
                               batch: TensorDict) -> torch.Tensor:
-        """``[b]`` shift of each row's old log-probs from a pre-pass in the training forward's mode, its random
-        numbers replayed for the training forward (:func:`~.actor_sequence_ratios.trajectory_ratio_shift`)."""
+        """``[b]`` shift of each row's old log-probs (on the device) from a pre-pass in the training forward's mode,
+        its random numbers replayed for the training forward (:func:`~.actor_sequence_ratios.trajectory_ratio_shift`);
+        its non-finite counts go to the update's sink."""
         run.in_prepass = True
         try:
-            return trajectory_ratio_shift(verl_forward_backward, batch, self.engine.get_data_parallel_group())
+            with torch.profiler.record_function("traj_gspo_prepass"):  # named in traces, apart from the update's
+                shift, nonfinite = trajectory_ratio_shift(verl_forward_backward, batch,
+                                                          self.engine.get_data_parallel_group(), run.group_bound)
         finally:
             run.in_prepass = False
+        for name, count in nonfinite.items():
+            run.sink.add("nonfinite", name, count)
+        return shift
 
 
 class TrajCriticWorker(TrajTrainingWorker):

@@ -22,6 +22,13 @@ no-grad forward over each mini-batch under the parameters of that optimizer step
 (:func:`group_log_ratio_sums`, all-reduced over the ranks) and shifts each row's old log-probs by a constant
 (:func:`sequence_ratio_shift`) so that verl's own GSPO loss sees the trajectory's mean as the row's.
 
+Inside the update these run on the device every optimizer step or micro-batch, so that path has sync-free versions
+(no host read, no data-dependent shape; the inputs checked once per update on the host instead):
+:func:`row_log_ratio_sums`, :func:`bounded_group_sums` (the pre-pass: a static bound on the number of
+trajectories), :func:`presummed_ratio_shift` and :func:`micro_batch_ratio_shift` (every trajectory's rows in one
+micro-batch: the ratio from the loss's own log-probs); the callers count the rows with a non-finite log-prob on the
+device (:func:`nonfinite_rows`) instead of raising on the spot.
+
 Pure module (torch only); verl's function is passed in as a callable.
 """
 
@@ -35,8 +42,9 @@ import torch
 from verl_traj.core.errors import TrajInputError, check_finite, check_index, check_int, check_shape
 from verl_traj.stepwise.timeline import Timeline
 
-__all__ = ["RATIO_SCOPES", "TrajectoryCorrection", "group_log_ratio_sums", "sequence_ratio_shift",
-           "trajectory_ratio_metrics", "trajectory_rollout_correction"]
+__all__ = ["RATIO_SCOPES", "TrajectoryCorrection", "bounded_group_sums", "group_log_ratio_sums",
+           "micro_batch_ratio_shift", "nonfinite_rows", "presummed_ratio_shift", "row_log_ratio_sums",
+           "sequence_ratio_shift", "trajectory_ratio_metrics", "trajectory_rollout_correction"]
 
 RATIO_SCOPES = ("row", "trajectory")
 SAFETY_BOUND = 20.0  # verl's clamp of a log-ratio sum before exp (rollout_corr_helper.SAFETY_BOUND)
@@ -146,16 +154,14 @@ def group_log_ratio_sums(log_prob: torch.Tensor, old_log_prob: torch.Tensor, res
     Raises:
         TrajInputError: shapes that differ, a group out of range, a NaN / inf log-ratio on a real row's loss token."""
     group, num_groups = _check_rows(log_prob, old_log_prob, response_mask, group, num_groups)
-    on = response_mask != 0
-    diff = torch.where(on, log_prob.double() - old_log_prob.double(), 0.0)  # masked positions never enter (NaN too)
-    per_row = torch.stack([diff.sum(-1), on.sum(-1).to(torch.float64)], -1)
+    per_row = row_log_ratio_sums(log_prob, old_log_prob, response_mask)
     real = group >= 0
     if not bool(torch.isfinite(per_row[real]).all()):  # one reduction on a clean batch
-        on_loss = on & real[:, None]
+        on_loss = (response_mask != 0) & real[:, None]
         name = "old_log_prob" if not bool(torch.isfinite(old_log_prob[on_loss]).all()) else "log_prob"
         check_finite(name, (log_prob if name == "log_prob" else old_log_prob)[on_loss],
                      "a non-finite log-prob on a loss token poisons its trajectory's sequence ratio")
-    return per_row.new_zeros((num_groups, 2)).index_add_(0, group[real], per_row[real])
+    return bounded_group_sums(per_row, group, num_groups)
 
 
 def sequence_ratio_shift(log_prob: torch.Tensor, old_log_prob: torch.Tensor, response_mask: torch.Tensor,
@@ -169,9 +175,57 @@ def sequence_ratio_shift(log_prob: torch.Tensor, old_log_prob: torch.Tensor, res
                                      "pass group_log_ratio_sums(...) (all-reduced over the ranks)")
     group, _ = _check_rows(log_prob, old_log_prob, response_mask, group, group_sums.shape[0])
     own = torch.where(group >= 0, torch.arange(group.numel(), device=group.device), -1)  # each real row its own group
-    mine = group_log_ratio_sums(log_prob, old_log_prob, response_mask, own, group.numel())
-    row_mean = mine[:, 0] / mine[:, 1].clamp(min=1)
-    g = group.long().clamp(min=0)
+    mine = group_log_ratio_sums(log_prob, old_log_prob, response_mask, own, group.numel())  # [b, 2], checked
+    return presummed_ratio_shift(mine, group, group_sums, old_log_prob.dtype)
+
+
+def row_log_ratio_sums(log_prob: torch.Tensor, old_log_prob: torch.Tensor,
+                       response_mask: torch.Tensor) -> torch.Tensor:
+    """``[b, 2]`` float64 per row: the sum of ``log_prob - old_log_prob`` over its loss tokens, and their count
+    (``[b, R]`` inputs; masked positions never enter, NaN included). No check, no host sync."""
+    on = response_mask != 0
+    diff = torch.where(on, log_prob.double() - old_log_prob.double(), 0.0)
+    return torch.stack([diff.sum(-1), on.sum(-1).to(torch.float64)], -1)
+
+
+def nonfinite_rows(values: torch.Tensor, response_mask: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """0-d int64 on ``values``' device: real rows (``group >= 0``) with a NaN / inf in ``values`` ``[b, R]`` (log-probs)
+    on a loss token (``response_mask != 0``)."""
+    on = response_mask.to(values.device) != 0
+    bad = (on & ~torch.isfinite(values)).any(-1)
+    return (bad & (group.to(values.device) >= 0)).sum()
+
+
+def bounded_group_sums(per_row: torch.Tensor, group: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """``[num_groups, 2]`` float64: :func:`row_log_ratio_sums` summed per group (``group`` ``[b]`` int in
+    ``[-1, num_groups)``, padding rows -1 add nothing); ``num_groups`` any bound above the largest group (a static
+    size: no host read). Unchecked: check ``group`` once on the host (:func:`~verl_traj.core.errors.check_index`)."""
+    group = group.long()
+    values = torch.where((group >= 0)[:, None], per_row, torch.zeros_like(per_row))
+    return per_row.new_zeros((int(num_groups), 2)).index_add_(0, group.clamp(min=0), values)
+
+
+def presummed_ratio_shift(per_row: torch.Tensor, group: torch.Tensor, group_sums: torch.Tensor,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """``[b]`` (``dtype``) :func:`sequence_ratio_shift` from the rows' :func:`row_log_ratio_sums` and their groups'
+    sums (``group_sums[group]``); 0 on rows with ``group < 0`` or no loss token; detached. No check, no host sync."""
+    group = group.long()
+    g = group.clamp(min=0)
+    row_mean = per_row[:, 0] / per_row[:, 1].clamp(min=1)
     traj_mean = group_sums[g, 0] / group_sums[g, 1].clamp(min=1)
-    keep = (group >= 0) & (mine[:, 1] > 0)
-    return torch.where(keep, row_mean - traj_mean, torch.zeros_like(row_mean)).to(old_log_prob.dtype).detach()
+    keep = (group >= 0) & (per_row[:, 1] > 0)
+    return torch.where(keep, row_mean - traj_mean, torch.zeros_like(row_mean)).to(dtype).detach()
+
+
+def micro_batch_ratio_shift(log_prob: torch.Tensor, old_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                            group: torch.Tensor) -> torch.Tensor:
+    """``[b]`` :func:`sequence_ratio_shift` where every row of each trajectory is in these ``b`` rows (GSPO's ratio
+    in the loss), without a host sync: each trajectory is summed into the slot of its first row here (a ``[b, b]``
+    comparison; ``b`` is a micro-batch's rows). ``group`` ``[b]``: each row's trajectory, ``-1`` on padding rows; a
+    non-finite log-prob poisons only its own trajectory's shift (count them with :func:`nonfinite_rows`)."""
+    group = group.to(log_prob.device).long()
+    per_row = row_log_ratio_sums(log_prob.detach(), old_log_prob.to(log_prob.device), response_mask.to(log_prob.device))
+    real = group >= 0
+    first = ((group[:, None] == group[None, :]) & real[:, None]).long().argmax(-1)  # [b] first row of its trajectory
+    sums = bounded_group_sums(per_row, torch.where(real, first, -1), group.shape[0])
+    return presummed_ratio_shift(per_row, first.where(real, -1), sums, old_log_prob.dtype)

@@ -1,0 +1,175 @@
+"""Prefix trees planned once on the driver, built on the device in every pass (issue 40, item 3).
+
+The driver holds every row's token ids on the host when it plans; the workers hold them on the device. So the trie is
+built where the ids are on the host, once per step, and what the workers need travels with the plan:
+
+* **Driver** (:func:`micro_batch_tree_facts`): the rows of each planned micro-batch (rows sharing a ``part`` key) go
+  through :func:`~verl_traj.core.prefix_tree.build_prefix_tree`; every row token gets its index in its micro-batch's
+  tree (the tree's ``row_index``) and every row the tree's size ``N`` (:class:`TreeFacts`).
+* **Worker** (:func:`tree_from_facts`): the tree's tokens, depths and subtree ends from the rows' ids and those
+  indices by scatters and one cumulative sum on the rows' own device. No host copy, no shape that depends on data
+  (``N`` arrives as a host int with the plan), so no device-to-host sync; the same facts serve every pass and epoch.
+
+Exactness is checked on the device, against the rows the worker actually holds: :attr:`DeviceTree.checks` counts
+every row token whose facts disagree with the rows (0 on a tree that matches), read once per pass by the caller.
+With ``q = index[t]`` for row ``r``'s token ``j`` the checks are: ``q`` in ``[0, N)``; every tree token used; the
+tree token's id and depth are the row token's (``j``); indices strictly increase along a row; the next serialised
+token is the row's next token (verl's rolled label); and ``q`` has exactly ``j + 1`` ancestors under the interval
+rule ``k <= q <= subtree_end[k]``. The row's own earlier tokens are among them (indices increase, and
+``subtree_end[k]`` is the largest last-token index of the rows through ``k``), so they are exactly its ancestors:
+every row token sees exactly its row's earlier tokens, as in the per-row forward.
+
+Pure module (torch and numpy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from verl_traj.core.errors import TrajInputError
+from verl_traj.core.prefix_tree import _checked_rows, build_prefix_tree
+
+__all__ = ["DeviceTree", "TreeFacts", "micro_batch_tree_facts", "tree_from_facts"]
+
+
+@dataclass(frozen=True)
+class TreeFacts:
+    """What the workers need to build each micro-batch's tree, per row (``R`` rows, ``T`` row tokens):
+    ``index`` ``[T]`` int32, row ``r``'s token ``j`` is tree token ``index[offsets[r] + j]`` of its micro-batch's
+    tree; ``offsets`` ``[R + 1]`` int64; ``size`` ``[R]`` int64, the tree tokens ``N`` of the row's micro-batch."""
+
+    index: np.ndarray
+    offsets: np.ndarray
+    size: np.ndarray
+
+
+def micro_batch_tree_facts(rows: Sequence[Any], part: Any) -> TreeFacts:
+    """The tree facts of ``rows`` (each row's attended token ids, as :func:`build_prefix_tree` takes them), the rows
+    with one ``part`` key (``[R]`` ints, e.g. rank, mini-batch and micro-batch combined) forming one tree.
+
+    Invariant: ``index`` of a part's rows is :func:`build_prefix_tree` of those rows (in their order)'s ``row_index``.
+    Raises :class:`TrajInputError` naming ``rows[i]`` or ``part``. Cost: one tree per part (a Python loop over parts;
+    the rows of a part are scattered with one numpy index)."""
+    arrays = _checked_rows(rows)
+    part = np.asarray(part)
+    if part.shape != (len(arrays),) or (part.size and part.dtype.kind not in "iu"):
+        raise TrajInputError.invalid("part", part, f"is not [R={len(arrays)}] integer micro-batch keys",
+                                     "pass one integer key per row (the rows of one micro-batch share it)")
+    lengths = np.asarray([a.size for a in arrays], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    index = np.zeros(int(offsets[-1]), dtype=np.int32)
+    size = np.zeros(len(arrays), dtype=np.int64)
+    _, inverse = np.unique(part, return_inverse=True)
+    order = np.argsort(inverse, kind="stable")
+    bounds = np.searchsorted(inverse[order], np.arange(int(inverse.max(initial=-1)) + 2))
+    for g in range(bounds.size - 1):
+        members = order[bounds[g]:bounds[g + 1]]
+        tree = build_prefix_tree([arrays[i] for i in members.tolist()])
+        starts = tree.row_offsets[:-1].numpy()
+        dest = np.repeat(offsets[members] - starts, lengths[members]) + np.arange(tree.num_row_tokens)
+        index[dest] = tree.row_index.numpy()
+        size[members] = tree.num_tree_tokens
+    return TreeFacts(index, offsets, size)
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceTree:
+    """One micro-batch's tree on the rows' device (``N`` tree tokens, ``T`` row tokens, ``R`` rows): ``input_ids``,
+    ``position_ids`` (depths), ``subtree_end`` ``[N]`` int64 (query ``q`` attends key ``k`` iff
+    ``k <= q <= subtree_end[k]``); ``row_index`` ``[T]`` (row token -> tree token) and ``row_offsets`` ``[R + 1]``
+    (the rows' packed layout); ``checks``: 0-d int64 counts, each 0 when the facts match the rows (``tree_index``:
+    row tokens the tree does not reproduce, ``position_ids``: row tokens whose position id is not their index in the
+    row); ``stats``: 0-d ``branch_copies``, ``attention_pairs`` (the tree's (query, key) pairs) and
+    ``row_attention_pairs`` (the per-row causal attention's). Host ints: ``num_tree_tokens``, ``num_row_tokens``,
+    ``num_rows`` (shapes, no sync)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    subtree_end: torch.Tensor
+    row_index: torch.Tensor
+    row_offsets: torch.Tensor
+    checks: dict
+    stats: dict
+
+    @property
+    def num_tree_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_row_tokens(self) -> int:
+        return int(self.row_index.shape[0])
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.row_offsets.shape[0]) - 1
+
+
+def _flat_index(tree_index: torch.Tensor, row: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """``[T]`` int64 tree index per row token from ``[T]`` (packed like the rows) or ``[R, W]`` (row ``r``'s token
+    ``j`` at column ``j``; columns past a row's end ignored); a too narrow ``[R, W]`` reads its last column (the
+    checks then count the mismatch)."""
+    if tree_index.dim() == 1:
+        return tree_index.long()
+    return tree_index[row, depth.clamp(max=tree_index.shape[1] - 1)].long()
+
+
+def _checks(ids, depth, row, lengths, raw, idx, tree_ids, tree_depth, subtree_end) -> torch.Tensor:
+    """0-d int64: row tokens whose tree does not reproduce them (module docstring's list), summed."""
+    n = tree_ids.shape[0]
+    inner = depth > 0
+    last = depth == lengths[row] - 1
+    cover = torch.zeros(n + 1, dtype=torch.long, device=ids.device)
+    cover.index_add_(0, subtree_end + 1, torch.full_like(subtree_end, -1))
+    cover = (cover[:n] + 1).cumsum(0)  # [N] keys k with k <= q <= subtree_end[k]
+    unused = torch.ones(n, dtype=torch.long, device=ids.device).index_fill_(0, idx, 0).sum()
+    bad = (raw != idx).long() + (tree_ids[idx] != ids).long() + (tree_depth[idx] != depth).long()
+    bad += (inner & (idx <= idx.roll(1))).long()
+    bad += (~last & (tree_ids[(idx + 1).clamp(max=n - 1)] != ids.roll(-1))).long()
+    return bad.sum() + (cover != tree_depth + 1).sum() + unused
+
+
+def tree_from_facts(input_ids: torch.Tensor, position_ids: torch.Tensor, row_offsets: torch.Tensor,
+                    tree_index: torch.Tensor, num_tree_tokens: int) -> DeviceTree:
+    """The micro-batch's tree from its rows and the plan's facts, as tensor ops on the rows' device.
+
+    Args:
+        input_ids, position_ids: ``[T]`` the rows' packed token ids and position ids (remove-padding layout).
+        row_offsets: ``[R + 1]`` int64 row starts in the packed layout (on the same device).
+        tree_index: each row token's tree index (:class:`TreeFacts`), ``[T]`` packed or ``[R, W]`` per row.
+        num_tree_tokens: ``N`` (a host int: it sizes the tree).
+    Returns a :class:`DeviceTree`; mismatches are counted in ``checks`` (never a host sync here: the caller reads
+    them once per pass). Raises :class:`TrajInputError` (field ``num_tree_tokens``) for ``N < 1``."""
+    n = int(num_tree_tokens)
+    if n < 1:
+        raise TrajInputError.invalid("num_tree_tokens", n, "is below 1", "ship the plan's tree size per row")
+    device, t = input_ids.device, input_ids.shape[0]
+    ids, lengths = input_ids.long(), row_offsets.diff()
+    row = torch.repeat_interleave(torch.arange(lengths.shape[0], device=device), lengths, output_size=t)
+    depth = torch.arange(t, device=device) - row_offsets[row]
+    raw = _flat_index(tree_index.to(device), row, depth)
+    idx = raw.clamp(0, n - 1)
+    # a tree token no row uses keeps id and depth 0 (valid model inputs whatever the facts; the checks count it)
+    tree_ids = torch.zeros(n, dtype=torch.long, device=device).scatter_(0, idx, ids)
+    tree_depth = torch.zeros(n, dtype=torch.long, device=device).scatter_(0, idx, depth)
+    last_of_row = idx[(row_offsets[1:] - 1).clamp(min=0)][row]  # each row token's row's last tree token
+    subtree_end = torch.arange(n, device=device).scatter_reduce(0, idx, last_of_row, "amax")
+    checks = {"tree_index": _checks(ids, depth, row, lengths, raw, idx, tree_ids, tree_depth, subtree_end),
+              "position_ids": (position_ids.long() != depth).sum()}
+    stats = {"branch_copies": _branch_copies(tree_ids, tree_depth), "attention_pairs": (tree_depth + 1).sum(),
+             "row_attention_pairs": (lengths * (lengths + 1) // 2).sum()}
+    return DeviceTree(tree_ids, tree_depth, subtree_end, idx, row_offsets, checks, stats)
+
+
+def _branch_copies(tree_ids: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """0-d: tree tokens that repeat a branch token (the builder's layout): a token not deeper than the one before it
+    (a segment start) below the root, or a root with the id of the root before it."""
+    d = depth
+    positions = torch.arange(d.shape[0], device=d.device)
+    last_root = torch.where(d == 0, positions, 0).cummax(0).values  # [N] the latest root at or before each token
+    below = (d[1:] > 0) & (d[1:] <= d[:-1])
+    root_again = (d[1:] == 0) & (tree_ids[1:] == tree_ids[last_root[:-1]])
+    return (below | root_again).sum()
