@@ -47,3 +47,17 @@ def test_a_cpu_preset_on_a_process_with_a_gpu_platform_is_refused_before_verl_re
     with pytest.raises(TrajConfigError, match="trainer.device='cpu'.*VERL_TRAJ_CPU=1") as err:
         main_ppo.run(cfg)
     assert err.value.field == "trainer.device" and cfg.trainer.device == "cpu"
+
+
+def test_transfer_queue_asks_for_no_more_threads_than_the_machine_has(monkeypatch):
+    import psutil
+
+    from verl_traj import main_ppo
+
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 2)
+    environ: dict = {}
+    main_ppo.transfer_queue_threads(environ)
+    assert environ == {"TQ_NUM_THREADS": "2"}
+    environ = {"TQ_NUM_THREADS": "1"}  # the user's own setting wins
+    main_ppo.transfer_queue_threads(environ)
+    assert environ == {"TQ_NUM_THREADS": "1"}

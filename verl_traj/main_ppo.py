@@ -103,6 +103,15 @@ def quiet_optional_engine_warnings(environ: dict) -> None:
     environ["PYTHONWARNINGS"] = ",".join(given + [f for f in OPTIONAL_ENGINE_WARNINGS if f not in given])
 
 
+def transfer_queue_threads(environ: dict) -> None:
+    """TransferQueue's storage asks torch for 8 threads and warns, once per transfer, where the machine has fewer
+    physical cores (128 warnings a quick-start run on 2 cores): ask for what there is (``TQ_NUM_THREADS``, read by
+    Ray's workers, which inherit the driver's environment; the user's own setting wins)."""
+    import psutil
+
+    environ.setdefault("TQ_NUM_THREADS", str(min(8, psutil.cpu_count(logical=False) or os.cpu_count() or 1)))
+
+
 def run(config) -> None:
     """Check ``traj:`` and verl's config on the driver (once: :func:`~verl_traj.integration.startup.check_startup`),
     then run training on Ray."""
@@ -122,6 +131,7 @@ def run(config) -> None:
         # machine delay start-up. Workers start on demand instead (set the variable to 1 to restore Ray's default).
         os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     quiet_optional_engine_warnings(os.environ)
+    transfer_queue_threads(os.environ)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     ray_init_address(config)
     run_ppo(config, task_runner_class=TrajTaskRunnerV1 if config.trainer.get("use_v1", False) else TrajTaskRunner)

@@ -20,8 +20,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
-
 from verl_traj.metrics_log import load_metrics
 from verl_traj.summary import summarize
 
@@ -46,15 +44,6 @@ def prepared_summary(model_dir: Path) -> str:
                    f"({figures['sampled_malformed_call_share']:.1%} of its sampled calls)")
 
 
-def _env(metrics: Path) -> dict:
-    """The environment of both steps: the cache, the metrics file, and transfer_queue's torch threads (it asks for 8
-    and warns, once a transfer, where the machine has fewer physical cores: ask for what there is)."""
-    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    env = dict(os.environ, VERL_TRAJ_HOME=str(_home()), VERL_FILE_LOGGER_PATH=str(metrics))
-    env.setdefault("TQ_NUM_THREADS", str(min(8, cores)))
-    return env
-
-
 def _run(cmd: list[str], env: dict, log: Path | None = None) -> None:
     print("[quickstart] " + " ".join(cmd), flush=True)
     if log is None:
@@ -77,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     metrics = out / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
-    env = _env(metrics)
+    env = dict(os.environ, VERL_TRAJ_HOME=str(_home()), VERL_FILE_LOGGER_PATH=str(metrics))
     _run([sys.executable, "-m", "verl_traj.recipes.calc_agent.prepare", "--home", str(_home() / "calc_agent")], env)
     _run([sys.executable, "-m", "verl_traj.main_ppo", "--config-name", "quickstart", "trainer.logger=[console,file]",
           *overrides], env, log=out / "train.log")

@@ -72,7 +72,7 @@ def _line_tool_calls(rows: list[dict]) -> Optional[str]:
     if not share:
         return None
     per_step = " ".join(f"{100 * v:.0f}%" for v in share)
-    return (f"- malformed tool calls (the parser could not decode them; counted, not logged as errors): "
+    return (f"- malformed tool calls (the parser could not decode them, or no tool could take their arguments; counted, not logged as errors): "
             f"{100 * share[0]:.1f}% of calls at step 1 -> {100 * share[-1]:.1f}% at step {len(share)} "
             f"(per step: {per_step})")
 

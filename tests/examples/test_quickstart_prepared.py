@@ -1,5 +1,5 @@
 """The quick start's own lines: what the prepared model did before training (its evaluation's malformed tool calls,
-counted, not logged), and the environment both steps run in."""
+counted, not logged)."""
 
 import json
 
@@ -17,12 +17,3 @@ def test_the_summary_reports_the_prepared_models_malformed_calls(tmp_path):
     del figures["sampled_malformed_calls"]
     (tmp_path / "WARM_START.json").write_text(json.dumps(figures))  # a cache prepared before they were counted
     assert "were not counted (prepared by an older verl_traj: delete the cache)" in quickstart.prepared_summary(tmp_path)
-
-
-def test_transfer_queue_asks_for_no_more_threads_than_the_machine_has(tmp_path, monkeypatch):
-    monkeypatch.delenv("TQ_NUM_THREADS", raising=False)
-    monkeypatch.setattr(quickstart.psutil, "cpu_count", lambda logical=True: 2)
-    env = quickstart._env(tmp_path / "metrics.jsonl")
-    assert env["TQ_NUM_THREADS"] == "2" and env["VERL_FILE_LOGGER_PATH"] == str(tmp_path / "metrics.jsonl")
-    monkeypatch.setenv("TQ_NUM_THREADS", "1")  # the user's own setting wins
-    assert quickstart._env(tmp_path / "m.jsonl")["TQ_NUM_THREADS"] == "1"
