@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.prefix_tree import build_prefix_tree, gather_flat
-from verl_traj.core.tree_attention import TreeAttentionError, per_row_causal_attention
+from verl_traj.core.tree_attention import TreeAttentionError, per_row_causal_attention, refuse_tree_in_plain_attention
 from verl_traj.core.tree_facts import micro_batch_tree_facts
 from verl_traj.cpu.attention import CPU_VARLEN, varlen_attention
 from verl_traj.integration import tree_forward as tree_forward_module
@@ -83,8 +83,12 @@ def test_a_model_on_the_flash_path_forwards_a_tree_exactly():
             torch.no_grad():
         got = model(input_ids=tree.input_ids[None], position_ids=tree.position_ids[None], use_cache=False,
                     **{TREE_KWARG: TreeAttentionInput(tree.subtree_end)}).logits[0]
-        ref = model(input_ids=torch.cat(rows)[None], use_cache=False,
-                    position_ids=torch.cat([torch.arange(len(r)) for r in rows])[None]).logits[0]
+        checks = []
+        with mock.patch.object(tree_forward_module, "refuse_tree_in_plain_attention",
+                               lambda *a, **k: checks.append(refuse_tree_in_plain_attention(*a, **k))):
+            ref = model(input_ids=torch.cat(rows)[None], use_cache=False,
+                        position_ids=torch.cat([torch.arange(len(r)) for r in rows])[None]).logits[0]
+        assert len(checks) == 1  # one check (one device sync on a GPU) a forward, not one a layer
         torch.testing.assert_close(gather_flat(tree, got), ref, rtol=1e-5, atol=1e-5)
         with pytest.raises(TreeAttentionError, match="prefix-tree batch reached the plain attention"):
             model(input_ids=tree.input_ids[None], position_ids=tree.position_ids[None], use_cache=False)

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -134,14 +135,18 @@ def tree_aware_attention(kernel: Callable) -> Callable:
     if getattr(kernel, "_prefix_tree_aware", False):
         return kernel
 
+    checked: list = [None]  # a weak reference to the last position_ids checked (every layer gets the same tensor)
+
     @functools.wraps(kernel)
     def attention(query, key, value, attention_mask, query_length, *args, **kwargs):
         tree = kwargs.pop(TREE_KWARG, None)
         if tree is not None:
             return _tree_call(tree, query, key, value, attention_mask, kwargs)
         position_ids = kwargs.get("position_ids")
-        if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2:
+        if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and (
+                checked[0] is None or checked[0]() is not position_ids):  # one check (one sync) a forward, not a layer
             refuse_tree_in_plain_attention(position_ids, where=f"the plain attention {kernel.__name__}")
+            checked[0] = weakref.ref(position_ids)
         return kernel(query, key, value, attention_mask, query_length, *args, **kwargs)
 
     attention._prefix_tree_aware = True
