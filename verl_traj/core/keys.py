@@ -14,6 +14,8 @@ key                    written by              read by
 ``loss_weight``        trainer, per update     the loss functions (actor and critic)
 ``ratio_group``        trainer, per update     actor worker: trajectory-scoped GSPO (``traj.ratio_scope``)
 ``seq_ratio_shift``    actor worker, per step  the policy loss (GSPO's sequence ratio over the trajectory)
+``prefix_tree_index``  trainer, per step       tree workers: each row token's index in its micro-batch's tree
+``prefix_tree_size``   trainer, per step       tree workers: the tree tokens of the row's micro-batch
 =====================  ======================  ==========================================================
 
 A planned update is a contract: the trainer names the per-row fields it planned in the update's non-tensor
@@ -34,6 +36,10 @@ RATIO_GROUP = "ratio_group"  # [B] the trajectory whose sequence ratio a row sha
 SEQ_RATIO_SHIFT = "seq_ratio_shift"  # [b] per-row shift of old log-probs that makes GSPO's row mean the trajectory's
 TURN_REWARDS = "turn_rewards"  # [B, R] per-step (turn) rewards of step rows, each on its call's last response token
 STEP_ANCHORS = "step_anchors"  # [B, R] int64: each LLM call's anchor key on its first response token (GiGPO), else 0
+
+TREE_INDEX = "prefix_tree_index"  # per row token: its tree token in its micro-batch's tree (traj.prefix_tree)
+TREE_SIZE = "prefix_tree_size"  # [B] per row: the tree tokens of its micro-batch's tree
+TREE_SIZE_KEY = "prefix_tree_tokens"  # non-tensor of one planned micro-batch: its tree tokens (a host int)
 
 ADVANTAGE_METRICS = "traj_advantage_metrics"  # meta_info of a batch: the advantage step's metrics (traj_gigpo/*)
 PLANNED_FIELDS = "traj_planned_fields"  # non-tensor of an update: the comma-separated fields the trainer planned
@@ -57,4 +63,4 @@ PLAN_KEYS = (MINI_BATCH_ID, MICRO_BATCH_ID, TRAJ_INDEX, IS_PADDING)
 
 __all__ = ["ADVANTAGE_METRICS", "MINI_BATCH_ID", "MICRO_BATCH_ID", "TRAJ_INDEX", "IS_PADDING", "IS_LAST_STEP", "LOSS_WEIGHT", "PLAN_KEYS",
            "OLD_LOG_PROBS_AT_START", "PLANNED_FIELDS", "RATIO_IN_LOSS", "RATIO_GROUP", "planned_update_fields", "SEQ_RATIO_SHIFT", "STEP_ANCHORS",
-           "TURN_REWARDS"]
+           "TREE_INDEX", "TREE_SIZE", "TREE_SIZE_KEY", "TURN_REWARDS"]

@@ -24,14 +24,12 @@ import torch
 from tensordict import TensorDict
 
 from verl_traj.core.errors import TrajInputError
+from verl_traj.core.keys import TREE_INDEX, TREE_SIZE, TREE_SIZE_KEY
 from verl_traj.core.tree_facts import TreeFacts, micro_batch_tree_facts
 
 __all__ = ["TREE_INDEX", "TREE_SIZE", "TREE_SIZE_KEY", "dense_tree_facts", "micro_batch_tree_sizes",
            "nested_tree_facts", "plan_tree_facts", "require_tree_facts"]
 
-TREE_INDEX = "prefix_tree_index"  # per row token: its tree token in its micro-batch's tree
-TREE_SIZE = "prefix_tree_size"  # per row: tree tokens of its micro-batch's tree
-TREE_SIZE_KEY = "prefix_tree_tokens"  # non-tensor of one planned micro-batch: its tree tokens (a host int)
 
 
 def plan_tree_facts(rows: Sequence[Any], plan: Any) -> TreeFacts:
