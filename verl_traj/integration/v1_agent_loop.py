@@ -182,13 +182,16 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
         self.traj_config = traj_config = TrajConfig.of(self.config)
         self.records_anchors = traj_config.enable and uses_step_groups(
             value_at(self.config, "algorithm.adv_estimator", "grpo"))
+        rollout = self.config.actor_rollout_ref.rollout
+        # full_determinism: each session's request priority from its sample and session (train / validation n)
+        self.session_counts = ((int(rollout.n), int(rollout.val_kwargs.n)) if rollout.get("full_determinism", False)
+                               else None)
         if traj_config.enable:  # the policy version of every token (traj_version/token_*, traj.max_staleness)
             record_versions(self.llm_client, required=traj_config.max_staleness is not None)
 
     async def _run_agent_loop(self, sampling_params: dict, trajectory: dict, **kwargs: Any) -> Any:
-        rollout = self.config.actor_rollout_ref.rollout
-        if rollout.get("full_determinism", False) and "priority" not in kwargs:
-            n = rollout.val_kwargs.n if trajectory.get("validate") else rollout.n
+        if self.session_counts is not None and "priority" not in kwargs:
+            n = self.session_counts[1] if trajectory.get("validate") else self.session_counts[0]
             kwargs["priority"] = session_priority(trajectory["sample_index"], kwargs.get("session_id", 0), n)
         session = super()._run_agent_loop(sampling_params, trajectory, **kwargs)
         traj_config = self.traj_config
