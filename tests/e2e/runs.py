@@ -77,11 +77,12 @@ def dp2_reference(trainer: str, dp: int = 2) -> list[str]:
             "trainer.total_training_steps=3"]
 
 
-def tree_rss_bytes(root_pids: list[int], exclude: set[int] = frozenset()) -> int:
+def tree_rss(root_pids: list[int], exclude: set[int] = frozenset(), names: dict = None) -> dict[int, int]:
+    """RSS in bytes of every process in the trees under ``root_pids`` (pids in ``exclude`` left out); ``names``, if
+    given, gets each pid's command line, as of this sample (Ray names its workers' processes ``ray::<Actor>``)."""
     import psutil
 
-    seen: set[int] = set()
-    total = 0
+    rss: dict[int, int] = {}
     for pid in root_pids:
         try:
             procs = [psutil.Process(pid)]
@@ -89,30 +90,60 @@ def tree_rss_bytes(root_pids: list[int], exclude: set[int] = frozenset()) -> int
         except psutil.Error:
             continue
         for p in procs:
-            if p.pid in seen or p.pid in exclude:
+            if p.pid in rss or p.pid in exclude:
                 continue
-            seen.add(p.pid)
             try:
-                total += p.memory_info().rss
+                rss[p.pid] = p.memory_info().rss
+                if names is not None:  # re-read: Ray retitles a worker (ray::<Actor>) once it has started
+                    names[p.pid] = " ".join(p.cmdline())[:160] or p.name()
             except psutil.Error:
                 pass
-    return total
+    return rss
+
+
+def tree_rss_bytes(root_pids: list[int], exclude: set[int] = frozenset()) -> int:
+    return sum(tree_rss(root_pids, exclude).values())
+
+
+def steps_logged(metrics_path: Path) -> int:
+    """Training steps verl's file logger has written so far (one line a step)."""
+    try:
+        with open(metrics_path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    except OSError:
+        return 0
+
+
+@dataclass
+class RssSample:
+    seconds: float
+    steps_done: int
+    rss: dict  # pid -> bytes
 
 
 class MemorySampler:
-    """Samples the summed RSS of process trees every ``interval`` seconds."""
+    """Samples the RSS of every process in the trees under ``root_pids`` every ``interval`` seconds: the peak of their
+    sum, and (with ``metrics_path``) every sample with the number of steps logged by then (:attr:`samples`)."""
 
-    def __init__(self, root_pids: list[int], interval: float = 0.5, exclude: set[int] = frozenset()):
+    def __init__(self, root_pids: list[int], interval: float = 0.5, exclude: set[int] = frozenset(),
+                 metrics_path: Path = None):
         self.root_pids = list(root_pids)
         self.interval = interval
         self.exclude = set(exclude)
+        self.metrics_path = metrics_path
         self.peak = 0
+        self.samples: list[RssSample] = []
+        self.names: dict[int, str] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
+        t0 = time.time()
         while not self._stop.is_set():
-            self.peak = max(self.peak, tree_rss_bytes(self.root_pids, self.exclude))
+            rss = tree_rss(self.root_pids, self.exclude, self.names)
+            self.peak = max(self.peak, sum(rss.values()))
+            if self.metrics_path is not None:
+                self.samples.append(RssSample(time.time() - t0, steps_logged(self.metrics_path), rss))
             self._stop.wait(self.interval)
 
     def __enter__(self):
@@ -132,6 +163,8 @@ class TrainingRun:
     peak_rss_bytes: int = 0
     wall_seconds: float = 0.0
     workdir: Path = None  # metrics.jsonl, train.log, ckpt/ (and dump/ for shared runs)
+    rss_samples: list = field(default_factory=list)  # RssSample: every process's RSS with the steps logged by then
+    process_names: dict = field(default_factory=dict)  # pid -> its command (ray::<Actor> for Ray's workers)
 
     def tail(self, n: int = 80) -> str:
         return "\n".join(self.output.splitlines()[-n:])
@@ -178,7 +211,7 @@ def launch(home: Path, workdir: Path, overrides: list[str], timeout: float = 300
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=str(workdir), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    with MemorySampler([proc.pid, *extra_roots], exclude={os.getpid()}) as sampler:
+    with MemorySampler([proc.pid, *extra_roots], exclude={os.getpid()}, metrics_path=metrics_path) as sampler:
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -186,7 +219,8 @@ def launch(home: Path, workdir: Path, overrides: list[str], timeout: float = 300
             out, _ = proc.communicate()
             out += f"\n[test] TIMEOUT after {timeout}s"
     (workdir / "train.log").write_text(out)
-    return TrainingRun(proc.returncode, out, read_metrics(metrics_path), sampler.peak, time.time() - t0, workdir)
+    return TrainingRun(proc.returncode, out, read_metrics(metrics_path), sampler.peak, time.time() - t0, workdir,
+                       sampler.samples, sampler.names)
 
 
 def kill_tree(pid: int) -> None:
@@ -255,3 +289,22 @@ def kill_after_checkpoint(proc: subprocess.Popen, ckpt: Path, metrics: Path, ste
     os.killpg(proc.pid, signal.SIGKILL)
     kill_tree(proc.pid)
     return proc.communicate()[0]
+
+
+def rss_slopes(samples: list, after_step: int) -> dict[int, float]:
+    """Per process: the least-squares slope of its RSS against the steps logged, in MiB per step, over the samples
+    taken once ``after_step`` steps were logged (warm-up excluded); processes seen in fewer than 10 such samples
+    (short-lived helpers) are left out."""
+    import numpy as np
+
+    by_pid: dict[int, list[tuple[int, int]]] = {}
+    for s in samples:
+        if s.steps_done >= after_step:
+            for pid, rss in s.rss.items():
+                by_pid.setdefault(pid, []).append((s.steps_done, rss))
+    slopes = {}
+    for pid, points in by_pid.items():
+        steps, rss = np.array(points, dtype=np.float64).T
+        if len(points) >= 10 and steps.max() > steps.min():
+            slopes[pid] = float(np.polyfit(steps, rss / 2**20, 1)[0])
+    return slopes
