@@ -155,11 +155,12 @@ class TrajV1Mixin(CompleteCheckpoints):
         batch = in_key_order(batch)
         metrics.update(stepwise_metrics(batch.tags))
         layout = read_layout(batch)
-        plan = self._plan(layout, read_rows(batch) if self.traj_config.prefix_tree else None)
+        rows = read_rows(batch) if self.traj_config.prefix_tree else None
+        plan = self._plan(layout, rows)
         pad_keys, pad_tags = write_padding_rows(batch, int(plan.is_padding.sum()), self.tokenizer.eos_token_id,
                                                 self.spec.plan.pad_row_tokens)
         out = ordered_batch(batch, plan, pad_keys, pad_tags)
-        store_plan_ids(out, plan)
+        store_plan_ids(out, plan, rows)
         self._all_atomic = plan.all_trajectories_atomic  # GSPO's trajectory ratio from the loss, no pre-pass
         self._plan_facts = plan_facts(out, plan, layout)
         self._step_padding.record(out.keys, plan.is_padding.tolist())

@@ -5,14 +5,14 @@ A row key is ``{uid}_{session}_{index}`` (:mod:`verl_traj.core.row_key`): ``uid`
 ``{uid}_{session}`` one trajectory, ``index`` its step. The planner itself is the core's
 (:func:`~verl_traj.integration.step_plan.plan_layout`); these functions move its input out of TransferQueue and its
 output back in. The only ``[B, R]`` reads are :func:`read_layout`'s fetch of ``response_mask``, counted to ``[B]``, and
-with ``traj.prefix_tree`` two fetches of ``input_ids``: :func:`read_rows` (the tree planner's costs) and
-:func:`store_plan_ids`' of the planned rows, padding rows included, whose trees it builds once per step (the tree facts
-the workers rebuild them from on the device in every pass, :mod:`.tree_plan_facts`).
+with ``traj.prefix_tree`` :func:`read_rows`' fetch of ``input_ids`` (the tree planner's costs), which
+:func:`store_plan_ids` reuses, fetching only the padding rows, to build each planned micro-batch's tree once per step
+(the tree facts the workers rebuild them from on the device in every pass, :mod:`.tree_plan_facts`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -54,11 +54,22 @@ def read_layout(batch: KVBatchMeta) -> BatchLayout:
                                     traj_id=keys.traj_id, step_index=keys.step)
 
 
-def read_rows(batch: KVBatchMeta) -> list[torch.Tensor]:
+def read_rows(batch: KVBatchMeta, keys: Optional[list[str]] = None) -> list[torch.Tensor]:
     """Every row's attended token ids (``traj.prefix_tree``: the planner costs units in tree tokens), from one fetch
-    of ``input_ids`` (stored unpadded, one nested row each)."""
-    ids = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["input_ids"])["input_ids"]
+    of ``input_ids`` (stored unpadded, one nested row each); ``keys``: only those rows of ``batch``'s partition."""
+    keys = batch.keys if keys is None else keys
+    if not keys:
+        return []
+    ids = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["input_ids"])["input_ids"]
     return list(torch.split(ids.values(), ids.offsets().diff().tolist()))
+
+
+def planned_rows(batch: KVBatchMeta, plan: MiniBatchPlan, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The planned ``batch``'s token ids in dispatch order: the source ``rows`` (read for planning) by ``plan.order``,
+    and only the padding rows (``order < 0``, just written) fetched."""
+    order = plan.order.tolist()
+    pads = iter(read_rows(batch, [k for k, o in zip(batch.keys, order) if o < 0]))
+    return [rows[o] if o >= 0 else next(pads) for o in order]
 
 
 def ordered_batch(batch: KVBatchMeta, plan: MiniBatchPlan, pad_keys: list[str], pad_tags: list[dict]) -> KVBatchMeta:
@@ -72,14 +83,16 @@ def ordered_batch(batch: KVBatchMeta, plan: MiniBatchPlan, pad_keys: list[str], 
                        fields=batch.fields, extra_info=batch.extra_info)
 
 
-def store_plan_ids(batch: KVBatchMeta, plan: MiniBatchPlan) -> None:
+def store_plan_ids(batch: KVBatchMeta, plan: MiniBatchPlan, rows: Optional[list[torch.Tensor]] = None) -> None:
     """``mini_batch_id`` and ``micro_batch_id`` (``[B]`` int64, dispatch order) as fields of every row of the
     planned ``batch``; with a prefix-tree plan also each planned micro-batch's tree facts (``TREE_INDEX`` nested per
-    row, ``TREE_SIZE`` ``[B]``) from the planned rows as stored (one fetch of their ``input_ids``). Named in its field
-    list when it has one (the workers fetch exactly those)."""
+    row, ``TREE_SIZE`` ``[B]``) from the planned rows (``rows``: the source rows :func:`read_rows` gave the planner;
+    only the padding rows are fetched). Named in its field list when it has one (the workers fetch exactly those)."""
     fields = {MINI_BATCH_ID: plan.mini_batch_id, MICRO_BATCH_ID: plan.micro_batch_id}
     if plan.spec.prefix_tree:
-        fields.update(nested_tree_facts(read_rows(batch), plan).items())
+        if rows is None:
+            raise ValueError("store_plan_ids: a prefix-tree plan needs the rows it was planned from (read_rows)")
+        fields.update(nested_tree_facts(planned_rows(batch, plan, rows), plan).items())
     tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
                     fields=TensorDict(fields, batch_size=[plan.num_rows]))
     if batch.fields is not None:
