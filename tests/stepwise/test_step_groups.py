@@ -141,6 +141,7 @@ def test_gigpo_equals_the_papers_equations_on_step_and_merged_rows_in_any_order(
                                     norm_by_std=opt["norm"])
     ref = reference([t[0] for t in trajs], uids, outcomes, gamma=opt["gamma"], weight=opt["weight"],
                     baseline=opt["baseline"], norm=opt["norm"])
+    opt = dict(opt, _game=(uids, outcomes))
     for b in range(adv.shape[0]):
         if traj_index[b] < 0:
             assert not adv[b].any()
@@ -152,6 +153,25 @@ def test_gigpo_equals_the_papers_equations_on_step_and_merged_rows_in_any_order(
             torch.testing.assert_close(chunk, torch.full_like(chunk, ref[(t, k)]), rtol=1e-4, atol=1e-4)
         assert not adv[b][mask[b] == 0].any()
     assert 0.0 <= metrics["traj_gigpo/step_adv_share"] <= 1.0
+    _check_step_adv_share(metrics, ref, traj_ids, traj_index, src, mask, trajs, opt)
+
+
+def _check_step_adv_share(metrics, ref, traj_ids, traj_index, src, mask, trajs, opt):
+    """``step_adv_share`` = sum |w A_S| / sum (|A_E| + |w A_S|) over every loss token, token by token from the
+    reference's parts (A_E: the call's combined value at weight 0)."""
+    ref_e = reference([t[0] for t in trajs], *opt["_game"], gamma=opt["gamma"], weight=0.0, baseline=opt["baseline"],
+                      norm=opt["norm"])
+    ep = st_ = 0.0
+    for b in range(mask.shape[0]):
+        if traj_index[b] < 0:
+            continue
+        t = int(traj_ids[b][1:])
+        for k in src[b]:
+            loss = len(trajs[t][0][k]["response_ids"])  # the records carry no loss mask: every response token
+            ep += loss * abs(ref_e[(t, k)])
+            st_ += loss * abs(ref[(t, k)] - ref_e[(t, k)])
+    expected = st_ / (ep + st_) if ep + st_ > 0 else 0.0
+    assert metrics["traj_gigpo/step_adv_share"] == pytest.approx(expected, rel=1e-3, abs=1e-4)
 
 
 def _calls(traj, order, anchor):

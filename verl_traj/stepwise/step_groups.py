@@ -32,6 +32,7 @@ discounted return, vectorised across trajectories, as verl's own estimators loop
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable
 
 import numpy as np
@@ -118,11 +119,17 @@ class StepCalls:
         return cls(row=row, anchor=anchors[starts], traj=traj, order=order, token_call=token_call,
                    num_trajectories=num_t)
 
+    @cached_property
+    def _slots(self) -> torch.Tensor:
+        """``[B, R]``: ``token_call`` with "no call" (-1) sent to slot ``S``, one past the calls (a gather / sum over
+        every position then needs no boolean mask); computed once."""
+        return torch.where(self.token_call >= 0, self.token_call, self.row.numel())
+
     def call_sums(self, per_token: torch.Tensor) -> torch.Tensor:
         """``[B, R]`` -> ``[S]``: each call's sum over its span (rewards: turn reward + outcome + KL penalties)."""
-        hit = self.token_call >= 0
-        out = torch.zeros(self.row.numel(), dtype=torch.float64)
-        return out.index_add_(0, self.token_call[hit], per_token.detach().cpu().double()[hit])
+        out = torch.zeros(self.row.numel() + 1, dtype=torch.float64)
+        out.index_add_(0, self._slots.reshape(-1), per_token.detach().cpu().double().reshape(-1))
+        return out[:-1]
 
     def rewards(self, token_rewards: torch.Tensor, traj_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B, R]`` token rewards -> ``(per call [S], per trajectory [T])`` float64: a call's reward is the sum over
@@ -131,27 +138,38 @@ class StepCalls:
         r = token_rewards.detach().cpu().double()
         real = traj_index >= 0
         per_traj = torch.zeros(self.num_trajectories, dtype=torch.float64)
-        episode = per_traj.index_add(0, traj_index[real], r[real].sum(-1))
-        stray = per_traj.index_add(0, traj_index[real], r.masked_fill(self.token_call >= 0, 0.0)[real].sum(-1))
+        episode = per_traj.index_add(0, traj_index[real], r.sum(-1)[real])
+        stray = per_traj.index_add(0, traj_index[real], r.masked_fill(self.token_call >= 0, 0.0).sum(-1)[real])
         last = torch.zeros(self.num_trajectories, dtype=torch.long).scatter_reduce(0, self.traj, self.order, "amax")
         per_call = self.call_sums(r) + stray[self.traj] * (self.order == last[self.traj])
         return per_call, episode
 
     def scatter(self, per_call: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
         """``[S]`` -> ``[B, R]``: each call's value on its loss tokens, 0 elsewhere (padding rows included)."""
-        hit = self.token_call >= 0
-        out = torch.zeros(self.token_call.shape, dtype=per_call.dtype)
-        out[hit] = per_call[self.token_call[hit]]
+        out = torch.cat([per_call, per_call.new_zeros(1)])[self._slots]
         return out.to(response_mask.device) * response_mask.to(out.dtype)
+
+
+def pair_ids(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``[N]`` dense ids of the pairs ``(a[i], b[i])`` (int64 ``[N]`` each) in lexicographic order: what
+    ``torch.unique(torch.stack([a, b], 1), dim=0, return_inverse=True)`` gives, by one sort."""
+    x, y = a.detach().cpu().numpy(), b.detach().cpu().numpy()
+    order = np.lexsort((y, x))
+    new = np.ones(order.size, dtype=bool)
+    new[1:] = (x[order][1:] != x[order][:-1]) | (y[order][1:] != y[order][:-1])
+    ids = np.empty(order.size, dtype=np.int64)
+    ids[order] = np.cumsum(new) - 1
+    return torch.from_numpy(ids)
 
 
 def _check_steps(traj_index: torch.Tensor, step_index: torch.Tensor) -> None:
     """No two real rows of one trajectory share a step (their calls' order would be ambiguous)."""
     real = torch.nonzero(traj_index >= 0).reshape(-1)
-    pairs = torch.stack([traj_index[real], step_index[real]], 1)
-    uniq, counts = torch.unique(pairs, dim=0, return_counts=True)
+    ids = pair_ids(traj_index[real], step_index[real])
+    counts = torch.bincount(ids)
     if bool((counts > 1).any()):
-        t, s = uniq[counts > 1][0].tolist()
+        dup = torch.nonzero(ids == torch.nonzero(counts > 1)[0, 0])[0, 0]  # the first repeated pair, in key order
+        t, s = int(traj_index[real][dup]), int(step_index[real][dup])
         raise TrajInputError.invalid("step_index", s, f"is the step of several rows of trajectory {t}: the order of "
                                      "its calls is ambiguous", "give every row of a trajectory its own step (the "
                                      "expansion's step_index / v1's output index)")
@@ -177,8 +195,9 @@ def step_group_ids(calls: StepCalls, traj_group: np.ndarray) -> torch.Tensor:
     """``[S]`` dense ids of the step groups: calls of one GRPO group (``traj_group`` ``[T]``: each trajectory's
     uid) with equal anchor keys."""
     _, group = np.unique(np.asarray(traj_group, dtype=str), return_inverse=True)
-    pairs = torch.stack([torch.from_numpy(group.reshape(-1).astype(np.int64))[calls.traj], calls.anchor], 1)
-    return torch.unique(pairs, dim=0, return_inverse=True)[1].reshape(-1) if pairs.numel() else calls.anchor.clone()
+    if calls.anchor.numel() == 0:
+        return calls.anchor.clone()
+    return pair_ids(torch.from_numpy(group.reshape(-1).astype(np.int64))[calls.traj], calls.anchor)
 
 
 def step_group_advantages(returns: torch.Tensor, group: torch.Tensor, *, baseline: str = "gigpo",
@@ -218,14 +237,14 @@ def step_group_metrics(calls: StepCalls, group: torch.Tensor, episode: torch.Ten
     if group.numel() == 0:
         return {}
     sizes = torch.bincount(group)
-    loss = calls.scatter(torch.ones(group.numel()), response_mask).cpu() != 0
-    ep = calls.scatter(episode.detach().cpu().float()[calls.traj].abs(), response_mask).cpu()[loss]
-    st = calls.scatter((float(weight) * step.float()).abs(), response_mask).cpu()[loss]
-    denom = float((ep + st).sum())
+    loss = calls.call_sums((response_mask.detach().cpu() != 0).double())  # [S] each call's loss tokens
+    ep = (loss * episode.detach().cpu().float()[calls.traj].abs().double()).sum()
+    st = (loss * (float(weight) * step.float()).abs().double()).sum()
+    denom = float(ep + st)
     return {f"{prefix}/step_group_size_mean": float(sizes.double().mean()),
             f"{prefix}/steps_in_shared_groups": float((sizes[group] > 1).double().mean()),
             f"{prefix}/step_groups": float(sizes.numel()),
-            f"{prefix}/step_adv_share": float(st.sum()) / denom if denom > 0 else 0.0}
+            f"{prefix}/step_adv_share": float(st) / denom if denom > 0 else 0.0}
 
 
 def gigpo_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, traj_index: torch.Tensor, step_index: Any,
