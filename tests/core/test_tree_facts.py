@@ -107,3 +107,14 @@ def test_bad_facts_input_is_refused_naming_the_field():
     with pytest.raises(TrajInputError) as raised:
         tree_from_facts(torch.tensor([1]), torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([0]), 0)
     assert raised.value.field == "num_tree_tokens"
+
+
+@pytest.mark.parametrize("index", [torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2, 3, 4, 5]),
+                                   torch.tensor([[0, 1], [2, 3], [4, 5]]), torch.zeros(1, 2, 3, dtype=torch.long)])
+def test_an_index_of_another_batchs_length_is_refused_before_any_indexing(index):
+    """Two rows of 2 and 3 tokens: an index of 3 or 6 tokens, of 3 rows, or 3-D (a batch cut or reordered after
+    planning) raises naming the field, instead of an out-of-range scatter (a device-side assert on CUDA)."""
+    ids = torch.tensor([5, 6, 5, 6, 7])
+    with pytest.raises(TrajInputError) as raised:
+        tree_from_facts(ids, torch.tensor([0, 1, 0, 1, 2]), torch.tensor([0, 2, 5]), index, 3)
+    assert raised.value.field == "prefix_tree_index" and "planned batch unmodified" in str(raised.value)

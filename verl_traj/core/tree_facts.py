@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from verl_traj.core.errors import TrajInputError
+from verl_traj.core.keys import TREE_INDEX
 from verl_traj.core.prefix_tree import _checked_rows, build_prefix_tree
 
 __all__ = ["DeviceTree", "TreeFacts", "micro_batch_tree_facts", "tree_from_facts"]
@@ -142,11 +143,18 @@ def tree_from_facts(input_ids: torch.Tensor, position_ids: torch.Tensor, row_off
         tree_index: each row token's tree index (:class:`TreeFacts`), ``[T]`` packed or ``[R, W]`` per row.
         num_tree_tokens: ``N`` (a host int: it sizes the tree).
     Returns a :class:`DeviceTree`; mismatches are counted in ``checks`` (never a host sync here: the caller reads
-    them once per pass). Raises :class:`TrajInputError` (field ``num_tree_tokens``) for ``N < 1``."""
+    them once per pass). Raises :class:`TrajInputError` (field ``num_tree_tokens``) for ``N < 1``, (field
+    ``prefix_tree_index``) for an index whose length is not the rows' (host shapes: no sync)."""
     n = int(num_tree_tokens)
     if n < 1:
         raise TrajInputError.invalid("num_tree_tokens", n, "is below 1", "ship the plan's tree size per row")
     device, t = input_ids.device, input_ids.shape[0]
+    rows = row_offsets.shape[0] - 1
+    if tree_index.dim() not in (1, 2) or tree_index.shape[0] != (t if tree_index.dim() == 1 else rows):
+        raise TrajInputError(
+            f"{TREE_INDEX} of shape {tuple(tree_index.shape)} for a micro-batch of {rows} rows and {t} tokens (want "
+            f"[{t}] packed or [{rows}, W] per row): the batch was cut, reordered or re-tokenised after the trainer "
+            "planned its trees. Fix: hand the workers the planned batch unmodified.", field=TREE_INDEX)
     ids, lengths = input_ids.long(), row_offsets.diff()
     row = torch.repeat_interleave(torch.arange(lengths.shape[0], device=device), lengths, output_size=t)
     depth = torch.arange(t, device=device) - row_offsets[row]

@@ -201,7 +201,7 @@ def _tree_batch(micro_batch: TensorDict, tree: DeviceTree) -> tuple[TensorDict, 
     ``micro_batch``; and the tree's checks, with the rows whose temperature differs from the first's counted (a
     per-row temperature must be one value: shared tokens serve several rows)."""
     device = micro_batch["input_ids"].values().device
-    offsets = torch.tensor([0, tree.num_tree_tokens], device=device)
+    offsets = torch.arange(2, device=device) * tree.num_tree_tokens  # [0, N] made on the device (no host copy)
     tensors = {name: torch.nested.nested_tensor_from_jagged(t.to(device), offsets)
                for name, t in (("input_ids", tree.input_ids), ("position_ids", tree.position_ids))}
     settings = {k: v.data for k, v in micro_batch.items() if isinstance(v, NonTensorData)}

@@ -21,6 +21,7 @@ from tensordict import TensorDict
 from transfer_queue import KVBatchMeta
 
 from verl_traj.core import BatchLayout, MiniBatchPlan, build_layout_from_counts
+from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID
 from verl_traj.core.row_key import parse_row_keys, row_key_order
 from verl_traj.integration.tree_plan_facts import nested_tree_facts
@@ -91,7 +92,8 @@ def store_plan_ids(batch: KVBatchMeta, plan: MiniBatchPlan, rows: Optional[list[
     fields = {MINI_BATCH_ID: plan.mini_batch_id, MICRO_BATCH_ID: plan.micro_batch_id}
     if plan.spec.prefix_tree:
         if rows is None:
-            raise ValueError("store_plan_ids: a prefix-tree plan needs the rows it was planned from (read_rows)")
+            raise TrajInputError("store_plan_ids: a prefix-tree plan needs the rows it was planned from (rows=None). "
+                                 "Fix: pass read_rows(batch), the rows the planner costed.", field="rows")
         fields.update(nested_tree_facts(planned_rows(batch, plan, rows), plan).items())
     tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
                     fields=TensorDict(fields, batch_size=[plan.num_rows]))
