@@ -90,6 +90,28 @@ def test_whole_chains_take_the_vectorised_path_and_the_rest_do_not():
     assert stats.rows_before == 5 and stats.rows_after == 2
 
 
+@pytest.mark.parametrize("merge", [True, False])
+@pytest.mark.parametrize("anchors", [True, False])
+@pytest.mark.parametrize("has_lp", [True, False])
+def test_unbroken_chains_as_the_recording_loop_sends_them_never_leave_the_vectorised_path(merge, anchors, has_lp):
+    """Every setting: records as encode_step_records writes them, with masks, rewards and own anchors on some calls,
+    take the vectorised path whole (the property test above would pass if every row went the slow way)."""
+    rng = np.random.default_rng(5)
+    trajs = [token_trajectory(rng, n, min_obs=1) for n in (1, 2, 4, 3)]
+    records = np.empty(len(trajs), dtype=object)
+    for b, t in enumerate(trajs):
+        calls = [dict(c) for c in t[0]]
+        calls[-1]["reward"], calls[0]["anchor"] = 0.5, 12345
+        calls[0]["response_mask"] = np.ones(len(calls[0]["response_ids"]), dtype=np.int8)
+        if not has_lp:
+            for c in calls:
+                c.pop("response_logprobs", None)
+        records[b] = encode_step_records(calls)
+    flat, _, rest = chain_rows(records, np.arange(len(trajs)), has_lp=has_lp, merge=merge, anchors=anchors)
+    assert rest.tolist() == [] and flat is not None
+    assert flat.source_row.unique().tolist() == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize("field,bad", [
     ("response_ids", -1), ("prompt_tail_ids", -2), ("response_logprobs", np.nan), ("response_mask", 2),
     ("reward", float("nan")), ("anchor", 0), ("prompt_prefix_len", 1)])
