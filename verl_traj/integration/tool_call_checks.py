@@ -5,12 +5,13 @@ called as ``fn(**arguments)``, so an argument its signature does not take, or la
 (``calculator() got an unexpected keyword argument 'arguments'``); an unknown tool name, arguments that are not JSON
 and a raising tool are answered too, and each is logged at WARNING, once per call, for what is the policy still
 learning the call format. :func:`check_tool_call` answers such a call before it runs, the way a tool server that
-validates against the schema it published would: the text names what was wrong and what the tool takes (the model
+checks a call's argument names would: the text names what was wrong and what the tool takes (the model
 sees it as the tool's answer), the call moves from the session's parsed to its malformed tool calls
 (``traj_agent/malformed_tool_call_share``, :mod:`.session_ledger`), and nothing is logged.
 
-Only what would fail anyway is answered here: for a function tool (``FunctionTool``), anything its published schema
-(built by verl from the function's signature and type hints) refuses; for a ``BaseTool``, which receives the
+Only what would fail anyway is answered here: for a function tool (``FunctionTool``), an argument its signature does
+not take or a required one missing (``fn(**arguments)`` would raise before the function runs; argument types are left
+to the function, as Python leaves them); for a ``BaseTool``, which receives the
 argument dict and decides itself, only an unknown name and arguments that are not a JSON object. Every call that
 passes runs through verl's own ``_call_tool``.
 """
@@ -25,21 +26,6 @@ from verl.tools.function_tool import FunctionTool
 from verl_traj.integration.session_ledger import current_ledger
 
 __all__ = ["check_tool_call", "count_rejected_tool_call", "strict_parameters", "tool_call_problem"]
-
-# JSON-schema types -> the Python values json.loads makes of them (bool is not an integer or a number here)
-_JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),
-               "object": (dict,), "null": (type(None),)}
-
-
-def _fits(value: Any, types: Any) -> bool:
-    """Whether ``value`` is one of the JSON-schema ``types`` (a name or a list of names; an unknown name fits)."""
-    names = [types] if isinstance(types, str) else list(types or [])
-    if not names or any(name not in _JSON_TYPES for name in names):
-        return True
-    if isinstance(value, bool):
-        return "boolean" in names
-    return any(isinstance(value, _JSON_TYPES[name]) for name in names)
-
 
 def _type_name(types: Any) -> str:
     """``string``, or ``integer/number`` for a list of JSON-schema types."""
@@ -58,8 +44,8 @@ def tool_call_problem(name: str, arguments: Any, tools: Mapping[str, Optional[Ma
     """What is wrong with the call ``name(arguments)``, as the tool's answer to the model, or ``None`` if it may run.
 
     ``arguments``: the call's JSON text (verl's ``FunctionCall.arguments``). ``tools``: each available tool's name ->
-    the JSON-schema ``parameters`` object its arguments must match (``properties``: name -> ``{"type": ...}``,
-    ``required``: names), or ``None`` for a tool that takes any JSON object. An unknown name and arguments that are
+    the JSON-schema ``parameters`` object naming its arguments (``properties``: name -> ``{"type": ...}``, the types
+    only shown in the answer; ``required``: names), or ``None`` for a tool that takes any JSON object. An unknown name and arguments that are
     not JSON get verl's own texts; the others name each wrong argument and what the tool takes.
     """
     if name not in tools:
@@ -76,12 +62,14 @@ def tool_call_problem(name: str, arguments: Any, tools: Mapping[str, Optional[Ma
     if parameters is None:
         return None
     properties = parameters.get("properties") or {}
-    wrong = [f"unexpected argument '{key}'" for key in args if key not in properties]
+    wrong = [f"unexpected argument '{str(key)[:40]}'" for key in args if key not in properties]
     wrong += [f"missing required argument '{key}'" for key in parameters.get("required") or () if key not in args]
-    wrong += [f"argument '{key}' must be {_type_name(properties[key].get('type'))}, got {type(value).__name__} "
-              f"{json.dumps(value)[:40]}" for key, value in args.items()
-              if key in properties and not _fits(value, properties[key].get("type"))]
+    if len(wrong) > _MAX_NAMED:  # the answer enters the model's context: bounded whatever the model wrote
+        wrong = wrong[:_MAX_NAMED] + [f"and {len(wrong) - _MAX_NAMED} more"]
     return f"Invalid arguments for '{name}': {'; '.join(wrong)}.{usage}" if wrong else None
+
+
+_MAX_NAMED = 5  # wrong arguments named in one answer
 
 
 def strict_parameters(tool: Any) -> Optional[Mapping[str, Any]]:
