@@ -312,14 +312,19 @@ EXPLANATION = """
   verl has no training-batch padding: the last `B mod (dp*M)` rows are dropped for its run.
 - **verl_traj**: `build_layout_from_counts` + `plan_mini_batches(..., micro_batch_max_tokens=cap)`: whole
   units (GRPO groups on the synthetic and M=4 real rows; trajectories for M=16 on the real data, which has only
-  12 repository groups) per mini-batch, DP balancing with equal rows per rank, minimal padding, best-fit
-  token-sum micro-batch packing (lower bound, LPT, best-fit decreasing, verl's own Karmarkar-Karp as a candidate,
-  exact search on small blocks) with synced counts: the micro-batches the workers run. Its time includes the
-  packing (shown in brackets).
+  12 repository groups) per mini-batch, DP balancing with equal rows per rank, minimal padding, token-sum
+  micro-batch packing (every block at ceil(tokens / cap) batch-wide: LPT in rounds and a swap repair; the blocks
+  that do not fit: from the lower bound up an exact bin-completion search under a work budget, then LPT, verl's
+  own Karmarkar-Karp as a candidate, best-fit decreasing) with synced counts: the micro-batches the
+  workers run. Its time includes the packing (shown in brackets).
 - Micro-batches: per rank, summed over mini-batches. For verl_traj: the planned count (what runs), the count
   verl's `rearrange_micro_batches` would re-cut the SAME blocks into (what ran before verl_traj ran its own
-  plan; up to 30K rows), and the lower bound max over ranks of ceil(rank tokens / cap). For stock verl: its count
-  on its own blocks / - / the lower bound of its blocks.
+  plan; up to 30K rows), and the plan's lower bound: max over ranks of the fewest micro-batches any packing of
+  the rank's rows needs (Martello-Toth L2: at least ceil(rank tokens / cap) and the rows over cap / 2; raised where
+  the exact search proved a count impossible). For stock verl: its count on its own blocks / - / max over ranks of
+  ceil(rank tokens / cap) of its blocks. Packing alone on tighter blocks (the quick start's rows, SWE-bench
+  batches of 32 trajectories, with and without the exact search): `scripts/bench_packing.py`,
+  `docs/bench_packing.md`.
 - Balance = slowest rank's workload / max(ceil(total/dp), largest row) per mini-batch (1.0 is optimal).
 - Split trajectories / groups = (distinct (unit, mini-batch) pairs) - (units): how many extra mini-batches
   the steps of a trajectory / the members of a group were scattered over.
@@ -388,7 +393,8 @@ def main(argv=None) -> int:
         "summed over mini-batches (verl syncs the count as the max over ranks).",
         "- verl stock drops the last B mod (dp*M) rows (it would assert on them); it never pads.",
         "- micro-batch column: run / verl's re-cut of the same (rank, mini-batch) blocks / lower bound (max over ranks "
-        "of ceil(rank tokens / cap)), per rank, summed over mini-batches.",
+        "of the rank's fewest possible: Martello-Toth L2, >= ceil(rank tokens / cap), raised where the exact search "
+        "proved a count impossible; stock verl: ceil(rank tokens / cap)), per rank, summed over mini-batches.",
         "- verl's micro-batch count is computed up to 100K rows only (it reruns KK per rank and mini-batch): '-' above.",
     ]
     table = "\n".join(lines)

@@ -20,7 +20,6 @@ warnings.filterwarnings("ignore", message=rf"({'|'.join(OPTIONAL_ENGINES)}) engi
 
 import hydra  # noqa: E402
 import ray  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 
 from verl.trainer.main_ppo_v0 import BaseTaskRunner  # noqa: E402
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from verl_traj.core import PackingError, balance_equal_size, calculate_workload, pack_micro_batches, round_robin_equal_size
@@ -48,6 +48,7 @@ def test_lpt_respects_quotas_fills_every_bin_and_keeps_the_list_scheduling_bound
 
 
 @settings(max_examples=40, deadline=None)
+@example(seed=1250579, groups=1, k=19, bins=2, tail=1.375)  # LPT + refinement ended 0.3% above round-robin
 @given(
     seed=st.integers(0, 2**31 - 1),
     groups=st.integers(1, 5),

@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_traj.core import (
-    PAD_ROW_TOKENS,
     PackingError,
     PlanError,
     build_layout_from_counts,
@@ -18,7 +17,7 @@ from verl_traj.core import (
 )
 from verl_traj.testing import random_batch
 
-from tests.core.plan_checks import check_plan
+from tests.core.plan_checks import check_micro_batches, check_plan
 
 
 def _layout(b):
@@ -178,3 +177,38 @@ def test_mini_batch_balance_units_fixes_prompts_per_optimizer_step():
     plan = plan_mini_batches(lay, 4, 2, mini_batch_balance="units")
     check_plan(b, lay, plan, 4, 2, "group")
     assert sorted(plan.stats.groups.tolist()) == [2, 2, 3, 3]
+
+
+def _fewest_bins_brute(sizes: list[int], cap: int) -> int:
+    """Fewest bins of ``cap`` for ``sizes`` by a dynamic program over subsets (tiny inputs only)."""
+    n = len(sizes)
+    load = [sum(sizes[i] for i in range(n) if mask >> i & 1) for mask in range(1 << n)]
+    best = [0] + [n + 1] * ((1 << n) - 1)
+    for mask in range(1, 1 << n):
+        low = mask & -mask  # the bin holding the lowest row of mask: every sub-mask with it that fits
+        sub = mask
+        while sub:
+            if sub & low and load[sub] <= cap:
+                best[mask] = min(best[mask], best[mask ^ sub] + 1)
+            sub = (sub - 1) & mask
+    return best[-1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), dp=st.integers(1, 3), M=st.integers(1, 2), slack=st.integers(0, 3))
+def test_micro_batch_count_is_the_optimum_for_the_plans_ranks(seed, dp, M, slack):
+    """The plan's micro-batches per mini-batch are the fewest possible once rows are on ranks (every rank runs the
+    synced count): the max over ranks of each rank's optimum (brute force, padding rows included), which is also
+    the reported lower bound; every micro-batch fits the cap."""
+    b = random_batch(seed, 3, 2, 2)
+    lay = _layout(b)
+    tokens = b.num_tokens
+    cap = int(tokens.max()) + slack * int(np.median(tokens))
+    plan = plan_mini_batches(lay, min(M, lay.num_groups), dp, micro_batch_max_tokens=cap, seed=seed,
+                             workload="tokens")
+    check_micro_batches(plan, tokens, cap)
+    order, mb, rank = plan.order.numpy(), plan.mini_batch_id.numpy(), plan.rank.numpy()
+    lens = np.where(order >= 0, tokens[np.maximum(order, 0)], plan.spec.pad_row_tokens)
+    for m in range(plan.num_mini_batches):
+        optimum = max(_fewest_bins_brute(lens[(mb == m) & (rank == r)].tolist(), cap) for r in range(dp))
+        assert plan.stats.micro_batches[m] == plan.stats.micro_batches_lower_bound[m] == optimum

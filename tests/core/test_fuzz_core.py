@@ -6,7 +6,6 @@ harmful corruption that is accepted. Then one regression test per class of bug t
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import numpy as np

@@ -7,7 +7,6 @@ GSPO at trajectory scope (its pre-pass) gives every row its trajectory's ratio o
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest

@@ -21,7 +21,7 @@ from verl_traj.stepwise.advantages import run_outcome_estimator
 from verl_traj.stepwise.expand import expand_step_rows
 from verl_traj.core.keys import STEP_ANCHORS, TURN_REWARDS
 from verl_traj.stepwise.step_groups import (StepCalls, discounted_step_returns, gigpo_advantages,
-                                            step_group_advantages, step_group_ids)
+                                            step_group_advantages)
 from verl_traj.testing import step_record_batch, token_trajectory
 from verl_traj.testing.stopping_game import baseline_estimates, estimate_cells, stopping_game
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .errors import TrajInputError
+from .sorting import lex_order
 
 __all__ = ["WORKLOAD_MODELS", "calculate_workload", "balance_equal_size", "lpt", "round_robin_equal_size"]
 
@@ -121,14 +122,28 @@ def balance_equal_size(
                              field="block")
     if num_bins == 1:
         return np.zeros(n, dtype=np.int64)
-    order = np.lexsort((np.arange(n) if tiebreak is None else tiebreak, -costs, block))
+    order = lex_order(np.arange(n) if tiebreak is None else tiebreak, -costs, block)
     bins, loads = _round_lpt(costs, block, order, sizes, num_bins)
     starts = np.cumsum(sizes) - sizes
     max_swaps = 8 * num_bins + 64 if max_swaps is None else max_swaps
     for g in np.flatnonzero(sizes > num_bins):  # one item per bin: no count-preserving swap helps
         idx = order[starts[g]: starts[g] + sizes[g]]
         _refine_block(idx, costs, bins, loads[g], num_bins, max_swaps, rel_tol)
-    return bins
+    return _no_worse_than_round_robin(bins, costs, block, num_blocks, num_bins)
+
+
+def _no_worse_than_round_robin(bins: np.ndarray, costs: np.ndarray, block: np.ndarray, num_blocks: int,
+                               num_bins: int) -> np.ndarray:
+    """``bins``, except in blocks where no balancing (:func:`round_robin_equal_size`) has a lighter max bin: LPT
+    and the refinement are heuristics, and a balanced plan must never be worse than an unbalanced one."""
+    rr = round_robin_equal_size(block, num_blocks, num_bins)
+
+    def max_load(assign: np.ndarray) -> np.ndarray:
+        loads = np.bincount(block * num_bins + assign, weights=costs, minlength=num_blocks * num_bins)
+        return loads.reshape(num_blocks, num_bins).max(1)
+
+    worse = max_load(bins) > max_load(rr)
+    return np.where(worse[block], rr, bins)
 
 
 def _round_lpt(costs: np.ndarray, block: np.ndarray, order: np.ndarray, sizes: np.ndarray,

@@ -36,6 +36,7 @@ from .errors import TrajInputError, check_choice, check_int, check_options
 from .layout import BatchLayout
 from .packing import MICRO_BATCH_COSTS, Partitioner, pack_micro_batches
 from .plan_metrics import plan_metrics
+from .sorting import lex_order
 from .tree_planning import TreePieces, place_tree_pieces, real_units, tree_micro_stats, tree_pieces
 
 __all__ = [
@@ -136,7 +137,7 @@ class MiniBatchStats:
     rank_loss_tokens: torch.Tensor  # [M, dp] int64
     # micro-batch packing (zeros when no cap was given)
     micro_batches: torch.Tensor  # [M] int64 micro-batches per rank (synced over ranks)
-    micro_batches_lower_bound: torch.Tensor  # [M] int64 max over ranks of ceil(rank cost / cap)
+    micro_batches_lower_bound: torch.Tensor  # [M] int64 max over ranks of the fewest micro-batches possible (packing)
     max_packed_tokens: torch.Tensor  # [M] int64 largest attended-token sum of one micro-batch
     padded_positions: torch.Tensor  # [M] int64 positions computed without remove-padding minus attended tokens
     ranks_short_of_rows: torch.Tensor  # [M] int64 ranks with fewer rows than the synced count
@@ -318,7 +319,7 @@ def _placed(items: _Items, spec: PlanSpec, rng: np.random.Generator, pieces: Opt
 def _rank_major(items: _Items) -> np.ndarray:
     """Stage 4: output order (rank, mini-batch, padding last, source row)."""
     src_key = np.where(items.pad, np.arange(items.src.shape[0]), items.src)
-    return np.lexsort((src_key, items.pad, items.mb, items.rank))
+    return lex_order(src_key, items.pad, items.mb, items.rank)
 
 
 def plan_mini_batches(

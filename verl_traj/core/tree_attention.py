@@ -22,7 +22,6 @@ for a compiled kernel on CUDA. Pure module: torch only.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional, Sequence
 
 import torch

@@ -27,7 +27,8 @@ import numpy as np
 
 from .balancing import lpt
 from .errors import TrajInputError
-from .packing import PackingError, min_micro_batches
+from .bin_packing import fewest_bins
+from .packing import PackingError
 from .prefix_tree import _checked_rows, _segments
 
 __all__ = ["TreePieces", "TreePlacement", "place_pieces", "unit_pieces"]
@@ -118,11 +119,15 @@ class TreePlacement:
     max_packed: np.ndarray
 
 
-def _bins(sizes: list[int], cap: Optional[int]) -> list[list[int]]:
-    """Fewest micro-batches of one rank's pieces (``sizes`` descending) under ``cap`` (all in one without a cap)."""
+def _bins(sizes: list[int], cap: Optional[int]) -> tuple[list[list[int]], int]:
+    """Fewest micro-batches of one rank's pieces (``sizes`` descending) under ``cap`` (all in one without a cap),
+    and the fewest that any packing of them needs (:func:`~verl_traj.core.bin_packing.fewest_bins`' bound)."""
     if not sizes:
-        return []
-    return [list(range(len(sizes)))] if cap is None else [list(b) for b in min_micro_batches(sizes, cap)]
+        return [], 0
+    if cap is None:
+        return [list(range(len(sizes)))], 1
+    packing = fewest_bins(sizes, cap)
+    return packing.bins, packing.lower_bound
 
 
 def _split_to(bins: list[list[int]], want: int, sizes: list[int]) -> list[list[int]]:
@@ -150,20 +155,20 @@ def _place_mini_batch(tokens: np.ndarray, rows: np.ndarray, dp: int, cap: Option
         rank = lpt(tokens, dp, order=perm[np.argsort(-tokens[perm], kind="stable")])
     else:
         rank = np.arange(p, dtype=np.int64) % dp
-    per_rank = []
+    per_rank, lower = [], 1
     for r in range(dp):
         idx = np.flatnonzero(rank == r)
         idx = idx[np.argsort(-tokens[idx], kind="stable")]
-        per_rank.append((idx, _bins(tokens[idx].tolist(), cap)))
+        bins, bound = _bins(tokens[idx].tolist(), cap)
+        per_rank.append((idx, bins))
+        lower = max(lower, bound)
     count = max(1, max(len(b) for _, b in per_rank))
     while True:  # one more micro-batch on every rank only where a padding row fits in none of a rank's
         micro, pads, loads = _fill(tokens, rows, per_rank, count, cap, pad_tokens)
         if pads is not None:
             break
         count += 1
-    rank_tokens = np.bincount(rank, weights=tokens, minlength=dp)
-    lower = int(max(-(-int(t) // cap) for t in rank_tokens)) if cap is not None else 1
-    return rank, micro, pads, count, max(lower, 1), max(max(lo) for lo in loads)
+    return rank, micro, pads, count, lower, max(max(lo) for lo in loads)
 
 
 def _fill(tokens: np.ndarray, rows: np.ndarray, per_rank: list, count: int, cap: Optional[int], pad_tokens: int):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import socket
 from functools import partial
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import random
-import sys
 from pathlib import Path
 
 from verl_traj.integration.session_ledger import session_ledger

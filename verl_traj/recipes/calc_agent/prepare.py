@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 from pathlib import Path
 
