@@ -105,3 +105,13 @@ def test_users_sizes_reach_the_bound_batch_wide():
     loads = np.zeros((64, int(p.block_count.max())), dtype=np.int64)
     np.add.at(loads, (block, p.micro_index), tokens)
     assert loads.max() <= 8192
+
+
+def test_a_cap_past_int32_packs_in_int64():
+    """Token counts near 2^30 (the repair's int32 fast path would overflow): the same packing as the scaled-down rows."""
+    rng = np.random.default_rng(3)
+    rows = np.sort(_tight_block(rng, 6, 4096, 8))[::-1]
+    counts, starts, bins = np.array([rows.size]), np.array([0]), np.array([6])
+    small = pack_blocks(rows, starts, counts, bins, 4096)
+    big = pack_blocks(rows * (1 << 20), starts, counts, bins, 4096 << 20)
+    assert small.fits.all() and big.fits.all() and (small.bin == big.bin).all()

@@ -5,12 +5,13 @@ and the planner balances ranks by tokens, so a block's rows fill ``ceil(tokens /
 few tokens each: a tight packing, but one with many rows to exchange. :func:`pack_blocks` finds it for all
 blocks at once, as array work:
 
-1. longest-processing-time (LPT) in lockstep: step ``t`` puts every block's ``t``-th longest row on that
-   block's least-loaded bin (``max rows a block`` steps, each over ``[blocks, bins]``);
-2. a swap repair (:func:`_swap_repair`): each round pairs every over-full bin with an under-full bin of its
-   block and exchanges one row of each (or moves one row), the exchange that takes the most of the excess
-   without over-filling the partner. Rounds stop when every bin fits or ``rounds`` ran out; the loads' total
-   over-fill never rises.
+1. longest-processing-time (LPT) in rounds (:func:`_lpt_rounds`): round ``r`` hands each block's next ``k`` rows
+   (``k`` its bins, rows longest first) to its ``k`` bins, the longest to the least-loaded bin (``rows / bins``
+   rounds, each over ``[blocks, bins]``);
+2. a swap repair (:func:`_swap_repair`): each round pairs every over-full bin with up to ``_FAN`` under-full bins of
+   its block (each under-full bin in one pair) and makes the one exchange of a row each (or a move of one row) that
+   takes the most of the excess without over-filling the partner. Rounds stop when every bin fits or ``rounds`` ran
+   out; the total over-fill never rises.
 
 Blocks it leaves over-full are the caller's (an exact search per block, or one more bin). Pure module (numpy).
 """
@@ -108,18 +109,19 @@ def _swap_repair(sizes: np.ndarray, slots: np.ndarray, loads: np.ndarray, bin_bl
     """Rounds of one exchange per (over-full, under-full) pair, in place on ``slots`` / ``loads`` (module
     docstring). An exchange moves ``d = a - c`` tokens (``c = 0``: a move into a free slot) with
     ``1 <= d <= room``: the partner still fits and the excess shrinks by ``min(d, excess)``, the most taken."""
-    sized = np.concatenate([sizes, [0]]).astype(np.int32)  # _EMPTY (-1) reads 0; int32 halves the traffic
+    small = 3 * cap < _NEVER  # scores stay under 3 x cap: int32 halves the traffic where that fits
+    sized = np.concatenate([sizes, [0]]).astype(np.int32 if small else np.int64)  # _EMPTY (-1) reads 0
     num_blocks = int(bin_block[-1]) + 1
     for r in range(rounds):
         excess = loads - cap
         h, t = _pairs(excess, bin_block, num_blocks, r * _SHIFT)
         if h.size == 0:
             return
-        free = slots[t] == _EMPTY
-        c = np.where(free & (free.cumsum(1) > 1), _NEVER, sized[slots[t]])  # one free slot stands for all
+        free = slots[t] == _EMPTY  # one free slot of t stands for all: the others never take a row
+        c = np.where(free & (free.cumsum(1) > 1), _NEVER if small else 1 << 62, sized[slots[t]])
         d = sized[slots[h]][:, :, None] - c[:, None, :]  # [P, W, W]; an empty slot of h gives d <= 0
-        e = excess[h].astype(np.int32)[:, None, None]
-        room = (-excess[t]).astype(np.int32)[:, None, None]
+        e = excess[h].astype(sized.dtype)[:, None, None]
+        room = (-excess[t]).astype(sized.dtype)[:, None, None]
         # prefer d >= e (the excess all gone), the least such d; else the largest d
         score = np.where((d >= 1) & (d <= room), np.where(d >= e, 2 * cap + e - d, d), -1).reshape(h.size, -1)
         best = score.argmax(1)
