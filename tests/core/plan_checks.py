@@ -113,3 +113,19 @@ def check_plan(b, lay, plan, M, dp, group_by, workload="verl", cap=None):
     assert all(isinstance(v, float) and math.isfinite(v) for v in metrics.values())
     assert metrics["p/padding_rows"] == n_pad.sum()
     assert metrics["p/split_trajectories"] == 0.0
+
+
+def fewest_bins_brute(sizes: list[int], cap: int) -> int:
+    """Fewest bins of ``cap`` that hold ``sizes`` (every row ``<= cap``), by a dynamic program over subsets: the
+    brute-force optimum the packers are checked against (tiny inputs only: ``2^len(sizes)`` states)."""
+    n = len(sizes)
+    load = [sum(sizes[i] for i in range(n) if mask >> i & 1) for mask in range(1 << n)]
+    best = [0] + [n + 1] * ((1 << n) - 1)
+    for mask in range(1, 1 << n):
+        low = mask & -mask  # the bin holding the lowest row of mask: every sub-mask with it that fits
+        sub = mask
+        while sub:
+            if sub & low and load[sub] <= cap:
+                best[mask] = min(best[mask], best[mask ^ sub] + 1)
+            sub = (sub - 1) & mask
+    return best[-1]

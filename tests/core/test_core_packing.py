@@ -16,18 +16,7 @@ from hypothesis import strategies as st
 from verl_traj.core import PackingError, min_micro_batches, pack_micro_batches
 from verl_traj.core.bin_packing import bin_lower_bound, fewest_bins, pack_into, repaired_bins
 
-
-def _optimum_bins(sizes: list[int], cap: int) -> int:
-    """Fewest bins of ``cap`` by trying every assignment (tiny inputs only)."""
-    n = len(sizes)
-    for k in range(max(1, math.ceil(sum(sizes) / cap)), n + 1):
-        for assign in itertools.product(range(k), repeat=n):
-            loads = [0] * k
-            for s, b in zip(sizes, assign):
-                loads[b] += s
-            if max(loads) <= cap:
-                return k
-    return n
+from tests.core.plan_checks import fewest_bins_brute
 
 
 def _optimum_padded(sizes: list[int], cap: int) -> int:
@@ -54,17 +43,6 @@ def _optimum_padded(sizes: list[int], cap: int) -> int:
     return best
 
 
-def _fits_in(sizes: list[int], k: int, cap: int) -> bool:
-    """Some assignment of ``sizes`` to ``k`` bins of ``cap`` exists (every assignment tried; tiny inputs only)."""
-    for assign in itertools.product(range(k), repeat=len(sizes)):
-        loads = [0] * k
-        for s, b in zip(sizes, assign):
-            loads[b] += s
-        if max(loads) <= cap:
-            return True
-    return not sizes
-
-
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=7), st.integers(0, 30))
 def test_token_cost_reaches_the_optimum_on_small_blocks(sizes, extra):
@@ -73,7 +51,7 @@ def test_token_cost_reaches_the_optimum_on_small_blocks(sizes, extra):
     bins = min_micro_batches(sizes, cap)
     assert sorted(i for b in bins for i in b) == list(range(len(sizes)))
     assert all(sum(sizes[i] for i in b) <= cap for b in bins)
-    assert len(bins) == _optimum_bins(sizes, cap) == fewest_bins(sizes, cap).lower_bound
+    assert len(bins) == fewest_bins_brute(sizes, cap) == fewest_bins(sizes, cap).lower_bound
 
 
 @settings(max_examples=100, deadline=None)
@@ -83,7 +61,7 @@ def test_exact_search_settles_small_blocks(sizes, extra, k):
     order; with no budget it settles only what needs no search."""
     cap = max(max(sizes), 1) + extra
     sizes = sorted(sizes, reverse=True)
-    feasible = _fits_in(sizes, k, cap)
+    feasible = (not sizes or fewest_bins_brute(sizes, cap) <= k)
     for fair_first in (True, False):
         bins, settled = pack_into(sizes, k, cap, fair_first=fair_first)
         assert settled and (bins is not None) == feasible
@@ -102,7 +80,7 @@ def test_lower_bound_is_valid_and_counts_rows_over_half_the_cap(sizes, extra):
     cap = max(max(sizes), 1) + extra
     bound = bin_lower_bound(sizes, cap)
     assert max(math.ceil(sum(sizes) / cap), sum(2 * s > cap for s in sizes), 1) <= bound
-    assert bound <= _optimum_bins(sorted(sizes, reverse=True), cap)
+    assert bound <= fewest_bins_brute(sorted(sizes, reverse=True), cap)
 
 
 def test_reported_bound_counts_rows_over_half_the_cap():
@@ -168,7 +146,7 @@ def test_synced_count_is_the_optimum_of_the_constrained_problem(seed, dp, rows_p
     block = np.repeat(np.arange(dp), rows_per_rank)
     cap = int(tokens.max()) + extra
     p = pack_micro_batches(tokens, block, np.zeros(dp, dtype=np.int64), dp, cap)
-    optimum = [_optimum_bins(sorted(tokens[block == r].tolist(), reverse=True), cap) for r in range(dp)]
+    optimum = [fewest_bins_brute(sorted(tokens[block == r].tolist(), reverse=True), cap) for r in range(dp)]
     assert p.block_lower_bound.tolist() == optimum == p.block_count_unsynced.tolist()
     assert p.block_count.tolist() == [max(optimum)] * dp
     for r in range(dp):

@@ -17,7 +17,7 @@ from verl_traj.core import (
 )
 from verl_traj.testing import random_batch
 
-from tests.core.plan_checks import check_micro_batches, check_plan
+from tests.core.plan_checks import check_micro_batches, check_plan, fewest_bins_brute
 
 
 def _layout(b):
@@ -179,21 +179,6 @@ def test_mini_batch_balance_units_fixes_prompts_per_optimizer_step():
     assert sorted(plan.stats.groups.tolist()) == [2, 2, 3, 3]
 
 
-def _fewest_bins_brute(sizes: list[int], cap: int) -> int:
-    """Fewest bins of ``cap`` for ``sizes`` by a dynamic program over subsets (tiny inputs only)."""
-    n = len(sizes)
-    load = [sum(sizes[i] for i in range(n) if mask >> i & 1) for mask in range(1 << n)]
-    best = [0] + [n + 1] * ((1 << n) - 1)
-    for mask in range(1, 1 << n):
-        low = mask & -mask  # the bin holding the lowest row of mask: every sub-mask with it that fits
-        sub = mask
-        while sub:
-            if sub & low and load[sub] <= cap:
-                best[mask] = min(best[mask], best[mask ^ sub] + 1)
-            sub = (sub - 1) & mask
-    return best[-1]
-
-
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), dp=st.integers(1, 3), M=st.integers(1, 2), slack=st.integers(0, 3))
 def test_micro_batch_count_is_the_optimum_for_the_plans_ranks(seed, dp, M, slack):
@@ -210,5 +195,5 @@ def test_micro_batch_count_is_the_optimum_for_the_plans_ranks(seed, dp, M, slack
     order, mb, rank = plan.order.numpy(), plan.mini_batch_id.numpy(), plan.rank.numpy()
     lens = np.where(order >= 0, tokens[np.maximum(order, 0)], plan.spec.pad_row_tokens)
     for m in range(plan.num_mini_batches):
-        optimum = max(_fewest_bins_brute(lens[(mb == m) & (rank == r)].tolist(), cap) for r in range(dp))
+        optimum = max(fewest_bins_brute(lens[(mb == m) & (rank == r)].tolist(), cap) for r in range(dp))
         assert plan.stats.micro_batches[m] == plan.stats.micro_batches_lower_bound[m] == optimum
