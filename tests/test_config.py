@@ -90,6 +90,9 @@ def test_of_parses_plain_dicts_and_none_each_time_and_refuses_unknown_keys():
         ({"pass_cost_tokens": -5}, "traj.pass_cost_tokens=-5"),
         ({"pass_cost_tokens": 1.5}, "traj.pass_cost_tokens=1.5"),
         ({"ratio_scope": "sequence"}, "traj.ratio_scope='sequence'"),
+        ({"replay_poll_s": 0}, "traj.replay_poll_s=0"),
+        ({"replay_poll_s": "fast"}, "traj.replay_poll_s='fast'"),
+        ({"replay_poll_s": 600}, "traj.replay_poll_s=600"),
     ],
 )
 def test_invalid_values_name_field_and_value(kwargs, needle):

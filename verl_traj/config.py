@@ -97,6 +97,8 @@ class TrajConfig:
             :mod:`verl_traj.core.failures`.
         trajectory_timeout_s: v1: seconds one session (trajectory) may run, tools and generation included, before it
             fails with reason ``timeout`` (then ``failed_groups`` applies); ``None``: no deadline.
+        replay_poll_s: v1: seconds between the trainer's checks that the step's groups are done (verl's replay buffer
+            ``poll_interval``, 2.0 in verl and not in its config: generation then ends on a 2-second tick).
         max_staleness: v1 async modes: the most a trajectory's token staleness may be when it trains (the
             token-weighted mean of how many policy versions each generated token is behind the trained policy);
             ``None``: no bound. :mod:`verl_traj.core.staleness`.
@@ -130,6 +132,7 @@ class TrajConfig:
     prefix_tree: bool = False
     failed_groups: str = "drop"
     trajectory_timeout_s: Optional[float] = None
+    replay_poll_s: float = 0.25
     max_staleness: Optional[float] = None
     stale_groups: str = "drop"
     step_advantage_weight: float = 1.0
@@ -162,6 +165,12 @@ class TrajConfig:
             raise TrajConfigError(
                 f"traj.trajectory_timeout_s={timeout!r} is invalid: it is the seconds one trajectory may run. Fix: set "
                 "a positive number of seconds, or null for no deadline.", field="traj.trajectory_timeout_s")
+        poll = self.replay_poll_s
+        if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not 0 < poll <= 60:
+            raise TrajConfigError(
+                f"traj.replay_poll_s={poll!r} is invalid: it is how often (seconds) the v1 trainer checks whether the "
+                "step's groups are done. Fix: set a number in (0, 60] (default 0.25; verl's own is 2.0).",
+                field="traj.replay_poll_s")
         for name in ("loss_agg_mode", "critic_loss_agg_mode"):
             if getattr(self, name) is not None:
                 _check_choice(f"traj.{name}", getattr(self, name), loss_weight_modes())

@@ -110,8 +110,22 @@ def _put_group(tq, uid: str, dispatched: int, ledgers: list, status: str = "fini
 def _buffer(tq, policy: str, refill, failed_groups: str = "drop"):
     buffer = ReplayBufferAsync(trainer_mode="colocate_async", trainer_config=OmegaConf.create({}),
                                max_off_policy_threshold=None, max_off_policy_strategy="drop",
-                               sampler_kwargs=OmegaConf.create({}), poll_interval=0.05, refill_fn=refill)
-    return with_group_policies(buffer, TrajConfig(max_staleness=1.0, stale_groups=policy, failed_groups=failed_groups))
+                               sampler_kwargs=OmegaConf.create({}), refill_fn=refill)
+    return with_group_policies(buffer, TrajConfig(max_staleness=1.0, stale_groups=policy, failed_groups=failed_groups,
+                                                  replay_poll_s=0.05))
+
+
+def test_the_buffer_polls_at_traj_replay_poll_s():
+    """verl builds its replay buffer with poll_interval=2.0 (not in its config): sampling then waits for the step's
+    groups in 2-second ticks. verl_traj's buffer polls at ``traj.replay_poll_s``."""
+    def verls() -> ReplayBufferAsync:
+        return ReplayBufferAsync(trainer_mode="colocate_async", trainer_config=OmegaConf.create({}),
+                                 max_off_policy_threshold=None, max_off_policy_strategy="drop",
+                                 sampler_kwargs=OmegaConf.create({}))
+
+    assert verls().poll_interval == 2.0
+    assert with_group_policies(verls(), TrajConfig()).poll_interval == TrajConfig.replay_poll_s == 0.25
+    assert with_group_policies(verls(), TrajConfig(replay_poll_s=0.05)).poll_interval == 0.05
 
 
 def _clear(tq) -> None:

@@ -408,7 +408,8 @@ def test_the_sync_trainer_refills_failed_groups_exactly_with_traj_enabled(starte
 
 
 @pytest.mark.parametrize("override, field", [("traj.trajectory_timeout_s=30", "traj.trajectory_timeout_s"),
-                                             ("traj.failed_groups=keep_survivors", "traj.failed_groups")])
+                                             ("traj.failed_groups=keep_survivors", "traj.failed_groups"),
+                                             ("traj.replay_poll_s=0.5", "traj.replay_poll_s")])
 def test_failure_settings_only_v1_serves_are_refused_on_v0(started, override, field):
     from verl_traj.config import TrajConfigError
 

@@ -48,6 +48,11 @@ def settle_failed_groups(config: Any, traj_config: TrajConfig) -> Optional[str]:
                     f"traj.{name}={value!r} needs verl's v1 trainer (trainer.use_v1=true): on v0 an agent loop that "
                     f"raises stops the step, and no failed group is dropped or kept. Fix: set trainer.use_v1=true, or "
                     f"remove traj.{name}.", field=f"traj.{name}")
+        if traj_config.replay_poll_s != TrajConfig.replay_poll_s:
+            raise TrajConfigError(
+                f"traj.replay_poll_s={traj_config.replay_poll_s!r} needs verl's v1 trainer (trainer.use_v1=true): v0 "
+                "has no replay buffer to poll (its generation returns when the last session ends). Fix: set "
+                "trainer.use_v1=true, or remove traj.replay_poll_s.", field="traj.replay_poll_s")
     v1 = config.trainer.get("use_v1", False) and config.trainer.v1.get("trainer_mode", "sync") == "sync"
     if not (traj_config.enable and v1) or config.trainer.v1.sampler.get("sync_refill_failed_groups", False):
         return None
@@ -137,7 +142,8 @@ _CLASSES: dict[tuple, type] = {}
 def with_group_policies(buffer: Any, traj_config: TrajConfig) -> Any:
     """``buffer`` (verl's replay buffer, or a subclass) with :class:`FailedGroupPolicy` before its class in the MRO
     and, on the async modes (:class:`ReplayBufferAsync`: the only ones whose rows can be stale),
-    :class:`~.v1_staleness.StaleGroupPolicy` before both (it bounds the groups the failure policy keeps)."""
+    :class:`~.v1_staleness.StaleGroupPolicy` before both (it bounds the groups the failure policy keeps); it polls
+    every ``traj.replay_poll_s`` seconds."""
     if not isinstance(buffer, ReplayBuffer):
         raise TrajConfigError(
             f"trainer.v1.sampler.custom_sampler gives {type(buffer).__name__}, not a subclass of verl's ReplayBuffer: "
@@ -157,6 +163,7 @@ def with_group_policies(buffer: Any, traj_config: TrajConfig) -> Any:
     if (cls, mixins) not in _CLASSES:
         _CLASSES[cls, mixins] = type(f"Traj{cls.__name__}", (*mixins, cls), {"__module__": __name__})
     buffer.__class__ = _CLASSES[cls, mixins]
+    buffer.poll_interval = traj_config.replay_poll_s  # verl's 2.0 s is not in its config
     buffer.failed_group_policy = traj_config.failed_groups
     buffer.max_staleness, buffer.stale_group_policy = traj_config.max_staleness, traj_config.stale_groups
     return buffer
