@@ -42,7 +42,7 @@ import torch
 
 from verl_traj.core.errors import TrajInputError
 
-__all__ = ["IGNORE_INDEX", "PrefixTree", "build_prefix_tree", "tree_token_count", "attention_pairs",
+__all__ = ["IGNORE_INDEX", "PrefixTree", "build_prefix_tree", "tree_of_checked", "tree_token_count", "attention_pairs",
            "row_attention_pairs", "tree_attention_mask", "gather_flat", "gather_rows", "gather_padded"]
 
 IGNORE_INDEX = -100  # label of a leaf (no next token), as verl's and torch's cross-entropy ignore it
@@ -103,7 +103,9 @@ class _Segments:
 
 def _checked_row(name: str, row: Any) -> np.ndarray:
     """One row as a 1-D int64 array: 1-D, an integer dtype unless empty (``torch.tensor([])`` is a padding row);
-    the ids' sign is checked for all rows at once in :func:`_checked_rows`."""
+    the ids' sign is checked for all rows at once in :func:`_checked_rows`. An int64 array is returned as is."""
+    if type(row) is np.ndarray and row.dtype == np.int64 and row.ndim == 1:
+        return row
     if isinstance(row, torch.Tensor):
         if row.dim() != 1:
             raise TrajInputError.invalid(name, row, f"has shape {tuple(row.shape)}, not 1-D", _ROWS_FIX)
@@ -219,7 +221,12 @@ def build_prefix_tree(rows: Sequence[torch.Tensor]) -> PrefixTree:
     Raises :class:`TrajInputError` when ``rows`` is not a list, or ``rows[i]`` is not 1-D / integer / ids ``>= 0``.
     Cost: one sort of the rows, ``O(T)`` numpy work, Python loops over the distinct rows only.
     """
-    seg = _segments(_checked_rows(rows))
+    return tree_of_checked(_checked_rows(rows))
+
+
+def tree_of_checked(arrays: list[np.ndarray]) -> PrefixTree:
+    """:func:`build_prefix_tree` of rows already checked (``_checked_rows``' int64 arrays): no second check."""
+    seg = _segments(arrays)
     lengths = np.asarray([r.size for r in seg.rows], dtype=np.int64)
     sizes = lengths - seg.starts
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)

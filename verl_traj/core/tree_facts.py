@@ -32,9 +32,18 @@ import torch
 
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import TREE_INDEX
-from verl_traj.core.prefix_tree import _checked_rows, build_prefix_tree
+from verl_traj.core.prefix_tree import _checked_rows, tree_of_checked
 
-__all__ = ["DeviceTree", "TreeFacts", "micro_batch_tree_facts", "tree_from_facts"]
+__all__ = ["DeviceTree", "TreeFacts", "micro_batch_tree_facts", "split_rows", "tree_from_facts"]
+
+
+def split_rows(ids: Any, lengths: Any) -> list[np.ndarray]:
+    """Rows from one flat array of token ids: ``ids`` ``[T]`` (tensor or array; a CPU tensor is read in place),
+    ``lengths`` ``[R]`` ints summing to ``T``. Returns ``R`` int64 numpy views into one array: the rows
+    :func:`build_prefix_tree` and the tree planner take, without a tensor per row."""
+    flat = ids.detach().to("cpu", torch.int64).numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids, np.int64)
+    lengths = lengths.cpu().numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths)
+    return np.split(flat, np.cumsum(lengths)[:-1]) if lengths.size else []
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,7 @@ def micro_batch_tree_facts(rows: Sequence[Any], part: Any) -> TreeFacts:
     bounds = np.searchsorted(inverse[order], np.arange(int(inverse.max(initial=-1)) + 2))
     for g in range(bounds.size - 1):
         members = order[bounds[g]:bounds[g + 1]]
-        tree = build_prefix_tree([arrays[i] for i in members.tolist()])
+        tree = tree_of_checked([arrays[i] for i in members.tolist()])  # checked once above
         starts = tree.row_offsets[:-1].numpy()
         dest = np.repeat(offsets[members] - starts, lengths[members]) + np.arange(tree.num_row_tokens)
         index[dest] = tree.row_index.numpy()

@@ -48,8 +48,7 @@ def dense_tree_facts(rows: Sequence[Any], plan: Any) -> dict[str, torch.Tensor]:
     lengths = np.diff(facts.offsets)
     width = max(int(lengths.max(initial=0)), 1)
     dense = np.full((lengths.size, width), -1, dtype=np.int32)
-    dense[np.repeat(np.arange(lengths.size), lengths), np.arange(facts.index.size) - np.repeat(facts.offsets[:-1],
-                                                                                               lengths)] = facts.index
+    dense[np.arange(width)[None, :] < lengths[:, None]] = facts.index  # row-major: each row's tokens, left-aligned
     return {TREE_INDEX: torch.from_numpy(dense), TREE_SIZE: torch.from_numpy(facts.size)}
 
 

@@ -24,6 +24,7 @@ from verl_traj.core import BatchLayout, MiniBatchPlan, build_layout_from_counts
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID
 from verl_traj.core.row_key import parse_row_keys, row_key_order
+from verl_traj.core.tree_facts import split_rows
 from verl_traj.integration.tree_plan_facts import nested_tree_facts
 from verl_traj.integration.v1_plan_facts import row_loss_tokens
 
@@ -55,17 +56,17 @@ def read_layout(batch: KVBatchMeta) -> BatchLayout:
                                     traj_id=keys.traj_id, step_index=keys.step)
 
 
-def read_rows(batch: KVBatchMeta, keys: Optional[list[str]] = None) -> list[torch.Tensor]:
+def read_rows(batch: KVBatchMeta, keys: Optional[list[str]] = None) -> list[np.ndarray]:
     """Every row's attended token ids (``traj.prefix_tree``: the planner costs units in tree tokens), from one fetch
     of ``input_ids`` (stored unpadded, one nested row each); ``keys``: only those rows of ``batch``'s partition."""
     keys = batch.keys if keys is None else keys
     if not keys:
         return []
     ids = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["input_ids"])["input_ids"]
-    return list(torch.split(ids.values(), ids.offsets().diff().tolist()))
+    return split_rows(ids.values(), ids.offsets().diff())
 
 
-def planned_rows(batch: KVBatchMeta, plan: MiniBatchPlan, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+def planned_rows(batch: KVBatchMeta, plan: MiniBatchPlan, rows: list[np.ndarray]) -> list[np.ndarray]:
     """The planned ``batch``'s token ids in dispatch order: the source ``rows`` (read for planning) by ``plan.order``,
     and only the padding rows (``order < 0``, just written) fetched."""
     order = plan.order.tolist()
