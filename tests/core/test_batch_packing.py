@@ -80,10 +80,10 @@ def test_pack_fewest_adds_bins_only_to_blocks_too_large_to_search():
         return BatchPacking(np.zeros(sizes.size, dtype=np.int64), np.zeros(counts.size, dtype=bool))
 
     with mock.patch("verl_traj.core.batch_packing.pack_blocks", side_effect=never_fits) as packed:
-        out, bins = pack_fewest(sizes, starts, counts, 1000, search_limit=100)
+        out, bins, _ = pack_fewest(sizes, starts, counts, 1000, search_limit=100)
     assert bins.tolist() == [6 + MAX_EXTRA_BINS, 1] and not out.fits.any()
     assert packed.call_count == 1 + MAX_EXTRA_BINS
-    out, bins = pack_fewest(sizes, starts, counts, 1000, search_limit=100)  # the real packer fits at the bound
+    out, bins, _ = pack_fewest(sizes, starts, counts, 1000, search_limit=100)  # the real packer fits at the bound
     assert bins.tolist() == [6, 1] and out.fits.all()
 
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from tests.core.test_prefix_tree import PROPS, row_sets
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.prefix_tree import attention_pairs, build_prefix_tree, row_attention_pairs
-from verl_traj.core.tree_facts import micro_batch_tree_facts, tree_from_facts
+from verl_traj.core.tree_facts import micro_batch_tree_facts, rows_in_plan_order, tree_from_facts
 
 
 def _inputs(rows: list, facts, members: list, dense: bool = False, device: str = "cpu"):
@@ -118,3 +118,15 @@ def test_an_index_of_another_batchs_length_is_refused_before_any_indexing(index)
     with pytest.raises(TrajInputError) as raised:
         tree_from_facts(ids, torch.tensor([0, 1, 0, 1, 2]), torch.tensor([0, 2, 5]), index, 3)
     assert raised.value.field == "prefix_tree_index" and "planned batch unmodified" in str(raised.value)
+
+
+def test_rows_in_plan_order_reads_only_the_padding_rows_again():
+    """Both trainers build the planned trees from the planner's own rows by ``plan.order``; the padding slots take the
+    rows read back, in order; a count that does not match is refused, naming the field."""
+    rows = [np.array([1, 2]), np.array([3]), np.array([4, 5, 6])]
+    pads = [np.array([0]), np.array([0, 0])]
+    out = rows_in_plan_order(rows, np.array([2, -1, 0, 1, -1]), pads)
+    assert [r.tolist() for r in out] == [[4, 5, 6], [0], [1, 2], [3], [0, 0]]
+    with pytest.raises(TrajInputError) as err:
+        rows_in_plan_order(rows, np.array([2, -1, 0]), pads)
+    assert err.value.field == "pad_rows"

@@ -170,16 +170,18 @@ def pack_blocks(sizes: np.ndarray, starts: np.ndarray, counts: np.ndarray, bins:
 
 
 def pack_fewest(sizes: np.ndarray, starts: np.ndarray, counts: np.ndarray, cap: int, search_limit: int,
-                extra: int = MAX_EXTRA_BINS) -> tuple[BatchPacking, np.ndarray]:
+                extra: int = MAX_EXTRA_BINS) -> tuple[BatchPacking, np.ndarray, np.ndarray]:
     """:func:`pack_blocks` at each block's token bound ``max(1, ceil(tokens / cap))``; blocks with
     ``rows x bins > search_limit`` (too large for the caller's exact search) that do not fit get one more bin and
     are packed again (only they), up to ``extra`` more.
 
-    Returns ``(packing, bins)``: ``bins`` ``[B]`` int64 the count each block was packed at (0 when empty);
-    ``packing.fits[b]`` says whether that count fits (the caller packs the others its own way)."""
+    Returns ``(packing, bins, bound)``: ``bins`` ``[B]`` int64 the count each block was packed at and ``bound``
+    ``[B]`` its token bound (both 0 when empty); ``packing.fits[b]`` says whether that count fits (the caller
+    packs the others its own way)."""
     sizes = np.asarray(sizes, dtype=np.int64)
     prefix = np.concatenate([[0], np.cumsum(sizes)])
-    bins = np.where(counts > 0, np.maximum(1, -(-(prefix[starts + counts] - prefix[starts]) // cap)), 0)
+    bound = np.where(counts > 0, np.maximum(1, -(-(prefix[starts + counts] - prefix[starts]) // cap)), 0)
+    bins = bound.copy()
     result = pack_blocks(sizes, starts, counts, bins, cap)
     assign, fits = result.bin.copy(), result.fits.copy()
     retry = counts * bins > search_limit
@@ -191,4 +193,4 @@ def pack_fewest(sizes: np.ndarray, starts: np.ndarray, counts: np.ndarray, cap: 
         rows = np.concatenate([np.arange(s, s + n) for s, n in zip(starts[again].tolist(), counts[again].tolist())])
         sub = pack_blocks(sizes[rows], np.cumsum(counts[again]) - counts[again], counts[again], bins[again], cap)
         assign[rows], fits[again] = sub.bin, sub.fits
-    return BatchPacking(assign, fits), bins
+    return BatchPacking(assign, fits), bins, bound

@@ -11,9 +11,10 @@ weights). The cost of a micro-batch depends on the attention path:
   verl adapter passes verl's own Karmarkar-Karp, so the count is never above verl's
   ``rearrange_micro_batches`` on the same rows -- and best-fit decreasing). The count equals the block's
   lower bound wherever the exact search settles every smaller count. First, for all blocks at once, LPT in
-  rounds at ``ceil(tokens / cap)`` (:func:`~verl_traj.core.lpt_rounds.lpt_rounds`: batch-wide array work);
-  only the blocks it does not fit are packed one by one, so users' large blocks of short rows cost no
-  Python loop over rows.
+  rounds at ``ceil(tokens / cap)`` and a swap repair (:func:`~verl_traj.core.batch_packing.pack_fewest`:
+  batch-wide array work; a block too large for the exact search gets one more bin batch-wide instead); only
+  the blocks it does not fit are packed one by one, so users' large blocks of short rows cost no Python loop
+  over rows.
 * ``cost="padded"`` (no remove-padding, e.g. sdpa on CPU): every micro-batch is padded to its longest
   row, so its compute is ``rows x longest row`` positions, and every pass also has a fixed cost
   (``pass_cost``, in positions: kernel launches, FSDP's parameter gathers). The cap keeps verl's meaning
@@ -165,9 +166,7 @@ def _batch_wide(sorted_tokens: np.ndarray, starts: np.ndarray, rows: np.ndarray,
     if cost != "tokens":
         zeros = np.zeros(rows.size, dtype=np.int64)
         return np.zeros(sorted_tokens.size, dtype=np.int64), zeros.astype(bool), zeros, zeros.copy()
-    fast, bins = pack_fewest(sorted_tokens, starts, rows, cap, SEARCH_LIMIT)
-    prefix = np.concatenate([[0], np.cumsum(sorted_tokens)])
-    bound = np.where(rows > 0, np.maximum(1, -(-(prefix[starts + rows] - prefix[starts]) // cap)), 0)
+    fast, bins, bound = pack_fewest(sorted_tokens, starts, rows, cap, SEARCH_LIMIT)
     lower = np.where(fast.fits, bins, 0)
     for b in np.flatnonzero(fast.fits & (bins > bound)).tolist():  # fit with more bins: say the bound
         lower[b] = bin_lower_bound(sorted_tokens[starts[b]:starts[b] + rows[b]], cap)

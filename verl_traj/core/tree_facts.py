@@ -34,7 +34,19 @@ from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import TREE_INDEX
 from verl_traj.core.prefix_tree import _checked_rows, tree_of_checked
 
-__all__ = ["DeviceTree", "TreeFacts", "micro_batch_tree_facts", "split_rows", "tree_from_facts"]
+__all__ = ["DeviceTree", "TreeFacts", "micro_batch_tree_facts", "rows_in_plan_order", "split_rows", "tree_from_facts"]
+
+
+def rows_in_plan_order(rows: Sequence[Any], order: Any, pad_rows: Sequence[Any]) -> list[Any]:
+    """The planned rows in dispatch order: source ``rows[o]`` for each ``o = order[i] >= 0`` and, for the padding
+    slots (``o < 0``), ``pad_rows`` in turn (``len(pad_rows)`` must be the number of padding slots). The trees are
+    built from the rows the planner costed; only the padding rows, written by the plan, are read again."""
+    order = np.asarray(order).tolist()
+    if sum(o < 0 for o in order) != len(pad_rows):
+        raise TrajInputError(f"the plan has {sum(o < 0 for o in order)} padding rows but {len(pad_rows)} were read",
+                             field="pad_rows")
+    pads = iter(pad_rows)
+    return [rows[o] if o >= 0 else next(pads) for o in order]
 
 
 def split_rows(ids: Any, lengths: Any) -> list[np.ndarray]:

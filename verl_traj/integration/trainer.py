@@ -43,7 +43,7 @@ from verl_traj.core.keys import (IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MINI_BAT
                                  PLAN_KEYS, PLANNED_FIELDS, RATIO_GROUP, RATIO_IN_LOSS, TRAJ_INDEX,
                                  planned_update_fields)
 from verl_traj.core.padding import resolve_pad_token_id
-from verl_traj.core.tree_facts import split_rows
+from verl_traj.core.tree_facts import rows_in_plan_order, split_rows
 from verl_traj.integration.checkpoints import CompleteCheckpoints
 from verl_traj.integration.gigpo import uses_step_groups
 from verl_traj.integration.verl_checks import value_at
@@ -90,10 +90,9 @@ def plan_batch_in_place(batch: DataProto, spec: UpdateSpec, dp_size: int, *, pad
     batch.batch = TensorDict(out_t, batch_size=[plan.num_rows], device=batch.batch.device)
     batch.non_tensor_batch = out_nt
     if traj_config.prefix_tree:  # the planned rows in dispatch order: the planner's rows by plan.order, padding read
-        order = plan.order.numpy()
-        pads = np.flatnonzero(order < 0)
-        pad_rows = iter(attended_rows(batch.batch["input_ids"][pads], batch.batch["attention_mask"][pads]))
-        planned = [rows[o] if o >= 0 else next(pad_rows) for o in order.tolist()]
+        pads = np.flatnonzero(plan.order.numpy() < 0)
+        pad_rows = attended_rows(batch.batch["input_ids"][pads], batch.batch["attention_mask"][pads])
+        planned = rows_in_plan_order(rows, plan.order.numpy(), pad_rows)
         for key, value in dense_tree_facts(planned, plan).items():
             batch.batch[key] = value.to(batch.batch.device) if batch.batch.device is not None else value
     return plan

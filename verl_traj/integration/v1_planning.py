@@ -24,7 +24,7 @@ from verl_traj.core import BatchLayout, MiniBatchPlan, build_layout_from_counts
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID
 from verl_traj.core.row_key import parse_row_keys, row_key_order
-from verl_traj.core.tree_facts import split_rows
+from verl_traj.core.tree_facts import rows_in_plan_order, split_rows
 from verl_traj.integration.tree_plan_facts import nested_tree_facts
 from verl_traj.integration.v1_plan_facts import row_loss_tokens
 
@@ -69,9 +69,8 @@ def read_rows(batch: KVBatchMeta, keys: Optional[list[str]] = None) -> list[np.n
 def planned_rows(batch: KVBatchMeta, plan: MiniBatchPlan, rows: list[np.ndarray]) -> list[np.ndarray]:
     """The planned ``batch``'s token ids in dispatch order: the source ``rows`` (read for planning) by ``plan.order``,
     and only the padding rows (``order < 0``, just written) fetched."""
-    order = plan.order.tolist()
-    pads = iter(read_rows(batch, [k for k, o in zip(batch.keys, order) if o < 0]))
-    return [rows[o] if o >= 0 else next(pads) for o in order]
+    pad_keys = [k for k, o in zip(batch.keys, plan.order.tolist()) if o < 0]
+    return rows_in_plan_order(rows, plan.order.numpy(), read_rows(batch, pad_keys))
 
 
 def ordered_batch(batch: KVBatchMeta, plan: MiniBatchPlan, pad_keys: list[str], pad_tags: list[dict]) -> KVBatchMeta:
@@ -85,7 +84,7 @@ def ordered_batch(batch: KVBatchMeta, plan: MiniBatchPlan, pad_keys: list[str], 
                        fields=batch.fields, extra_info=batch.extra_info)
 
 
-def store_plan_ids(batch: KVBatchMeta, plan: MiniBatchPlan, rows: Optional[list[torch.Tensor]] = None) -> None:
+def store_plan_ids(batch: KVBatchMeta, plan: MiniBatchPlan, rows: Optional[list[np.ndarray]] = None) -> None:
     """``mini_batch_id`` and ``micro_batch_id`` (``[B]`` int64, dispatch order) as fields of every row of the
     planned ``batch``; with a prefix-tree plan also each planned micro-batch's tree facts (``TREE_INDEX`` nested per
     row, ``TREE_SIZE`` ``[B]``) from the planned rows (``rows``: the source rows :func:`read_rows` gave the planner;
