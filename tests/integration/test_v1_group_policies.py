@@ -24,7 +24,7 @@ from verl.workers.rollout.replica import TokenOutput
 
 from verl_traj.config import TrajConfig
 from verl_traj.core.errors import TrajInputError
-from verl_traj.integration.v1_failures import with_group_policies
+from verl_traj.integration.v1_failures import POLL_COST_SHARE, poll_interval, with_group_policies
 from verl_traj.integration.session_ledger import VERSION_TOKENS_TAG, session_ledger
 from verl_traj.integration.v1_staleness import record_versions
 
@@ -126,6 +126,24 @@ def test_the_buffer_polls_at_traj_replay_poll_s():
     assert verls().poll_interval == 2.0
     assert with_group_policies(verls(), TrajConfig()).poll_interval == TrajConfig.replay_poll_s == 0.25
     assert with_group_policies(verls(), TrajConfig(replay_poll_s=0.05)).poll_interval == 0.05
+
+
+def test_a_slow_poll_waits_longer():
+    """A poll reads every key's tag: where it takes long (thousands of sessions), the wait grows so that polling
+    costs at most POLL_COST_SHARE of it; never below traj.replay_poll_s."""
+    assert poll_interval(0.25, 0.001) == 0.25
+    assert poll_interval(0.25, 0.4) == pytest.approx(0.4 * (1 - POLL_COST_SHARE) / POLL_COST_SHARE)
+
+
+def test_the_buffer_times_its_own_polls(tq):  # noqa: F811
+    """Over a real TransferQueue, a metadata read of the wrapped buffer sets the next wait from its own duration."""
+    _clear(tq)
+    _put_group(tq, "slow", 1, [[[0, 4]]] * 2)
+    buffer = _buffer(tq, "drop", refill=lambda n: None)
+    buffer.replay_poll_s = 1e-9  # below any real read: the wait is the read's own cost x 4
+    buffer.poll_interval = 123.0  # what the read must replace
+    buffer._sync_metadata_from_transfer_queue()
+    assert 1e-9 < buffer.poll_interval < 5.0
 
 
 def _clear(tq) -> None:
