@@ -42,7 +42,7 @@ POLL_COST_SHARE = 0.2  # the most of the trainer's wait for a step's groups spen
 def poll_interval(floor: float, took: float) -> float:
     """Seconds to wait before the next replay-buffer poll: ``traj.replay_poll_s`` (``floor``), or longer where one
     poll took ``took`` seconds, so polling costs at most ``POLL_COST_SHARE`` of the wait. A poll reads every key's
-    tag of the partition: about 1 ms at 64 prompts x 4 sessions, 60-430 ms at 1,024 x 16 (measured on 2 cores), where
+    tag of the partition: 1-2 ms at 64 prompts x 4 sessions, 69-398 ms at 1,024 x 16 (scripts/bench_replay_poll.py), where
     a fixed 0.25 s would keep the driver and the TransferQueue controller busy most of the time."""
     return max(floor, took * (1 - POLL_COST_SHARE) / POLL_COST_SHARE)
 
