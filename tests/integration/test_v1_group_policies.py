@@ -124,7 +124,7 @@ def test_the_buffer_polls_at_traj_replay_poll_s():
                                  sampler_kwargs=OmegaConf.create({}))
 
     assert verls().poll_interval == 2.0
-    assert with_group_policies(verls(), TrajConfig()).poll_interval == TrajConfig.replay_poll_s == 0.25
+    assert with_group_policies(verls(), TrajConfig()).poll_interval == TrajConfig.replay_poll_s == 2.0
     assert with_group_policies(verls(), TrajConfig(replay_poll_s=0.05)).poll_interval == 0.05
 
 
