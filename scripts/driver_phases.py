@@ -20,6 +20,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import psutil
 from omegaconf import OmegaConf
 from tensordict import TensorDict
@@ -163,7 +164,6 @@ def _plan(tr, batch, args, meter: Meter):
     with meter.phase("plan"):
         rows = attended_rows(batch.batch["input_ids"], batch.batch["attention_mask"]) if cfg.prefix_tree else None
         plan = plan_layout(layout, cfg, tr.spec.num_mini_batches, args.dp, micro=tr.spec.plan, seed=0, rows=rows)
-    del rows
     with meter.phase("apply"):
         out_t, out_nt = apply_plan(dict(batch.batch.items()), dict(nt), plan, pad_token_id=0,
                                    traj_key=cfg.traj_id_key, step_key=cfg.step_index_key)
@@ -171,11 +171,12 @@ def _plan(tr, batch, args, meter: Meter):
         batch.non_tensor_batch = out_nt
         del out_t
     if cfg.prefix_tree:
-        with meter.phase("tree_facts"):
-            planned = attended_rows(batch.batch["input_ids"], batch.batch["attention_mask"])
-            for key, value in dense_tree_facts(planned, plan).items():
+        with meter.phase("tree_facts"):  # as plan_batch_in_place: the planner's rows by plan.order, padding read
+            pads = np.flatnonzero(plan.order.numpy() < 0)
+            pad_rows = attended_rows(batch.batch["input_ids"][pads], batch.batch["attention_mask"][pads])
+            for key, value in dense_tree_facts(rows, pad_rows, plan).items():
                 batch.batch[key] = value
-            del planned
+    del rows
     return plan
 
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from tests.core.test_prefix_tree import PROPS, row_sets
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.prefix_tree import attention_pairs, build_prefix_tree, row_attention_pairs
-from verl_traj.core.tree_facts import micro_batch_tree_facts, rows_in_plan_order, tree_from_facts
+from verl_traj.core.tree_facts import micro_batch_tree_facts, plan_sources, tree_from_facts
 
 
 def _inputs(rows: list, facts, members: list, dense: bool = False, device: str = "cpu"):
@@ -120,13 +120,14 @@ def test_an_index_of_another_batchs_length_is_refused_before_any_indexing(index)
     assert raised.value.field == "prefix_tree_index" and "planned batch unmodified" in str(raised.value)
 
 
-def test_rows_in_plan_order_reads_only_the_padding_rows_again():
+def test_plan_sources_reads_only_the_padding_rows_again():
     """Both trainers build the planned trees from the planner's own rows by ``plan.order``; the padding slots take the
-    rows read back, in order; a count that does not match is refused, naming the field."""
+    rows read back, in order, after them; a count that does not match is refused, naming the field."""
     rows = [np.array([1, 2]), np.array([3]), np.array([4, 5, 6])]
     pads = [np.array([0]), np.array([0, 0])]
-    out = rows_in_plan_order(rows, np.array([2, -1, 0, 1, -1]), pads)
-    assert [r.tolist() for r in out] == [[4, 5, 6], [0], [1, 2], [3], [0, 0]]
+    sources, source = plan_sources(rows, np.array([2, -1, 0, 1, -1]), pads)
+    assert [r.tolist() for r in sources.as_list()] == [[1, 2], [3], [4, 5, 6], [0], [0, 0]]
+    assert source.tolist() == [2, 3, 0, 1, 4]
     with pytest.raises(TrajInputError) as err:
-        rows_in_plan_order(rows, np.array([2, -1, 0]), pads)
+        plan_sources(rows, np.array([2, -1, 0]), pads)
     assert err.value.field == "pad_rows"

@@ -21,7 +21,7 @@ from verl_traj.core import PlanError, build_layout_from_counts, plan_mini_batche
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.packing import PackingError
 from verl_traj.core.prefix_tree import tree_token_count
-from verl_traj.core.tree_planning import unit_pieces
+from verl_traj.core.tree_planning import _cut, unit_pieces
 
 PROPS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PAD_ID = 0
@@ -130,6 +130,34 @@ def test_unit_over_the_cap_is_cut_into_pieces_that_repay_their_path():
     assert pieces.tokens.tolist() == [102, 60] and pieces.unit_tokens.tolist() == [123]
     assert sorted(pieces.of_row.tolist()) == [0, 0, 0, 1]
     assert unit_pieces(rows, np.zeros(4, dtype=np.int64), 1, None).tokens.tolist() == [123]
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 30), st.integers(1, 30)), max_size=40),
+       st.integers(30, 90))
+def test_units_are_cut_as_the_row_by_row_greedy_cuts_them(rows, cap):
+    """The cut, all units at once, equals the obvious greedy over each unit's rows (a run grows while its first row
+    whole plus what each later row adds fits ``cap``)."""
+    rows = sorted(rows)
+    unit = np.asarray([u for u, _, _ in rows], dtype=np.int64)
+    lengths = np.asarray([length for _, length, _ in rows], dtype=np.int64)
+    added = np.minimum(np.asarray([a for _, _, a in rows], dtype=np.int64), lengths)
+    unit_tokens = np.bincount(unit, weights=added, minlength=4).astype(np.int64)
+    local, count, costs = _cut(unit, lengths, added, unit_tokens, cap)
+    want_local, want_count, want_costs = [], [1, 1, 1, 1], []
+    for u in range(4):
+        members = np.flatnonzero(unit == u).tolist()
+        if unit_tokens[u] <= cap:
+            want_local += [0] * len(members)
+            continue
+        runs: list[int] = []
+        for i in members:
+            if runs and runs[-1] + added[i] <= cap:
+                runs[-1] += int(added[i])
+            else:
+                runs.append(int(lengths[i]))
+            want_local.append(len(runs) - 1)
+        want_count[u], want_costs = len(runs), want_costs + runs
+    assert local.tolist() == want_local and count.tolist() == want_count and costs.tolist() == want_costs
 
 
 def test_refusals_name_the_field():

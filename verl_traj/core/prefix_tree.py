@@ -26,8 +26,8 @@ Layout: children in ascending token-id order, so the tree depends on the set of 
 distinct non-empty rows sorted lexicographically, row ``i`` adds one contiguous segment ``row_i[start_i:]``:
 ``start_i = 0`` (a new first token: a new root), ``lcp_i`` (the previous row is a prefix of it: it continues that
 row's leaf) or ``lcp_i - 1`` (a branch: a copy of the branch token, then its own tokens), where ``lcp_i`` is its
-longest common prefix with the previous row. Cost: one sort of the rows (each comparison a ``memcmp`` up to the
-shared prefix), then ``O(T)`` numpy work and Python loops over the rows only (not over tokens).
+longest common prefix with the previous row. The layout is :mod:`~verl_traj.core.trie_layout`'s (array work over the
+rows, shared with the driver's tree facts); the subtree ends here are for host trees (tests, benchmarks).
 
 Pure module (torch and numpy).
 """
@@ -41,13 +41,13 @@ import numpy as np
 import torch
 
 from verl_traj.core.errors import TrajInputError
+from verl_traj.core.token_rows import TokenRows, token_rows
+from verl_traj.core.trie_layout import row_index, segment_ids, trie_layout
 
-__all__ = ["IGNORE_INDEX", "PrefixTree", "build_prefix_tree", "tree_of_checked", "tree_token_count", "attention_pairs",
+__all__ = ["IGNORE_INDEX", "PrefixTree", "build_prefix_tree", "tree_token_count", "attention_pairs",
            "row_attention_pairs", "tree_attention_mask", "gather_flat", "gather_rows", "gather_padded"]
 
 IGNORE_INDEX = -100  # label of a leaf (no next token), as verl's and torch's cross-entropy ignore it
-_ROWS_FIX = ("pass a list of 1-D integer tensors, one per row: its attended token ids, no padding "
-             "(input_ids[i][attention_mask[i].bool()]); an empty tensor for a padding row")
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,84 +91,6 @@ class PrefixTree:
         return self.row_offsets[1:] - self.row_offsets[:-1]
 
 
-@dataclass(frozen=True)
-class _Segments:
-    """The distinct non-empty rows in lexicographic order and what each adds to the serialised tree."""
-
-    rows: list  # [S] np.int64 arrays
-    starts: np.ndarray  # [S] first position of each row that gets its own tree tokens
-    of_row: np.ndarray  # [R] index into ``rows`` of each input row; -1 for an empty row
-    num_copies: int
-
-
-def _checked_row(name: str, row: Any) -> np.ndarray:
-    """One row as a 1-D int64 array: 1-D, an integer dtype unless empty (``torch.tensor([])`` is a padding row);
-    the ids' sign is checked for all rows at once in :func:`_checked_rows`. An int64 array is returned as is."""
-    if type(row) is np.ndarray and row.dtype == np.int64 and row.ndim == 1:
-        return row
-    if isinstance(row, torch.Tensor):
-        if row.dim() != 1:
-            raise TrajInputError.invalid(name, row, f"has shape {tuple(row.shape)}, not 1-D", _ROWS_FIX)
-        if row.numel() and (row.dtype == torch.bool or row.is_floating_point() or row.is_complex()):
-            raise TrajInputError.invalid(name, row, f"has dtype {row.dtype}, not an integer dtype", _ROWS_FIX)
-        return row.detach().to("cpu", torch.int64).numpy()
-    if isinstance(row, (str, bytes)) or not isinstance(row, (np.ndarray, Sequence)):
-        raise TrajInputError.invalid(name, row, f"is a {type(row).__name__}, not a 1-D integer tensor", _ROWS_FIX)
-    try:
-        arr = np.asarray(row)
-    except ValueError:  # a ragged nested list
-        arr = np.asarray(row, dtype=object)
-    if arr.ndim != 1:
-        raise TrajInputError.invalid(name, arr, f"has shape {arr.shape}, not 1-D", _ROWS_FIX)
-    if arr.size and arr.dtype.kind not in "iu":
-        raise TrajInputError.invalid(name, arr, f"has dtype {arr.dtype}, not an integer dtype", _ROWS_FIX)
-    return arr.astype(np.int64)
-
-
-def _checked_rows(rows: Any) -> list[np.ndarray]:
-    """``rows`` as int64 arrays; a :class:`TrajInputError` naming ``rows[i]`` for a bad one (one min over all ids)."""
-    if isinstance(rows, (torch.Tensor, np.ndarray, str, bytes)) or not isinstance(rows, Sequence):
-        raise TrajInputError.invalid("rows", rows, "is not a list of rows (a padded [B, S] batch would put its padding "
-                                     "into the tree)", _ROWS_FIX)
-    arrays = [_checked_row(f"rows[{i}]", row) for i, row in enumerate(rows)]
-    flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
-    if flat.size and int(flat.min()) < 0:
-        for i, arr in enumerate(arrays):
-            if arr.size and int(arr.min()) < 0:
-                j = int(np.flatnonzero(arr < 0)[0])
-                raise TrajInputError.invalid(f"rows[{i}][{j}]", int(arr[j]), "is a negative token id (a padding or "
-                                             "ignore value?)", _ROWS_FIX)
-    return arrays
-
-
-def _segments(rows: list[np.ndarray]) -> _Segments:
-    """Sort the distinct non-empty rows and find each one's segment start (see the module docstring).
-
-    Big-endian bytes of non-negative int64 ids sort like the id sequences, so the sort is one ``sorted`` over bytes.
-    """
-    keys = [row.astype(">i8").tobytes() for row in rows]
-    order = sorted((r for r in range(len(rows)) if rows[r].size), key=keys.__getitem__)
-    distinct: list[np.ndarray] = []
-    starts: list[int] = []
-    of_row = np.full(len(rows), -1, dtype=np.int64)
-    copies, prev = 0, None
-    for r in order:
-        if prev is None or keys[r] != keys[prev]:
-            start = 0
-            if prev is not None:
-                a, b = rows[r], rows[prev]
-                m = min(a.size, b.size)
-                diff = np.flatnonzero(a[:m] != b[:m])
-                lcp = int(diff[0]) if diff.size else m  # == b.size when b is a prefix of a (b sorts first)
-                start = lcp if lcp in (0, b.size) else lcp - 1
-                copies += lcp not in (0, b.size)
-            distinct.append(rows[r])
-            starts.append(start)
-            prev = r
-        of_row[r] = len(distinct) - 1
-    return _Segments(distinct, np.asarray(starts, dtype=np.int64), of_row, copies)
-
-
 def _subtree_end(starts: np.ndarray, lengths: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """``[N]`` subtree ends: in a depth-first order the subtree of ``k`` runs up to the next token of depth
     ``<= depth[k]``; for row ``i``'s token at depth ``p`` that is the first later segment with ``start <= p``.
@@ -197,55 +119,38 @@ def _subtree_end(starts: np.ndarray, lengths: np.ndarray, offsets: np.ndarray) -
     return out
 
 
-def _row_index(seg: _Segments, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(row_index [T], row_offsets [R + 1])``: a row's path is the previous sorted row's path up to its segment
-    start, then its own segment (the instance of each token whose label is the row's next token)."""
-    paths: list[np.ndarray] = []
-    path = np.zeros(0, dtype=np.int64)
-    for i, start in enumerate(seg.starts.tolist()):
-        path = np.concatenate([path[:start], np.arange(offsets[i], offsets[i + 1], dtype=np.int64)])
-        paths.append(path)
-    empty = np.zeros(0, dtype=np.int64)
-    per_row = [paths[d] if d >= 0 else empty for d in seg.of_row.tolist()]
-    row_offsets = np.concatenate([[0], np.cumsum([p.size for p in per_row], dtype=np.int64)]).astype(np.int64)
-    return (np.concatenate(per_row) if per_row else empty), row_offsets
-
-
-def build_prefix_tree(rows: Sequence[torch.Tensor]) -> PrefixTree:
+def build_prefix_tree(rows: Sequence[torch.Tensor] | TokenRows) -> PrefixTree:
     """The prefix tree of ``rows`` (see :class:`PrefixTree` for the fields and invariants).
 
     Args:
         rows: ``R`` 1-D integer tensors (numpy arrays and int lists are accepted too), each row's attended token ids
-            (prompt + response, no padding), ids ``>= 0``; an empty row (a padding row) maps to nothing.
+            (prompt + response, no padding), ids ``>= 0``; an empty row (a padding row) maps to nothing. Or
+            :class:`~verl_traj.core.token_rows.TokenRows`.
     Returns the tree (CPU int64 tensors), independent of the order of ``rows`` (up to ``row_index``'s order).
     Raises :class:`TrajInputError` when ``rows`` is not a list, or ``rows[i]`` is not 1-D / integer / ids ``>= 0``.
-    Cost: one sort of the rows, ``O(T)`` numpy work, Python loops over the distinct rows only.
+    Cost: one sort of the rows, array work over their tokens (:mod:`~verl_traj.core.trie_layout`).
     """
-    return tree_of_checked(_checked_rows(rows))
-
-
-def tree_of_checked(arrays: list[np.ndarray]) -> PrefixTree:
-    """:func:`build_prefix_tree` of rows already checked (``_checked_rows``' int64 arrays): no second check."""
-    seg = _segments(arrays)
-    lengths = np.asarray([r.size for r in seg.rows], dtype=np.int64)
-    sizes = lengths - seg.starts
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    n = int(offsets[-1])
-    input_ids = np.concatenate([r[s:] for r, s in zip(seg.rows, seg.starts.tolist())]) if n else np.zeros(0, np.int64)
-    position_ids = np.arange(n, dtype=np.int64) - np.repeat(offsets[:-1] - seg.starts, sizes)
+    rows = token_rows(rows)
+    layout = trie_layout(rows, np.zeros(rows.num_rows, dtype=np.int64))
+    n = int(layout.part_size.sum())
+    sizes = layout.sizes
+    input_ids = segment_ids(rows, layout)
+    position_ids = np.arange(n, dtype=np.int64) - np.repeat(layout.offsets - layout.starts, sizes)
     labels = np.full(n, IGNORE_INDEX, dtype=np.int64)
     child = position_ids[1:] == position_ids[:-1] + 1  # the next serialised token is this token's (only) label child
     labels[:-1][child] = input_ids[1:][child]
-    subtree_end = _subtree_end(seg.starts, lengths, offsets)
-    t = [torch.from_numpy(a) for a in (input_ids, position_ids, labels, subtree_end, *_row_index(seg, offsets))]
-    return PrefixTree(*t, num_branch_copies=seg.num_copies)
+    subtree_end = _subtree_end(layout.starts, layout.lengths, np.append(layout.offsets, n))
+    t = [torch.from_numpy(a) for a in (input_ids, position_ids, labels, subtree_end,
+                                       row_index(rows, layout).astype(np.int64), rows.offsets.copy())]
+    return PrefixTree(*t, num_branch_copies=int(layout.copies.sum()))
 
 
-def tree_token_count(rows: Sequence[Any]) -> tuple[int, int]:
+def tree_token_count(rows: Sequence[Any] | TokenRows) -> tuple[int, int]:
     """``(tree tokens N, branch copies)`` of ``rows`` without building the tree (for benchmarks): one sort of the rows
-    and one common-prefix comparison per distinct row. Rows as in :func:`build_prefix_tree` (tensors, arrays, lists)."""
-    seg = _segments(_checked_rows(rows))
-    return sum(int(r.size) for r in seg.rows) - int(seg.starts.sum()), seg.num_copies
+    and their common prefixes. Rows as in :func:`build_prefix_tree` (tensors, arrays, lists)."""
+    rows = token_rows(rows)
+    layout = trie_layout(rows, np.zeros(rows.num_rows, dtype=np.int64))
+    return int(layout.part_size.sum()), int(layout.copies.sum())
 
 
 def attention_pairs(tree: PrefixTree) -> int:

@@ -3,9 +3,10 @@
 The driver holds every row's token ids on the host when it plans; the workers hold them on the device. So the trie is
 built where the ids are on the host, once per step, and what the workers need travels with the plan:
 
-* **Driver** (:func:`micro_batch_tree_facts`): the rows of each planned micro-batch (rows sharing a ``part`` key) go
-  through :func:`~verl_traj.core.prefix_tree.build_prefix_tree`; every row token gets its index in its micro-batch's
-  tree (the tree's ``row_index``) and every row the tree's size ``N`` (:class:`TreeFacts`).
+* **Driver** (:func:`micro_batch_tree_facts`): the rows of each planned micro-batch (rows sharing a ``part`` key) form
+  one tree, all laid out at once (:mod:`~verl_traj.core.trie_layout`, the layout of
+  :func:`~verl_traj.core.prefix_tree.build_prefix_tree`); every row token gets its index in its micro-batch's tree
+  (the tree's ``row_index``) and every row the tree's size ``N`` (:class:`TreeFacts`).
 * **Worker** (:func:`tree_from_facts`): the tree's tokens, depths and subtree ends from the rows' ids and those
   indices by scatters and one cumulative sum on the rows' own device. No host copy, no shape that depends on data
   (``N`` arrives as a host int with the plan), so no device-to-host sync; the same facts serve every pass and epoch.
@@ -25,37 +26,33 @@ Pure module (torch and numpy).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import TREE_INDEX
-from verl_traj.core.prefix_tree import _checked_rows, tree_of_checked
+from verl_traj.core.token_rows import TokenRows, token_rows
+from verl_traj.core.trie_layout import row_index, trie_layout
 
-__all__ = ["DeviceTree", "TreeFacts", "micro_batch_tree_facts", "rows_in_plan_order", "split_rows", "tree_from_facts"]
+__all__ = ["DeviceTree", "TreeFacts", "micro_batch_tree_facts", "plan_sources", "planned_tree_facts", "tree_from_facts"]
 
 
-def rows_in_plan_order(rows: Sequence[Any], order: Any, pad_rows: Sequence[Any]) -> list[Any]:
-    """The planned rows in dispatch order: source ``rows[o]`` for each ``o = order[i] >= 0`` and, for the padding
-    slots (``o < 0``), ``pad_rows`` in turn (``len(pad_rows)`` must be the number of padding slots). The trees are
-    built from the rows the planner costed; only the padding rows, written by the plan, are read again."""
-    order = np.asarray(order).tolist()
-    if sum(o < 0 for o in order) != len(pad_rows):
-        raise TrajInputError(f"the plan has {sum(o < 0 for o in order)} padding rows but {len(pad_rows)} were read",
+def plan_sources(rows: Any, order: Any, pad_rows: Any) -> tuple[TokenRows, np.ndarray]:
+    """``(source rows, source [B])``: the planner's ``rows`` followed by the padding rows the plan wrote (``pad_rows``,
+    as many as ``order`` has padding slots), and for each planned row (dispatch order) its source row in them: ``o``
+    for ``o = order[i] >= 0``, the padding rows in turn for the slots ``o < 0``. The trees are built from the rows
+    the planner costed, in their own order (no copy of their ids in dispatch order); only the padding rows, written
+    by the plan, are read again. ``rows`` / ``pad_rows``: lists of rows or :class:`~verl_traj.core.token_rows.TokenRows`."""
+    rows, pad_rows = token_rows(rows), token_rows(pad_rows)
+    source = np.asarray(order, dtype=np.int64).copy()
+    slots = np.flatnonzero(source < 0)
+    if slots.size != pad_rows.num_rows:
+        raise TrajInputError(f"the plan has {slots.size} padding rows but {pad_rows.num_rows} were read",
                              field="pad_rows")
-    pads = iter(pad_rows)
-    return [rows[o] if o >= 0 else next(pads) for o in order]
-
-
-def split_rows(ids: Any, lengths: Any) -> list[np.ndarray]:
-    """Rows from one flat array of token ids: ``ids`` ``[T]`` (tensor or array; a CPU tensor is read in place),
-    ``lengths`` ``[R]`` ints summing to ``T``. Returns ``R`` int64 numpy views into one array: the rows
-    :func:`build_prefix_tree` and the tree planner take, without a tensor per row."""
-    flat = ids.detach().to("cpu", torch.int64).numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids, np.int64)
-    lengths = lengths.cpu().numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths)
-    return np.split(flat, np.cumsum(lengths)[:-1]) if lengths.size else []
+    source[slots] = rows.num_rows + np.arange(slots.size)
+    return TokenRows.concat(rows, pad_rows), source
 
 
 @dataclass(frozen=True)
@@ -69,33 +66,27 @@ class TreeFacts:
     size: np.ndarray
 
 
-def micro_batch_tree_facts(rows: Sequence[Any], part: Any) -> TreeFacts:
-    """The tree facts of ``rows`` (each row's attended token ids, as :func:`build_prefix_tree` takes them), the rows
-    with one ``part`` key (``[R]`` ints, e.g. rank, mini-batch and micro-batch combined) forming one tree.
+def micro_batch_tree_facts(rows: Any, part: Any) -> TreeFacts:
+    """The tree facts of ``rows`` (each row's attended token ids, as :func:`build_prefix_tree` takes them, or
+    :class:`~verl_traj.core.token_rows.TokenRows`), the rows with one ``part`` key (``[R]`` ints, e.g. rank, mini-batch
+    and micro-batch combined) forming one tree.
 
     Invariant: ``index`` of a part's rows is :func:`build_prefix_tree` of those rows (in their order)'s ``row_index``.
-    Raises :class:`TrajInputError` naming ``rows[i]`` or ``part``. Cost: one tree per part (a Python loop over parts;
-    the rows of a part are scattered with one numpy index)."""
-    arrays = _checked_rows(rows)
-    part = np.asarray(part)
-    if part.shape != (len(arrays),) or (part.size and part.dtype.kind not in "iu"):
-        raise TrajInputError.invalid("part", part, f"is not [R={len(arrays)}] integer micro-batch keys",
-                                     "pass one integer key per row (the rows of one micro-batch share it)")
-    lengths = np.asarray([a.size for a in arrays], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    index = np.zeros(int(offsets[-1]), dtype=np.int32)
-    size = np.zeros(len(arrays), dtype=np.int64)
-    _, inverse = np.unique(part, return_inverse=True)
-    order = np.argsort(inverse, kind="stable")
-    bounds = np.searchsorted(inverse[order], np.arange(int(inverse.max(initial=-1)) + 2))
-    for g in range(bounds.size - 1):
-        members = order[bounds[g]:bounds[g + 1]]
-        tree = tree_of_checked([arrays[i] for i in members.tolist()])  # checked once above
-        starts = tree.row_offsets[:-1].numpy()
-        dest = np.repeat(offsets[members] - starts, lengths[members]) + np.arange(tree.num_row_tokens)
-        index[dest] = tree.row_index.numpy()
-        size[members] = tree.num_tree_tokens
-    return TreeFacts(index, offsets, size)
+    Raises :class:`TrajInputError` naming ``rows[i]`` or ``part``. Cost: every part's tree at once
+    (:mod:`~verl_traj.core.trie_layout`: one sort of the rows, array work over their tokens)."""
+    rows = token_rows(rows)
+    layout = trie_layout(rows, part)
+    return TreeFacts(row_index(rows, layout).astype(np.int32, copy=False), rows.offsets,
+                     layout.part_size[layout.part_of_row])
+
+
+def planned_tree_facts(rows: TokenRows, source: np.ndarray, part: Any) -> TreeFacts:
+    """:func:`micro_batch_tree_facts` of planned rows given by their sources (:func:`plan_sources`): planned row ``i``
+    is ``rows[source[i]]`` with part key ``part[i]``. The facts stay in the sources' order (``size`` and the rows of
+    ``index`` / ``offsets`` are the source rows'); a source row no planned row takes forms a tree of its own."""
+    keys = np.arange(rows.num_rows, dtype=np.int64) + int(np.max(part, initial=0)) + 1  # unplanned: one tree each
+    keys[source] = part
+    return micro_batch_tree_facts(rows, keys)
 
 
 @dataclass(frozen=True, eq=False)

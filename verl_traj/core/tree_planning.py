@@ -21,7 +21,7 @@ one micro-batch, so a unit is atomic wherever its tree fits the cap. Pure module
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
@@ -29,7 +29,8 @@ from .balancing import lpt
 from .errors import TrajInputError
 from .bin_packing import fewest_bins
 from .packing import PackingError
-from .prefix_tree import _checked_rows, _segments
+from .token_rows import token_rows
+from .trie_layout import trie_layout
 
 __all__ = ["TreePieces", "TreePlacement", "place_pieces", "unit_pieces"]
 
@@ -46,60 +47,73 @@ class TreePieces:
     unit_tokens: np.ndarray
 
 
-def _cut(lengths: np.ndarray, added: np.ndarray, cap: Optional[int]) -> tuple[np.ndarray, list[int]]:
-    """Consecutive runs of a unit's sorted distinct rows whose trees fit ``cap``: ``(piece of each distinct row,
-    tree tokens of each piece)``. A run's tree is its first row whole plus what each later row adds."""
-    if cap is None:
-        return np.zeros(lengths.size, dtype=np.int64), [int(added.sum())]
-    piece = np.empty(lengths.size, dtype=np.int64)
-    costs: list[int] = []
-    for i, (full, extra) in enumerate(zip(lengths.tolist(), added.tolist())):
-        if costs and costs[-1] + extra <= cap:
-            costs[-1] += extra
-        else:
-            costs.append(full)
-        piece[i] = len(costs) - 1
-    return piece, costs
+def _cut(unit: np.ndarray, lengths: np.ndarray, added: np.ndarray, unit_tokens: np.ndarray,
+         cap: Optional[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pieces of the units whose trees exceed ``cap``: consecutive runs of their sorted distinct rows (``unit`` /
+    ``lengths`` / ``added`` ``[D]``, units ascending, ``added >= 1``) whose trees fit, a run's tree its first row whole
+    plus what each later row adds, each run as long as it fits (greedy). Returns ``(piece within its unit of each
+    distinct row [D], pieces per unit [U], tree tokens of each piece of the cut units, units then pieces in order)``;
+    a unit that fits is one piece. One round per piece of the most cut unit, every cut unit at once: a run from row
+    ``s`` ends at the last ``e`` with ``sum(added[s+1..e]) <= cap - lengths[s]`` (a search in the cumulative sum)."""
+    local = np.zeros(unit.size, dtype=np.int64)
+    count = np.ones(unit_tokens.size, dtype=np.int64)
+    big = np.flatnonzero(unit_tokens > cap) if cap is not None else np.zeros(0, dtype=np.int64)
+    total = np.cumsum(added)
+    start, last = np.searchsorted(unit, big), np.searchsorted(unit, big, side="right") - 1
+    begins = np.zeros(unit.size, dtype=np.int64)
+    costs, piece_unit, piece_round = [], [], []
+    live, round_ = np.arange(big.size), 0
+    while live.size:
+        s = start[live]
+        e = np.minimum(np.searchsorted(total, cap - lengths[s] + total[s], side="right") - 1, last[live])
+        begins[s] = 1
+        costs.append(lengths[s] + total[e] - total[s])
+        piece_unit.append(big[live])
+        piece_round.append(np.full(live.size, round_))
+        start[live] = e + 1
+        live, round_ = live[e < last[live]], round_ + 1
+    member = np.isin(unit, big)
+    runs = np.cumsum(begins)  # piece starts up to each row; a cut unit's first row starts its first piece
+    local[member] = runs[member] - runs[np.searchsorted(unit, unit[member])]
+    units, rounds = (np.concatenate(x) if x else np.zeros(0, np.int64) for x in (piece_unit, piece_round))
+    count[big] = np.bincount(units, minlength=unit_tokens.size)[big]
+    order = np.lexsort((rounds, units))
+    return local, count, (np.concatenate(costs)[order] if costs else np.zeros(0, np.int64))
 
 
-def unit_pieces(rows: Sequence[Any], unit: np.ndarray, num_units: int, cap: Optional[int]) -> TreePieces:
+def unit_pieces(rows: Any, unit: np.ndarray, num_units: int, cap: Optional[int]) -> TreePieces:
     """Cut each unit's rows into pieces whose prefix trees fit ``cap`` tokens (module docstring).
 
     Args:
-        rows: ``R`` rows' attended token ids (as :func:`~verl_traj.core.prefix_tree.build_prefix_tree` takes them).
+        rows: ``R`` rows' attended token ids (as :func:`~verl_traj.core.prefix_tree.build_prefix_tree` takes them, or
+            :class:`~verl_traj.core.token_rows.TokenRows`).
         unit: ``[R]`` int unit of each row, in ``0..num_units-1``; every unit has a row.
         cap: tree tokens per micro-batch, or None (one piece per unit).
     Raises :class:`PackingError` (field ``micro_batch_max_tokens``) when a row alone is longer than ``cap``.
-    Cost: one sort per unit, Python loops over units and distinct rows (not tokens).
+    Cost: every unit's tree at once (:mod:`~verl_traj.core.trie_layout`); a Python loop over the rows of the units
+    whose trees exceed ``cap`` only.
     """
-    arrays = _checked_rows(rows)
+    rows = token_rows(rows)
     unit = np.asarray(unit, dtype=np.int64)
-    if unit.shape != (len(arrays),) or (unit.size and (unit.min() < 0 or unit.max() >= num_units)):
-        raise TrajInputError.invalid("unit", unit, f"is not [R={len(arrays)}] ints in 0..{num_units - 1}",
+    if unit.shape != (rows.num_rows,) or (unit.size and (unit.min() < 0 or unit.max() >= num_units)):
+        raise TrajInputError.invalid("unit", unit, f"is not [R={rows.num_rows}] ints in 0..{num_units - 1}",
                                      "pass each row's dense unit index")
-    longest = max((a.size for a in arrays), default=0)
+    longest = int(rows.lengths.max(initial=0))
     if cap is not None and longest > cap:
         raise PackingError(f"micro_batch_max_tokens={cap} is below the longest row ({longest} tokens). Fix: raise the "
                            "micro-batch token cap to at least the max prompt+response length (a row cannot be split "
                            "across micro-batches).", field="micro_batch_max_tokens")
-    order = np.argsort(unit, kind="stable")
-    bounds = np.searchsorted(unit[order], np.arange(num_units + 1))
-    of_row = np.zeros(len(arrays), dtype=np.int64)
-    piece_unit: list[int] = []
-    piece_tokens: list[int] = []
-    unit_tokens = np.zeros(num_units, dtype=np.int64)
-    for u in range(num_units):
-        members = order[bounds[u]:bounds[u + 1]]
-        seg = _segments([arrays[i] for i in members.tolist()])
-        lengths = np.asarray([r.size for r in seg.rows], dtype=np.int64)
-        added = lengths - seg.starts
-        unit_tokens[u] = int(added.sum())
-        piece, costs = _cut(lengths, added, cap)
-        of_row[members] = len(piece_tokens) + np.where(seg.of_row >= 0, piece[seg.of_row.clip(min=0)], 0)
-        piece_unit += [u] * len(costs)
-        piece_tokens += costs
-    return TreePieces(of_row, np.asarray(piece_unit, dtype=np.int64), np.asarray(piece_tokens, dtype=np.int64),
-                      unit_tokens)
+    layout = trie_layout(rows, unit)
+    d_unit = unit[layout.distinct]
+    unit_tokens = np.bincount(d_unit, weights=layout.sizes, minlength=num_units).astype(np.int64)
+    local, count, costs = _cut(d_unit, layout.lengths, layout.sizes, unit_tokens, cap)
+    piece_unit = np.repeat(np.arange(num_units, dtype=np.int64), count)
+    tokens = np.repeat(unit_tokens, count)
+    if cap is not None:
+        tokens[unit_tokens[piece_unit] > cap] = costs
+    first = np.cumsum(count) - count
+    of_row = first[unit] + np.where(layout.of_row >= 0, local[layout.of_row.clip(min=0)], 0)
+    return TreePieces(of_row, piece_unit, tokens, unit_tokens)
 
 
 @dataclass(frozen=True)
@@ -233,22 +247,23 @@ def real_units(layout: Any, group_by: str) -> tuple[np.ndarray, np.ndarray, int]
     return real, layout.traj_index.numpy()[real], layout.num_trajectories
 
 
-def tree_pieces(layout: Any, spec: Any, rows: Optional[Sequence[Any]]) -> TreePieces:
+def tree_pieces(layout: Any, spec: Any, rows: Any) -> TreePieces:
     """The pieces of a layout's real rows (``rows``: every row's attended token ids, padding rows included, each as
     long as the layout counts its tokens) under ``spec.micro_batch_max_tokens``."""
     if rows is None:
         raise TrajInputError.invalid("rows", rows, "is missing: a prefix-tree plan costs units in tree tokens",
                                      "pass rows=[each row's attended token ids] with prefix_tree=True")
-    arrays = _checked_rows(rows)
+    rows = token_rows(rows)
     counts = layout.num_tokens.numpy()
-    lengths = np.asarray([a.size for a in arrays], dtype=np.int64)
-    if lengths.shape != counts.shape or not np.array_equal(lengths, counts):
-        bad = int(np.flatnonzero(lengths != counts)[0]) if lengths.shape == counts.shape else len(arrays)
-        raise TrajInputError.invalid(f"rows[{bad}]" if lengths.shape == counts.shape else "rows", f"{len(arrays)} rows",
+    if rows.lengths.shape != counts.shape or not np.array_equal(rows.lengths, counts):
+        same = rows.lengths.shape == counts.shape
+        bad = int(np.flatnonzero(rows.lengths != counts)[0]) if same else rows.num_rows
+        raise TrajInputError.invalid(f"rows[{bad}]" if same else "rows", f"{rows.num_rows} rows",
                                      f"do not match the layout's {counts.size} rows of num_tokens tokens",
                                      "pass the attended token ids of the rows the layout was built from, in its order")
     real, unit, num_units = real_units(layout, spec.group_by)
-    return unit_pieces([arrays[i] for i in real.tolist()], unit, num_units, spec.micro_batch_max_tokens)
+    real_rows = rows if real.size == rows.num_rows else rows.take(real)
+    return unit_pieces(real_rows, unit, num_units, spec.micro_batch_max_tokens)
 
 
 def place_tree_pieces(pieces: TreePieces, row_mini_batch: np.ndarray, spec: Any,

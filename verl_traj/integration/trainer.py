@@ -43,7 +43,7 @@ from verl_traj.core.keys import (IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MINI_BAT
                                  PLAN_KEYS, PLANNED_FIELDS, RATIO_GROUP, RATIO_IN_LOSS, TRAJ_INDEX,
                                  planned_update_fields)
 from verl_traj.core.padding import resolve_pad_token_id
-from verl_traj.core.tree_facts import rows_in_plan_order, split_rows
+from verl_traj.core.token_rows import TokenRows
 from verl_traj.integration.checkpoints import CompleteCheckpoints
 from verl_traj.integration.gigpo import uses_step_groups
 from verl_traj.integration.verl_checks import value_at
@@ -62,11 +62,10 @@ from verl_traj.stepwise.step_groups import StepGroupOptions
 __all__ = ["TrajRayPPOTrainer", "attended_rows", "plan_batch_in_place"]
 
 
-def attended_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[np.ndarray]:
-    """``[B, S]`` padded ids and mask -> each row's attended token ids (the tree planner's rows): int64 views into
-    one flat array (:func:`~verl_traj.core.tree_facts.split_rows`), no tensor per row."""
-    mask = attention_mask.bool()
-    return split_rows(input_ids[mask], mask.sum(-1))
+def attended_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> TokenRows:
+    """``[B, S]`` padded ids and mask -> each row's attended token ids (the tree planner's rows) as one flat array
+    (:class:`~verl_traj.core.token_rows.TokenRows`): no tensor per row."""
+    return TokenRows.of_padded(input_ids, attention_mask)
 
 
 def plan_batch_in_place(batch: DataProto, spec: UpdateSpec, dp_size: int, *, pad_token_id: int = 0,
@@ -89,11 +88,10 @@ def plan_batch_in_place(batch: DataProto, spec: UpdateSpec, dp_size: int, *, pad
                                traj_key=traj_config.traj_id_key, step_key=traj_config.step_index_key)
     batch.batch = TensorDict(out_t, batch_size=[plan.num_rows], device=batch.batch.device)
     batch.non_tensor_batch = out_nt
-    if traj_config.prefix_tree:  # the planned rows in dispatch order: the planner's rows by plan.order, padding read
+    if traj_config.prefix_tree:  # the trees of the planner's rows by plan.order; only the padding rows are read
         pads = np.flatnonzero(plan.order.numpy() < 0)
         pad_rows = attended_rows(batch.batch["input_ids"][pads], batch.batch["attention_mask"][pads])
-        planned = rows_in_plan_order(rows, plan.order.numpy(), pad_rows)
-        for key, value in dense_tree_facts(planned, plan).items():
+        for key, value in dense_tree_facts(rows, pad_rows, plan).items():
             batch.batch[key] = value.to(batch.batch.device) if batch.batch.device is not None else value
     return plan
 

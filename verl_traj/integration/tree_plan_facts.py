@@ -17,7 +17,7 @@ A marked pass without these fields raises (:func:`require_tree_facts`).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,39 +25,44 @@ from tensordict import TensorDict
 
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import TREE_INDEX, TREE_SIZE, TREE_SIZE_KEY
-from verl_traj.core.tree_facts import TreeFacts, micro_batch_tree_facts
+from verl_traj.core.tree_facts import TreeFacts, plan_sources, planned_tree_facts
 
 __all__ = ["TREE_INDEX", "TREE_SIZE", "TREE_SIZE_KEY", "dense_tree_facts", "micro_batch_tree_sizes",
            "nested_tree_facts", "plan_tree_facts", "require_tree_facts"]
 
 
-
-def plan_tree_facts(rows: Sequence[Any], plan: Any) -> TreeFacts:
-    """:func:`micro_batch_tree_facts` of the planned rows (``rows``: each planned row's attended token ids, dispatch
-    order, padding rows included) with the plan's micro-batches: (rank, mini-batch, micro-batch) of each row."""
+def plan_tree_facts(rows: Any, pad_rows: Any, plan: Any) -> tuple[TreeFacts, np.ndarray]:
+    """The planned micro-batches' tree facts in the planner's rows' order and each planned row's source in them
+    (:func:`~verl_traj.core.tree_facts.plan_sources`): ``rows`` the planner's rows, ``pad_rows`` the padding rows the
+    plan wrote (dispatch order); a micro-batch is the rows of one (rank, mini-batch, micro-batch)."""
     micro = plan.micro_batch_id.numpy()
     width = int(micro.max(initial=0)) + 1
     part = (plan.rank.numpy() * plan.num_mini_batches + plan.mini_batch_id.numpy()) * width + micro
-    return micro_batch_tree_facts(rows, part)
+    sources, source = plan_sources(rows, plan.order.numpy(), pad_rows)
+    return planned_tree_facts(sources, source, part), source
 
 
-def dense_tree_facts(rows: Sequence[Any], plan: Any) -> dict[str, torch.Tensor]:
-    """v0's fields (a ``DataProto`` holds ``[B, ...]`` tensors): ``TREE_INDEX`` ``[B, W]`` int32 (``-1`` past a
-    row's end) and ``TREE_SIZE`` ``[B]`` int64."""
-    facts = plan_tree_facts(rows, plan)
+def dense_tree_facts(rows: Any, pad_rows: Any, plan: Any) -> dict[str, torch.Tensor]:
+    """v0's fields (a ``DataProto`` holds ``[B, ...]`` tensors), dispatch order: ``TREE_INDEX`` ``[B, W]`` int32
+    (``-1`` past a row's end) and ``TREE_SIZE`` ``[B]`` int64; the source rows' dense facts, rows gathered once."""
+    facts, source = plan_tree_facts(rows, pad_rows, plan)
     lengths = np.diff(facts.offsets)
     width = max(int(lengths.max(initial=0)), 1)
     dense = np.full((lengths.size, width), -1, dtype=np.int32)
     dense[np.arange(width)[None, :] < lengths[:, None]] = facts.index  # row-major: each row's tokens, left-aligned
-    return {TREE_INDEX: torch.from_numpy(dense), TREE_SIZE: torch.from_numpy(facts.size)}
+    return {TREE_INDEX: torch.from_numpy(dense[source]), TREE_SIZE: torch.from_numpy(facts.size[source])}
 
 
-def nested_tree_facts(rows: Sequence[Any], plan: Any) -> TensorDict:
-    """v1's fields (TransferQueue keeps rows unpadded): ``TREE_INDEX`` nested ``[B, L_r]`` int32 and ``TREE_SIZE``
-    ``[B]`` int64, as a TensorDict of ``B`` rows."""
-    facts = plan_tree_facts(rows, plan)
-    index = torch.nested.nested_tensor_from_jagged(torch.from_numpy(facts.index), torch.from_numpy(facts.offsets))
-    return TensorDict({TREE_INDEX: index, TREE_SIZE: torch.from_numpy(facts.size)}, batch_size=[facts.size.size])
+def nested_tree_facts(rows: Any, pad_rows: Any, plan: Any) -> TensorDict:
+    """v1's fields (TransferQueue keeps rows unpadded), dispatch order: ``TREE_INDEX`` nested ``[B, L_r]`` int32 and
+    ``TREE_SIZE`` ``[B]`` int64, as a TensorDict of ``B`` rows."""
+    facts, source = plan_tree_facts(rows, pad_rows, plan)
+    lengths = np.diff(facts.offsets)[source]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    at = np.arange(int(offsets[-1]), dtype=np.int64)
+    at += np.repeat(facts.offsets[source] - offsets[:-1], lengths)
+    index = torch.nested.nested_tensor_from_jagged(torch.from_numpy(facts.index[at]), torch.from_numpy(offsets))
+    return TensorDict({TREE_INDEX: index, TREE_SIZE: torch.from_numpy(facts.size[source])}, batch_size=[source.size])
 
 
 def require_tree_facts(keys: Any) -> None:

@@ -24,7 +24,7 @@ from verl_traj.core import BatchLayout, MiniBatchPlan, build_layout_from_counts
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID
 from verl_traj.core.row_key import parse_row_keys, row_key_order
-from verl_traj.core.tree_facts import rows_in_plan_order, split_rows
+from verl_traj.core.token_rows import TokenRows
 from verl_traj.integration.tree_plan_facts import nested_tree_facts
 from verl_traj.integration.v1_plan_facts import row_loss_tokens
 
@@ -56,21 +56,20 @@ def read_layout(batch: KVBatchMeta) -> BatchLayout:
                                     traj_id=keys.traj_id, step_index=keys.step)
 
 
-def read_rows(batch: KVBatchMeta, keys: Optional[list[str]] = None) -> list[np.ndarray]:
+def read_rows(batch: KVBatchMeta, keys: Optional[list[str]] = None) -> TokenRows:
     """Every row's attended token ids (``traj.prefix_tree``: the planner costs units in tree tokens), from one fetch
     of ``input_ids`` (stored unpadded, one nested row each); ``keys``: only those rows of ``batch``'s partition."""
     keys = batch.keys if keys is None else keys
     if not keys:
-        return []
+        return TokenRows(np.zeros(0, np.int64), np.zeros(1, np.int64))
     ids = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["input_ids"])["input_ids"]
-    return split_rows(ids.values(), ids.offsets().diff())
+    return TokenRows.of_flat(ids.values(), ids.offsets().diff())
 
 
-def planned_rows(batch: KVBatchMeta, plan: MiniBatchPlan, rows: list[np.ndarray]) -> list[np.ndarray]:
-    """The planned ``batch``'s token ids in dispatch order: the source ``rows`` (read for planning) by ``plan.order``,
-    and only the padding rows (``order < 0``, just written) fetched."""
-    pad_keys = [k for k, o in zip(batch.keys, plan.order.tolist()) if o < 0]
-    return rows_in_plan_order(rows, plan.order.numpy(), read_rows(batch, pad_keys))
+def pad_rows(batch: KVBatchMeta, plan: MiniBatchPlan) -> TokenRows:
+    """The padding rows the plan wrote into the planned ``batch`` (``plan.order < 0``, dispatch order), fetched: the
+    trees take the source rows read for planning by ``plan.order`` and these."""
+    return read_rows(batch, [k for k, o in zip(batch.keys, plan.order.tolist()) if o < 0])
 
 
 def ordered_batch(batch: KVBatchMeta, plan: MiniBatchPlan, pad_keys: list[str], pad_tags: list[dict]) -> KVBatchMeta:
@@ -94,7 +93,7 @@ def store_plan_ids(batch: KVBatchMeta, plan: MiniBatchPlan, rows: Optional[list[
         if rows is None:
             raise TrajInputError("store_plan_ids: a prefix-tree plan needs the rows it was planned from (rows=None). "
                                  "Fix: pass read_rows(batch), the rows the planner costed.", field="rows")
-        fields.update(nested_tree_facts(planned_rows(batch, plan, rows), plan).items())
+        fields.update(nested_tree_facts(rows, pad_rows(batch, plan), plan).items())
     tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
                     fields=TensorDict(fields, batch_size=[plan.num_rows]))
     if batch.fields is not None:

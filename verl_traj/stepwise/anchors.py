@@ -27,7 +27,7 @@ import torch
 
 from verl_traj.core.errors import TrajInputError
 
-__all__ = ["anchor_key", "observation_anchor", "observation_tokens"]
+__all__ = ["anchor_key", "observation_anchor", "observation_anchors", "observation_tokens"]
 
 _MASK = (1 << 63) - 1
 
@@ -46,7 +46,15 @@ def observation_tokens(prompt: torch.Tensor, shared: int) -> torch.Tensor:
 def observation_anchor(tokens: Any) -> int:
     """The anchor key of a call that saw ``tokens`` (1-D token ids) since the previous call."""
     ids = tokens.detach().cpu().numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens)
-    return _digest(np.ascontiguousarray(ids.reshape(-1), dtype=np.int64).tobytes(), b"obs:")
+    return observation_anchors(ids.reshape(-1), np.asarray([ids.size]))[0]
+
+
+def observation_anchors(ids: np.ndarray, lengths: np.ndarray) -> list[int]:
+    """:func:`observation_anchor` of many calls at once: ``ids`` ``[sum lengths]`` the calls' observations one
+    after another, ``lengths`` ``[C]``; the ids' bytes are made once, then one digest a call."""
+    data = np.ascontiguousarray(ids, dtype=np.int64).tobytes()
+    ends = (np.cumsum(lengths, dtype=np.int64) * 8).tolist()
+    return [_digest(data[lo:hi], b"obs:") for lo, hi in zip([0] + ends[:-1], ends)]
 
 
 def _canonical(value: Any) -> bytes:

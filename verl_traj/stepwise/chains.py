@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from verl_traj.stepwise.anchors import observation_anchor
+from verl_traj.stepwise.anchors import observation_anchors
 from verl_traj.stepwise.flat_rows import FlatRows, segment_index
 from verl_traj.stepwise.prefix_merge import MergeStats
 
@@ -155,10 +155,10 @@ def _anchor_keys(calls: _Calls, ok: np.ndarray) -> np.ndarray:
     """``[C]`` int64 each call's anchor: its record's own, else the hash of the tokens it saw since the previous call
     (:func:`observation_anchor`; a call that saw nothing new takes the per-trajectory path). Calls not ``ok`` get 1."""
     own = [c.get("anchor") for c in calls.recs]
-    tails = np.split(calls.tail, np.cumsum(calls.tail_len)[:-1]) if calls.tail_len.size else []
+    seen = observation_anchors(calls.tail, calls.tail_len)
     empty = (calls.tail_len == 0).tolist()
-    keys = [(int(a) if 0 < int(a) < _MAX_ANCHOR else 1) if a is not None else (1 if e else observation_anchor(t))
-            for a, t, e in zip(own, tails, empty)]
+    keys = [(int(a) if 0 < int(a) < _MAX_ANCHOR else 1) if a is not None else (1 if e else k)
+            for a, k, e in zip(own, seen, empty)]
     ok &= ~((calls.tail_len == 0) & np.fromiter((a is None for a in own), bool, len(own)))
     return np.asarray(keys, dtype=np.int64)
 
