@@ -162,7 +162,7 @@ def _plan(tr, batch, args, meter: Meter):
                               traj_id=nt[cfg.traj_id_key], step_index=nt[cfg.step_index_key],
                               is_last_step=nt.get(IS_LAST_STEP))
     with meter.phase("plan"):
-        rows = attended_rows(batch.batch["input_ids"], batch.batch["attention_mask"]) if cfg.prefix_tree else None
+        rows = attended_rows(batch.batch["input_ids"], batch.batch["attention_mask"]) if cfg.trees else None
         plan = plan_layout(layout, cfg, tr.spec.num_mini_batches, args.dp, micro=tr.spec.plan, seed=0, rows=rows)
     with meter.phase("apply"):
         out_t, out_nt = apply_plan(dict(batch.batch.items()), dict(nt), plan, pad_token_id=0,
@@ -170,7 +170,7 @@ def _plan(tr, batch, args, meter: Meter):
         batch.batch = TensorDict(out_t, batch_size=[plan.num_rows])
         batch.non_tensor_batch = out_nt
         del out_t
-    if cfg.prefix_tree:
+    if cfg.trees:
         with meter.phase("tree_facts"):  # as plan_batch_in_place: the planner's rows by plan.order, padding read
             pads = np.flatnonzero(plan.order.numpy() < 0)
             pad_rows = attended_rows(batch.batch["input_ids"][pads], batch.batch["attention_mask"][pads])

@@ -15,9 +15,10 @@ side-by-side comparison is that one override).
 from __future__ import annotations
 
 import difflib
+import functools
 import weakref
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from verl_traj.core.balancing import WORKLOAD_MODELS
 from verl_traj.core.errors import TrajInputError, check_choice
@@ -90,7 +91,11 @@ class TrajConfig:
         prefix_tree: forward the rows of each micro-batch as one prefix tree (every shared prefix once: a GRPO
             group's prompt, a trajectory's earlier turns) in the log-prob, reference, value and update passes; the
             planner keeps each group (or trajectory, ``group_by``) in one micro-batch on one rank where its tree fits
-            the cap, and counts the cap in tree tokens. Off by default (docs/prefix_tree.md).
+            the cap, and counts the cap in tree tokens. ``"auto"`` (default): trees wherever they are exact and served
+            (verl's FSDP engine on its remove-padding path with the flash-attention path's kernel, no fused kernels,
+            no attention dropout, sliding window or soft-capping), rows elsewhere; start-up settles it to ``true`` or
+            ``false`` in the config and says which and why (docs/prefix_tree.md). ``true`` refuses what it cannot
+            serve; read :attr:`trees` (``"auto"`` not yet settled is rows).
         failed_groups: v1: what happens to a GRPO group in which a rollout failed (its agent loop raised or timed out):
             ``"drop"`` (default: the whole group leaves the batch, a fresh prompt replaces it) or ``"keep_survivors"``
             (train the finished sessions, the baseline over them; a group with none is dropped).
@@ -129,7 +134,7 @@ class TrajConfig:
     merge_prefix: bool = True
     seed: int = 0
     ratio_scope: str = "row"
-    prefix_tree: bool = False
+    prefix_tree: Union[bool, str] = "auto"
     failed_groups: str = "drop"
     trajectory_timeout_s: Optional[float] = None
     replay_poll_s: float = 2.0
@@ -138,9 +143,20 @@ class TrajConfig:
     step_advantage_weight: float = 1.0
     step_group_baseline: str = "gigpo"
 
+    @property
+    def trees(self) -> bool:
+        """Whether planned micro-batches are forwarded as prefix trees: ``prefix_tree`` is ``true`` (``"auto"`` as
+        start-up settled it; unsettled, rows)."""
+        return self.prefix_tree is True
+
     def __post_init__(self) -> None:
         for name in _BOOL_FIELDS:
             _check_bool(f"traj.{name}", getattr(self, name))
+        if not isinstance(self.prefix_tree, bool) and self.prefix_tree != "auto":
+            raise TrajConfigError(
+                f"traj.prefix_tree={self.prefix_tree!r} is invalid. Fix: set traj.prefix_tree=auto (trees where they "
+                "are served, the default), true (trees, refusing what cannot serve them) or false (rows).",
+                field="traj.prefix_tree")
         _check_choice("traj.group_by", self.group_by, GROUP_BY_CHOICES)
         _check_choice("traj.mini_batch_balance", self.mini_batch_balance, MINI_BATCH_BALANCE_CHOICES)
         _check_choice("traj.workload", self.workload, WORKLOAD_MODELS)
@@ -160,17 +176,7 @@ class TrajConfig:
             raise TrajConfigError(
                 f"traj.stale_groups={self.stale_groups!r} without traj.max_staleness: there is no bound to defer for. "
                 "Fix: set traj.max_staleness (a number >= 1), or remove traj.stale_groups.", field="traj.stale_groups")
-        timeout = self.trajectory_timeout_s
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-            raise TrajConfigError(
-                f"traj.trajectory_timeout_s={timeout!r} is invalid: it is the seconds one trajectory may run. Fix: set "
-                "a positive number of seconds, or null for no deadline.", field="traj.trajectory_timeout_s")
-        poll = self.replay_poll_s
-        if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not 0 < poll <= 60:
-            raise TrajConfigError(
-                f"traj.replay_poll_s={poll!r} is invalid: it is how often (seconds) the v1 trainer checks whether the "
-                "step's groups are done. Fix: set a number in (0, 60] (default 2.0, verl's own; 0.25 ends the quick start's generation up to 2 s sooner).",
-                field="traj.replay_poll_s")
+        self._check_times()
         for name in ("loss_agg_mode", "critic_loss_agg_mode"):
             if getattr(self, name) is not None:
                 _check_choice(f"traj.{name}", getattr(self, name), loss_weight_modes())
@@ -196,6 +202,20 @@ class TrajConfig:
                 "a non-negative int. Fix: set traj.seed to an integer >= 0 (default 0).", field="traj.seed",
             )
         self._check_keys()
+
+    def _check_times(self) -> None:
+        """``trajectory_timeout_s`` and ``replay_poll_s``: positive seconds."""
+        timeout = self.trajectory_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise TrajConfigError(
+                f"traj.trajectory_timeout_s={timeout!r} is invalid: it is the seconds one trajectory may run. Fix: set "
+                "a positive number of seconds, or null for no deadline.", field="traj.trajectory_timeout_s")
+        poll = self.replay_poll_s
+        if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not 0 < poll <= 60:
+            raise TrajConfigError(
+                f"traj.replay_poll_s={poll!r} is invalid: it is how often (seconds) the v1 trainer checks whether the "
+                "step's groups are done. Fix: set a number in (0, 60] (default 2.0, verl's own; 0.25 ends the quick start's generation up to 2 s sooner).",
+                field="traj.replay_poll_s")
 
     def _check_keys(self) -> None:
         """``traj_id_key`` / ``step_index_key``: two distinct non-empty names, none a field the plan writes."""
@@ -259,15 +279,28 @@ class TrajConfig:
             return entry[1]
         parsed = cls.from_mapping(config.get("traj") if config is not None else None)
         try:
-            ref = weakref.ref(config, lambda _, key=key: _PARSED.pop(key, None))
+            ref = weakref.ref(config, functools.partial(_drop, key))
         except TypeError:  # not weak-referenceable (a plain dict, None): parse each time
             return parsed
         _PARSED[key] = (ref, parsed)
         return parsed
 
 
+    @staticmethod
+    def forget(config: Any) -> None:
+        """Drop ``config``'s parse: start-up settled a value in it (``traj.prefix_tree=auto``)."""
+        _PARSED.pop(id(config), None)
+
+
 # id(config) -> (weak reference to config, its parsed traj section); an entry leaves when its config is collected.
 _PARSED: dict[int, tuple["weakref.ref[Any]", TrajConfig]] = {}
+
+
+def _drop(key: int, ref: "weakref.ref[Any]") -> None:
+    """A collected config's entry leaves, only if it is still that config's (its id may serve a newer config)."""
+    entry = _PARSED.get(key)
+    if entry is not None and entry[0] is ref:
+        del _PARSED[key]
 
 
 # traj.* fields that must be real bools: a string "false" is truthy, and None skips every check keyed on them.

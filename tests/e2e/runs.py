@@ -73,8 +73,9 @@ def dp2_reference(trainer: str, dp: int = 2) -> list[str]:
     compares both the layout and the attention path)."""
     layout = [*DP2_PADDED, *REMOVE_PADDING] if dp == 2 else [
         o for o in DP2_PADDED if not o.startswith("trainer.n_gpus_per_node")]
+    # rows: the plan checks read the row planner's micro-batches (traj.prefix_tree=auto would take trees here)
     return [*TRAINERS[trainer], *layout, f"traj.micro_batch_max_tokens={DP2_CAP}", "critic.ppo_mini_batch_size=6",
-            "trainer.total_training_steps=3"]
+            "traj.prefix_tree=false", "trainer.total_training_steps=3"]
 
 
 def tree_rss(root_pids: list[int], exclude: set[int] = frozenset(), names: dict = None) -> dict[int, int]:

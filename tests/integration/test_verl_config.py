@@ -368,6 +368,54 @@ def test_prefix_tree_refused_where_it_is_not_built(started, overrides, field):
     assert "prefix_tree" in str(err.value)
 
 
+RMPAD = "actor_rollout_ref.model.use_remove_padding"
+
+
+@pytest.mark.parametrize("overrides, trees, attn", [
+    ([], False, "sdpa"),  # the CPU preset: verl's padded path (no remove-padding): rows, cpu attention as before
+    ([f"{RMPAD}=true"], True, "cpu_varlen"),  # remove-padding: trees, on the flash-attention path's CPU kernel
+    ([f"{RMPAD}=true", f"{ACTOR_ATTN}=sdpa"], False, "sdpa"),  # an attention the tree cannot take: rows
+    ([f"{RMPAD}=true", "+actor_rollout_ref.model.override_config.attention_dropout=0.1"], False, "sdpa"),
+    ([f"{RMPAD}=true", "+actor_rollout_ref.model.override_config.sliding_window=8",
+      "+actor_rollout_ref.model.override_config.use_sliding_window=true"], False, "sdpa"),
+    ([f"{RMPAD}=true", "traj.enable=false"], False, "sdpa"),
+])
+def test_prefix_tree_auto_is_settled_at_start_up_and_said(started, caplog, overrides, trees, attn):
+    """``traj.prefix_tree=auto`` (the default) leaves start-up as ``true`` where the tree is exact and served, else
+    ``false``, in the config the trainer and workers get, with one line saying which and why."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="verl_traj.integration.startup"):
+        cfg = started(overrides)
+    assert cfg.traj.prefix_tree is trees and _attn(cfg, ACTOR_ATTN) == attn
+    said = [r.getMessage() for r in caplog.records if "traj.prefix_tree=auto" in r.getMessage()]
+    assert len(said) == 1 and ("prefix trees" in said[0] if trees else "rows, because" in said[0])
+
+
+@pytest.mark.parametrize("extra, field", [
+    ("+actor_rollout_ref.model.override_config.attention_dropout=0.1",
+     "actor_rollout_ref.model.override_config.attention_dropout"),
+    ("+actor_rollout_ref.model.override_config.attn_logit_softcapping=30.0",
+     "actor_rollout_ref.model.override_config.attn_logit_softcapping"),
+])
+def test_prefix_tree_true_refuses_what_the_model_needs_at_start_up(started, extra, field):
+    """Dropout, a sliding window, soft-capping: refused before any rollout (not inside the first tree pass)."""
+    from verl_traj.config import TrajConfigError
+
+    with pytest.raises(TrajConfigError) as err:
+        started([*TREE, extra])
+    assert err.value.field == field and "traj.prefix_tree=false" in str(err.value)
+
+
+def test_a_trainer_built_without_start_up_settles_auto_itself():
+    """A script that builds the trainer's config without ``main_ppo`` gets the same choice, not rows in silence."""
+    from verl_traj.integration.tree_checks import settled_traj_config
+
+    cfg = _cpu([f"{RMPAD}=true"])
+    assert cfg.traj.prefix_tree == "auto" and settled_traj_config(cfg).trees and cfg.traj.prefix_tree is True
+    assert not settled_traj_config(_cpu()).trees
+
+
 SEPARATE = ["trainer.v1.trainer_mode=separate_async"]
 SYNC_STEP = "trainer.v1.separate_async.parameter_sync_step"
 SYNC_BACKEND = "actor_rollout_ref.rollout.checkpoint_engine.backend"

@@ -46,7 +46,7 @@ from verl_traj.integration.gigpo import GIGPO, register_gigpo
 from verl_traj.integration.separate_async import settle_parameter_sync_step
 from verl_traj.integration.v1_failures import settle_failed_groups
 from verl_traj.integration.v1_staleness import settle_staleness
-from verl_traj.integration.tree_checks import check_prefix_tree
+from verl_traj.integration.tree_checks import settle_prefix_tree
 from verl_traj.integration.verl_checks import (flag_at, sequence_parallel_sizes, ulysses_size, uses_critic,
                                                validate_against_verl, value_at)
 from verl_traj.stepwise.ratio_scope_advice import degenerates, expected_trajectory_ess
@@ -84,7 +84,10 @@ def check_startup(config: Any, platform_device: str) -> TrajConfig:
     if idle_bound:
         logger.warning("verl_traj: %s", idle_bound)
     validate_against_verl(traj_config, config)
-    check_prefix_tree(traj_config, config, "cpu" if value_at(config, "trainer.device") == "cpu" else "cuda")
+    tree = settle_prefix_tree(traj_config, config, "cpu" if value_at(config, "trainer.device") == "cpu" else "cuda")
+    if tree:
+        logger.warning("verl_traj: %s", tree)
+    traj_config = TrajConfig.from_mapping(config.get("traj"))  # prefix_tree settled
     if traj_config.enable:
         check_models(config)
     check_sequence_parallel(config)

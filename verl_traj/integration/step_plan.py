@@ -48,15 +48,17 @@ def plan_layout(layout: BatchLayout, traj_config: TrajConfig, num_mini_batches: 
         seed=traj_config.seed if seed is None else seed,
         pad_row_tokens=micro.pad_row_tokens if micro is not None else PAD_ROW_TOKENS,
         partitioner=verl_partitioner if micro is not None else None,
-        prefix_tree=traj_config.prefix_tree, rows=rows,
+        prefix_tree=traj_config.trees, rows=rows,
     )
 
 
 def plan_step_metrics(plan: MiniBatchPlan, epochs: int) -> dict[str, float]:
     """The ``traj_plan/*`` metrics of one step, with the optimizer steps verl's config promises
-    (mini-batches x ``actor.ppo_epochs``)."""
+    (mini-batches x ``actor.ppo_epochs``), and ``actor/tree_share``: the share of the step's micro-batches the
+    actor's passes forward as prefix trees (``traj.prefix_tree`` as start-up settled it)."""
     return {**plan.metrics("traj_plan"),
-            "traj_plan/expected_optimizer_steps": float(plan.num_mini_batches * epochs)}
+            "traj_plan/expected_optimizer_steps": float(plan.num_mini_batches * epochs),
+            "actor/tree_share": float(bool(plan.spec.prefix_tree))}
 
 
 def check_same_dp_size(actor_dp: int, critic_dp: Optional[int]) -> int:

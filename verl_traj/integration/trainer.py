@@ -36,7 +36,6 @@ from tensordict import TensorDict
 from verl import DataProto
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
-from verl_traj.config import TrajConfig
 from verl_traj.core import MiniBatchPlan, apply_plan, build_layout
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import (IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MINI_BATCH_ID, OLD_LOG_PROBS_AT_START,
@@ -53,6 +52,7 @@ from verl_traj.integration.step_plan import (check_same_dp_size, debug_dump, pla
                                        stock_plan_metrics_of)
 from verl_traj.integration.real_rows import is_padding, real_rows
 from verl_traj.integration.stepwise_rows import expand_dataproto_step_rows
+from verl_traj.integration.tree_checks import settled_traj_config
 from verl_traj.integration.tree_forward import TREE_KEY
 from verl_traj.integration.tree_plan_facts import dense_tree_facts
 from verl_traj.integration.update_spec import LossSpec, UpdateSpec, has_multi_row_trajectory
@@ -82,13 +82,13 @@ def plan_batch_in_place(batch: DataProto, spec: UpdateSpec, dp_size: int, *, pad
         is_last_step=nt.get(IS_LAST_STEP) if step_wise else None,
         is_padding=batch.batch[IS_PADDING] if IS_PADDING in batch.batch.keys() else None,
     )
-    rows = attended_rows(batch.batch["input_ids"], batch.batch["attention_mask"]) if traj_config.prefix_tree else None
+    rows = attended_rows(batch.batch["input_ids"], batch.batch["attention_mask"]) if traj_config.trees else None
     plan = plan_layout(layout, traj_config, spec.num_mini_batches, dp_size, micro=spec.plan, seed=seed, rows=rows)
     out_t, out_nt = apply_plan(dict(batch.batch.items()), dict(nt), plan, pad_token_id=pad_token_id,
                                traj_key=traj_config.traj_id_key, step_key=traj_config.step_index_key)
     batch.batch = TensorDict(out_t, batch_size=[plan.num_rows], device=batch.batch.device)
     batch.non_tensor_batch = out_nt
-    if traj_config.prefix_tree:  # the trees of the planner's rows by plan.order; only the padding rows are read
+    if traj_config.trees:  # the trees of the planner's rows by plan.order; only the padding rows are read
         pads = np.flatnonzero(plan.order.numpy() < 0)
         pad_rows = attended_rows(batch.batch["input_ids"][pads], batch.batch["attention_mask"][pads])
         for key, value in dense_tree_facts(rows, pad_rows, plan).items():
@@ -100,7 +100,7 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
     """verl's ``RayPPOTrainer`` with trajectory-aware mini-batches (see the module docstring)."""
 
     def __init__(self, config, *args, **kwargs):
-        self.traj_config = TrajConfig.from_mapping(config.get("traj"))
+        self.traj_config = settled_traj_config(config)
         self.spec = UpdateSpec.prepare(config, self.traj_config) if self.traj_config.enable else None
         super().__init__(config, *args, **kwargs)
 
@@ -156,7 +156,7 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
                                    seed=self.spec.plan_seed(int(getattr(self, "global_steps", 0) or 0)))
         self._real_row_mask = ~plan.is_padding.numpy()
         self._all_atomic = plan.all_trajectories_atomic  # GSPO's trajectory ratio from the loss, no pre-pass
-        if self.traj_config.prefix_tree:  # every pass of this batch (log-probs, values, updates) on the plan's trees
+        if self.traj_config.trees:  # every pass of this batch (log-probs, values, updates) on the plan's trees
             batch.meta_info[TREE_KEY] = True
         if metrics is not None:
             metrics.update(plan_step_metrics(plan, self.spec.epochs))

@@ -50,7 +50,6 @@ from verl.trainer.ppo.utils import Role
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.utils import tensordict_utils as tu
 
-from verl_traj.config import TrajConfig
 from verl_traj.core import BatchLayout, MiniBatchPlan
 from verl_traj.core.row_key import parse_row_keys
 from verl_traj.integration.checkpoints import CompleteCheckpoints
@@ -66,6 +65,7 @@ from verl_traj.integration.v1_metrics import (RolloutBusy, StepPadding, current_
                                               trajectory_metrics)
 from verl_traj.integration.v1_padding import write_padding_rows
 from verl_traj.integration.v1_plan_facts import PlanFacts, plan_facts
+from verl_traj.integration.tree_checks import settled_traj_config
 from verl_traj.integration.tree_forward import TREE_KEY
 from verl_traj.integration.v1_planning import (debug_rows, dispatch_dp_size, in_key_order, ordered_batch, read_layout,
                                                read_rows, store_plan_ids)
@@ -92,7 +92,7 @@ class TrajV1Mixin(CompleteCheckpoints):
     seeded prompt uids and one request priority per session (neither changes what is trained)."""
 
     def __init__(self, config: Any):
-        self.traj_config = TrajConfig.from_mapping(config.get("traj"))
+        self.traj_config = settled_traj_config(config)
         self.spec = UpdateSpec.prepare(config, self.traj_config) if self.traj_config.enable else None
         if not self.traj_config.enable:
             # the agent-loop manager that gives each session its request priority
@@ -155,7 +155,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         batch = in_key_order(batch)
         metrics.update(stepwise_metrics(batch.tags))
         layout = read_layout(batch)
-        rows = read_rows(batch) if self.traj_config.prefix_tree else None
+        rows = read_rows(batch) if self.traj_config.trees else None
         plan = self._plan(layout, rows)
         pad_keys, pad_tags = write_padding_rows(batch, int(plan.is_padding.sum()), self.tokenizer.eos_token_id,
                                                 self.spec.plan.pad_row_tokens)
@@ -241,7 +241,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         """With ``traj.prefix_tree``: the actor's and the critic's passes of this batch forward the plan's
         micro-batches as trees (:mod:`.tree_passes`; verl rebuilds the meta between passes, so each pass is marked
         for its call)."""
-        return extra_info(batch, {TREE_KEY: True}) if self.traj_config.prefix_tree else contextlib.nullcontext()
+        return extra_info(batch, {TREE_KEY: True}) if self.traj_config.trees else contextlib.nullcontext()
 
     def _old_log_probs_at_start(self) -> bool:
         """Whether this update's old log-probs came from the parameters it starts from: verl's base

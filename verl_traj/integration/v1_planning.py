@@ -63,6 +63,8 @@ def read_rows(batch: KVBatchMeta, keys: Optional[list[str]] = None) -> TokenRows
     if not keys:
         return TokenRows(np.zeros(0, np.int64), np.zeros(1, np.int64))
     ids = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["input_ids"])["input_ids"]
+    if not ids.is_nested:  # rows of one length (the padding rows, say) come back as one [K, L] tensor
+        return TokenRows.of_flat(ids.reshape(-1), np.full(ids.shape[0], ids.shape[-1]))
     return TokenRows.of_flat(ids.values(), ids.offsets().diff())
 
 
