@@ -96,7 +96,9 @@ def test_every_planned_micro_batch_ran_as_a_tree(grpo_pair):
         assert step["actor/tree_row_tokens"] == step["traj_plan/tokens"] + step["traj_plan/padding_tokens"]
         assert step["actor/tree_infer_tokens"] == step["actor/tree_tokens"]  # the same trees in both passes
         assert 0 < step["actor/tree_attention_pairs"] < step["actor/tree_row_attention_pairs"]
-    assert not any(k.startswith("actor/tree_") for k in grpo_pair[False].metrics[0])
+        assert step["actor/tree_share"] == 1.0
+    rows = grpo_pair[False].metrics[0]
+    assert rows["actor/tree_share"] == 0.0 and not any(k.startswith("actor/tree_") for k in rows if k != "actor/tree_share")
 
 
 @pytest.fixture(params=["dp2", "ulysses2"])

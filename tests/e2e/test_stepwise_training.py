@@ -122,8 +122,8 @@ def test_trajectory_ratios_in_colocate_async_on_step_rows(tool_home, tmp_path):
         "algorithm.rollout_correction.rollout_is=sequence",
         "algorithm.rollout_correction.rollout_is_threshold=2.0", "algorithm.rollout_correction.rollout_rs=seq_mean_k1",
         "algorithm.rollout_correction.rollout_rs_threshold='0.5_2.0'"))
-    summary = json.dumps([{k: v for k, v in m.items() if k.startswith(("traj_ratio/", "traj_version/"))}
-                          for m in metrics])
+    shown = ("traj_ratio/", "traj_version/", "traj_stepwise/")
+    summary = json.dumps([{k: v for k, v in m.items() if k.startswith(shown) or "prepass" in k} for m in metrics])
     for m in metrics:
         assert m["traj_ratio/trajectories"] == 32, summary
         # a trajectory may be generated across two policy versions (partial rollout, timing-dependent): reported
@@ -132,9 +132,13 @@ def test_trajectory_ratios_in_colocate_async_on_step_rows(tool_home, tmp_path):
         assert m["traj_ratio/max_abs_row_gap"] < 1e-3, summary  # the trajectory weight = the product of its rows'
         assert m["actor/grad_norm"] > 0 and m["actor/loss_weight_mass"] == pytest.approx(1.0), summary
         # GSPO's trajectory pre-pass: skipped on each update's first optimizer step (on-policy, deterministic forward),
-        # run apart from the planned micro-batches on the others
-        assert m["actor/prepass_skipped_steps"] == 1, summary
+        # run apart from the planned micro-batches on the others; only in a step where some trajectory has several
+        # rows (an asynchronous step may take only one-call trajectories: then there is no trajectory ratio to sum)
+        multi = m["traj_stepwise/rows_after"] > m["traj_stepwise/trajectories"]
+        assert ("actor/prepass_skipped_steps" in m) == multi, summary
+        assert not multi or m["actor/prepass_skipped_steps"] == 1, summary
         assert m["actor/micro_batches_per_epoch"] == m["traj_plan/micro_batches"], summary
+    assert any(m["traj_stepwise/rows_after"] > m["traj_stepwise/trajectories"] for m in metrics), summary
     first = metrics[0]
     assert first["traj_version/staleness_max"] == 0, summary
     assert abs(first["traj_ratio/weight_min"] - 1) < 1e-3 and abs(first["traj_ratio/weight_max"] - 1) < 1e-3, summary
