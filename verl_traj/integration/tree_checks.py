@@ -137,7 +137,8 @@ def settle_prefix_tree(traj_config: TrajConfig, config: Any, device: str) -> str
     _settle(config, not reasons, device)
     if reasons:
         field, what, fix = reasons[0]
-        return (f"traj.prefix_tree=auto: rows, because the prefix tree {what} ({field}). To forward every shared prefix "
+        named = "" if field in what else f" ({field})"
+        return (f"traj.prefix_tree=auto: rows, because the prefix tree {what}{named}. To forward every shared prefix "
                 f"once: {fix}.")
     return ("traj.prefix_tree=auto: prefix trees (verl's FSDP engine, remove-padding, the flash-attention path's "
             "kernel): every prefix a micro-batch's rows share is forwarded once. traj.prefix_tree=false for rows.")
