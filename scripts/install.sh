@@ -67,7 +67,7 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
       python -m pip install -q "torch==2.13.0"
     fi
   fi
-  python -c 'import torch; print("[install] torch", torch.__version__, "(CPU build)" if torch.version.cuda is None else "(CUDA build: no CPU wheel was found; set TORCH_WHEEL_DIR)")'
+  python -W ignore -c 'import torch; print("[install] torch", torch.__version__, "(CPU build)" if torch.version.cuda is None else "(CUDA build: no CPU wheel was found; set TORCH_WHEEL_DIR)")'
 fi
 python -m pip install -q -e ".[test,plot]"
 python -c 'import verl, torch, verl_traj; print(f"[install] verl {verl.__version__}, torch {torch.__version__}, verl_traj {verl_traj.__version__}")'

@@ -301,3 +301,23 @@ def test_the_actor_update_says_whether_its_old_log_probs_came_from_its_starting_
     tr.actor_rollout_wg = worker
     tr._update_actor(meta, {})
     assert bool(worker.received[0][OLD_LOG_PROBS_AT_START]) and OLD_LOG_PROBS_AT_START not in meta.extra_info
+
+
+def test_read_rows_gives_each_rows_ids_in_the_asked_order(tq):
+    """The tree planner's rows from a real TransferQueue (rows put in batches of mixed and of one length; this
+    TransferQueue returns them jagged either way), all of them and a subset in the asked order. The ``[K, L]`` form
+    verl's ``list_of_dict_to_tensordict`` gives rows of one length is read by test_v1_kl_in_reward's store."""
+    from transfer_queue import KVBatchMeta
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    from verl_traj.integration.v1_planning import read_rows
+
+    rows = [("ro_a", [5, 6, 7]), ("ro_b", [8, 9]), ("ro_c", [1, 2]), ("ro_d", [3, 4])]
+    for batch in (rows[:2], rows[2:]):  # one put of mixed lengths, one of one length (as the padding rows are put)
+        tq.kv_batch_put(keys=[k for k, _ in batch], partition_id="train",
+                        fields=list_of_dict_to_tensordict([{"input_ids": torch.tensor(v)} for _, v in batch]),
+                        tags=[{"status": "success"}] * len(batch))
+    meta = KVBatchMeta(keys=[k for k, _ in rows], tags=[{}] * len(rows), partition_id="train")
+    assert [r.tolist() for r in read_rows(meta).as_list()] == [v for _, v in rows]
+    assert [r.tolist() for r in read_rows(meta, ["ro_d", "ro_c"]).as_list()] == [[3, 4], [1, 2]]
+    tq.kv_clear(keys=[k for k, _ in rows], partition_id="train")

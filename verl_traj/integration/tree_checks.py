@@ -85,8 +85,9 @@ def _architecture(model: str, config: Any) -> list[Reason]:
     out = []
     if float(hf.get("attention_dropout") or 0) > 0:
         out.append((f"{model}.override_config.attention_dropout", f"needs attention dropout off (the model's "
-                    f"attention_dropout={hf['attention_dropout']})", f"add +{model}.override_config.attention_dropout=0"))
-    if hf.get("sliding_window") and hf.get("use_sliding_window", "sliding_window" in hf):
+                    f"attention_dropout={hf['attention_dropout']})",
+                    f"set {model}.override_config.attention_dropout=0 (a leading + where override_config lacks the key)"))
+    if hf.get("sliding_window") and hf.get("use_sliding_window", True):  # Qwen2 keeps a window it does not use
         out.append((f"{model}.override_config.use_sliding_window", f"does not serve a sliding window (the model's "
                     f"sliding_window={hf['sliding_window']})", "train this model on rows"))
     for key in ("attn_logit_softcapping", "attention_logit_softcapping"):

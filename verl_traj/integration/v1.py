@@ -52,6 +52,7 @@ from verl.utils import tensordict_utils as tu
 
 from verl_traj.core import BatchLayout, MiniBatchPlan
 from verl_traj.core.row_key import parse_row_keys
+from verl_traj.core.token_rows import TokenRows
 from verl_traj.integration.checkpoints import CompleteCheckpoints
 from verl_traj.integration.losses import install_value_loss
 from verl_traj.integration.patches import patched, v1_advantage_patches, v1_metric_patches
@@ -168,7 +169,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         debug_dump(int(self.global_steps), plan, debug_rows(out, plan, layout))
         return out
 
-    def _plan(self, layout: BatchLayout, rows: Optional[list] = None) -> MiniBatchPlan:
+    def _plan(self, layout: BatchLayout, rows: Optional[TokenRows] = None) -> MiniBatchPlan:
         return plan_layout(layout, self.traj_config, self.spec.num_mini_batches, self._traj_dp_size(),
                            micro=self.spec.plan, seed=self.spec.plan_seed(self.global_steps, self.local_trigger_step),
                            rows=rows)

@@ -63,7 +63,7 @@ def read_rows(batch: KVBatchMeta, keys: Optional[list[str]] = None) -> TokenRows
     if not keys:
         return TokenRows(np.zeros(0, np.int64), np.zeros(1, np.int64))
     ids = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["input_ids"])["input_ids"]
-    if not ids.is_nested:  # rows of one length (the padding rows, say) come back as one [K, L] tensor
+    if not ids.is_nested:  # rows of one length as one [K, L] tensor (verl's list_of_dict_to_tensordict makes one)
         return TokenRows.of_flat(ids.reshape(-1), np.full(ids.shape[0], ids.shape[-1]))
     return TokenRows.of_flat(ids.values(), ids.offsets().diff())
 
@@ -85,7 +85,7 @@ def ordered_batch(batch: KVBatchMeta, plan: MiniBatchPlan, pad_keys: list[str], 
                        fields=batch.fields, extra_info=batch.extra_info)
 
 
-def store_plan_ids(batch: KVBatchMeta, plan: MiniBatchPlan, rows: Optional[list[np.ndarray]] = None) -> None:
+def store_plan_ids(batch: KVBatchMeta, plan: MiniBatchPlan, rows: Optional[TokenRows] = None) -> None:
     """``mini_batch_id`` and ``micro_batch_id`` (``[B]`` int64, dispatch order) as fields of every row of the
     planned ``batch``; with a prefix-tree plan also each planned micro-batch's tree facts (``TREE_INDEX`` nested per
     row, ``TREE_SIZE`` ``[B]``) from the planned rows (``rows``: the source rows :func:`read_rows` gave the planner;
