@@ -349,20 +349,14 @@ def _install_fused_logprobs() -> None:
     """verl's engine computes log-probs with flash-attn's fused cross-entropy kernel where flash-attn is installed,
     else ``logprobs_from_logits_v2``, a Python loop over the tokens (one log-softmax each): on a GPU without flash-attn
     that loop, not the model, would set the time. In this process the engine gets one vectorised fp32 log-softmax
-    (``cross_entropy``: the fused kernel's numbers) instead, for rows and trees alike."""
+    (``cross_entropy``: the fused kernel's numbers) instead, for rows and trees alike (what the plugin gives every CUDA
+    process without flash-attn: :mod:`verl_traj.integration.torch_flash`)."""
     import verl.workers.engine.fsdp.transformer_impl  # noqa: F401  (installed now: the module must be loaded)
 
     from verl_traj.integration.process_patches import fused_logprobs_patches, install
+    from verl_traj.integration.torch_flash import fused_logprobs
 
     install(fused_logprobs_patches(lambda _verl: fused_logprobs), on_import=None)
-
-
-def fused_logprobs(logits, labels, inplace_backward=True):
-    """``[..., V]`` logits, ``[...]`` labels -> ``[...]`` fp32 log-probs of the labels, one ``cross_entropy``."""
-    import torch.nn.functional as F
-
-    flat = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
-    return -flat.view(labels.shape)
 
 
 def _proc(rank: int, dp: int, port: int, args, out_path: str):

@@ -1,8 +1,9 @@
-"""What ``scripts/bench_update.py --device cuda`` installs on a GPU without flash-attn, checked on CPU in a fresh
-process (the patches are for the life of a process): the torch variable-length attention under ``torch_varlen`` in
+"""What ``scripts/bench_update.py --device cuda`` (and the plugin, in every CUDA process) installs on a GPU without
+flash-attn, checked on CPU in a fresh process (the patches are for the life of a process): the torch variable-length attention under ``torch_varlen`` in
 transformers' registries and in verl's module, and one vectorised fp32 log-softmax for verl's engine log-probs, equal
 to verl's own fallback (the figures in docs/prefix_tree.md's update A/B rest on both)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,8 @@ bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
 verl_fallback = fi.logprobs_from_logits
 bench._install_fused_logprobs()
-assert fi.logprobs_from_logits is bench.fused_logprobs and verl_fallback is logprobs_from_logits
+from verl_traj.integration.torch_flash import fused_logprobs
+assert fi.logprobs_from_logits is fused_logprobs and verl_fallback is logprobs_from_logits
 logits, labels = torch.randn(3, 7, 13, dtype=torch.float64), torch.randint(0, 13, (3, 7))
 torch.testing.assert_close(fi.logprobs_from_logits(logits, labels), verl_fallback(logits.float(), labels),
                            rtol=1e-6, atol=1e-6)
@@ -39,4 +41,31 @@ print("checked")
 
 def test_the_gpu_benchmark_patches_hold_on_cpu():
     run = subprocess.run([sys.executable, "-c", CHECK], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "checked" in run.stdout, run.stderr[-3000:]
+
+
+# A process where verl_traj's plugin sees CUDA without flash-attn (forced here: VERL_TRAJ_TORCH_VARLEN=1, the CPU
+# platform off): `import verl` alone installs the same, each patch when verl or transformers imports its module
+PLUGIN = r'''
+import torch
+import verl  # loads the plugin
+import verl.models.transformers.monkey_patch as mp
+import verl.workers.engine.fsdp.transformer_impl as fi
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
+from verl_traj.cpu.attention import varlen_attention
+from verl_traj.cpu.plugin import register
+from verl_traj.integration.torch_flash import fused_logprobs
+
+assert register() is False  # not the CPU platform
+assert "torch_varlen" in AttentionInterface._global_mapping and "torch_varlen" in AttentionMaskInterface._global_mapping
+assert "cpu_varlen" not in AttentionInterface._global_mapping
+assert mp._flash_attention_forward is varlen_attention and fi.logprobs_from_logits is fused_logprobs
+print("checked")
+'''
+
+
+def test_the_plugin_gives_a_cuda_process_without_flash_attn_torch_varlen():
+    env = {**os.environ, "VERL_TRAJ_CPU": "0", "VERL_TRAJ_TORCH_VARLEN": "1"}
+    run = subprocess.run([sys.executable, "-c", PLUGIN], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0 and "checked" in run.stdout, run.stderr[-3000:]

@@ -16,6 +16,11 @@ rollout servers). Importing it:
 ``VERL_TRAJ_CPU=1`` forces the CPU platform, ``VERL_TRAJ_CPU=0`` disables it. An explicit
 ``VERL_PLATFORM`` other than ``cpu`` also disables it.
 
+* in a CUDA process without flash-attn (and without the CPU platform), gives transformers the attention
+  ``torch_varlen`` (the flash-attention path with the CPU platform's torch kernel, so verl's remove-padding path and the
+  prefix tree run there) and verl's engine vectorised log-probs (:mod:`verl_traj.integration.torch_flash`;
+  ``VERL_TRAJ_TORCH_VARLEN=1`` / ``0`` forces it on / off).
+
 Every change to a verl module is declared in :mod:`verl_traj.integration.process_patches` (what, why,
 when; process-lifetime, never restored) and installed from there; this module supplies the replacements.
 Registrations into modules verl has not imported yet are deferred with a post-import hook, so
@@ -32,7 +37,9 @@ import threading
 from typing import Callable
 
 from verl_traj.cpu.attention import CPU_VARLEN, flash_mask, flash_path, varlen_attention
-from verl_traj.integration.process_patches import cpu_platform_patches, cpu_rollout_registrations, install
+from verl_traj.cpu.detect import accelerator_present, cpu_platform_wanted  # noqa: F401  (accelerator_present: re-exported)
+from verl_traj.integration import torch_flash
+from verl_traj.integration.process_patches import ON_IMPORT, cpu_platform_patches, cpu_rollout_registrations, install
 
 logger = logging.getLogger(__name__)
 
@@ -94,48 +101,6 @@ sys.meta_path.insert(0, _hook)
 # ----------------------------------------------------------------------------------------------
 # accelerator detection
 # ----------------------------------------------------------------------------------------------
-def accelerator_present() -> bool:
-    """True when any accelerator verl knows about is visible to this host."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return True
-        for attr in ("xpu", "npu", "mlu", "musa"):
-            mod = getattr(torch, attr, None)
-            if mod is not None and getattr(mod, "is_available", lambda: False)():
-                return True
-    except Exception:  # pragma: no cover
-        return True  # be conservative: never turn a broken GPU setup into a CPU run
-    try:
-        from verl.plugin.platform.platform_manager import PlatformRegistry
-
-        for name in PlatformRegistry.registered_names():
-            if name == "cpu":
-                continue
-            cls = PlatformRegistry.get(name)
-            try:
-                if cls is not None and cls().is_platform_available(use_smi_check=True):
-                    return True
-            except Exception:
-                continue
-    except Exception:  # pragma: no cover
-        pass
-    return False
-
-
-def cpu_platform_wanted() -> bool:
-    forced = os.environ.get("VERL_TRAJ_CPU", "").strip().lower()
-    if forced in ("0", "false", "no", "off"):
-        return False
-    env_platform = os.environ.get("VERL_PLATFORM", "").strip().lower()
-    if env_platform and env_platform != "cpu":
-        return False
-    if forced in ("1", "true", "yes", "on") or env_platform == "cpu":
-        return True
-    return not accelerator_present()
-
-
 # ----------------------------------------------------------------------------------------------
 # registrations
 # ----------------------------------------------------------------------------------------------
@@ -267,6 +232,8 @@ def register() -> bool:
             wanted = cpu_platform_wanted()
             if wanted:
                 _register_platform()
+            elif torch_flash.wanted(cpu_platform=False):  # a CUDA process without flash-attn: torch_varlen
+                install(torch_flash.patches(when=ON_IMPORT), _hook.add)
             _state["platform"] = wanted
         return bool(_state["platform"])
 

@@ -47,6 +47,9 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 from verl.workers.rollout.utils import ensure_async_iterator
 
+from verl_traj.cpu.detect import cpu_platform_wanted
+from verl_traj.integration.torch_flash import TORCH_VARLEN
+
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
 
@@ -129,8 +132,16 @@ def _eos_ids(local_path: str, hf_config: Any, tokenizer: Any) -> list[int]:
     return sorted(eos)
 
 
-def _load_model(config: Any, model_config: Any):
-    """``(model, hf_config, tokenizer or None, eos ids)``: the causal LM in eval mode, no grad."""
+def serving_device() -> torch.device:
+    """Where the server's model runs: the CPU where verl_traj's CPU platform is active (no accelerator, or
+    ``VERL_TRAJ_CPU=1``), else the first CUDA device (the server asks Ray for no GPU, and Ray then leaves
+    ``CUDA_VISIBLE_DEVICES`` as the node has it: the server shares the trainer's GPU, as a colocated vLLM does).
+    Sampling stays on the host either way (one ``[b, V]`` copy of the last logits per token)."""
+    return torch.device("cpu") if cpu_platform_wanted() or not torch.cuda.is_available() else torch.device("cuda", 0)
+
+
+def _load_model(config: Any, model_config: Any, device: torch.device = torch.device("cpu")):
+    """``(model, hf_config, tokenizer or None, eos ids)``: the causal LM on ``device``, in eval mode, no grad."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from verl.utils.fs import copy_to_local
@@ -140,9 +151,10 @@ def _load_model(config: Any, model_config: Any):
     trust = bool(_cfg_get(model_config, "trust_remote_code", False))
     dtype = _DTYPES.get(str(_cfg_get(config, "dtype", "float32")), torch.float32)
     hf_config = AutoConfig.from_pretrained(local_path, trust_remote_code=trust)
-    model = AutoModelForCausalLM.from_pretrained(
-        local_path, dtype=dtype, attn_implementation=override.get("attn_implementation") or "sdpa", trust_remote_code=trust
-    )
+    attn = override.get("attn_implementation") or "sdpa"
+    attn = "sdpa" if attn == TORCH_VARLEN else attn  # generation (KV cache, left padding) needs no flash path on CUDA
+    model = AutoModelForCausalLM.from_pretrained(local_path, dtype=dtype, attn_implementation=attn, trust_remote_code=trust)
+    model.to(device)
     model.eval()
     model.requires_grad_(False)
     try:
@@ -235,7 +247,8 @@ class CPUGenerationServer:
         self._abort = False
         self._debug = int(os.environ.get("VERL_TRAJ_CPU_ROLLOUT_DEBUG", "0") or 0)
         torch.set_num_threads(max(1, int(os.environ.get("VERL_TRAJ_CPU_ROLLOUT_THREADS", "1"))))
-        self.model, hf_config, self._tokenizer, self.eos_token_ids = _load_model(config, model_config)
+        self.device = serving_device()
+        self.model, hf_config, self._tokenizer, self.eos_token_ids = _load_model(config, model_config, self.device)
         self.max_model_len = int(_cfg_get(config, "max_model_len", None) or 0) or int(
             getattr(hf_config, "max_position_embeddings", 4096)
         )
@@ -288,7 +301,7 @@ class CPUGenerationServer:
 
         t0 = time.perf_counter()
         state = _DecodeState(requests)
-        input_ids, mask = _left_padded(requests)
+        input_ids, mask = (t.to(self.device) for t in _left_padded(requests))
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         past = DynamicCache()
         for _ in range(max(r["max_tokens"] for r in requests)):
@@ -298,10 +311,10 @@ class CPUGenerationServer:
             out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                              past_key_values=past, use_cache=True)
             past = out.past_key_values
-            input_ids = state.step(out.logits[:, -1].float(), self._generator)
+            input_ids = state.step(out.logits[:, -1].float().cpu(), self._generator).to(self.device)
             if all(state.done):
                 break
-            alive = torch.tensor([[0 if d else 1] for d in state.done], dtype=torch.long)
+            alive = torch.tensor([[0 if d else 1] for d in state.done], dtype=torch.long, device=self.device)
             mask = torch.cat([mask, alive], dim=1)
             position_ids = position_ids[:, -1:] + 1
         self._debug_print(requests, state)
@@ -413,9 +426,9 @@ class CPUGenerationServer:
 
     async def compute_log_probs(self, prompt_ids: list[int], response_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Teacher-forced log-probs of ``response_ids`` (for tests)."""
-        ids = torch.tensor([list(prompt_ids) + list(response_ids)], dtype=torch.long)
+        ids = torch.tensor([list(prompt_ids) + list(response_ids)], dtype=torch.long, device=self.device)
         with torch.no_grad():
-            logits = self.model(input_ids=ids).logits[0].float() / max(temperature, 1e-8)
+            logits = self.model(input_ids=ids).logits[0].float().cpu() / max(temperature, 1e-8)
         logp = torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)
         return logp.gather(1, torch.tensor(response_ids)[:, None])[:, 0].tolist()
 

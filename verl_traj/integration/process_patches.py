@@ -37,10 +37,11 @@ replacements in; this module imports nothing of verl_traj (it lists patches, it 
   ``verl.models.transformers.monkey_patch._flash_attention_forward`` (the kernel verl's remove-padding / Ulysses
   path calls; entry 10 on CPU) <- a tree-aware wrapper of it: a call carrying a prefix tree runs the exact tree
   attention, any other runs the wrapped kernel after refusing tree-shaped position ids.
-* :func:`torch_varlen_patches` -- only in ``scripts/bench_update.py --device cuda`` on a GPU without flash-attn, now:
-  entries 9 (under another name) and 10 (verl's module only, kept where the tree-aware wrapper already is) of the CPU
-  platform, so verl's remove-padding path and the prefix-tree forward run there.
-* :func:`fused_logprobs_patches` -- there too, now: ``verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits``
+* :func:`torch_varlen_patches` -- in a CUDA process without flash-attn (:mod:`verl_traj.integration.torch_flash`:
+  every such process through the plugin, after each module is imported; ``scripts/bench_update.py --device cuda``,
+  now): entries 9 (under the name ``torch_varlen``) and 10 (verl's module only, kept where the tree-aware wrapper
+  already is) of the CPU platform, so verl's remove-padding path and the prefix-tree forward run there.
+* :func:`fused_logprobs_patches` -- there too: ``verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits``
   <- one vectorised fp32 log-softmax (flash-attn's fused cross-entropy's numbers; verl's fallback loops over tokens).
 * :func:`tool_parser_log_patches` -- in an agent-loop worker process, when the first
   :class:`~verl_traj.integration.stepwise_agent_loop.StepwiseToolAgentLoop` is built, and in the calculator recipe's
@@ -191,22 +192,25 @@ def prefix_tree_attention_patches(tree_aware_attention: Callable[[Callable], Cal
 
 def torch_varlen_patches(name: str, register_attention: Callable[[Any], None],
                          register_attention_mask: Callable[[Any], None],
-                         kernel: Callable[[Callable], Callable]) -> list[ProcessPatch]:
+                         kernel: Callable[[Callable], Callable], when: str = NOW) -> list[ProcessPatch]:
     """transformers' flash-attention path and mask under ``name`` and verl's ``_flash_attention_forward`` <- the
     torch variable-length kernel, for a GPU process without flash-attn (order: module docstring)."""
     return [ProcessPatch("transformers.modeling_utils", "AttentionInterface", register_attention,
-                         f"name transformers' flash-attention path '{name}'", kind=REGISTER),
+                         f"name transformers' flash-attention path '{name}'", kind=REGISTER, when=when),
             ProcessPatch("transformers.masking_utils", "AttentionMaskInterface", register_attention_mask,
-                         f"give '{name}' the flash-attention mask", kind=REGISTER),
+                         f"give '{name}' the flash-attention mask", kind=REGISTER, when=when),
             ProcessPatch(VERL_MONKEY_PATCH, "_flash_attention_forward", kernel,
-                         "run flash-attention's variable-length contract in torch where flash-attn is missing")]
+                         "run flash-attention's variable-length contract in torch where flash-attn is missing",
+                         when=when)]
 
 
-def fused_logprobs_patches(logprobs_from_logits: Callable[[Callable], Callable]) -> list[ProcessPatch]:
-    """``scripts/bench_update.py --device cuda`` without flash-attn (order: module docstring): verl's engine log-probs
-    <- one vectorised fp32 log-softmax (verl's fallback is a Python loop over the tokens, which would set the time)."""
-    return [ProcessPatch("verl.workers.engine.fsdp.transformer_impl", "logprobs_from_logits", logprobs_from_logits,
-                         "one vectorised fp32 log-softmax where flash-attn's fused cross-entropy is missing (bench)")]
+def fused_logprobs_patches(logprobs_from_logits: Callable[[Callable], Callable],
+                           when: str = NOW) -> list[ProcessPatch]:
+    """A CUDA process without flash-attn (order: module docstring): verl's engine log-probs <- one vectorised fp32
+    log-softmax (verl's fallback is a Python loop over the tokens, which would set the time)."""
+    return [ProcessPatch(FSDP_ENGINE, "logprobs_from_logits", logprobs_from_logits,
+                         "one vectorised fp32 log-softmax where flash-attn's fused cross-entropy is missing",
+                         when=when)]
 
 
 def tool_parser_log_patches(add_counter: Callable[[Any], None]) -> list[ProcessPatch]:

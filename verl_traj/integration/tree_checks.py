@@ -6,7 +6,8 @@ field, the value and the fix, what cannot serve it.
 The tree runs where it is built and tested (docs/prefix_tree.md): verl_traj's planner and workers
 (``traj.enable=true``) on either trainer, the actor, reference and (when on) critic models on verl's FSDP engine, on its
 remove-padding path, with the flash-attention path's kernel (where the tree attention sits: ``cpu_varlen`` on the CPU
-platform, ``flash_attention_2`` / ``_3`` on GPUs; under Ulysses verl's all-to-all runs around it), no fused kernels,
+platform, ``flash_attention_2`` / ``_3`` on GPUs, ``torch_varlen`` on a GPU without flash-attn; under Ulysses verl's
+all-to-all runs around it), no fused kernels,
 and a model without attention dropout, sliding window or soft-capping (read from its ``config.json`` with the
 ``override_config`` on top, where the model is a local directory; a hub id is checked again inside the attention).
 On the CPU platform an unset attention becomes ``cpu_varlen`` when the tree is on.
@@ -24,6 +25,7 @@ from omegaconf import open_dict
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.cpu.attention import CPU_VARLEN
 from verl_traj.cpu.settings import set_attention
+from verl_traj.integration.torch_flash import TORCH_VARLEN
 from verl_traj.integration.verl_checks import flag_at, uses_critic, value_at
 
 __all__ = ["TREE_ATTENTION", "check_prefix_tree", "settle_prefix_tree", "settled_traj_config"]
@@ -32,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 FIELD = "traj.prefix_tree"
 ATTN = "override_config.attn_implementation"
-TREE_ATTENTION = {"cpu": (CPU_VARLEN,), "cuda": ("flash_attention_2", "flash_attention_3")}
+TREE_ATTENTION = {"cpu": (CPU_VARLEN,), "cuda": ("flash_attention_2", "flash_attention_3", TORCH_VARLEN)}
 Reason = tuple[str, str, str]  # (field, what the tree needs, the fix)
 
 

@@ -17,11 +17,10 @@ import socket
 from functools import partial
 from typing import Any, Optional, Sequence
 
+from verl_traj.integration.torch_flash import TORCH_VARLEN  # attn_implementation name of :func:`register_torch_varlen`
 
 __all__ = ["free_port", "init_rank", "compose_config", "cpu_config", "gpu_config", "register_torch_varlen", "TORCH_VARLEN",
            "actor_worker", "critic_worker", "rank_tensordict", "plan_for_update"]
-
-TORCH_VARLEN = "torch_varlen"  # attn_implementation name of :func:`register_torch_varlen`
 
 
 def free_port() -> int:
@@ -65,21 +64,13 @@ def gpu_config(overrides: Sequence[str] = ()) -> Any:
 
 
 def register_torch_varlen(name: str = TORCH_VARLEN) -> str:
-    """transformers' flash-attention path under ``name`` (its attention and mask functions), with the torch
-    variable-length kernel (:func:`verl_traj.cpu.attention.varlen_attention`) where verl's remove-padding wrapper
-    calls flash-attn: the CPU platform's ``cpu_varlen`` for a GPU process without flash-attn (the prefix-tree
-    forward's attention hooks into that path; its tree micro-batches never reach the torch kernel). Installed now in
-    this process through :mod:`~verl_traj.integration.process_patches` (the CPU platform's entries 9 and 10, the
-    kernel in verl's module only, and kept where the tree-aware wrapper is already in place); idempotent. Returns
-    ``name``."""
-    from verl_traj.cpu.attention import flash_mask, flash_path, varlen_attention
-    from verl_traj.integration.process_patches import install, torch_varlen_patches
+    """transformers' flash-attention path under ``name`` with the torch variable-length kernel where verl's
+    remove-padding wrapper calls flash-attn (:mod:`verl_traj.integration.torch_flash`; the plugin installs the same in
+    every CUDA process without flash-attn), installed now in this process; idempotent. Returns ``name``."""
+    from verl_traj.integration.process_patches import install
+    from verl_traj.integration.torch_flash import attention_patches
 
-    def kernel(current: Any) -> Any:
-        return current if getattr(current, "_prefix_tree_aware", False) else varlen_attention
-
-    install(torch_varlen_patches(name, lambda interface: interface.register(name, flash_path()),
-                                 lambda interface: interface.register(name, flash_mask()), kernel), on_import=None)
+    install(attention_patches(name), on_import=None)
     return name
 
 
@@ -144,18 +135,19 @@ def critic_worker(cfg: Any) -> Any:
 
 
 def plan_for_update(batch: Any, cfg: Any, dp: int, *, mode: str = "token-mean", group_by: str = "group",
-                    seed: int = 0, ratio_groups: bool = False, **traj_options: Any) -> Any:
+                    seed: int = 0, ratio_groups: bool = False, prefix_tree: bool = False, **traj_options: Any) -> Any:
     """What ``TrajRayPPOTrainer`` does to a batch before ``_update_actor``, through the trainer's own code: start-up
     (``UpdateSpec.prepare`` on ``cfg``), ``plan_and_apply`` (plan in place), then the actor's ``loss_weight``
     (``traj.loss_agg_mode=mode``) and the planned-fields list the trainer sends (``ratio_groups``: the actor's
-    ``ratio_group`` too, which the caller attaches), left attached. ``traj_options``: further ``traj:`` settings.
-    Returns the plan."""
+    ``ratio_group`` too, which the caller attaches), left attached. ``prefix_tree``: the micro-batches planned and
+    marked as prefix trees, or rows (stated, not ``auto``: the worker the caller built must match). ``traj_options``:
+    further ``traj:`` settings. Returns the plan."""
     from verl_traj.config import TrajConfig
     from verl_traj.core.keys import IS_PADDING, LOSS_WEIGHT, MINI_BATCH_ID, PLANNED_FIELDS, TRAJ_INDEX, planned_update_fields
     from verl_traj.integration.update_spec import UpdateSpec
     from verl_traj.testing.trainers import ray_less_trainer
 
-    traj_config = TrajConfig(group_by=group_by, loss_agg_mode=mode, seed=seed, **traj_options)
+    traj_config = TrajConfig(group_by=group_by, loss_agg_mode=mode, seed=seed, prefix_tree=prefix_tree, **traj_options)
     spec = UpdateSpec.prepare(cfg, traj_config)
     trainer = ray_less_trainer(cfg, traj_config, plan=spec.plan, dp=dp)  # derives the same spec from the prepared cfg
     trainer.global_steps = 0
