@@ -6,6 +6,7 @@
   returns the logged metrics (verl's ``file`` logger, JSONL) and the peak memory.
 * ``shared_run``: the same, launched once per session for every test asking for the same overrides.
 * ``recipe_home``: the calculator-agent recipe prepared offline once per session (short warm start).
+* ``gspo_step_rows``: step 1 of GSPO at trajectory scope on step rows, launched once per (merging, prefix tree).
 
 The pieces (:func:`tests.e2e.runs.launch`, the override sets) are in ``tests/e2e/runs.py``.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.runs import TrainingRun, launch, skip_on_accelerator
+from tests.e2e.runs import TrainingRun, launch, run_stepwise, skip_on_accelerator
 
 
 @pytest.fixture
@@ -63,3 +64,28 @@ def recipe_home(tmp_path_factory) -> Path:
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     return home
+
+
+# GSPO's sequence ratio over each trajectory's step rows, one mini-batch of the 8 prompts trained for two epochs (the
+# second off pi_old: the trajectory's ratio is not a row's), trajectories kept whole
+GSPO_TWO_EPOCHS = ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "traj.ratio_scope=trajectory",
+                   "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_epochs=2",
+                   "traj.group_by=trajectory")
+
+
+@pytest.fixture(scope="session")
+def gspo_step_rows(tool_home, tmp_path_factory):
+    """Step 1's metrics of a one-step v1 run of :data:`GSPO_TWO_EPOCHS` on step rows: ``get(merge, prefix_tree)``
+    (``prefix_tree="auto"``, the default: trees on the CPU presets), launched once per pair for every test reading it
+    (the GSPO-over-the-trajectory check reads unmerged rows and merged; the tree check unmerged trees and rows)."""
+    cache: dict = {}
+
+    def _get(merge: bool, prefix_tree: str = "auto") -> dict:
+        skip_on_accelerator()
+        if (merge, prefix_tree) not in cache:
+            extra = GSPO_TWO_EPOCHS + (() if prefix_tree == "auto" else (f"traj.prefix_tree={prefix_tree}",))
+            workdir = tmp_path_factory.mktemp(f"gspo_merge_{merge}_{prefix_tree}")
+            cache[(merge, prefix_tree)] = run_stepwise(tool_home, workdir, "v1", merge, steps=1, extra=extra)[0][0]
+        return cache[(merge, prefix_tree)]
+
+    return _get

@@ -49,8 +49,11 @@ DP2_CONFIG = "cpu_tiny_ppo"
 
 
 # verl's remove-padding path (the GPU users' mode: flash-attn varlen there; on CPU transformers' sdpa with the
-# block-diagonal mask of packed position ids) for actor, reference and critic
+# block-diagonal mask of packed position ids, or cpu_varlen under the prefix tree) for actor, reference and critic:
+# the CPU presets' default since issue 41 (so traj.prefix_tree=auto takes trees), spelled out where a test relies on it
 REMOVE_PADDING = ["actor_rollout_ref.model.use_remove_padding=true", "critic.model.use_remove_padding=true"]
+# verl's padded path (rows of one length, sdpa on CPU), and so rows, not prefix trees
+PADDED = ["actor_rollout_ref.model.use_remove_padding=false", "critic.model.use_remove_padding=false"]
 
 
 # Ulysses sequence parallelism over the two ranks (one data-parallel rank), actor and critic, as a user types it (no
@@ -72,7 +75,7 @@ def dp2_reference(trainer: str, dp: int = 2) -> list[str]:
     through the ``shared_run`` fixture). ``dp=1``: the same run on one rank, on the padded path (so the gradient test
     compares both the layout and the attention path)."""
     layout = [*DP2_PADDED, *REMOVE_PADDING] if dp == 2 else [
-        o for o in DP2_PADDED if not o.startswith("trainer.n_gpus_per_node")]
+        *(o for o in DP2_PADDED if not o.startswith("trainer.n_gpus_per_node")), *PADDED]
     # rows: the plan checks read the row planner's micro-batches (traj.prefix_tree=auto would take trees here)
     return [*TRAINERS[trainer], *layout, f"traj.micro_batch_max_tokens={DP2_CAP}", "critic.ppo_mini_batch_size=6",
             "traj.prefix_tree=false", "trainer.total_training_steps=3"]
@@ -309,3 +312,40 @@ def rss_slopes(samples: list, after_step: int) -> dict[int, float]:
         if len(points) >= 10 and steps.max() > steps.min():
             slopes[pid] = float(np.polyfit(steps, rss / 2**20, 1)[0])
     return slopes
+
+
+RECORDING_LOOP = "verl_traj.integration.stepwise_agent_loop.StepwiseToolAgentLoop"
+
+
+def run_stepwise(tiny, tmp_path, trainer: str, merge: bool, *, config_name: str = "cpu_tiny", steps: int = 2,
+                 extra: tuple = (), loop: str = RECORDING_LOOP) -> tuple[list[dict], str]:
+    """A step-wise run (``traj.step_wise=true``) on the tiny tool-calling model, verl's tool agent loop re-pointed to
+    ``loop`` (a recording loop), v0 on two ranks; returns the per-step metrics and the log."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    yaml_path = tmp_path / "agent_loops.yaml"
+    # verl's tool_agent name re-pointed to the step-recording loop (the dataset routes rows to "tool_agent")
+    yaml_path.write_text(f"- name: tool_agent\n  _target_: {loop}\n")
+    metrics_path = tmp_path / "metrics.jsonl"
+    env = dict(os.environ, VERL_TRAJ_HOME=str(tiny.parent), VERL_FILE_LOGGER_PATH=str(metrics_path),
+               VERL_TRAJ_CKPT_DIR=str(tmp_path / "ckpt"), PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0")
+    cmd = [
+        sys.executable, "-m", "verl_traj.main_ppo", "--config-name", config_name,
+        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={yaml_path}",
+        f"trainer.total_training_steps={steps}", "trainer.logger=[console,file]",
+        f"actor_rollout_ref.model.path={tiny}/model_tool",
+        f"data.train_files={tiny}/data/tool_train.parquet", f"data.val_files={tiny}/data/tool_test.parquet",
+        "data.max_prompt_length=192", "data.max_response_length=64",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+        "actor_rollout_ref.rollout.multi_turn.format=hermes",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tiny}/tool_config.yaml",
+        "traj.step_wise=true", f"traj.merge_prefix={str(merge).lower()}", *TRAINERS[trainer], *extra,
+        # v0 on two ranks: its _balance_batch expands, plans and pads for dp=2 (v0's two-rank plan test is opt-in)
+        *(["trainer.n_gpus_per_node=2"] if trainer == "v0" else []),
+    ]
+    run = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=900)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-6000:]
+    metrics = [json.loads(line)["data"] for line in metrics_path.read_text().splitlines() if line.strip()]
+    assert len(metrics) == steps, out[-3000:]
+    return metrics, out

@@ -1,7 +1,8 @@
-"""``traj.prefix_tree=true`` through ``python -m verl_traj.main_ppo`` (issue 29): real verl PPO (GAE, a critic, a
-reference model with KL loss) on two CPU ranks, remove-padding, a token cap, one mini-batch of 6 prompt groups x 3
-rows per step, side by side with the same run on the row forward (``traj.prefix_tree=false``, the override a user
-compares with); GRPO on v0 (opt-in), Ulysses, and step rows with GSPO likewise.
+"""Prefix trees through ``python -m verl_traj.main_ppo`` (issue 29), as the default takes them (``traj.prefix_tree:
+auto``, which the CPU presets' remove-padding path settles to trees: issue 41): real verl PPO (GAE, a critic, a
+reference model with KL loss) on two CPU ranks, a token cap, one mini-batch of 6 prompt groups x 3 rows per step, side
+by side with the same run on the row forward (``traj.prefix_tree=false``, the override a user compares with); GRPO on
+v0 (opt-in), Ulysses, and step rows with GSPO likewise.
 
 What the pair shows:
 * the tree is exact: the first step's old-log-prob entropy, rollout-vs-actor log-prob gap and gradient norm equal the
@@ -20,25 +21,27 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.runs import REMOVE_PADDING, TRAINERS, ULYSSES_2, V0_OPT_IN
-from tests.e2e.test_stepwise_training import _run_stepwise
+from tests.e2e.runs import TRAINERS, ULYSSES_2, V0_OPT_IN
 
 pytestmark = pytest.mark.e2e
 
-PAIR = [*TRAINERS["v1"], "trainer.total_training_steps=2", *REMOVE_PADDING, "trainer.n_gpus_per_node=2",
+PAIR = [*TRAINERS["v1"], "trainer.total_training_steps=2", "trainer.n_gpus_per_node=2",
         "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=6", "actor_rollout_ref.rollout.n=3",
         "traj.micro_batch_max_tokens=200"]
 
 
-PPO = ["critic.model.use_remove_padding=true", "critic.ppo_mini_batch_size=6"]
+PPO = ["critic.ppo_mini_batch_size=6"]
 
 
 def _pair(shared_run, overrides, config_name="cpu_tiny"):
-    runs = {tree: shared_run([*overrides, f"traj.prefix_tree={str(tree).lower()}"], config_name=config_name)
-            for tree in (True, False)}
+    """The run as a user types it (``traj.prefix_tree`` left at its default, ``auto``: trees on the CPU presets) and
+    the same run on rows (``traj.prefix_tree=false``), keyed True / False."""
+    runs = {True: shared_run(overrides, config_name=config_name),
+            False: shared_run([*overrides, "traj.prefix_tree=false"], config_name=config_name)}
     for tree, run in runs.items():
-        assert run.returncode == 0, f"prefix_tree={tree}:\n{run.tail()}"
+        assert run.returncode == 0, f"prefix_tree={'auto' if tree else 'false'}:\n{run.tail()}"
         assert len(run.metrics) == 2
+    assert "traj.prefix_tree=auto: prefix trees" in runs[True].output  # start-up said which it chose
     return runs
 
 
@@ -120,17 +123,13 @@ def test_ppo_first_step_on_trees_equals_the_row_forward(ppo_pairs):
         assert abs(step["actor/ppo_kl"]) < 1e-7
 
 
-def test_step_rows_and_gspo_over_the_trajectory_on_trees(tool_home, tmp_path):
+def test_step_rows_and_gspo_over_the_trajectory_on_trees(gspo_step_rows):
     """Unmerged step rows (every row of a trajectory repeats its earlier turns) with GSPO at trajectory scope, one
-    mini-batch for two epochs, on trees and on rows: the same gradient norm and loss; each trajectory atomic, its rows
-    one tree (fewer tokens than rows). On rows, epoch 2 runs GSPO's no-grad pre-pass (a trajectory's rows may sit in
-    several micro-batches); on trees every trajectory is in one micro-batch, so the loss takes each trajectory's ratio
-    from the live log-probs: no pre-pass, the same gradient."""
-    extra = ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "traj.ratio_scope=trajectory",
-             "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_epochs=2",
-             "actor_rollout_ref.model.use_remove_padding=true", "traj.group_by=trajectory")
-    runs = {tree: _run_stepwise(tool_home, tmp_path / f"tree_{tree}", "v1", False, steps=1,
-                                extra=(*extra, f"traj.prefix_tree={str(tree).lower()}"))[0][0] for tree in (True, False)}
+    mini-batch for two epochs, on the default path (trees) and on rows: the same gradient norm and loss; each
+    trajectory atomic, its rows one tree (fewer tokens than rows). On rows, epoch 2 runs GSPO's no-grad pre-pass (a
+    trajectory's rows may sit in several micro-batches); on trees every trajectory is in one micro-batch, so the loss
+    takes each trajectory's ratio from the live log-probs: no pre-pass, the same gradient."""
+    runs = {True: gspo_step_rows(False), False: gspo_step_rows(False, "false")}
     tree, rows = runs[True], runs[False]
     assert tree["traj_stepwise/rows_after"] > tree["traj_stepwise/trajectories"]  # multi-row trajectories
     assert tree["traj_stepwise/loss_tokens"] == rows["traj_stepwise/loss_tokens"]  # the same rollouts
@@ -144,3 +143,4 @@ def test_step_rows_and_gspo_over_the_trajectory_on_trees(tool_home, tmp_path):
     assert tree["actor/traj_seq_ratio_shift_abs_max"] > 1e-4  # epoch 2: the trajectory's ratio is not a row's
     assert tree["actor/tree_micro_batches"] == 2 * planned  # two epochs, no pre-pass
     assert tree["actor/tree_infer_micro_batches"] == planned
+    assert tree["actor/tree_share"] == 1.0 and rows["actor/tree_share"] == 0.0

@@ -5,59 +5,19 @@ trajectory. Evidence that step rows are built right: the actor's recomputed log-
 rows match the rollout's own log-probs token for token (``training/rollout_probs_diff_max``)."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.e2e.runs import TRAINERS, TRAINERS_V0_OPT_IN
+from tests.e2e.runs import TRAINERS_V0_OPT_IN, run_stepwise
 
 pytestmark = pytest.mark.e2e
-HERE = Path(__file__).resolve().parent
 STEPS = 2
 
 
-RECORDING_LOOP = "verl_traj.integration.stepwise_agent_loop.StepwiseToolAgentLoop"
 TURN_REWARD_LOOP = "verl_traj.testing.agent_loops.TurnRewardToolAgentLoop"
 
 
-def _run_stepwise(tiny, tmp_path, trainer: str, merge: bool, *, config_name: str = "cpu_tiny", steps: int = STEPS,
-                  extra: tuple = (), loop: str = RECORDING_LOOP) -> tuple[list[dict], str]:
-    """A step-wise run on the tiny tool-calling model (verl's tool agent loop re-pointed to ``loop``, a recording
-    loop); returns the per-step metrics and the log."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    yaml_path = tmp_path / "agent_loops.yaml"
-    # verl's tool_agent name re-pointed to the step-recording loop (the dataset routes rows to "tool_agent")
-    yaml_path.write_text(f"- name: tool_agent\n  _target_: {loop}\n")
-    metrics_path = tmp_path / "metrics.jsonl"
-    env = dict(os.environ, VERL_TRAJ_HOME=str(tiny.parent), VERL_FILE_LOGGER_PATH=str(metrics_path),
-               VERL_TRAJ_CKPT_DIR=str(tmp_path / "ckpt"), PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0")
-    cmd = [
-        sys.executable, "-m", "verl_traj.main_ppo", "--config-name", config_name,
-        f"actor_rollout_ref.rollout.agent.agent_loop_config_path={yaml_path}",
-        f"trainer.total_training_steps={steps}", "trainer.logger=[console,file]",
-        f"actor_rollout_ref.model.path={tiny}/model_tool",
-        f"data.train_files={tiny}/data/tool_train.parquet", f"data.val_files={tiny}/data/tool_test.parquet",
-        "data.max_prompt_length=192", "data.max_response_length=64",
-        "actor_rollout_ref.rollout.multi_turn.enable=true",
-        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
-        "actor_rollout_ref.rollout.multi_turn.format=hermes",
-        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tiny}/tool_config.yaml",
-        "traj.step_wise=true", f"traj.merge_prefix={str(merge).lower()}", *TRAINERS[trainer], *extra,
-        # v0 on two ranks: its _balance_batch expands, plans and pads for dp=2 (v0's two-rank plan test is opt-in)
-        *(["trainer.n_gpus_per_node=2"] if trainer == "v0" else []),
-    ]
-    run = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=900)
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out[-6000:]
-    metrics = [json.loads(line)["data"] for line in metrics_path.read_text().splitlines() if line.strip()]
-    assert len(metrics) == steps, out[-3000:]
-    return metrics, out
-
-
-# v1 with prefix merging is the quickstart's configuration: tests/e2e/test_calc_recipe.py runs it
+# v1 with prefix merging is the quick start's configuration: tests/e2e/test_packaging.py runs it
 @pytest.mark.parametrize("trainer, merge", [("v1", False), ("v0", False)])
 def test_stepwise_training_on_cpu(tool_home, tmp_path, trainer, merge):
     """v1: the agent-loop worker stores each session's step rows; v0: the trainer expands them (both merge
@@ -67,7 +27,7 @@ def test_stepwise_training_on_cpu(tool_home, tmp_path, trainer, merge):
     calls behind a GRPO group's shared prompt in one of four), and its advantage trains."""
     from verl_traj.testing.agent_loops import TURN_REWARD
 
-    metrics, out = _run_stepwise(tool_home, tmp_path, trainer, merge, loop=TURN_REWARD_LOOP,
+    metrics, out = run_stepwise(tool_home, tmp_path, trainer, merge, loop=TURN_REWARD_LOOP,
                                  extra=("algorithm.adv_estimator=gigpo", "algorithm.gamma=0.95"))
     keys = [k for k in metrics[0] if k.startswith(("traj_stepwise/", "traj_plan/", "traj_gigpo/", "actor/",
                                                   "training/rollout_probs"))]
@@ -96,7 +56,7 @@ def test_ppo_with_gae_across_turns_on_step_rows(tool_home, tmp_path, trainer):
     prefix-merged (one row per trajectory) train, and on step 1 (the same rollouts, the same seeded critic) both give
     the same advantages and returns on the same loss tokens (verl's metrics over them agree), which they could not if
     a turn's credit stopped at its row's edge. v0 (opt-in): the same through its expansion, on two ranks."""
-    runs = {merge: _run_stepwise(tool_home, tmp_path / f"merge_{merge}", trainer, merge, config_name="cpu_tiny_ppo",
+    runs = {merge: run_stepwise(tool_home, tmp_path / f"merge_{merge}", trainer, merge, config_name="cpu_tiny_ppo",
                                  steps=1, extra=("algorithm.gamma=0.95",))[0][0] for merge in (False, True)}
     unmerged, merged = runs[False], runs[True]
     assert unmerged["traj_stepwise/rows_after"] > unmerged["traj_stepwise/trajectories"]  # several rows a trajectory
@@ -115,8 +75,9 @@ def test_trajectory_ratios_in_colocate_async_on_step_rows(tool_home, tmp_path):
     (``rollout_is=sequence``, geometric-mean rejection ``seq_mean_k1``) and GSPO at ``traj.ratio_scope=trajectory``: every step logs ``traj_ratio/*`` over the 32 trajectories; on step 1 (on-policy) every trajectory
     weight is 1; rows one policy version old get trajectory weights != 1, each the product of its rows' weights
     (``max_abs_row_gap``); GSPO's ratio is summed over each trajectory's rows every optimizer step (the shift is
-    logged); the versions are reported per trajectory; training proceeds."""
-    metrics, out = _run_stepwise(tool_home, tmp_path, "v1", False, steps=3, extra=(
+    logged; on the default path, prefix trees, in the loss); the versions are reported per trajectory; training
+    proceeds."""
+    metrics, out = run_stepwise(tool_home, tmp_path, "v1", False, steps=3, extra=(
         "trainer.v1.trainer_mode=colocate_async", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
         "traj.ratio_scope=trajectory",
         "algorithm.rollout_correction.rollout_is=sequence",
@@ -131,12 +92,13 @@ def test_trajectory_ratios_in_colocate_async_on_step_rows(tool_home, tmp_path):
             m["traj_version/multi_version_share"] > 0), summary
         assert m["traj_ratio/max_abs_row_gap"] < 1e-3, summary  # the trajectory weight = the product of its rows'
         assert m["actor/grad_norm"] > 0 and m["actor/loss_weight_mass"] == pytest.approx(1.0), summary
-        # GSPO's trajectory pre-pass: skipped on each update's first optimizer step (on-policy, deterministic forward),
-        # run apart from the planned micro-batches on the others; only in a step where some trajectory has several
-        # rows (an asynchronous step may take only one-call trajectories: then there is no trajectory ratio to sum)
+        # GSPO's trajectory ratio, on the default path (prefix trees: every trajectory in one micro-batch): taken in
+        # the loss from the live log-probs, no pre-pass; only in a step where some trajectory has several rows (an
+        # asynchronous step may take only one-call trajectories: then there is no trajectory ratio to sum). On rows,
+        # the pre-pass: test_gspo_over_the_trajectory_on_step_rows_equals_the_merged_row
         multi = m["traj_stepwise/rows_after"] > m["traj_stepwise/trajectories"]
-        assert ("actor/prepass_skipped_steps" in m) == multi, summary
-        assert not multi or m["actor/prepass_skipped_steps"] == 1, summary
+        assert ("actor/ratio_in_loss" in m) == multi and m["actor/tree_share"] == 1.0, summary
+        assert not multi or (m["actor/ratio_in_loss"] == 1.0 and m["actor/prepass_micro_batches_per_epoch"] == 0), summary
         assert m["actor/micro_batches_per_epoch"] == m["traj_plan/micro_batches"], summary
     assert any(m["traj_stepwise/rows_after"] > m["traj_stepwise/trajectories"] for m in metrics), summary
     first = metrics[0]
@@ -147,20 +109,17 @@ def test_trajectory_ratios_in_colocate_async_on_step_rows(tool_home, tmp_path):
     assert all(abs(m["traj_ratio/weight_mean"] - 1) > 1e-3 for m in stale), summary
 
 
-def test_gspo_over_the_trajectory_on_step_rows_equals_the_merged_row(tool_home, tmp_path):
-    """GSPO (its sequence ratio from the current policy) on unmerged step rows at ``traj.ratio_scope=trajectory``:
-    before each optimizer step the actor sums every trajectory's log-ratios over its rows, so one mini-batch trained
-    for two epochs (the second epoch off pi_old) gives the same gradients and loss as the same rollouts with every
-    trajectory prefix-merged into one row (whose row is the trajectory). The first optimizer step (on-policy: every
-    log-ratio is rounding) skips the pre-pass; the second runs it, counted apart from the planned micro-batches, and
-    shifts the rows' ratios (per-row ratios would have differed there). Merged, no trajectory has several rows:
-    no ratio groups, no pre-pass."""
-    extra = ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "traj.ratio_scope=trajectory",
-             "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-             "actor_rollout_ref.actor.ppo_epochs=2")
-    runs = {merge: _run_stepwise(tool_home, tmp_path / f"merge_{merge}", "v1", merge, steps=1, extra=extra)[0][0]
-            for merge in (False, True)}
-    unmerged, merged = runs[False], runs[True]
+def test_gspo_over_the_trajectory_on_step_rows_equals_the_merged_row(gspo_step_rows):
+    """GSPO (its sequence ratio from the current policy) on unmerged step rows at ``traj.ratio_scope=trajectory``, on
+    the row forward (``traj.prefix_tree=false``, where a trajectory's rows may sit in several micro-batches): before
+    each optimizer step the actor sums every trajectory's log-ratios over its rows, so one mini-batch trained for two
+    epochs (the second epoch off pi_old) gives the same gradients and loss as the same rollouts with every trajectory
+    prefix-merged into one row (whose row is the trajectory; on the default path). The first optimizer step
+    (on-policy: every log-ratio is rounding) skips the pre-pass; the second runs it, counted apart from the planned
+    micro-batches, and shifts the rows' ratios (per-row ratios would have differed there). Merged, no trajectory has
+    several rows: no ratio groups, no pre-pass. (On trees every trajectory is one micro-batch and the loss takes its
+    ratio without a pre-pass: tests/e2e/test_prefix_tree_training.py.)"""
+    unmerged, merged = gspo_step_rows(False, "false"), gspo_step_rows(True)
     assert unmerged["traj_stepwise/rows_after"] > unmerged["traj_stepwise/trajectories"]
     assert unmerged["traj_stepwise/loss_tokens"] == merged["traj_stepwise/loss_tokens"]  # the same rollouts
     assert unmerged["actor/num_optimizer_steps"] == merged["actor/num_optimizer_steps"] == 2

@@ -133,6 +133,7 @@ def test_the_gpu_launchers_keep_the_cpu_platform_out():
 # what a new user types for Ulysses SP on CPU (docs/gpu.md): no attention override
 ULYSSES_USER = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.model.use_remove_padding=true",
                 "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
+RMPAD = "actor_rollout_ref.model.use_remove_padding"
 ACTOR_ATTN = "actor_rollout_ref.model.override_config.attn_implementation"
 CRITIC_ATTN = "critic.model.override_config.attn_implementation"
 
@@ -198,11 +199,11 @@ def test_an_attention_wrong_on_cpu_is_refused_naming_field_value_and_fix(overrid
 
 
 @pytest.mark.parametrize("overrides, field", [
-    (["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
+    (["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", f"{RMPAD}=false"],
      "actor_rollout_ref.model.use_remove_padding"),
-    (["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2"],
-     "actor_rollout_ref.model.use_remove_padding"),  # the engine key: verl's validate_config does not see it
-    (["trainer.n_gpus_per_node=2", "actor_rollout_ref.model.use_remove_padding=true",
+    (["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2",
+      f"{RMPAD}=false"], "actor_rollout_ref.model.use_remove_padding"),  # the engine key: verl's validate_config does not see it
+    (["trainer.n_gpus_per_node=2", "critic.model.use_remove_padding=false",
       "critic.fsdp.ulysses_sequence_parallel_size=2"], "critic.model.use_remove_padding"),
 ])
 def test_ulysses_without_remove_padding_is_refused_at_start_up(overrides, field):
@@ -349,9 +350,9 @@ def test_prefix_tree_selects_the_cpu_flash_attention_path(started):
 
 
 @pytest.mark.parametrize("overrides, field", [
-    (["traj.prefix_tree=true"], "actor_rollout_ref.model.use_remove_padding"),
+    (["traj.prefix_tree=true", f"{RMPAD}=false"], "actor_rollout_ref.model.use_remove_padding"),
     (TREE + ["traj.enable=false"], "traj.enable"),
-    (TREE + ["algorithm.adv_estimator=gae"], "critic.model.use_remove_padding"),
+    (TREE + ["algorithm.adv_estimator=gae", "critic.model.use_remove_padding=false"], "critic.model.use_remove_padding"),
     (TREE + [f"{ACTOR_ATTN}=sdpa"], ACTOR_ATTN),
     (TREE + ["algorithm.adv_estimator=gae", "critic.model.use_remove_padding=true", f"{CRITIC_ATTN}=sdpa"],
      CRITIC_ATTN),
@@ -368,12 +369,10 @@ def test_prefix_tree_refused_where_it_is_not_built(started, overrides, field):
     assert "prefix_tree" in str(err.value)
 
 
-RMPAD = "actor_rollout_ref.model.use_remove_padding"
-
 
 @pytest.mark.parametrize("overrides, trees, attn", [
-    ([], False, "sdpa"),  # the CPU preset: verl's padded path (no remove-padding): rows, cpu attention as before
-    ([f"{RMPAD}=true"], True, "cpu_varlen"),  # remove-padding: trees, on the flash-attention path's CPU kernel
+    ([], True, "cpu_varlen"),  # the CPU preset (remove-padding): trees, on the flash-attention path's CPU kernel
+    ([f"{RMPAD}=false"], False, "sdpa"),  # verl's padded path: rows, the CPU attention as before
     ([f"{RMPAD}=true", f"{ACTOR_ATTN}=sdpa"], False, "sdpa"),  # an attention the tree cannot take: rows
     ([f"{RMPAD}=true", "+actor_rollout_ref.model.override_config.attention_dropout=0.1"], False, "sdpa"),
     ([f"{RMPAD}=true", "+actor_rollout_ref.model.override_config.sliding_window=8",
@@ -411,9 +410,9 @@ def test_a_trainer_built_without_start_up_settles_auto_itself():
     """A script that builds the trainer's config without ``main_ppo`` gets the same choice, not rows in silence."""
     from verl_traj.integration.tree_checks import settled_traj_config
 
-    cfg = _cpu([f"{RMPAD}=true"])
+    cfg = _cpu()
     assert cfg.traj.prefix_tree == "auto" and settled_traj_config(cfg).trees and cfg.traj.prefix_tree is True
-    assert not settled_traj_config(_cpu()).trees
+    assert not settled_traj_config(_cpu([f"{RMPAD}=false"])).trees
 
 
 SEPARATE = ["trainer.v1.trainer_mode=separate_async"]
