@@ -21,25 +21,9 @@
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 
-# verl 0.9.1's import-time needs that the GPU image lacks (its list: /work/.library/device/KINDS.md), at the versions
-# the project's CPU venv runs; tensordict's C++ extension links no torch (any torch works). antlr4 4.9.3 has no wheel
-# on PyPI: built here from its source (pure Python).
-WHEELS="verl==0.9.1 tensordict==0.10.0 pyvers==0.1.0 orjson==3.13.0 importlib_metadata==10.2.0 omegaconf==2.3.1
-hydra-core==1.3.8 codetiming==1.4.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0
-typing-inspection==0.4.5 uvicorn==0.54.0 fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2 datasets==5.2.0
-dill==0.4.1 multiprocess==0.70.19 torchdata==0.11.0 cachetools==8.0.2 TransferQueue==0.1.11 msgspec==0.22.0
-pyzmq==27.3.0"
-if [ "${1:-}" = "--download" ]; then
-  set -e
-  mkdir -p .whl
+if [ "${1:-}" = "--download" ]; then # the wheels (one list for every GPU script: scripts/gpu_bundle.py)
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
-  for w in $WHEELS; do
-    "${PYTHON:-python3}" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$w"
-  done
-  "${PYTHON:-python3}" -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
-  du -sh .whl
-  exit 0
+  exec "${PYTHON:-python3}" scripts/gpu_bundle.py download --set update --dest .whl
 fi
 
 OUT="${OUT:-gpu_out}"

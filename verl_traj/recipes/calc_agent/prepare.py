@@ -110,6 +110,21 @@ def _bootstrap_tokenizer():
     return Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
 
 
+def recipe_tokenizer(model_dir: Path, seed: int, max_operand: int = 9):
+    """The recipe's byte-level BPE tokenizer (1,024 ids) saved in ``model_dir``: trained on the tiny corpus and on the
+    recipe's own rendered episodes, so they stay short (also the tokenizer of ``scripts/gpu_e2e.py``'s random model)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from verl_traj.cpu.build_tiny import CHAT_TEMPLATE, build_tokenizer
+
+    render = PreTrainedTokenizerFast(tokenizer_object=_bootstrap_tokenizer())
+    render.chat_template = CHAT_TEMPLATE
+    rng = random.Random(seed + 1)
+    corpus = [render.apply_chat_template(task.transcript(task.make_problem(rng, rng.choice((2, 3)), max_operand)),
+                                         tools=tool_schemas(), tokenize=False) for _ in range(300)]
+    return build_tokenizer(model_dir, vocab_size=1024, seed=seed, extra_corpus=corpus)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     default_home = Path(os.path.expanduser(os.environ.get("VERL_TRAJ_HOME", "~/.cache/verl_traj"))) / "calc_agent"
@@ -137,20 +152,10 @@ def main(argv=None) -> None:
     write_data(home / "data", args.n_train, args.n_test, args.seed, args.max_operand)
     stamp = home / "model" / "WARM_START.json"
     if not args.data_only and (args.force or not stamp.exists()):
-        from verl_traj.cpu.build_tiny import build_model, build_tokenizer
+        from verl_traj.cpu.build_tiny import build_model
 
         (home / "model").mkdir(parents=True, exist_ok=True)
-        # train the tokenizer on the recipe's own rendered episodes too, so they stay short
-        from transformers import PreTrainedTokenizerFast
-
-        from verl_traj.cpu.build_tiny import CHAT_TEMPLATE
-
-        render = PreTrainedTokenizerFast(tokenizer_object=_bootstrap_tokenizer())
-        render.chat_template = CHAT_TEMPLATE
-        rng = random.Random(args.seed + 1)
-        corpus = [render.apply_chat_template(task.transcript(task.make_problem(rng, rng.choice((2, 3)), args.max_operand)),
-                                             tools=tool_schemas(), tokenize=False) for _ in range(300)]
-        tokenizer = build_tokenizer(home / "model", vocab_size=1024, seed=args.seed, extra_corpus=corpus)
+        tokenizer = recipe_tokenizer(home / "model", args.seed, args.max_operand)
         build_model(home / "model", tokenizer, seed=args.seed, hidden=args.hidden, layers=args.layers, kv_heads=4)
         figures = warm_start(home / "model", args.sft_steps, args.seed, args.max_operand)
         from verl_traj.recipes.calc_agent.evaluate import evaluate_model
