@@ -388,6 +388,10 @@ def _proc(rank: int, dp: int, port: int, args, out_path: str):
                 if it:
                     r["times"].append(dt)
                 r["metrics"] = metrics
+        if args.profile:
+            for variant, r in runs.items():
+                r["profile"] = _profiled_update(r, rank, dp, r["info"]["source_rows"] // case["mini_batches"], cuda,
+                                                os.path.join(args.profile, f"{name}_{variant}"))
         results[name] = {v: _summary(r) for v, r in runs.items()}
         if cuda:  # this case's workers (model, optimizer) off the GPU before the next case builds its own
             _release(runs)
@@ -397,6 +401,37 @@ def _proc(rank: int, dp: int, port: int, args, out_path: str):
     import torch.distributed as dist
 
     dist.destroy_process_group()
+
+
+TREE_SPANS = ("verl_traj.tree.build", "verl_traj.tree.inputs", "verl_traj.tree.mask", "verl_traj.tree.attention",
+              "verl_traj.tree.outputs")
+
+
+def _profiled_update(run: dict, rank: int, dp: int, rows: int, cuda: bool, path: str) -> dict:
+    """One more update of ``run`` under torch's profiler (CPU, and CUDA on a GPU): rank 0 writes the operator table
+    (``path``.txt, by self device time on a GPU, else CPU time) and returns the seconds spent in each of the tree's
+    stages (:data:`TREE_SPANS`, ``record_function`` spans in ``integration/tree_forward.py``: the trees' build from the
+    plan's facts, verl's input preparation over them, the attention's mask, the attention calls, the gathers back to
+    the rows), in the attention's kernels, and in the whole update."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        total, _ = _time_update(run["worker"], run["batch"], rank, dp, rows, cuda)
+    if rank:
+        return {}
+    events = prof.key_averages()
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".txt", "w") as f:
+        f.write(events.table(sort_by=sort, row_limit=50))
+    spans = {e.key: e for e in events if e.key in TREE_SPANS}
+    device = "device_time_total" if cuda else "cpu_time_total"
+    out = {"update_s": total, **{k.rsplit(".", 1)[-1] + "_s": getattr(spans[k], "cpu_time_total") / 1e6
+                                 for k in spans}}
+    if cuda:  # the device time of each span's kernels
+        out.update({k.rsplit(".", 1)[-1] + "_device_s": getattr(spans[k], device) / 1e6 for k in spans})
+    return out
 
 
 def _release(runs: dict) -> None:
@@ -416,7 +451,8 @@ def _summary(run: dict) -> dict:
             "optimizer_steps": len(grad) if isinstance(grad, list) else None,
             "micro_batches_run": (m.get("micro_batches_per_epoch") or [None])[0],
             "prepass_micro_batches": (m.get("prepass_micro_batches_per_epoch") or [None])[0],
-            "tree_tokens": (m.get("tree_tokens") or [None])[0], **run["info"]}
+            "tree_tokens": (m.get("tree_tokens") or [None])[0], **run["info"],
+            **({"profile": run["profile"]} if run.get("profile") else {})}
 
 
 def _paired(times: list[float], base: list[float]) -> float:
@@ -494,6 +530,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--logprobs", choices=["auto", "verl", "fused"], default="auto",
                     help="fused: one vectorised fp32 log-softmax in verl's engine instead of its per-token fallback "
                          "(auto: on CUDA without flash-attn, whose fused cross-entropy verl uses where installed)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="after the timed updates, one more per variant under torch's profiler: its operator table in "
+                         "DIR/<case>_<variant>.txt, the seconds in each prefix-tree stage in the JSON (issue 41 item 3)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return ap
 

@@ -16,7 +16,9 @@
 # imported by verl at module level but never used on this path, and its wheel is too large to carry: a stub (below)
 # stands in, and raises on any real use. Make .whl here (with PyPI):  bash scripts/gpu_update_ab.sh --download
 # Usage on the GPU machine (repo root):  OUT=/some/dir bash scripts/gpu_update_ab.sh
-# Knobs (environment): SHAPE (0.5b | 1.5b | tiny), CASES, REPEATS, ROWS_ATTENTION (skip the choice), DEVICE (cuda | cpu:
+# Knobs (environment): SHAPE (0.5b | 1.5b | tiny), CASES, REPEATS, ROWS_ATTENTION (skip the choice), PROFILE=1 (one more
+# update per variant under torch's profiler: $OUT/profile/<case>_<variant>.txt, the tree stages' seconds in the JSON:
+# where the tree update loses against its token ratio), DEVICE (cuda | cpu:
 # the CPU dry run, with PYTHON, WHL and SITE pointing at a CPU interpreter and its wheels), DEADLINE.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -325,7 +327,7 @@ while [ $# -gt 0 ]; do
   echo "=== bench $name (rows attention $ROWS)" >>"$LOG"
   stage "bench_$name" "$limit" "$PY" scripts/bench_update.py --device "$DEVICE" --dp 1 --model "$WORK/model" \
     --remove-padding --tree --rows-attention "$ROWS" --cases "$name" --variants traj traj_tree --repeats "$REPEATS" \
-    --home "$WORK/home" --json >"$WORK/case_$name.json" 2>>"$LOG"
+    --home "$WORK/home" ${PROFILE:+--profile "$OUT/profile"} --json >"$WORK/case_$name.json" 2>>"$LOG"
   rc=$?
   if [ "$rc" -ne 0 ]; then
     tail -n 25 "$LOG"

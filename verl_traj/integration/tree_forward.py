@@ -55,6 +55,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from tensordict import NonTensorData, TensorDict
+from torch.profiler import record_function
 from transformers.integrations.flash_attention import flash_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from verl.utils import tensordict_utils as tu
@@ -120,11 +121,12 @@ def _tree_call(tree: TreeAttentionInput, query: torch.Tensor, key: torch.Tensor,
         _refuse(f"the attention got query {tuple(query.shape)} for a tree of {tree.subtree_end.numel()} tokens (a "
                 "sequence-parallel layout other than verl's Ulysses all-to-all?)", "forward the tree with Ulysses or "
                 "without sequence parallelism")
-    if tree.flex is not None:  # CUDA: compiled flex attention, one compile per tree-size bucket
-        out = tree_attention_flex(query[0], key[0], value[0], tree.flex, scale=kwargs.get("softmax_scale"))
-    else:
-        out = tree_attention(query[0], key[0], value[0], tree.subtree_end, scale=kwargs.get("softmax_scale"),
-                             blocks=tree.blocks)
+    with record_function("verl_traj.tree.attention"):
+        if tree.flex is not None:  # CUDA: compiled flex attention, one compile per tree-size bucket
+            out = tree_attention_flex(query[0], key[0], value[0], tree.flex, scale=kwargs.get("softmax_scale"))
+        else:
+            out = tree_attention(query[0], key[0], value[0], tree.subtree_end, scale=kwargs.get("softmax_scale"),
+                                 blocks=tree.blocks)
     tree.calls += 1
     return out.unsqueeze(0)
 
@@ -224,13 +226,16 @@ def _prepare_inputs(verl_prepare: Callable, engine: Any, log: TreeForwardLog, mi
     if not tu.get_non_tensor_data(data=micro_batch, key=TREE_KEY, default=False):
         return verl_prepare(micro_batch=micro_batch)
     _check_micro_batch(engine, micro_batch)
-    tree = micro_batch_tree(micro_batch)
-    batch, checks = _tree_batch(micro_batch, tree)
-    model_inputs, output_args = verl_prepare(micro_batch=batch)
+    with record_function("verl_traj.tree.build"):
+        tree = micro_batch_tree(micro_batch)
+    with record_function("verl_traj.tree.inputs"):
+        batch, checks = _tree_batch(micro_batch, tree)
+        model_inputs, output_args = verl_prepare(micro_batch=batch)
     # under Ulysses each rank holds a slice; the attention sees the whole (padded) sequence after verl's all-to-all
     sp = int(getattr(engine, "ulysses_sequence_parallel_size", 1)) if getattr(engine, "use_ulysses_sp", False) else 1
     device, length = model_inputs["input_ids"].device, model_inputs["input_ids"].shape[-1] * sp
-    attention = TreeAttentionInput(_padded_subtree_end(tree.subtree_end, length).to(device))
+    with record_function("verl_traj.tree.mask"):
+        attention = TreeAttentionInput(_padded_subtree_end(tree.subtree_end, length).to(device))
     model_inputs[TREE_KWARG] = attention
     output_args[_STATE] = _TreeState(tree, batch, attention)
     log.add(tree, length, checks)
@@ -264,7 +269,8 @@ def _prepare_outputs(verl_prepare: Callable, output: Any, output_args: dict, mic
                 "sequences)", "run the model's attention through the flash-attention path with tree_forward entered")
     model_output = verl_prepare(output=output, output_args=output_args, micro_batch=state.batch,
                                 logits_processor_func=logits_processor_func)
-    return per_row_outputs(model_output, state.tree, micro_batch["input_ids"].offsets())
+    with record_function("verl_traj.tree.outputs"):
+        return per_row_outputs(model_output, state.tree, micro_batch["input_ids"].offsets())
 
 
 def tree_forward_patches(engine: Any, log: TreeForwardLog) -> list[Patch]:
