@@ -205,7 +205,7 @@ def test_a_planned_update_reaches_the_worker_through_the_meta(tq, role, setup, r
     """Regression: the workers fetch exactly the fields the meta names, and the meta verl hands an update lists only
     the fields stored before it; verl_traj's trainer names every planned field (``loss_weight``, ``ratio_group``
     written for the update), so the worker gets all of them, and the update's contract keys leave with the call."""
-    from verl_traj.integration.workers import CRITIC_UNION_KEY
+    from verl_traj.core.keys import CRITIC_UNION_KEY
 
     tr = _trainer(**setup)
     rows = _store_rows(tq, np.random.default_rng(3), prefix=f"w{role}{int(ratio_groups)}")

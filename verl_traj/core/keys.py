@@ -42,6 +42,8 @@ TREE_SIZE = "prefix_tree_size"  # [B] per row: the tree tokens of its micro-batc
 TREE_SIZE_KEY = "prefix_tree_tokens"  # non-tensor of one planned micro-batch: its tree tokens (a host int)
 
 ADVANTAGE_METRICS = "traj_advantage_metrics"  # meta_info of a batch: the advantage step's metrics (traj_gigpo/*)
+# non-tensor key the trainer sets when the critic steps on unions of the actor's mini-batches (read by the workers)
+CRITIC_UNION_KEY = "traj_critic_union"
 PLANNED_FIELDS = "traj_planned_fields"  # non-tensor of an update: the comma-separated fields the trainer planned
 # non-tensor of an actor update: its old log-probs were computed by the parameters the update starts from (verl
 # recomputes them right before every update; bypass_mode, which takes the rollout's, is refused), so the first
@@ -61,6 +63,6 @@ def planned_update_fields(ratio_groups: bool = False) -> tuple[str, ...]:
 # Tensor fields apply_plan adds (replaced if the input already carries them).
 PLAN_KEYS = (MINI_BATCH_ID, MICRO_BATCH_ID, TRAJ_INDEX, IS_PADDING)
 
-__all__ = ["ADVANTAGE_METRICS", "MINI_BATCH_ID", "MICRO_BATCH_ID", "TRAJ_INDEX", "IS_PADDING", "IS_LAST_STEP", "LOSS_WEIGHT", "PLAN_KEYS",
+__all__ = ["ADVANTAGE_METRICS", "CRITIC_UNION_KEY", "MINI_BATCH_ID", "MICRO_BATCH_ID", "TRAJ_INDEX", "IS_PADDING", "IS_LAST_STEP", "LOSS_WEIGHT", "PLAN_KEYS",
            "OLD_LOG_PROBS_AT_START", "PLANNED_FIELDS", "RATIO_IN_LOSS", "RATIO_GROUP", "planned_update_fields", "SEQ_RATIO_SHIFT", "STEP_ANCHORS",
            "TREE_INDEX", "TREE_SIZE", "TREE_SIZE_KEY", "TURN_REWARDS"]

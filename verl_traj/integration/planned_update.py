@@ -24,10 +24,8 @@ from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID, PLANNED_FIELDS, R
 from verl_traj.integration.loss_sink import LOSS_SINK, LossSink
 from verl_traj.integration.tree_plan_facts import TREE_SIZE, TREE_SIZE_KEY, micro_batch_tree_sizes
 
-__all__ = ["CRITIC_UNION_KEY", "PlannedUpdate", "check_planned_update", "mini_batch_slices"]
+__all__ = ["PlannedUpdate", "check_planned_update", "mini_batch_slices"]
 
-# non-tensor key the trainer sets when the critic steps on unions of the actor's mini-batches
-CRITIC_UNION_KEY = "traj_critic_union"
 
 
 def check_planned_update(data: TensorDict) -> tuple[str, ...]:

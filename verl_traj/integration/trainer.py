@@ -38,8 +38,8 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 from verl_traj.core import MiniBatchPlan, apply_plan, build_layout
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.keys import (IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MINI_BATCH_ID, OLD_LOG_PROBS_AT_START,
-                                 PLAN_KEYS, PLANNED_FIELDS, RATIO_GROUP, RATIO_IN_LOSS, TRAJ_INDEX,
+from verl_traj.core.keys import (CRITIC_UNION_KEY, IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MINI_BATCH_ID,
+                                 OLD_LOG_PROBS_AT_START, PLAN_KEYS, PLANNED_FIELDS, RATIO_GROUP, RATIO_IN_LOSS, TRAJ_INDEX,
                                  planned_update_fields)
 from verl_traj.core.padding import resolve_pad_token_id
 from verl_traj.core.token_rows import TokenRows
@@ -56,7 +56,6 @@ from verl_traj.integration.tree_checks import settled_traj_config
 from verl_traj.integration.tree_forward import TREE_KEY
 from verl_traj.integration.tree_plan_facts import dense_tree_facts
 from verl_traj.integration.update_spec import LossSpec, UpdateSpec, has_multi_row_trajectory
-from verl_traj.integration.workers import CRITIC_UNION_KEY
 from verl_traj.stepwise.step_groups import StepGroupOptions
 
 __all__ = ["TrajRayPPOTrainer", "attended_rows", "plan_batch_in_place"]

@@ -22,11 +22,10 @@ from typing import Any, Iterator
 import transfer_queue as tq
 from tensordict import TensorDict
 
-from verl_traj.core.keys import (LOSS_WEIGHT, OLD_LOG_PROBS_AT_START, PLANNED_FIELDS, RATIO_GROUP, RATIO_IN_LOSS,
-                                 planned_update_fields)
+from verl_traj.core.keys import (CRITIC_UNION_KEY, LOSS_WEIGHT, OLD_LOG_PROBS_AT_START, PLANNED_FIELDS, RATIO_GROUP,
+                                 RATIO_IN_LOSS, planned_update_fields)
 from verl_traj.integration.update_spec import LossSpec
 from verl_traj.integration.v1_plan_facts import PlanFacts
-from verl_traj.integration.workers import CRITIC_UNION_KEY
 
 __all__ = ["extra_info", "name_fields", "planned_update", "put_update_fields"]
 

@@ -41,13 +41,12 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.keys import OLD_LOG_PROBS_AT_START, RATIO_GROUP, RATIO_IN_LOSS, SEQ_RATIO_SHIFT
+from verl_traj.core.keys import CRITIC_UNION_KEY, OLD_LOG_PROBS_AT_START, RATIO_GROUP, RATIO_IN_LOSS, SEQ_RATIO_SHIFT
 from verl_traj.integration.actor_sequence_ratios import (check_ratio_groups, ratio_group_bound, stochastic_in_training,
                                                          trajectory_ratio_shift)
 from verl_traj.integration.loss_sink import LossSink
 from verl_traj.integration.losses import traj_ppo_loss
-from verl_traj.integration.planned_update import (CRITIC_UNION_KEY, PlannedUpdate, check_planned_update,
-                                                   mini_batch_slices)
+from verl_traj.integration.planned_update import PlannedUpdate, check_planned_update, mini_batch_slices
 from verl_traj.integration.patches import gspo_prepass_patches, micro_batch_patches, patched, update_patches
 from verl_traj.integration.tree_log import TreeTotals
 from verl_traj.integration.tree_passes import tree_marked, tree_metrics, tree_pass
