@@ -190,7 +190,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def skip_on_accelerator() -> None:
-    from verl_traj.cpu.plugin import accelerator_present
+    from verl_traj.cpu.detect import accelerator_present
 
     if accelerator_present():
         pytest.skip("the CPU e2e tests target machines without an accelerator")

@@ -28,8 +28,9 @@ def test_plugin_registers_cpu_platform_without_accelerator():
     from verl.utils.device import get_device_name, get_nccl_backend
 
     from verl_traj.cpu import plugin
+    from verl_traj.cpu.detect import accelerator_present
 
-    if plugin.accelerator_present():
+    if accelerator_present():
         pytest.skip("an accelerator is present: the CPU platform must stay unregistered")
     assert plugin.register()  # idempotent: True where the CPU platform is active
     assert get_platform().device_name == "cpu" == get_device_name()

@@ -37,7 +37,7 @@ import threading
 from typing import Callable
 
 from verl_traj.cpu.attention import CPU_VARLEN, flash_mask, flash_path, varlen_attention
-from verl_traj.cpu.detect import accelerator_present, cpu_platform_wanted  # noqa: F401  (accelerator_present: re-exported)
+from verl_traj.cpu.detect import cpu_platform_wanted
 from verl_traj.integration import torch_flash
 from verl_traj.integration.process_patches import ON_IMPORT, cpu_platform_patches, cpu_rollout_registrations, install
 
@@ -98,9 +98,6 @@ _hook = _PostImportHook()
 sys.meta_path.insert(0, _hook)
 
 
-# ----------------------------------------------------------------------------------------------
-# accelerator detection
-# ----------------------------------------------------------------------------------------------
 # ----------------------------------------------------------------------------------------------
 # registrations
 # ----------------------------------------------------------------------------------------------
@@ -232,7 +229,7 @@ def register() -> bool:
             wanted = cpu_platform_wanted()
             if wanted:
                 _register_platform()
-            elif torch_flash.wanted(cpu_platform=False):  # a CUDA process without flash-attn: torch_varlen
+            elif torch_flash.wanted():  # a CUDA process without flash-attn: torch_varlen
                 install(torch_flash.patches(when=ON_IMPORT), _hook.add)
             _state["platform"] = wanted
         return bool(_state["platform"])

@@ -27,7 +27,6 @@ from verl_traj.integration.tree_plan_facts import TREE_SIZE, TREE_SIZE_KEY, micr
 __all__ = ["PlannedUpdate", "check_planned_update", "mini_batch_slices"]
 
 
-
 def check_planned_update(data: TensorDict) -> tuple[str, ...]:
     """The per-row fields the trainer planned for this update (the non-tensor ``traj_planned_fields``, popped), each
     checked present in ``data``. Raises :class:`TrajInputError` naming the list or the first missing field."""

@@ -29,14 +29,14 @@ __all__ = ["TORCH_VARLEN", "attention_patches", "fused_logprobs", "patches", "va
 TORCH_VARLEN = "torch_varlen"  # the attn_implementation name
 
 
-def wanted(cpu_platform: bool) -> bool:
-    """Whether this process gets :data:`TORCH_VARLEN` (module doc)."""
+def wanted() -> bool:
+    """Whether this process gets :data:`TORCH_VARLEN` (module doc; the plugin asks only off the CPU platform)."""
     forced = os.environ.get("VERL_TRAJ_TORCH_VARLEN", "").strip().lower()
     if forced in ("0", "false", "no", "off"):
         return False
     if forced in ("1", "true", "yes", "on"):
         return True
-    if cpu_platform or importlib.util.find_spec("flash_attn") is not None:
+    if importlib.util.find_spec("flash_attn") is not None:
         return False
     import torch
 
