@@ -55,7 +55,7 @@ def _engine(model: str, sections: tuple[str, ...], config: Any) -> list[Reason]:
                         f"set {path}.strategy=fsdp2"))
     if not flag_at(config, f"{model}.use_remove_padding", False):
         out.append((f"{model}.use_remove_padding", f"runs on verl's remove-padding path ({model}.use_remove_padding="
-                    "false)", f"add {model}.use_remove_padding=true"))
+                    "false)", f"set {model}.use_remove_padding=true"))
     if flag_at(config, f"{model}.use_fused_kernels", False):
         out.append((f"{model}.use_fused_kernels", "forwards the model's hidden states through verl's own head, not "
                     "fused kernels", f"set {model}.use_fused_kernels=false"))
