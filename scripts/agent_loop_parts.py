@@ -15,7 +15,7 @@ from verl.utils.dataset.rl_dataset import collate_fn
 from verl.workers.rollout.llm_server import LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
 
-from verl_traj.integration.v1_agent_loop import TrajAgentLoopWorkerTQ, _actor_base
+from verl_traj.integration.agent_loops.v1_agent_loop import TrajAgentLoopWorkerTQ, _actor_base
 from verl_traj.recipes.calc_agent.prepare import write_data
 from verl_traj.testing.engine import compose_config
 

@@ -63,7 +63,7 @@ def run_variant(args, tensors, non_tensors, key: str) -> dict:
     """Median seconds per phase over ``--repeats``, the largest peak RSS growth of any phase, and the facts."""
     from unittest import mock
 
-    from verl_traj.integration import step_plan
+    from verl_traj.integration.trainers import step_plan
 
     v = VARIANTS[key]
     cut = None if args.no_verl_cut else step_plan.verl_partitioner
@@ -108,7 +108,7 @@ def planner_at(args, rows: int, with_verl_cut: bool) -> dict:
     (``step_plan.verl_partitioner``), to show what the rest of the planner costs."""
     from unittest import mock
 
-    from verl_traj.integration import step_plan
+    from verl_traj.integration.trainers import step_plan
 
     layout, layout_s = _count_layout(args, rows)
     spec = phases.traj_trainer(args, VARIANTS["traj-step"]).spec

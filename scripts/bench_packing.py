@@ -45,7 +45,7 @@ import verl_traj.core.packing as packing
 import verl_traj.core.padded_packing as padded_packing
 from verl_traj.core import build_layout_from_counts, plan_mini_batches
 from verl_traj.core.bin_packing import bin_lower_bound
-from verl_traj.integration.step_plan import verl_partitioner
+from verl_traj.integration.trainers.step_plan import verl_partitioner
 from verl_traj.testing.swebench import DATA_FILE, load_step_rows
 
 

@@ -20,7 +20,7 @@ import transfer_queue as tq
 from omegaconf import OmegaConf
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 
-from verl_traj.integration.v1_failures import poll_interval
+from verl_traj.integration.async_modes.v1_failures import poll_interval
 
 
 def _fill(prompts: int, n: int, tag: str) -> None:

@@ -350,11 +350,11 @@ def _install_fused_logprobs() -> None:
     else ``logprobs_from_logits_v2``, a Python loop over the tokens (one log-softmax each): on a GPU without flash-attn
     that loop, not the model, would set the time. In this process the engine gets one vectorised fp32 log-softmax
     (``cross_entropy``: the fused kernel's numbers) instead, for rows and trees alike (what the plugin gives every CUDA
-    process without flash-attn: :mod:`verl_traj.integration.torch_flash`)."""
+    process without flash-attn: :mod:`verl_traj.integration.tree.torch_flash`)."""
     import verl.workers.engine.fsdp.transformer_impl  # noqa: F401  (installed now: the module must be loaded)
 
-    from verl_traj.integration.process_patches import fused_logprobs_patches, install
-    from verl_traj.integration.torch_flash import fused_logprobs
+    from verl_traj.integration.patches.process import fused_logprobs_patches, install
+    from verl_traj.integration.tree.torch_flash import fused_logprobs
 
     install(fused_logprobs_patches(lambda _verl: fused_logprobs), on_import=None)
 
@@ -410,7 +410,7 @@ TREE_SPANS = ("verl_traj.tree.build", "verl_traj.tree.inputs", "verl_traj.tree.m
 def _profiled_update(run: dict, rank: int, dp: int, rows: int, cuda: bool, path: str) -> dict:
     """One more update of ``run`` under torch's profiler (CPU, and CUDA on a GPU): rank 0 writes the operator table
     (``path``.txt, by self device time on a GPU, else CPU time) and returns the seconds spent in each of the tree's
-    stages (:data:`TREE_SPANS`, ``record_function`` spans in ``integration/tree_forward.py``: the trees' build from the
+    stages (:data:`TREE_SPANS`, ``record_function`` spans in ``integration/tree/tree_forward.py``: the trees' build from the
     plan's facts, verl's input preparation over them, the attention's mask, the attention calls, the gathers back to
     the rows), in the attention's kernels, and in the whole update."""
     from torch.profiler import ProfilerActivity, profile

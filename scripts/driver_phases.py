@@ -107,7 +107,7 @@ def _stock_trainer(dp: int):
 
 def step_rows(tensors: dict, non_tensors: dict, merge: bool, anchors: bool) -> dict:
     """The expansion's output as a ``DataProto`` (stock's step rows: what verl's trainer would get one row per call)."""
-    from verl_traj.integration.stepwise_rows import expand_dataproto_step_rows
+    from verl_traj.integration.rows.stepwise_rows import expand_dataproto_step_rows
 
     batch = _as_dataproto(tensors, non_tensors)
     expand_dataproto_step_rows(batch, merge_prefix=merge, step_anchors=anchors)
@@ -135,7 +135,7 @@ def stock_run(batch, args, meter: Meter) -> None:
 
 def traj_trainer(args, v: Variant):
     """``TrajRayPPOTrainer`` as production builds it (verl's prints of its dataloaders kept off stdout: --json)."""
-    from verl_traj.integration.verl_config import PlanSettings
+    from verl_traj.integration.config.verl_config import PlanSettings
     from verl_traj.testing.trainers import ray_less_trainer
 
     groups = args.prompts
@@ -152,9 +152,9 @@ def _plan(tr, batch, args, meter: Meter):
     """``plan_batch_in_place``'s calls, one phase each."""
     from verl_traj.core import apply_plan, build_layout
     from verl_traj.core.keys import IS_LAST_STEP
-    from verl_traj.integration.step_plan import plan_layout
-    from verl_traj.integration.trainer import attended_rows
-    from verl_traj.integration.tree_plan_facts import dense_tree_facts
+    from verl_traj.integration.trainers.step_plan import plan_layout
+    from verl_traj.integration.trainers.v0 import attended_rows
+    from verl_traj.integration.tree.tree_plan_facts import dense_tree_facts
 
     cfg, nt = tr.spec.traj_config, batch.non_tensor_batch
     with meter.phase("layout"):
@@ -185,8 +185,8 @@ def traj_run(tensors: dict, non_tensors: dict, args, v: Variant, meter: Meter) -
     from verl.trainer.ppo import ray_trainer as rt
 
     from verl_traj.core import compute_loss_weights
-    from verl_traj.integration.patches import fit_patches, patched
-    from verl_traj.integration.stepwise_rows import expand_dataproto_step_rows
+    from verl_traj.integration.patches.scoped import fit_patches, patched
+    from verl_traj.integration.rows.stepwise_rows import expand_dataproto_step_rows
     from verl_traj.stepwise.step_groups import StepGroupOptions
 
     tr = traj_trainer(args, v)

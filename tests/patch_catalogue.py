@@ -1,7 +1,7 @@
 """Every (verl module, name) the two patch catalogues declare, read by calling each factory with placeholders.
 
-The factories are the public functions of :mod:`verl_traj.integration.patches` returning ``list[Patch]`` and of
-:mod:`verl_traj.integration.process_patches` returning ``list[ProcessPatch]``; a new factory is found here
+The factories are the public functions of :mod:`verl_traj.integration.patches.scoped` returning ``list[Patch]`` and of
+:mod:`verl_traj.integration.patches.process` returning ``list[ProcessPatch]``; a new factory is found here
 without a change. ``update_patches`` lists only engine modules the process has loaded, so the engine modules
 are put in ``sys.modules`` (empty stand-ins) for a second call when they are not loaded.
 """
@@ -13,7 +13,8 @@ import inspect
 import sys
 import types
 
-from verl_traj.integration import patches, process_patches
+from verl_traj.integration.patches import scoped as patches
+from verl_traj.integration.patches import process as process_patches
 
 CATALOGUES = ((patches, "list[Patch]"), (process_patches, "list[ProcessPatch]"))
 
@@ -41,8 +42,9 @@ def factories() -> list:
 
 def declared_patches() -> dict[tuple[str, str], list[str]]:
     """(module, name) -> the factories that declare it."""
-    def call(fn):  # every parameter, optional switches too (fit_patches(trajectory_ratios=...))
-        return fn(**{name: _placeholder for name in inspect.signature(fn).parameters})
+    def call(fn):  # every parameter, optional switches too (fit_patches(trajectory_ratios=...)); a sequence: one
+        return fn(**{name: [_placeholder] if str(p.annotation).startswith("Sequence") else _placeholder
+                     for name, p in inspect.signature(fn).parameters.items()})
 
     out: dict[tuple[str, str], list[str]] = {}
     found = [(fn, call(fn)) for fn in factories()]  # first outside: whatever a factory imports is the real module

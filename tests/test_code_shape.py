@@ -1,9 +1,13 @@
 """The package stays readable and its changes to verl stay listed:
 
 * no function over 60 lines; no module of ``verl_traj/integration`` over 300 lines;
-* the v1 adapter's modules (``integration/v1*.py``) import at the top (a reader sees every dependency there);
-* every write to a verl module's attribute is declared in a patch catalogue: ``integration/patches.py``
-  (scoped, restored) or ``integration/process_patches.py`` (process lifetime); the installers of those two
+* the v1 adapter's modules (``integration/trainers/v1*.py``) import at the top (a reader sees every dependency there);
+* ``verl_traj/integration`` is folders only, at most 12 modules each, each opening with what runs there and the
+  folders it may import (its ``May import:`` line); every import follows those lines, and they form an order;
+* driver code (config, rows, start-up, trainers) imports no module that runs only in worker or agent-loop processes;
+  no module imports another's private names; no live object is retyped with ``obj.__class__ = ...``;
+* every write to a verl module's attribute is declared in a patch catalogue: ``integration/patches/scoped.py``
+  (scoped, restored) or ``integration/patches/process.py`` (process lifetime); the installers of those two
   modules are the only code that writes a name it does not spell out;
 * ``verl_traj``'s imports (module level and inside functions) form no cycle.
 """
@@ -20,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "verl_traj"
 MAX_LINES = 60
 UNKNOWN = "?"  # a module or attribute name the source does not spell out
 # The installers: they write whatever patch they are given (module and name are data there).
-INSTALLERS = {("verl_traj/integration/patches.py", "patched"), ("verl_traj/integration/process_patches.py", "apply")}
+INSTALLERS = {("verl_traj/integration/patches/scoped.py", "patched"), ("verl_traj/integration/patches/process.py", "apply")}
 # Import cycles being fixed elsewhere; a cycle not listed here fails the test.
 KNOWN_IMPORT_CYCLES: set = set()
 
@@ -42,13 +46,14 @@ MAX_INTEGRATION_MODULE_LINES = 300
 
 
 def test_no_integration_module_over_three_hundred_lines():
-    long = {path.name: len(path.read_text().splitlines()) for path in sorted((PACKAGE / "integration").glob("*.py"))}
+    long = {str(path.relative_to(PACKAGE)): len(path.read_text().splitlines())
+            for path in sorted((PACKAGE / "integration").rglob("*.py"))}
     over = {name: n for name, n in long.items() if n > MAX_INTEGRATION_MODULE_LINES}
     assert not over, over
 
 
 def test_the_v1_adapter_imports_at_the_top():
-    local = [f"{path.name}:{node.lineno}" for path in sorted((PACKAGE / "integration").glob("v1*.py"))
+    local = [f"{path.name}:{node.lineno}" for path in sorted((PACKAGE / "integration" / "trainers").glob("v1*.py"))
              for fn in ast.walk(ast.parse(path.read_text())) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
              for node in ast.walk(fn) if isinstance(node, (ast.Import, ast.ImportFrom))]
     assert not local, local
@@ -433,6 +438,106 @@ def test_no_import_cycles():
 
 def test_the_patch_lists_depend_on_nothing_that_uses_them():
     graph = import_graph()
-    for catalogue in ("verl_traj.integration.patches", "verl_traj.integration.process_patches"):
+    for catalogue in ("verl_traj.integration.patches.scoped", "verl_traj.integration.patches.process"):
         users = {name for name in graph if catalogue in _reachable(graph, name)}
         assert not (_reachable(graph, catalogue) & users), (catalogue, sorted(_reachable(graph, catalogue) & users))
+
+
+# ----------------------------------------------------------------------------------------------
+# the layout of verl_traj/integration (issue 42)
+# ----------------------------------------------------------------------------------------------
+INTEGRATION = "verl_traj.integration"
+MAX_FOLDER_MODULES = 12
+DRIVER_FOLDERS = ("config", "rows", "startup", "trainers")
+# modules that run only in worker or agent-loop processes (tree_plan_facts is built on the driver, torch_flash names
+# the attention start-up settles: both stay importable there)
+WORKER_SIDE = ("workers.", "agent_loops.", "tree.tree_forward", "tree.tree_passes", "tree.tree_log")
+
+
+def _folders() -> dict[str, Path]:
+    return {path.name: path for path in sorted((PACKAGE / "integration").iterdir())
+            if path.is_dir() and (path / "__init__.py").exists()}
+
+
+def _may_import(folder: Path) -> set[str]:
+    """The folders named on the ``May import:`` line of ``folder``'s docstring (``nothing ...``: none)."""
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+    lines = [line for line in doc.splitlines() if line.startswith("May import:")]
+    assert len(lines) == 1, f"{folder.name}/__init__.py: its docstring needs one 'May import:' line"
+    names = lines[0].removeprefix("May import:").split("(")[0].strip().rstrip(".")
+    return set() if names.startswith("nothing") else {n.strip() for n in names.split(",")}
+
+
+def _folder_of(module: str) -> Optional[str]:
+    parts = module.split(".")
+    return parts[2] if module.startswith(INTEGRATION + ".") and len(parts) > 3 else None
+
+
+def test_integration_is_folders_that_say_what_runs_there():
+    loose = sorted(p.name for p in (PACKAGE / "integration").glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"modules outside a folder: {loose}"
+    folders = _folders()
+    for name, folder in folders.items():
+        modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+        assert 0 < len(modules) <= MAX_FOLDER_MODULES, (name, len(modules))
+        assert _may_import(folder) <= set(folders) - {name}, (name, _may_import(folder) - set(folders))
+    described = ast.get_docstring(ast.parse((PACKAGE / "integration" / "__init__.py").read_text())) or ""
+    assert all(name in described for name in folders), "integration/__init__.py maps every folder"
+
+
+def test_the_folders_form_an_order():
+    graph = {name: _may_import(folder) for name, folder in _folders().items()}
+    assert not import_cycles(graph), import_cycles(graph)
+
+
+def test_every_integration_import_is_one_its_folder_allows():
+    allowed = {name: _may_import(folder) for name, folder in _folders().items()}
+    wrong = sorted(f"{module} -> {target}" for module, targets in import_graph().items() for target in targets
+                   if _folder_of(module) and _folder_of(target) not in (None, _folder_of(module))
+                   and _folder_of(target) not in allowed[_folder_of(module)])
+    assert not wrong, wrong
+
+
+def test_driver_code_imports_no_worker_or_agent_loop_module():
+    graph = import_graph()
+    driver = [m for m in graph if _folder_of(m) in DRIVER_FOLDERS]
+    wrong = sorted(f"{m} -> {t}" for m in driver for t in graph[m]
+                   if t.startswith(INTEGRATION + ".") and t.removeprefix(INTEGRATION + ".").startswith(WORKER_SIDE))
+    assert not wrong, wrong
+
+
+def test_the_core_imports_no_adapter():
+    graph = import_graph()
+    wrong = sorted(f"{m} -> {t}" for m in graph if m.startswith(("verl_traj.core", "verl_traj.stepwise"))
+                   for t in graph[m] if t.startswith(INTEGRATION))
+    assert not wrong, wrong
+
+
+def private_imports(tree: ast.AST) -> list[str]:
+    """``from verl_traj... import _name`` anywhere in ``tree`` (a module's private name used by another)."""
+    return [f"{node.lineno}: {node.module}.{a.name}" for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("verl_traj"))
+            for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+
+
+def test_the_private_import_reader_sees_them():
+    assert private_imports(ast.parse("from verl_traj.core.x import _p, q\nfrom .y import _r\nfrom os import _x")) == [
+        "1: verl_traj.core.x._p", "2: y._r"]
+
+
+def test_no_module_imports_another_modules_private_names():
+    found = {str(p.relative_to(PACKAGE)): private_imports(ast.parse(p.read_text())) for p in PACKAGE.rglob("*.py")}
+    assert not {k: v for k, v in found.items() if v}
+
+
+def class_assignments(tree: ast.AST) -> list[int]:
+    """Lines of ``obj.__class__ = ...`` (a live object retyped) in ``tree``."""
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(target, ast.Attribute) and target.attr == "__class__"]
+
+
+def test_no_live_object_is_retyped():
+    assert class_assignments(ast.parse("a.__class__ = B\nb = a.__class__")) == [1]
+    found = {str(p.relative_to(PACKAGE)): class_assignments(ast.parse(p.read_text())) for p in PACKAGE.rglob("*.py")}
+    assert not {k: v for k, v in found.items() if v}

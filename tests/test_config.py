@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core import loss_weight_modes
-from verl_traj.integration.verl_checks import validate_against_verl
+from verl_traj.integration.startup.verl_checks import validate_against_verl
 
 
 def test_defaults_are_trajectory_aware():
@@ -120,7 +120,7 @@ def test_stock_step_rows_only_on_v1(use_v1):
 def test_gspo_takes_either_scope_and_bypass_mode_is_refused(scope):
     """GSPO with step rows trains at either scope (at trajectory scope the actor sums each trajectory's log-ratios
     first: ``UpdateSpec.ratio_groups``); bypass mode drops verl_traj's loss weights: refused whatever the scope."""
-    from verl_traj.integration.update_spec import UpdateSpec
+    from verl_traj.integration.config.update_spec import UpdateSpec
 
     gspo = OmegaConf.create({"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "gspo"}}}})
     validate_against_verl(TrajConfig(step_wise=True, ratio_scope=scope), gspo)
@@ -361,7 +361,7 @@ def test_fuzzed_verl_settings_pass_or_name_field_and_fix(section, config):
     sections (strings for bools and ints, NaN, negative numbers, unknown estimators and attentions): they pass, or
     refuse naming the field and the fix."""
     from verl_traj.cpu.settings import check_cpu_rollout_lora, select_cpu_attention
-    from verl_traj.integration.startup import check_adv_estimator, check_sequence_parallel
+    from verl_traj.integration.startup.checks import check_adv_estimator, check_sequence_parallel
 
     try:
         traj_config = TrajConfig.from_mapping(section)

@@ -1,5 +1,5 @@
-"""docs/design.md's patch table lists exactly what the patch catalogues declare (``integration/patches.py`` and
-``integration/process_patches.py``): every ``module.name`` in the table's name column is one declared patch,
+"""docs/design.md's patch table lists exactly what the patch catalogues declare (``integration/patches/scoped.py`` and
+``integration/patches/process.py``): every ``module.name`` in the table's name column is one declared patch,
 and every declared patch is in the table. Names may be written with a module suffix (``ray_trainer.x`` for
 ``verl.trainer.ppo.ray_trainer.x``) and with braces (``compute_{data,timing}_metrics``, ``f{,_ray}``)."""
 

@@ -2,8 +2,8 @@
 
 :class:`TrajConfig` checks its own fields (types, choices, ranges), each error naming the field, the value and
 the fix, with one error class (:class:`TrajConfigError`). Checks of ``traj:`` against verl's own sections are
-:mod:`verl_traj.integration.verl_checks`; everything the driver checks before training starts runs once, in
-:func:`verl_traj.integration.startup.check_startup`. Pure module (no verl import). The choices are the core's own
+:mod:`verl_traj.integration.startup.verl_checks`; everything the driver checks before training starts runs once, in
+:func:`verl_traj.integration.startup.checks.check_startup`. Pure module (no verl import). The choices are the core's own
 names (one place each): the loss aggregation modes are the core's registry
 (:func:`verl_traj.core.loss_weights.loss_weight_modes`).
 
@@ -22,11 +22,11 @@ from typing import Any, Mapping, Optional, Union
 
 from verl_traj.core.balancing import WORKLOAD_MODELS
 from verl_traj.core.errors import TrajInputError, check_choice
+from verl_traj.core.estimators import STEP_GROUP_BASELINES
 from verl_traj.core.failures import FAILED_GROUP_POLICIES
 from verl_traj.core.keys import IS_LAST_STEP, PLAN_KEYS
 from verl_traj.core.loss_weights import loss_weight_modes
 from verl_traj.core.planning import GROUP_BY_CHOICES, MINI_BATCH_BALANCE_CHOICES
-from verl_traj.core.estimators import STEP_GROUP_BASELINES
 from verl_traj.core.staleness import STALE_GROUP_POLICIES, check_bound
 from verl_traj.stepwise.ratios import RATIO_SCOPES
 

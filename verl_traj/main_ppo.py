@@ -7,6 +7,7 @@ as with ``python -m verl.trainer.main_ppo``.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from pathlib import Path
@@ -38,10 +39,10 @@ def _verl_task_runner_run():
 class TrajTaskRunnerImpl(BaseTaskRunner):
     """verl's v0 task runner with verl_traj's worker classes (``traj.enable=true``; they run planned updates only,
     stock runs keep verl's), and ``TrajRayPPOTrainer`` where verl's runner builds ``RayPPOTrainer``
-    (:func:`verl_traj.integration.patches.task_runner_patches`)."""
+    (:func:`verl_traj.integration.patches.scoped.task_runner_patches`)."""
 
     def add_actor_rollout_worker(self, config):
-        from verl_traj.integration.workers import TrajActorRolloutRefWorker
+        from verl_traj.integration.workers.engine_workers import TrajActorRolloutRefWorker
 
         actor_rollout_cls, group_cls = super().add_actor_rollout_worker(config)
         if not TrajConfig.of(config).enable:
@@ -54,15 +55,15 @@ class TrajTaskRunnerImpl(BaseTaskRunner):
     def add_critic_worker(self, config):
         from verl.trainer.ppo.ray_trainer import Role
 
-        from verl_traj.integration.workers import TrajCriticWorker
+        from verl_traj.integration.workers.engine_workers import TrajCriticWorker
 
         super().add_critic_worker(config)
         if TrajConfig.of(config).enable:
             self.role_worker_mapping[Role.Critic] = ray.remote(TrajCriticWorker)
 
     def run(self, config):
-        from verl_traj.integration.patches import patched, task_runner_patches
-        from verl_traj.integration.trainer import TrajRayPPOTrainer
+        from verl_traj.integration.patches.scoped import patched, task_runner_patches
+        from verl_traj.integration.trainers.v0 import TrajRayPPOTrainer
 
         with patched(task_runner_patches(TrajRayPPOTrainer)):
             return _verl_task_runner_run()(self, config)
@@ -79,13 +80,16 @@ def _verl_v1_task_runner() -> type:
 
 class TrajTaskRunnerV1Impl(_verl_v1_task_runner()):
     """verl's v1 task runner; the trainer class of ``trainer.v1.trainer_mode`` gets verl_traj's mixin
-    (:func:`verl_traj.integration.patches.v1_task_runner_patches`), which also picks the workers."""
+    (:func:`verl_traj.integration.patches.scoped.v1_task_runner_patches`) and the worker class of each role
+    (:func:`~verl_traj.integration.workers.engine_workers.traj_role_worker`: the entry wires the workers of both
+    trainers, so driver code imports no worker module)."""
 
     def run(self, config):
-        from verl_traj.integration.patches import patched, v1_task_runner_patches
-        from verl_traj.integration.v1 import traj_trainer_class
+        from verl_traj.integration.patches.scoped import patched, v1_task_runner_patches
+        from verl_traj.integration.trainers.v1 import traj_trainer_class
+        from verl_traj.integration.workers.engine_workers import traj_role_worker
 
-        with patched(v1_task_runner_patches(traj_trainer_class)):
+        with patched(v1_task_runner_patches(functools.partial(traj_trainer_class, role_worker=traj_role_worker))):
             return super().run(config)
 
 
@@ -112,15 +116,15 @@ def transfer_queue_threads(environ: dict) -> None:
 
 
 def run(config) -> None:
-    """Check ``traj:`` and verl's config on the driver (once: :func:`~verl_traj.integration.startup.check_startup`),
+    """Check ``traj:`` and verl's config on the driver (once: :func:`~verl_traj.integration.startup.checks.check_startup`),
     then run training on Ray."""
     from verl.trainer.main_ppo import run_ppo
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device, get_device_name
 
-    from verl_traj.integration.startup import check_startup
-    from verl_traj.integration.verl_config import ray_init_address
+    from verl_traj.integration.startup.checks import check_startup
+    from verl_traj.integration.config.verl_config import ray_init_address
 
     check_startup(config, get_device_name())  # before verl's auto_set_device rewrites trainer.device
     auto_set_device(config)

@@ -116,7 +116,7 @@ QUICKSTART_STEP11_MB1 = [317, 289, 289, 287, 287, 287, 287, 287, 287, 287, 285, 
                                         ("padded", SIMILAR_PADDED_ROWS), ("tokens", QUICKSTART_STEP11_MB0),
                                         ("padded", QUICKSTART_STEP11_MB1)])
 def test_tight_blocks_of_agent_rows_reach_the_bound(cost, rows):
-    from verl_traj.integration.step_plan import verl_partitioner
+    from verl_traj.integration.trainers.step_plan import verl_partitioner
 
     tokens = np.random.default_rng(0).permutation(np.array(rows))
     one = np.zeros(len(rows), dtype=np.int64), np.zeros(1, dtype=np.int64)
@@ -247,7 +247,7 @@ def test_least_area_runs(sizes, extra, k, bound):
 def test_padded_cost_runs_verls_count_with_no_more_padding(sizes, extra, seed):
     """``cost="padded"``: token sums fit the cap (verl's meaning of it), the count is the token cost's (so never
     above verl's cut of the same rows), and the padded area is never above verl's cut at that count."""
-    from verl_traj.integration.step_plan import verl_partitioner
+    from verl_traj.integration.trainers.step_plan import verl_partitioner
 
     cap = max(sizes) + extra
     rows = np.random.default_rng(seed).permutation(np.array(sizes))

@@ -314,7 +314,7 @@ def rss_slopes(samples: list, after_step: int) -> dict[int, float]:
     return slopes
 
 
-RECORDING_LOOP = "verl_traj.integration.stepwise_agent_loop.StepwiseToolAgentLoop"
+RECORDING_LOOP = "verl_traj.integration.agent_loops.stepwise_agent_loop.StepwiseToolAgentLoop"
 
 
 def run_stepwise(tiny, tmp_path, trainer: str, merge: bool, *, config_name: str = "cpu_tiny", steps: int = 2,

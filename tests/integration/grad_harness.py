@@ -164,7 +164,7 @@ def engine_step(
     from verl.workers.engine.utils import prepare_micro_batches
 
     from verl_traj.core.keys import planned_update_fields
-    from verl_traj.integration.workers import PlannedUpdate
+    from verl_traj.integration.workers.engine_workers import PlannedUpdate
 
     if planned:
         rows = {**rows, "micro_batch_id": planned_micro_batch_ids(rows, max_token_len, planned)}

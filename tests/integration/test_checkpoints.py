@@ -2,7 +2,7 @@
 
 import os
 
-from verl_traj.integration.checkpoints import COMPLETE_MARKER, TRACKER, latest_complete_step, mark_complete, repair_tracker
+from verl_traj.integration.trainers.checkpoints import COMPLETE_MARKER, TRACKER, latest_complete_step, mark_complete, repair_tracker
 
 
 def _save(root, step, complete=True):

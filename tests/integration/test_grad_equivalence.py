@@ -56,7 +56,7 @@ def _split_for_rank(rows, rank: int, world: int):
 
 
 def _loss_fn(kind):
-    from verl_traj.integration.losses import traj_ppo_loss, traj_value_loss
+    from verl_traj.integration.workers.losses import traj_ppo_loss, traj_value_loss
 
     return traj_ppo_loss if kind == "policy" else traj_value_loss
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from tests.integration import grad_harness as H
-from verl_traj.integration.losses import weighted_policy_loss, weighted_value_loss
+from verl_traj.integration.workers.losses import weighted_policy_loss, weighted_value_loss
 
 B, R = 3, 5
 WEIGHTS = torch.tensor([1 / 3, 1 / 7, 1 / 768], dtype=torch.float32)  # none is a bf16 number

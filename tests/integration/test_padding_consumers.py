@@ -15,8 +15,8 @@ from verl.trainer.ppo import ray_trainer as rt
 
 from tests.integration.trainers import fake_trainer
 
-from verl_traj.integration import real_rows as R
-from verl_traj.integration.patches import fit_patches, patched
+from verl_traj.integration.patches.scoped import fit_patches, patched
+from verl_traj.integration.rows import real_rows as R
 from verl_traj.testing import as_dataproto, rl_batch
 
 SEEN = []

@@ -1,4 +1,4 @@
-"""Where ``python -m verl_traj.main_ppo`` starts Ray (:func:`verl_traj.integration.verl_config.ray_init_address`).
+"""Where ``python -m verl_traj.main_ppo`` starts Ray (:func:`verl_traj.integration.config.verl_config.ray_init_address`).
 
 Regression: CI's machine had a Ray cluster recorded in ``/tmp/ray/ray_current_cluster``; every CPU run then
 connected to it and died inside ``ray.init`` ("When connecting to an existing cluster, num_cpus and num_gpus must
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from verl_traj.config import TrajConfigError
-from verl_traj.integration.verl_config import ray_init_address
+from verl_traj.integration.config.verl_config import ray_init_address
 from verl_traj.testing.engine import cpu_config
 
 

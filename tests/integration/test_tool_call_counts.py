@@ -17,11 +17,12 @@ from omegaconf import OmegaConf
 from verl.experimental.agent_loop import tool_parser
 from verl.experimental.agent_loop.tool_parser import HermesToolParser
 
-from verl_traj.integration.process_patches import install, tool_parser_log_patches
-from verl_traj.integration.session_ledger import TOOL_CALLS_TAG, session_ledger
-from verl_traj.integration.stepwise_agent_loop import CountingToolParser, StepwiseToolAgentLoop, add_malformed_counter
-from verl_traj.integration.tool_call_checks import strict_parameters, tool_call_problem
-from verl_traj.integration.v1_metrics import tool_call_metrics
+from verl_traj.core.session_ledger import TOOL_CALLS_TAG, session_ledger
+from verl_traj.integration.agent_loops.stepwise_agent_loop import (CountingToolParser, StepwiseToolAgentLoop,
+                                                                   add_malformed_counter)
+from verl_traj.integration.agent_loops.tool_call_checks import strict_parameters, tool_call_problem
+from verl_traj.integration.patches.process import install, tool_parser_log_patches
+from verl_traj.integration.trainers.v1_metrics import tool_call_metrics
 
 TEXT = ('<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
         '<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>')
@@ -53,7 +54,7 @@ def test_a_sessions_malformed_tool_calls_are_counted_not_logged_and_logged_outsi
 
 
 def test_every_verl_parsers_decode_failure_is_counted_and_other_records_pass():
-    from verl_traj.integration.stepwise_agent_loop import MalformedToolCallCounter
+    from verl_traj.integration.agent_loops.stepwise_agent_loop import MalformedToolCallCounter
 
     counter = MalformedToolCallCounter()
 

@@ -19,10 +19,10 @@ from tests.integration import grad_harness as H
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.estimators import estimator_traits
 from verl_traj.core.keys import planned_update_fields
-from verl_traj.integration import real_rows as R
-from verl_traj.integration.update_spec import LossSpec
-from verl_traj.integration.patches import METRIC_FUNCTIONS, fit_patches, patched
-from verl_traj.integration.verl_config import PlanSettings, prepare_config
+from verl_traj.integration.config.update_spec import LossSpec
+from verl_traj.integration.config.verl_config import PlanSettings, prepare_config
+from verl_traj.integration.patches.scoped import METRIC_FUNCTIONS, fit_patches, patched
+from verl_traj.integration.rows import real_rows as R
 from verl_traj.testing import as_dataproto, rl_batch
 
 from tests.integration.trainers import P, R_, fake_trainer
@@ -282,7 +282,7 @@ def test_critic_is_on_exactly_when_verl_says_so(enable, estimator):
     ``critic.enable`` as false there, left the critic's fixed micro-batches in place and skipped its checks."""
     from verl.trainer.ppo.utils import need_critic
 
-    from verl_traj.integration.verl_checks import uses_critic
+    from verl_traj.integration.config.access import uses_critic
 
     cfg = _verl_config(**{"algorithm.adv_estimator": estimator, "critic.enable": enable,
                           "critic.ppo_max_token_len_per_gpu": 200})
@@ -297,7 +297,7 @@ def test_critic_is_on_exactly_when_verl_says_so(enable, estimator):
 def _checked_and_prepared(cfg, traj_config):
     """Production's order: the start-up checks (``check_startup`` runs ``validate_against_verl``), then the trainer's
     ``prepare_config``."""
-    from verl_traj.integration.verl_checks import validate_against_verl
+    from verl_traj.integration.startup.verl_checks import validate_against_verl
 
     validate_against_verl(traj_config, cfg)
     return prepare_config(cfg, traj_config)
@@ -336,7 +336,7 @@ def test_losses_refuse_a_micro_batch_without_loss_weight(monkeypatch):
     """verl_traj's losses never fall back to verl's aggregation: a micro-batch without the trainer's ``loss_weight``
     (an update that was not planned, or whose weights did not reach the worker) is refused, naming the field."""
     from verl_traj.core.errors import TrajInputError
-    from verl_traj.integration.losses import traj_ppo_loss, traj_value_loss
+    from verl_traj.integration.workers.losses import traj_ppo_loss, traj_value_loss
 
     H.patch_verl_device(monkeypatch)
     rows = H.make_rows(6, 0, seed=3)
@@ -348,7 +348,7 @@ def test_losses_refuse_a_micro_batch_without_loss_weight(monkeypatch):
 def test_worker_iterator_steps_the_plan_in_the_same_order_on_every_rank():
     from tensordict import TensorDict
 
-    from verl_traj.integration.workers import PlannedUpdate, mini_batch_slices
+    from verl_traj.integration.workers.engine_workers import PlannedUpdate, mini_batch_slices
 
     assert mini_batch_slices(torch.tensor([0, 0, 1, 2, 2, 2])) == [(0, 2), (2, 3), (3, 6)]
     assert mini_batch_slices(torch.tensor([0, 0, 1, 2, 3, 3]), union=2) == [(0, 3), (3, 6)]
@@ -368,7 +368,7 @@ def test_worker_micro_batches_are_the_plan():
     from tensordict import TensorDict
 
     from verl_traj.core.errors import TrajInputError
-    from verl_traj.integration.workers import PlannedUpdate
+    from verl_traj.integration.workers.engine_workers import PlannedUpdate
 
     td = TensorDict({"mini_batch_id": torch.tensor([0, 0, 0, 1, 1]), "micro_batch_id": torch.tensor([1, 0, 1, 0, 0]),
                      "row": torch.arange(5)}, batch_size=[5])
@@ -401,7 +401,7 @@ def test_padding_rows_are_long_enough_for_context_parallel_packing(tp, cp, measu
     """verl PR 7449 measured the shortest padding rows that survive THD context-parallel packing: 2 / 3 / 8 / 16
     tokens at TP1CP2 / TP2CP2 / TP2CP4 / TP4CP4. The derived length covers each; without CP rows stay at 2;
     the planned padding rows really have that many attended tokens."""
-    from verl_traj.integration.verl_config import pad_row_tokens
+    from verl_traj.integration.config.verl_config import pad_row_tokens
 
     cfg = OmegaConf.create({"actor_rollout_ref": {"actor": {"strategy": "megatron", "megatron": {
         "tensor_model_parallel_size": tp, "context_parallel_size": cp}}}})
@@ -426,8 +426,8 @@ def test_an_actor_loss_that_is_not_verls_partial_is_refused_not_kept():
     from verl.workers.utils.losses import ppo_loss
 
     from verl_traj.core.errors import TrajInputError
-    from verl_traj.integration.losses import traj_ppo_loss
-    from verl_traj.integration.workers import TrajActorMixin
+    from verl_traj.integration.workers.losses import traj_ppo_loss
+    from verl_traj.integration.workers.engine_workers import TrajActorMixin
 
     class Actor:
         def set_loss_fn(self, fn):

@@ -1,4 +1,4 @@
-"""The v1 trainer adapter's pure parts (:mod:`verl_traj.integration.v1` and its ``v1_*`` modules): keys -> layout,
+"""The v1 trainer adapter's pure parts (:mod:`verl_traj.integration.trainers.v1` and its ``v1_*`` modules): keys -> layout,
 the planned advantage
 (v1's reward-on-every-step-row convention gives exactly v0's step-wise advantages), padding rows with the source's
 schema, the trainer classes every registered mode gets, and the start-up checks for ``trainer.use_v1=true``."""
@@ -18,18 +18,18 @@ from verl.trainer.ppo import ray_trainer
 
 from tests.stepwise.verl_batches import planned_stepwise_batch
 from verl_traj.config import TrajConfig, TrajConfigError
-from verl_traj.integration.verl_checks import validate_against_verl
 from verl_traj.core import build_layout_from_counts, plan_mini_batches
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.row_key import parse_row_keys, row_key, row_key_order
 from verl_traj.core.keys import TURN_REWARDS
-from verl_traj.integration import v1 as V1
-from verl_traj.integration.v1_advantage import corrected_per_trajectory, planned_advantage
-from verl_traj.integration.v1_metrics import last_rows_of_trajectories, stepwise_metrics
-from verl_traj.integration.v1_padding import padding_row
-from verl_traj.integration.v1_plan_facts import PlanFacts, plan_facts, row_loss_tokens
-from verl_traj.integration.v1_agent_loop import _turn_reward_tag, turn_reward_entries
-from verl_traj.integration.stepwise_rows import stepwise_advantage
+from verl_traj.core.row_key import parse_row_keys, row_key, row_key_order
+from verl_traj.core.row_tags import turn_reward_tag, turn_reward_entries
+from verl_traj.integration.rows.stepwise_rows import stepwise_advantage
+from verl_traj.integration.startup.verl_checks import validate_against_verl
+from verl_traj.integration.trainers import v1 as V1
+from verl_traj.integration.trainers.v1_advantage import corrected_per_trajectory, planned_advantage
+from verl_traj.integration.trainers.v1_metrics import last_rows_of_trajectories, stepwise_metrics
+from verl_traj.integration.trainers.v1_padding import padding_row
+from verl_traj.integration.trainers.v1_plan_facts import PlanFacts, plan_facts, row_loss_tokens
 from verl_traj.testing import as_dataproto, rl_batch
 
 
@@ -69,7 +69,7 @@ def _v1_view(data):
     scores[torch.arange(len(keys)), ends] = reward * (~pad).float()
     turn = None  # the rows' turn rewards as the agent-loop worker tags them
     if TURN_REWARDS in td.keys():
-        turn = turn_reward_entries([_turn_reward_tag(r) for r in td[TURN_REWARDS]])
+        turn = turn_reward_entries([turn_reward_tag(r) for r in td[TURN_REWARDS]])
     facts = PlanFacts(tuple(keys), td["traj_index"].clone(), last, pad.clone(), td["mini_batch_id"].clone(),
                       row_loss_tokens(td["response_mask"]) * ~pad, multi_row=True, turn_rewards=turn)
     return keys, scores, facts
@@ -100,7 +100,7 @@ def test_planned_advantage_counts_the_copied_reward_once(name, kl_in_reward):
 @pytest.mark.parametrize("name", ["grpo", "gae"])
 @pytest.mark.parametrize("merge", [False, True])
 def test_planned_advantage_puts_turn_rewards_where_v0_does(name, merge):
-    """Turn rewards on v1: the rows' sparse tags (:data:`~verl_traj.integration.v1_agent_loop.TURN_REWARD_TAG`),
+    """Turn rewards on v1: the rows' sparse tags (:data:`~verl_traj.core.row_tags.TURN_REWARD_TAG`),
     decoded by the plan's facts, give exactly v0's step-wise advantages (v0 carries the same rewards as a tensor from
     its expansion), for an outcome (GRPO) and a temporal (GAE) estimator, unmerged and merged, and change them."""
     torch.manual_seed(0)
@@ -160,7 +160,7 @@ def test_planned_advantage_records_each_rows_final_loss_tokens():
 def test_loss_weights_from_counts_are_the_mask_weights(mode):
     """v1's driver keeps each row's loss-token count, not the ``[B, R]`` mask: the weights from the counts equal the
     weights from the mask (union of mini-batches included); without ``S`` (no data.max_response_length) refused."""
-    from verl_traj.integration.update_spec import LossSpec
+    from verl_traj.integration.config.update_spec import LossSpec
 
     g = torch.Generator().manual_seed(0)
     mask = (torch.rand(10, 7, generator=g) < 0.6).long()
@@ -206,7 +206,7 @@ def test_padding_row_has_the_source_schema_and_no_loss():
 
 
 def test_stock_plan_metrics_count_what_fixed_slices_split():
-    from verl_traj.integration.step_plan import stock_plan_metrics
+    from verl_traj.integration.trainers.step_plan import stock_plan_metrics
 
     keys = [f"g{g}_{s}_{k}" for g in range(2) for s in range(2) for k in range(3)]  # 2 groups x 2 sessions x 3 steps
     uid, traj = parse_row_keys(keys).uid, parse_row_keys(keys).traj_id
@@ -219,8 +219,8 @@ def test_update_spec_one_derivation_for_both_trainers():
     """Both adapters read one UpdateSpec: the same config on v0 and v1 gives the same facts, and S of
     seq-mean-token-sum-norm is data.max_response_length on both (v0 once used the batch's response width, which
     changes from step to step with step rows)."""
-    from verl_traj.integration.step_plan import check_same_dp_size
-    from verl_traj.integration.update_spec import LossSpec, UpdateSpec
+    from verl_traj.integration.trainers.step_plan import check_same_dp_size
+    from verl_traj.integration.config.update_spec import LossSpec, UpdateSpec
 
     base = {"data": {"train_batch_size": 8, "max_response_length": 12},
             "algorithm": {"adv_estimator": "gae"},
@@ -258,7 +258,7 @@ def test_update_spec_one_derivation_for_both_trainers():
 
 
 def test_stepwise_metrics_sum_the_session_tags():
-    from verl_traj.integration.v1_agent_loop import MERGE_TAG
+    from verl_traj.core.row_tags import MERGE_TAG
 
     one = {"rows_before": 3, "rows_after": 1, "tokens_before": 30, "tokens_after": 14, "loss_tokens_before": 6,
            "loss_tokens_after": 6}
@@ -273,7 +273,7 @@ def test_every_registered_mode_gets_the_mixin_and_the_registry_is_restored():
     import verl.trainer.ppo.v1 as v1_pkg
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
 
-    from verl_traj.integration.patches import patched, v1_task_runner_patches
+    from verl_traj.integration.patches.scoped import patched, v1_task_runner_patches
 
     original = v1_pkg.get_trainer_cls
     with patched(v1_task_runner_patches(V1.traj_trainer_class)):
@@ -285,11 +285,46 @@ def test_every_registered_mode_gets_the_mixin_and_the_registry_is_restored():
     assert set(TRAINER_REGISTRY) >= {"sync", "colocate_async", "separate_async"}
 
 
+def test_each_role_gets_its_traj_worker_and_the_critic_its_traj_loss():
+    """The entry's role wiring (one function for v1's trainers; v0's runner wires the same classes), and the critic's
+    loss set where verl's trainers set ``value_loss`` (regression: both trainers used to install it from the driver)."""
+    from functools import partial
+
+    from verl.experimental.separation.engine_workers import DetachActorWorker
+    from verl.trainer.ppo.utils import Role
+    from verl.workers.utils.losses import value_loss
+
+    from verl_traj.core.errors import TrajInputError
+    from verl_traj.integration.workers.engine_workers import (TrajActorMixin, TrajCriticWorker, traj_role_worker)
+    from verl_traj.integration.workers.losses import traj_value_loss
+
+    assert traj_role_worker(Role.Critic, object) is TrajCriticWorker
+    assert issubclass(traj_role_worker(Role.ActorRollout, DetachActorWorker), DetachActorWorker)
+    assert issubclass(traj_role_worker(Role.RefPolicy, DetachActorWorker), TrajActorMixin)
+    assert traj_role_worker(Role.RewardModel, object) is None  # verl's own
+    critic = object.__new__(TrajCriticWorker)
+    config = object()
+    critic.set_loss_fn(partial(value_loss, config=config))
+    assert critic.loss_fn.func is traj_value_loss and critic.loss_fn.keywords["config"] is config
+    with pytest.raises(TrajInputError, match="value_loss"):
+        critic.set_loss_fn(value_loss)
+
+
+def test_a_v1_trainer_without_traj_workers_refuses_to_start_them():
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    cls = V1.traj_trainer_class(PPOTrainerSync)
+    trainer = object.__new__(cls)
+    trainer.traj_config = TrajConfig()
+    with pytest.raises(RuntimeError, match="traj_role_worker"):
+        trainer._init_resource_pool_mgr()
+
+
 def test_separate_async_actor_worker_gets_the_traj_actor():
     from verl.experimental.separation.engine_workers import DetachActorWorker
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
-    from verl_traj.integration.workers import TrajActorMixin, TrajActorRolloutRefWorker, traj_actor_worker
+    from verl_traj.integration.workers.engine_workers import TrajActorMixin, TrajActorRolloutRefWorker, traj_actor_worker
 
     detach = traj_actor_worker(DetachActorWorker)
     assert issubclass(detach, TrajActorMixin) and issubclass(detach, DetachActorWorker)
@@ -321,8 +356,12 @@ def test_v1_is_accepted_and_updates_are_counted_per_local_update():
 
 
 def test_v1_selects_the_traj_agent_loop_manager_and_keeps_the_users_own():
-    from verl_traj.integration.v1_agent_loop import MANAGER_FQN
-    from verl_traj.integration.verl_config import prepare_v1_agent_loop
+    from verl_traj.integration.agent_loops.v1_agent_loop import TrajAgentLoopManagerTQ
+    from verl.utils.import_utils import load_class_from_fqn
+
+    from verl_traj.integration.config.verl_config import MANAGER_FQN, prepare_v1_agent_loop
+
+    assert load_class_from_fqn(MANAGER_FQN) is TrajAgentLoopManagerTQ  # the name start-up writes is the class
 
     key = "actor_rollout_ref.rollout.agent.agent_loop_manager_class"
     cfg = _v1_config(**{key: None})
@@ -337,7 +376,7 @@ def test_v1_selects_the_traj_agent_loop_manager_and_keeps_the_users_own():
 
 
 def test_session_priorities_are_unique_and_run_independent():
-    from verl_traj.integration.v1_agent_loop import session_priority
+    from verl_traj.integration.agent_loops.v1_agent_loop import session_priority
 
     ids = {session_priority(i, s, 4) for i in range(50) for s in range(4)}
     assert len(ids) == 200 and session_priority(7, 2, 4) == 30
@@ -351,7 +390,7 @@ def test_a_scored_trajectory_becomes_its_step_rows(merge):
     (or the prefix-merged rows), the reward on the last row only, the records dropped, every loss token kept."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
 
-    from verl_traj.integration.v1_agent_loop import step_outputs
+    from verl_traj.integration.agent_loops.v1_agent_loop import step_outputs
     from verl_traj.stepwise.expand import encode_step_records
     from verl_traj.testing import token_trajectory
 
@@ -379,7 +418,7 @@ def test_step_rows_refuse_what_they_cannot_carry(field, value):
     data, silently; v0 refuses them. Now v1 refuses them too, naming the field and the fix."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
 
-    from verl_traj.integration.v1_agent_loop import step_outputs
+    from verl_traj.integration.agent_loops.v1_agent_loop import step_outputs
     from verl_traj.stepwise.expand import StepExpansionError, encode_step_records
     from verl_traj.testing import token_trajectory
 
@@ -397,7 +436,7 @@ def test_a_multi_turn_trajectory_without_step_records_is_refused_under_step_wise
     trajectories as one row each, silently."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
 
-    from verl_traj.integration.v1_agent_loop import check_recorded
+    from verl_traj.integration.agent_loops.v1_agent_loop import check_recorded
     from verl_traj.stepwise.expand import StepExpansionError
 
     def output(turns):
@@ -419,8 +458,8 @@ def test_the_policy_versions_verl_reads_are_filled_from_the_recorded_calls_or_re
     crashed inside verl's v1 metrics (int(None))."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
 
-    from verl_traj.integration.session_ledger import SessionLedger
-    from verl_traj.integration.v1_agent_loop import check_version_fields
+    from verl_traj.core.session_ledger import SessionLedger
+    from verl_traj.integration.agent_loops.v1_agent_loop import check_version_fields
     from verl_traj.stepwise.expand import StepExpansionError
 
     out = AgentLoopOutput(prompt_ids=[1], response_ids=[2], response_mask=[1], metrics=AgentLoopMetrics(),
@@ -445,7 +484,7 @@ def test_v1_trajectory_ratios_equal_v0s():
     rollout correction per trajectory gives v0's weights and mask exactly (sequence IS, geometric-mean rejection)."""
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch as verl_add
 
-    from verl_traj.integration.stepwise_rows import trajectory_scoped_correction
+    from verl_traj.integration.rows.stepwise_rows import trajectory_scoped_correction
 
     torch.manual_seed(0)
     data, _ = planned_stepwise_batch(3)

@@ -1,4 +1,4 @@
-"""verl_traj's group policies on verl's v1 pieces (:mod:`verl_traj.integration.v1_staleness`, ``v1_failures``):
+"""verl_traj's group policies on verl's v1 pieces (:mod:`verl_traj.integration.async_modes.v1_staleness`, ``v1_failures``):
 
 * the version of every generate attempt, through verl's own ``FullyAsyncLLMServerClient`` resume loop (a partial
   rollout aborted at a weight sync and resumed under the next version), with only the Ray transport replaced;
@@ -22,11 +22,14 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
 
-from verl_traj.config import TrajConfig
+from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.errors import TrajInputError
-from verl_traj.integration.v1_failures import POLL_COST_SHARE, poll_interval, with_group_policies
-from verl_traj.integration.session_ledger import VERSION_TOKENS_TAG, session_ledger
-from verl_traj.integration.v1_staleness import record_versions
+from verl_traj.core.session_ledger import VERSION_TOKENS_TAG, session_ledger
+from verl_traj.integration.async_modes.v1_failures import (POLL_COST_SHARE, FailedGroupPolicy, group_policy_class,
+                                                           poll_interval, with_group_policies)
+from verl_traj.integration.async_modes.v1_staleness import (StaleGroupPolicy, TrajFullyAsyncLLMServerClient,
+                                                            TrajLLMServerClient, check_recording,
+                                                            recording_client_class)
 
 from tests.integration.test_v1_transfer_queue import tq  # noqa: F401  (the module's Ray + TransferQueue)
 
@@ -67,7 +70,7 @@ class _Balancer:
 
 def test_each_attempt_of_a_resumed_partial_rollout_is_recorded_with_its_version():
     config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm", "response_length": 32}}})
-    client = record_versions(FullyAsyncLLMServerClient(config, load_balancer_handle=_Balancer(_Server())))
+    client = recording_client_class(FullyAsyncLLMServerClient)(config, load_balancer_handle=_Balancer(_Server()))
 
     async def session():
         with session_ledger() as ledger:
@@ -86,8 +89,13 @@ def test_verls_plain_client_of_the_sync_mode_records_its_one_attempt_per_call():
     config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm", "response_length": 32}}})
     server = _Server()
     server.script = [(6, "completed", 2)]
-    client = record_versions(LLMServerClient(config, load_balancer_handle=_Balancer(server)))
-    assert record_versions(client) is client and isinstance(client, LLMServerClient)
+    client = recording_client_class(None)(config, load_balancer_handle=_Balancer(server))
+    assert type(client) is TrajLLMServerClient and recording_client_class(TrajLLMServerClient) is TrajLLMServerClient
+    check_recording(client, required=True)
+    with pytest.raises(TrajConfigError, match="traj.max_staleness"):  # a client verl_traj's trainer did not build
+        check_recording(LLMServerClient(config, load_balancer_handle=_Balancer(server)), required=True)
+    with pytest.raises(TrajConfigError, match="LLMServerClient"):
+        recording_client_class(dict)
 
     async def session():
         with session_ledger() as ledger:
@@ -108,7 +116,7 @@ def _put_group(tq, uid: str, dispatched: int, ledgers: list, status: str = "fini
 
 
 def _buffer(tq, policy: str, refill, failed_groups: str = "drop"):
-    buffer = ReplayBufferAsync(trainer_mode="colocate_async", trainer_config=OmegaConf.create({}),
+    buffer = group_policy_class(ReplayBufferAsync)(trainer_mode="colocate_async", trainer_config=OmegaConf.create({}),
                                max_off_policy_threshold=None, max_off_policy_strategy="drop",
                                sampler_kwargs=OmegaConf.create({}), refill_fn=refill)
     return with_group_policies(buffer, TrajConfig(max_staleness=1.0, stale_groups=policy, failed_groups=failed_groups,
@@ -123,9 +131,44 @@ def test_the_buffer_polls_at_traj_replay_poll_s():
                                  max_off_policy_threshold=None, max_off_policy_strategy="drop",
                                  sampler_kwargs=OmegaConf.create({}))
 
+    def ours() -> ReplayBufferAsync:
+        return group_policy_class(ReplayBufferAsync)(
+            trainer_mode="colocate_async", trainer_config=OmegaConf.create({}), max_off_policy_threshold=None,
+            max_off_policy_strategy="drop", sampler_kwargs=OmegaConf.create({}))
+
     assert verls().poll_interval == 2.0
-    assert with_group_policies(verls(), TrajConfig()).poll_interval == TrajConfig.replay_poll_s == 2.0
-    assert with_group_policies(verls(), TrajConfig(replay_poll_s=0.05)).poll_interval == 0.05
+    assert with_group_policies(ours(), TrajConfig()).poll_interval == TrajConfig.replay_poll_s == 2.0
+    assert with_group_policies(ours(), TrajConfig(replay_poll_s=0.05)).poll_interval == 0.05
+    with pytest.raises(RuntimeError, match="group_policy_class"):  # verl's buffer is never retyped
+        with_group_policies(verls(), TrajConfig())
+
+
+@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
+def test_verl_builds_the_buffer_and_the_client_as_verl_trajs_classes_and_its_names_come_back(mode):
+    """Through verl's own ``_build_replay_buffer`` and ``get_llm_client`` (the trainer's real ``__init__``): the
+    buffer and the agent loops' client are built as verl_traj's subclasses (no live object retyped), and the names
+    swapped for the call are verl's again after it."""
+    from verl.trainer.ppo.v1 import trainer_base
+    from verl.trainer.ppo.v1.trainer_colocate_async import PPOTrainerColocateAsync
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    from verl_traj.testing.trainers import ray_less_trainer
+
+    names = {n: getattr(trainer_base, n) for n in ("ReplayBuffer", "ReplayBufferAsync", "load_extern_type")}
+    cls = PPOTrainerSync if mode == "sync" else PPOTrainerColocateAsync
+    tr = ray_less_trainer({"trainer": {"v1": {"trainer_mode": mode}}}, TrajConfig(), v1_class=cls)
+    assert isinstance(tr.replay_buffer, FailedGroupPolicy)
+    assert isinstance(tr.replay_buffer, StaleGroupPolicy) == (mode != "sync")
+    assert {n: getattr(trainer_base, n) for n in names} == names
+
+    class Manager:  # verl's LLMServerManager.get_client, as the trainer calls it
+        def get_client(self, client_cls=None, **kwargs):
+            return client_cls or LLMServerClient
+
+    tr.llm_server_manager = Manager()
+    built = tr.get_llm_client()
+    assert built is (TrajLLMServerClient if mode == "sync" else TrajFullyAsyncLLMServerClient)
+    assert "get_client" not in vars(tr.llm_server_manager)
 
 
 def test_a_slow_poll_waits_longer():

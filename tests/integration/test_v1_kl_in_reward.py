@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from tensordict import TensorDict
 
 from verl_traj.config import TrajConfig
-from verl_traj.integration.verl_config import PlanSettings
+from verl_traj.integration.config.verl_config import PlanSettings
 from verl_traj.testing.trainers import ray_less_trainer
 
 MINI, N, PROMPTS = 2, 3, 4  # 4 prompts x 3 sessions x 1-3 steps, mini-batches of 2 prompts

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from verl_traj.config import TrajConfig
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import LOSS_WEIGHT, MICRO_BATCH_ID, MINI_BATCH_ID, PLANNED_FIELDS, planned_update_fields
-from verl_traj.integration.verl_config import PlanSettings
+from verl_traj.integration.config.verl_config import PlanSettings
 from verl_traj.testing.trainers import ray_less_trainer
 
 pytestmark = pytest.mark.e2e
@@ -96,7 +96,7 @@ def _dense(t):
 
 
 def test_planned_batch_in_transfer_queue(tq):
-    from verl_traj.integration.v1_updates import put_update_fields
+    from verl_traj.integration.trainers.v1_updates import put_update_fields
 
     batch = _store_rows(tq, np.random.default_rng(0))
     tr, metrics = _trainer(), {}
@@ -161,13 +161,13 @@ def _as_a_worker_receives(meta):
 
 class _WorkerGroup:
     """The worker side of one update dispatch, in this process: what verl's worker receives for the meta, then
-    verl_traj's worker check of the planned fields (:func:`~verl_traj.integration.workers.check_planned_update`)."""
+    verl_traj's worker check of the planned fields (:func:`~verl_traj.integration.workers.engine_workers.check_planned_update`)."""
 
     def __init__(self):
         self.received, self.checked = [], []
 
     def _run(self, meta) -> dict:
-        from verl_traj.integration.workers import check_planned_update
+        from verl_traj.integration.workers.engine_workers import check_planned_update
 
         data = _as_a_worker_receives(meta)
         self.received.append(data)
@@ -228,8 +228,8 @@ def test_a_planned_update_reaches_the_worker_through_the_meta(tq, role, setup, r
 def test_a_planned_field_the_meta_does_not_name_is_refused_by_the_worker(tq, field):
     """Each planned field in turn left out of the meta's field list (a subclass that rebuilds the meta): the worker
     does not receive it and refuses the update, naming the field; with every field named the check passes."""
-    from verl_traj.integration.v1_updates import planned_update
-    from verl_traj.integration.workers import check_planned_update
+    from verl_traj.integration.trainers.v1_updates import planned_update
+    from verl_traj.integration.workers.engine_workers import check_planned_update
 
     tr = _trainer(**STEP_ROWS_GSPO)
     rows = _store_rows(tq, np.random.default_rng(4), prefix=f"m{field.replace('_', '')}")
@@ -278,7 +278,7 @@ def test_the_actor_update_says_whether_its_old_log_probs_came_from_its_starting_
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
     from verl_traj.core.keys import OLD_LOG_PROBS_AT_START
-    from verl_traj.integration.v1 import traj_trainer_class
+    from verl_traj.integration.trainers.v1 import traj_trainer_class
 
     tr = _trainer(**STEP_ROWS_GSPO)
     for step in (0, 1):
@@ -310,7 +310,7 @@ def test_read_rows_gives_each_rows_ids_in_the_asked_order(tq):
     from transfer_queue import KVBatchMeta
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
-    from verl_traj.integration.v1_planning import read_rows
+    from verl_traj.integration.trainers.v1_planning import read_rows
 
     rows = [("ro_a", [5, 6, 7]), ("ro_b", [8, 9]), ("ro_c", [1, 2]), ("ro_d", [3, 4])]
     for batch in (rows[:2], rows[2:]):  # one put of mixed lengths, one of one length (as the padding rows are put)

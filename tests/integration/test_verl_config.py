@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from verl_traj.config import TrajConfig
-from verl_traj.integration.verl_config import prepare_config
+from verl_traj.integration.config.verl_config import prepare_config
 from verl_traj.testing.engine import compose_config
 
 # traj_ppo's estimator is verl's default, gae: the critic is on unless a test picks grpo
@@ -74,8 +74,8 @@ def test_megatron_plans_no_micro_batches_and_reports_none():
     """Regression (issue 21): on Megatron the engine cuts its own micro-batches (its pipeline schedule), yet the
     traj_plan/micro_batch* metrics described planned ones and the worker reported 0 micro-batches run."""
     from verl_traj.core import build_layout_from_counts
-    from verl_traj.integration.step_plan import plan_layout, plan_step_metrics
-    from verl_traj.integration.workers import PlannedUpdate
+    from verl_traj.integration.trainers.step_plan import plan_layout, plan_step_metrics
+    from verl_traj.integration.workers.engine_workers import PlannedUpdate
 
     cfg, plan_settings = _prepared(["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.strategy=megatron"])
     assert not plan_settings.engine_runs_plan
@@ -95,7 +95,7 @@ def test_a_gpu_job_is_never_turned_into_a_cpu_job():
     from omegaconf import OmegaConf
 
     from verl_traj.config import TrajConfigError
-    from verl_traj.integration.startup import check_platform
+    from verl_traj.integration.startup.checks import check_platform
 
     gpu_job, cpu_job = (OmegaConf.create({"trainer": {"device": d}}) for d in ("cuda", "cpu"))
     check_platform(gpu_job, "cuda")
@@ -209,7 +209,7 @@ def test_an_attention_wrong_on_cpu_is_refused_naming_field_value_and_fix(overrid
 def test_ulysses_without_remove_padding_is_refused_at_start_up(overrides, field):
     """verl's engine refuses Ulysses without remove-padding when the workers start (minutes in)."""
     from verl_traj.config import TrajConfigError
-    from verl_traj.integration.startup import check_sequence_parallel
+    from verl_traj.integration.startup.checks import check_sequence_parallel
 
     with pytest.raises(TrajConfigError, match=f"Fix: add {field}=true") as err:
         check_sequence_parallel(_cpu(overrides, "cpu_tiny_ppo"))
@@ -242,7 +242,7 @@ def test_every_estimator_verl_dispatches_is_accepted_and_a_typo_is_refused():
     verl's "Unknown advantage estimator simply: simply". The known names are verl's registry (and the enum values its
     compute_advantage dispatches by name)."""
     from verl_traj.config import TrajConfigError
-    from verl_traj.integration.startup import check_adv_estimator, known_adv_estimators
+    from verl_traj.integration.startup.checks import check_adv_estimator, known_adv_estimators
 
     from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, AdvantageEstimator
 
@@ -261,7 +261,7 @@ def test_every_estimator_verl_dispatches_is_accepted_and_a_typo_is_refused():
 
 def test_estimators_that_fail_after_the_first_rollout_on_this_trainer_are_refused():
     from verl_traj.config import TrajConfigError
-    from verl_traj.integration.startup import check_adv_estimator
+    from verl_traj.integration.startup.checks import check_adv_estimator
 
     for name in ("remax", "gdpo", "optimal_token_baseline", "tir_optimal_token_baseline"):  # v1 never fetches inputs
         with pytest.raises(TrajConfigError, match=f"'{name}' needs .*trainer.use_v1=false"):
@@ -322,7 +322,7 @@ def test_main_ppo_trains_the_plain_ulysses_command_on_cpu_varlen(started):
 def test_validation_runs_once_on_the_driver_and_the_trainer_only_adapts(monkeypatch):
     """The checks run in one place (``check_startup``, from ``main_ppo.run``); the trainer's ``prepare_config``
     adapts and re-validates nothing."""
-    from verl_traj.integration import startup
+    from verl_traj.integration.startup import checks as startup
 
     calls = []
     monkeypatch.setattr(startup, "validate_against_verl", lambda *a: calls.append(a))
@@ -341,7 +341,7 @@ TREE = ["traj.prefix_tree=true", "actor_rollout_ref.model.use_remove_padding=tru
 def test_prefix_tree_selects_the_cpu_flash_attention_path(started):
     """``traj.prefix_tree=true`` on the CPU platform: the actor's model (and the critic's, with one) gets cpu_varlen
     (the kernel the tree attention replaces), not sdpa, which would read a tree as separate sequences."""
-    from verl_traj.integration.tree_checks import check_prefix_tree
+    from verl_traj.integration.startup.tree_checks import check_prefix_tree
 
     assert _attn(started(TREE), ACTOR_ATTN) == "cpu_varlen"
     cfg = _cpu(TREE + ["algorithm.adv_estimator=gae", "critic.model.use_remove_padding=true"], name="cpu_tiny_ppo")
@@ -384,7 +384,7 @@ def test_prefix_tree_auto_is_settled_at_start_up_and_said(started, caplog, overr
     ``false``, in the config the trainer and workers get, with one line saying which and why."""
     import logging
 
-    with caplog.at_level(logging.WARNING, logger="verl_traj.integration.startup"):
+    with caplog.at_level(logging.WARNING, logger="verl_traj.integration.startup.checks"):
         cfg = started(overrides)
     assert cfg.traj.prefix_tree is trees and _attn(cfg, ACTOR_ATTN) == attn
     said = [r.getMessage() for r in caplog.records if "traj.prefix_tree=auto" in r.getMessage()]
@@ -408,7 +408,7 @@ def test_prefix_tree_true_refuses_what_the_model_needs_at_start_up(started, extr
 
 def test_a_trainer_built_without_start_up_settles_auto_itself():
     """A script that builds the trainer's config without ``main_ppo`` gets the same choice, not rows in silence."""
-    from verl_traj.integration.tree_checks import settled_traj_config
+    from verl_traj.integration.startup.tree_checks import settled_traj_config
 
     cfg = _cpu()
     assert cfg.traj.prefix_tree == "auto" and settled_traj_config(cfg).trees and cfg.traj.prefix_tree is True
@@ -478,7 +478,7 @@ def test_staleness_settings_are_refused_on_v0(started, overrides):
                                              (["traj.max_staleness=2", "traj.enable=false"], "not applied"),
                                              (SEPARATE + ["traj.max_staleness=2"], None)])
 def test_a_staleness_bound_that_cannot_act_is_said_at_start_up(started, caplog, overrides, says):
-    with caplog.at_level(logging.WARNING, logger="verl_traj.integration.startup"):
+    with caplog.at_level(logging.WARNING, logger="verl_traj.integration.startup.checks"):
         started(overrides)
     said = [r.getMessage() for r in caplog.records if "max_staleness" in r.getMessage()]
     assert (said and says in said[0]) if says else not said, said

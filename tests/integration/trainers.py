@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from verl_traj.integration.verl_config import PlanSettings
+from verl_traj.integration.config.verl_config import PlanSettings
 from verl_traj.testing.trainers import ray_less_trainer
 
 P, R_ = 5, 6  # prompt and response widths of the shared test batches

@@ -1,7 +1,7 @@
 """Fuzzing the step rows' credit entries (issue 28, item 8): the timeline estimators (``Timeline``,
 ``timeline_advantages``), the outcome estimators (``compute_trajectory_advantages`` and its parts), the
 trajectory-scoped correction (``trajectory_rollout_correction``, ``group_log_ratio_sums``, ``sequence_ratio_shift``)
-and the DataProto-level wrappers of :mod:`verl_traj.integration.stepwise_rows`. Each gets a valid batch of step rows
+and the DataProto-level wrappers of :mod:`verl_traj.integration.rows.stepwise_rows`. Each gets a valid batch of step rows
 and one random corruption (duplicate steps, out-of-range trajectory indices, widths that do not match the mask,
 NaN / inf, wrong dtypes, misspelled options); only the clean result (harmless corruptions) or a
 :class:`~verl_traj.core.TrajInputError` whose ``field`` is set and named in its message are accepted. Then one
@@ -28,14 +28,9 @@ from tests.stepwise.verl_batches import planned_stepwise_batch
 from tests.fuzz import INF, NAN, refused, run
 from verl_traj.core import TrajInputError
 from verl_traj.core.keys import TURN_REWARDS
-from verl_traj.integration.stepwise_rows import stepwise_advantage, trajectory_scoped_correction
-from verl_traj.stepwise.advantages import (
-    broadcast_step_advantages,
-    compute_trajectory_advantages,
-    last_step_rows,
-    run_outcome_estimator,
-    trajectory_scores,
-)
+from verl_traj.integration.rows.stepwise_rows import stepwise_advantage, trajectory_scoped_correction
+from verl_traj.stepwise.advantages import (broadcast_step_advantages, compute_trajectory_advantages, last_step_rows,
+                                           run_outcome_estimator, trajectory_scores)
 from verl_traj.stepwise.ratios import group_log_ratio_sums, sequence_ratio_shift, trajectory_rollout_correction
 from verl_traj.stepwise.timeline import Timeline, timeline_advantages
 
@@ -357,7 +352,7 @@ def test_fuzz_group_log_ratio_sums_and_shift(seed, kind):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# DataProto level (integration/stepwise_rows.py)
+# DataProto level (integration/rows/stepwise_rows.py)
 # ---------------------------------------------------------------------------------------------------------------------
 
 

@@ -16,13 +16,8 @@ from hypothesis import strategies as st
 
 from tests.fuzz import INF, NAN, refused, run
 from verl_traj.core import TrajInputError
-from verl_traj.stepwise.expand import (
-    StepExpansionError,
-    decode_step_records,
-    encode_step_records,
-    expand_step_rows,
-    trajectory_step_rows,
-)
+from verl_traj.stepwise.expand import (StepExpansionError, decode_step_records, encode_step_records, expand_step_rows,
+                                       trajectory_step_rows)
 from verl_traj.stepwise.prefix_merge import PrefixMergeError, merge_trajectory_steps
 from verl_traj.testing import step_record_batch, token_trajectory
 
@@ -292,7 +287,7 @@ def test_fuzz_merge_trajectory_steps(seed, enable, kind):
 def test_fuzz_expand_dataproto_step_rows(seed, merge, kind):
     """The trainer's entry: the DataProto is replaced in place by its step rows, or left as it was when refused."""
     from tests.stepwise.verl_batches import stepwise_dataproto
-    from verl_traj.integration.stepwise_rows import expand_dataproto_step_rows
+    from verl_traj.integration.rows.stepwise_rows import expand_dataproto_step_rows
 
     data = stepwise_dataproto(seed)[0]
     clean = copy.deepcopy(data)

@@ -16,9 +16,9 @@ from verl.trainer.ppo import ray_trainer
 
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.keys import ADVANTAGE_METRICS, STEP_ANCHORS
-from verl_traj.integration.gigpo import anchor_entries
-from verl_traj.integration.patches import fit_patches, patched
-from verl_traj.integration.v1_agent_loop import step_outputs
+from verl_traj.core.row_tags import anchor_entries
+from verl_traj.integration.agent_loops.v1_agent_loop import step_outputs
+from verl_traj.integration.patches.scoped import fit_patches, patched
 from verl_traj.stepwise.expand import expand_step_rows
 from verl_traj.stepwise.step_groups import StepGroupOptions
 from verl_traj.testing import step_record_batch, token_trajectory
@@ -26,9 +26,9 @@ from omegaconf import OmegaConf
 
 from tests.integration.test_v1_adapter import _v1_view
 from verl_traj.core.row_key import parse_row_keys
-from verl_traj.integration.gigpo import anchor_tag
-from verl_traj.integration.stepwise_rows import stepwise_advantage
-from verl_traj.integration.v1_advantage import planned_advantage
+from verl_traj.core.row_tags import anchor_tag
+from verl_traj.integration.rows.stepwise_rows import stepwise_advantage
+from verl_traj.integration.trainers.v1_advantage import planned_advantage
 from verl_traj.testing.batches import as_dataproto
 
 from .test_step_groups import reference
@@ -112,7 +112,7 @@ def test_v1_row_tags_carry_the_anchor_keys_v0s_expansion_writes(merge):
     (["traj.step_group_baseline=leave_one_out"], "traj.step_group_baseline"),
 ])
 def test_start_up_refuses_gigpo_without_step_rows_and_its_knobs_without_gigpo(overrides, field):
-    from verl_traj.integration.startup import check_adv_estimator
+    from verl_traj.integration.startup.checks import check_adv_estimator
     from verl_traj.testing.engine import cpu_config
 
     with pytest.raises(TrajConfigError) as err:

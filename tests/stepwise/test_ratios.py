@@ -189,7 +189,7 @@ def test_gspo_on_shifted_step_rows_is_gspo_on_the_merged_row(seed, monkeypatch):
     trajectories as step rows with the shift == on the same trajectories as merged rows: the same loss and the same
     gradient on every loss token's log-prob (fp32); without the shift (row scope) it differs."""
     from tests.integration import grad_harness as H
-    from verl_traj.integration.losses import weighted_policy_loss
+    from verl_traj.integration.workers.losses import weighted_policy_loss
     from verl_traj.stepwise.ratios import group_log_ratio_sums, sequence_ratio_shift
 
     H.patch_verl_device(monkeypatch)

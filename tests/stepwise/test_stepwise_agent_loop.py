@@ -13,7 +13,7 @@ from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
 from verl.tools.schemas import OpenAIFunctionToolSchema  # noqa: E402
 from verl.utils.dataset.rl_dataset import RLHFDataset  # noqa: E402
 
-from verl_traj.integration.stepwise_agent_loop import StepwiseToolAgentLoop  # noqa: E402
+from verl_traj.integration.agent_loops.stepwise_agent_loop import StepwiseToolAgentLoop  # noqa: E402
 from verl_traj.stepwise.expand import decode_step_records, expand_step_rows  # noqa: E402
 
 CALL = '<tool_call>\n{"name": "digits", "arguments": {"n": 3}}\n</tool_call><|im_end|>'
@@ -155,7 +155,7 @@ def test_records_survive_verl_agent_loop_worker_postprocess(tokenizer):
 
 
 def test_truncate_calls_matches_verl_row_budget():
-    from verl_traj.integration.stepwise_agent_loop import truncate_calls
+    from verl_traj.integration.agent_loops.stepwise_agent_loop import truncate_calls
 
     calls = [
         {"prompt_ids": [1] * 5, "response_ids": [2] * 3, "response_logprobs": [-1.0] * 3},
@@ -182,7 +182,7 @@ def test_shipped_agent_loop_config_registers_the_stepwise_loop():
 
     import yaml
 
-    from verl_traj.integration.stepwise_agent_loop import AGENT_LOOP_NAME, StepwiseToolAgentLoop
+    from verl_traj.integration.agent_loops.stepwise_agent_loop import AGENT_LOOP_NAME, StepwiseToolAgentLoop
 
     path = Path(__file__).resolve().parents[2] / "configs" / "agent_loops" / "stepwise.yaml"
     entries = yaml.safe_load(path.read_text())

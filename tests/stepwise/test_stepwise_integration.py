@@ -16,8 +16,8 @@ from tests.stepwise.helpers import trajectory_advantages
 from tests.stepwise.verl_batches import planned_stepwise_batch, stepwise_dataproto, stepwise_trainer
 from verl_traj.config import TrajConfig
 from verl_traj.core.keys import TURN_REWARDS
-from verl_traj.integration import stepwise_agent_loop as sal
-from verl_traj.integration.stepwise_rows import expand_dataproto_step_rows, stepwise_advantage
+from verl_traj.integration.agent_loops import stepwise_agent_loop as sal
+from verl_traj.integration.rows.stepwise_rows import expand_dataproto_step_rows, stepwise_advantage
 from verl_traj.stepwise.advantages import StepwiseAdvantageError
 from verl_traj.testing import step_record_batch as make_batch, token_trajectory as make_trajectory
 
@@ -268,7 +268,9 @@ def test_v1_step_rows_carry_turn_rewards_as_sparse_tags(merge):
     Stock verl (``turn_rewards=False``: ``traj.enable=false``) has no channel and refuses them by name."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
 
-    from verl_traj.integration.v1_agent_loop import step_outputs, turn_reward_entries
+    from verl_traj.core.row_tags import turn_reward_entries
+
+    from verl_traj.integration.agent_loops.v1_agent_loop import step_outputs
     from verl_traj.stepwise.expand import StepExpansionError, encode_step_records
 
     records, prompt, response, mask, _ = make_trajectory(np.random.default_rng(0), 3)
@@ -318,7 +320,7 @@ def test_trajectory_ratios_give_step_rows_and_merged_rows_the_same_weights(rs):
     trajectory's weight the product of its rows' (``max_abs_row_gap`` 0)."""
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch as verl_add
 
-    from verl_traj.integration.stepwise_rows import trajectory_scoped_correction
+    from verl_traj.integration.rows.stepwise_rows import trajectory_scoped_correction
 
     config = OmegaConf.create({"rollout_is": "sequence", "rollout_is_threshold": 50.0, "rollout_rs": rs,
                                "rollout_rs_threshold": "0.98_1.02" if rs else None})

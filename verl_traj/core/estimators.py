@@ -1,6 +1,6 @@
 """What verl_traj knows about each advantage estimator, by name: one registry read by the start-up check
 (:mod:`verl_traj.config`), the step-wise advantage path (:mod:`verl_traj.stepwise.advantages`) and the
-real-row wrapper (:mod:`verl_traj.integration.real_rows`), so they cannot disagree.
+real-row wrapper (:mod:`verl_traj.integration.rows.real_rows`), so they cannot disagree.
 
 Pure module (stdlib and :mod:`verl_traj.core.errors`). The names are verl 0.9.1's ``AdvantageEstimator``
 values; a test walks every estimator verl registers (``core_algos.ADV_ESTIMATOR_REGISTRY``) and checks it has an
@@ -116,7 +116,7 @@ for _name, _traits in {
     "reinforce_plus_plus_baseline": EstimatorTraits(temporal=True, padding_safe=True),
     "optimal_token_baseline": EstimatorTraits(refusal=_TOKEN_BASELINE),
     "tir_optimal_token_baseline": EstimatorTraits(refusal=_TOKEN_BASELINE),
-    # verl_traj's own (registered with verl by verl_traj.integration.gigpo): GRPO per trajectory plus a step-level
+    # verl_traj's own (registered with verl by verl_traj.integration.rows.gigpo): GRPO per trajectory plus a step-level
     # advantage per LLM call among the calls of its GRPO group that saw the same observation
     "gigpo": EstimatorTraits(step_groups=True, padding_safe=True),
     "gdpo": EstimatorTraits(refusal="it whitens each reward dimension over a batch's rows, and reads per-dimension "

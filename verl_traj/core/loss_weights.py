@@ -4,7 +4,7 @@ Pure module (torch only). Before each update the trainer computes ``loss_weight`
 per row) from the plan's per-row facts carried in the batch (``mini_batch_id``, ``traj_index``,
 ``is_padding``) and the final ``response_mask`` (verl's rollout correction may still mask tokens after
 planning, so the weights are computed when the mask is final, once per update). The loss functions
-(``verl_traj.integration.losses``) then aggregate every loss term ``loss_t`` (policy, entropy, KL,
+(``verl_traj.integration.workers.losses``) then aggregate every loss term ``loss_t`` (policy, entropy, KL,
 value) of a mini-batch ``m`` as
 
     loss(m) = sum_{rows i in m} sum_t  loss_{i,t} * response_mask_{i,t} * w_i

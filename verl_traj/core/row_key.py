@@ -1,6 +1,6 @@
 """v1's TransferQueue row key ``{uid}_{session}_{index}``: the one codec, written by the agent loop
-(:mod:`verl_traj.integration.v1_agent_loop`, verl's ``AgentLoopWorkerTQ`` format) and read by the trainer
-(:mod:`verl_traj.integration.v1`).
+(:mod:`verl_traj.integration.agent_loops.v1_agent_loop`, verl's ``AgentLoopWorkerTQ`` format) and read by the trainer
+(:mod:`verl_traj.integration.trainers.v1`).
 
 ``uid`` is the prompt (the GRPO group; it may itself contain ``_``), ``{uid}_{session}`` one trajectory (one of
 ``rollout.n`` sessions of the prompt), ``index`` the row's position among the session's outputs: its step.

@@ -11,7 +11,13 @@ from typing import Optional
 
 import torch
 
-__all__ = ["sparse_tag", "tag_entries"]
+__all__ = ["MERGE_TAG", "STEP_ANCHOR_TAG", "TURN_REWARD_TAG", "anchor_entries", "anchor_tag", "sparse_tag", "tag_entries",
+           "turn_reward_entries", "turn_reward_tag"]
+
+# v1's row tags, written by the agent-loop worker, read by the trainer's plan facts and metrics
+MERGE_TAG = "traj_merge"  # tag of a session's first row: its MergeStats as a dict
+TURN_REWARD_TAG = "traj_turn_rewards"  # tag of a row with turn rewards: [[response position, reward], ...]
+STEP_ANCHOR_TAG = "traj_step_anchors"  # tag of a row's calls' GiGPO anchor keys: [[response position, key], ...]
 
 
 def sparse_tag(name: str, per_token: torch.Tensor) -> dict:
@@ -31,3 +37,24 @@ def tag_entries(tags: list[dict], name: str, dtype: torch.dtype) -> Optional[tup
     pairs = [pair for _, e in tagged for pair in e]
     return (rows, torch.tensor([int(p) for p, _ in pairs], dtype=torch.int64),
             torch.tensor([v for _, v in pairs], dtype=dtype))
+
+
+def turn_reward_tag(per_token: torch.Tensor) -> dict:
+    """``{TURN_REWARD_TAG: [[position, reward], ...]}`` of one row's ``[n]`` turn rewards; ``{}`` when all are 0."""
+    return sparse_tag(TURN_REWARD_TAG, per_token)
+
+
+def turn_reward_entries(tags: list[dict]) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(row, position, reward)`` of every turn reward the rows' ``tags`` carry (``[K]`` int64, int64, float32;
+    ``row`` indexes ``tags``), or ``None`` when no row has any: one ``index_put`` puts them on their tokens."""
+    return tag_entries(tags, TURN_REWARD_TAG, torch.float32)
+
+
+def anchor_tag(per_token: torch.Tensor) -> dict:
+    """``{STEP_ANCHOR_TAG: [[position, key], ...]}`` of one row's ``[n]`` int64 anchors; ``{}`` for a row without."""
+    return sparse_tag(STEP_ANCHOR_TAG, per_token)
+
+
+def anchor_entries(tags: list[dict]) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(row, position, key)`` ``[K]`` int64 of every anchor the rows' ``tags`` carry, or ``None`` without any."""
+    return tag_entries(tags, STEP_ANCHOR_TAG, torch.int64)

@@ -1,5 +1,5 @@
 """Staleness per trajectory, in tokens per policy version (``traj.max_staleness``, ``traj.stale_groups``). Pure: numpy
-and stdlib; :mod:`verl_traj.integration.v1_staleness` records the versions and applies the bound to verl's replay
+and stdlib; :mod:`verl_traj.integration.async_modes.v1_staleness` records the versions and applies the bound to verl's replay
 buffer, whose unit is the GRPO group.
 
 A trajectory's tokens can come from several policies: a partial rollout is aborted at each weight sync and resumed

@@ -8,7 +8,7 @@ kernel, and scatters back. Under ``sdpa`` that wrapper never runs, so each rank 
 sequence only: silently wrong. With the CPU platform active, verl_traj registers the attention implementation
 :data:`CPU_VARLEN` (transformers' own ``flash_attention_forward`` and mask function under another name) and puts
 :func:`varlen_attention` where the CUDA kernel would be, in both places verl and transformers look it up
-(:mod:`verl_traj.integration.process_patches`). Start-up selects it for a model whose Ulysses size is > 1
+(:mod:`verl_traj.integration.patches.process`). Start-up selects it for a model whose Ulysses size is > 1
 (:mod:`verl_traj.cpu.settings`); ``actor_rollout_ref.model.override_config.attn_implementation=cpu_varlen`` (and the
 critic's) selects it for any run.
 """

@@ -19,7 +19,7 @@ the CPU rollout cannot do.
   pools, and weight sync over gloo (:mod:`verl_traj.cpu.weight_sync`, backend ``gloo``) where the preset's colocated
   ``naive`` sync cannot serve a separate pool.
 
-All run in :func:`verl_traj.integration.startup.check_startup`: the attention and the separate_async settings where the
+All run in :func:`verl_traj.integration.startup.checks.check_startup`: the attention and the separate_async settings where the
 CPU platform is in use (``trainer.device=cpu``), the LoRA check wherever the CPU rollout is.
 """
 
@@ -31,8 +31,8 @@ from omegaconf import open_dict
 
 from verl_traj.config import TrajConfigError
 from verl_traj.cpu.attention import CPU_VARLEN
-from verl_traj.integration.separate_async import is_separate_async
-from verl_traj.integration.verl_checks import flag_at, int_at, sequence_parallel_sizes, value_at
+from verl_traj.integration.async_modes.separate_async import is_separate_async
+from verl_traj.integration.config.access import flag_at, int_at, sequence_parallel_sizes, value_at
 
 __all__ = ["check_cpu_rollout_lora", "select_cpu_attention", "set_attention", "settle_cpu_separate_async"]
 

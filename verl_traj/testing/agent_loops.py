@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
-from verl_traj.integration.stepwise_agent_loop import StepwiseToolAgentLoop
+from verl_traj.integration.agent_loops.stepwise_agent_loop import StepwiseToolAgentLoop
 
 __all__ = ["TURN_REWARD", "FailingAgentLoop", "InjectedToolCrash", "TurnRewardToolAgentLoop", "injected_failure"]
 

@@ -17,7 +17,7 @@ import socket
 from functools import partial
 from typing import Any, Optional, Sequence
 
-from verl_traj.integration.torch_flash import TORCH_VARLEN  # attn_implementation name of :func:`register_torch_varlen`
+from verl_traj.integration.tree.torch_flash import TORCH_VARLEN  # attn_implementation name of :func:`register_torch_varlen`
 
 __all__ = ["free_port", "init_rank", "compose_config", "cpu_config", "gpu_config", "register_torch_varlen", "TORCH_VARLEN",
            "actor_worker", "critic_worker", "rank_tensordict", "plan_for_update"]
@@ -65,10 +65,10 @@ def gpu_config(overrides: Sequence[str] = ()) -> Any:
 
 def register_torch_varlen(name: str = TORCH_VARLEN) -> str:
     """transformers' flash-attention path under ``name`` with the torch variable-length kernel where verl's
-    remove-padding wrapper calls flash-attn (:mod:`verl_traj.integration.torch_flash`; the plugin installs the same in
+    remove-padding wrapper calls flash-attn (:mod:`verl_traj.integration.tree.torch_flash`; the plugin installs the same in
     every CUDA process without flash-attn), installed now in this process; idempotent. Returns ``name``."""
-    from verl_traj.integration.process_patches import install
-    from verl_traj.integration.torch_flash import attention_patches
+    from verl_traj.integration.patches.process import install
+    from verl_traj.integration.tree.torch_flash import attention_patches
 
     install(attention_patches(name), on_import=None)
     return name
@@ -111,8 +111,8 @@ def actor_worker(cfg: Any, planned: bool) -> Any:
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
 
-    from verl_traj.integration.losses import traj_ppo_loss
-    from verl_traj.integration.workers import TrajActorTrainingWorker
+    from verl_traj.integration.workers.losses import traj_ppo_loss
+    from verl_traj.integration.workers.engine_workers import TrajActorTrainingWorker
 
     model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
     actor_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
@@ -126,8 +126,8 @@ def critic_worker(cfg: Any) -> Any:
     """The critic's engine worker (value model): ``TrajCriticWorker`` + ``traj_value_loss``."""
     from verl.utils.config import omega_conf_to_dataclass
 
-    from verl_traj.integration.losses import traj_value_loss
-    from verl_traj.integration.workers import TrajCriticWorker
+    from verl_traj.integration.workers.losses import traj_value_loss
+    from verl_traj.integration.workers.engine_workers import TrajCriticWorker
 
     critic_config = omega_conf_to_dataclass(cfg.critic)
     return _worker(TrajCriticWorker, "value_model", critic_config.model, critic_config,
@@ -144,7 +144,7 @@ def plan_for_update(batch: Any, cfg: Any, dp: int, *, mode: str = "token-mean", 
     further ``traj:`` settings. Returns the plan."""
     from verl_traj.config import TrajConfig
     from verl_traj.core.keys import IS_PADDING, LOSS_WEIGHT, MINI_BATCH_ID, PLANNED_FIELDS, TRAJ_INDEX, planned_update_fields
-    from verl_traj.integration.update_spec import UpdateSpec
+    from verl_traj.integration.config.update_spec import UpdateSpec
     from verl_traj.testing.trainers import ray_less_trainer
 
     traj_config = TrajConfig(group_by=group_by, loss_agg_mode=mode, seed=seed, prefix_tree=prefix_tree, **traj_options)

@@ -34,9 +34,9 @@ from verl.trainer.ppo.utils import Role
 
 from verl_traj.config import TrajConfig
 from verl_traj.configs import CONFIG_DIR
-from verl_traj.integration.trainer import TrajRayPPOTrainer
-from verl_traj.integration.v1 import traj_trainer_class
-from verl_traj.integration.verl_config import PlanSettings
+from verl_traj.integration.config.verl_config import PlanSettings
+from verl_traj.integration.trainers.v0 import TrajRayPPOTrainer
+from verl_traj.integration.trainers.v1 import traj_trainer_class
 
 __all__ = ["production_config", "ray_less_trainer", "worker_group_stand_in"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from verl_traj.integration.stepwise_agent_loop import RecordingServerManager, StepwiseToolAgentLoop
+from verl_traj.integration.agent_loops.stepwise_agent_loop import RecordingServerManager, StepwiseToolAgentLoop
 from verl_traj.recipes.calc_agent.task import CALL_RE, CalculatorError, evaluate
 
 __all__ = ["TURN_REWARD", "CalcTurnRewardAgentLoop", "CalcWindowedAgentLoop", "WindowedContext", "turn_rewards"]

@@ -1,0 +1,8 @@
+"""verl's config, read once and the same way everywhere (driver: start-up and the trainers' ``__init__``).
+
+* :mod:`.access`: typed readers of verl's settings (``value_at``, ``uses_critic``, ``ulysses_size``, ...);
+* :mod:`.verl_config`: the verl settings the plan depends on, set on a checked config (:class:`PlanSettings`);
+* :mod:`.update_spec`: every fact of an update both trainers need, derived once (:class:`UpdateSpec`).
+
+May import: nothing else in verl_traj.integration.
+"""

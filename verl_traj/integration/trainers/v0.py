@@ -1,0 +1,227 @@
+"""verl_traj's trainer: verl's ``RayPPOTrainer`` (v0) with trajectory-aware batching. A thin adapter:
+the decisions are the core's (:mod:`verl_traj.core`); this class only moves them into verl's ``fit``.
+
+With ``traj.enable=true``:
+
+* ``_balance_batch`` (every step: ``trainer.balance_batch`` is forced on) expands step-wise rows
+  (``traj.step_wise``), then :func:`plan_batch_in_place`: layout -> plan -> ``apply_plan``, in place on
+  the DataProto. The batch then carries the plan's per-row facts (``mini_batch_id``, ``micro_batch_id``,
+  ``traj_index``, ``is_padding``; :mod:`verl_traj.core.keys`) to every later step of ``fit``; the plan's
+  statistics are logged as ``traj_plan/*``.
+* ``_update_actor`` / ``_update_critic`` attach the per-row ``loss_weight`` (from those facts and the
+  final ``response_mask``) for the duration of the call; the workers step once per ``mini_batch_id`` and
+  run the planned micro-batches (:mod:`verl_traj.integration.workers.engine_workers`); the losses aggregate with the
+  weights (:mod:`verl_traj.integration.workers.losses`). The critic may step on unions of the actor's mini-batches.
+* During ``fit`` verl's advantage, KL-in-reward and metric functions see real rows only
+  (:func:`verl_traj.integration.patches.scoped.fit_patches`; restored when ``fit`` returns or raises).
+* With ``traj.prefix_tree``, :func:`plan_batch_in_place` also builds every planned micro-batch's tree here, where
+  the token ids are on the host, and ships what the workers need with the plan (:mod:`verl_traj.integration.tree.tree_plan_facts`): every
+  later pass of the step rebuilds the trees on the device from those facts.
+* Start-up: :func:`verl_traj.integration.config.verl_config.prepare_config`.
+* Debug: ``VERL_TRAJ_DEBUG_DUMP=<dir>`` appends one JSON line per step to ``<dir>/plan.jsonl`` with every
+  row's uid, traj_id, mini_batch_id, is_padding and lengths (used by the e2e tests).
+
+With ``traj.enable=false`` every method is verl's (``super()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from verl import DataProto
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+from verl_traj.core import MiniBatchPlan, apply_plan, build_layout
+from verl_traj.core.errors import TrajInputError
+from verl_traj.core.keys import (CRITIC_UNION_KEY, IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MINI_BATCH_ID,
+                                 OLD_LOG_PROBS_AT_START, PLAN_KEYS, PLANNED_FIELDS, RATIO_GROUP, RATIO_IN_LOSS,
+                                 TRAJ_INDEX, planned_update_fields)
+from verl_traj.core.keys import TREE_KEY
+from verl_traj.core.padding import resolve_pad_token_id
+from verl_traj.core.token_rows import TokenRows
+from verl_traj.integration.config.access import value_at
+from verl_traj.integration.config.update_spec import LossSpec, UpdateSpec, has_multi_row_trajectory
+from verl_traj.integration.patches.scoped import fit_patches, patched
+from verl_traj.integration.rows.gigpo import uses_step_groups
+from verl_traj.integration.rows.real_rows import is_padding, real_rows
+from verl_traj.integration.rows.stepwise_rows import expand_dataproto_step_rows
+from verl_traj.integration.startup.tree_checks import settled_traj_config
+from verl_traj.integration.trainers.checkpoints import CompleteCheckpoints
+from verl_traj.integration.trainers.step_plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
+                                                      stock_plan_metrics_of)
+from verl_traj.integration.tree.tree_plan_facts import dense_tree_facts
+from verl_traj.stepwise.step_groups import StepGroupOptions
+
+__all__ = ["TrajRayPPOTrainer", "attended_rows", "plan_batch_in_place"]
+
+
+def attended_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> TokenRows:
+    """``[B, S]`` padded ids and mask -> each row's attended token ids (the tree planner's rows) as one flat array
+    (:class:`~verl_traj.core.token_rows.TokenRows`): no tensor per row."""
+    return TokenRows.of_padded(input_ids, attention_mask)
+
+
+def plan_batch_in_place(batch: DataProto, spec: UpdateSpec, dp_size: int, *, pad_token_id: int = 0,
+                        seed: int = 0) -> MiniBatchPlan:
+    """Plan a verl batch with the core and apply the plan IN PLACE on the DataProto (rows reordered
+    rank-major, padding rows appended, the plan's per-row facts added as tensors; with ``traj.prefix_tree`` the
+    planned micro-batches' tree facts too, from the planned rows). Returns the plan."""
+    traj_config, nt = spec.traj_config, batch.non_tensor_batch
+    step_wise = traj_config.traj_id_key in nt and traj_config.step_index_key in nt
+    layout = build_layout(
+        batch.batch["attention_mask"], batch.batch["response_mask"], nt["uid"],
+        traj_id=nt[traj_config.traj_id_key] if step_wise else None,
+        step_index=nt[traj_config.step_index_key] if step_wise else None,
+        is_last_step=nt.get(IS_LAST_STEP) if step_wise else None,
+        is_padding=batch.batch[IS_PADDING] if IS_PADDING in batch.batch.keys() else None,
+    )
+    rows = attended_rows(batch.batch["input_ids"], batch.batch["attention_mask"]) if traj_config.trees else None
+    plan = plan_layout(layout, traj_config, spec.num_mini_batches, dp_size, micro=spec.plan, seed=seed, rows=rows)
+    out_t, out_nt = apply_plan(dict(batch.batch.items()), dict(nt), plan, pad_token_id=pad_token_id,
+                               traj_key=traj_config.traj_id_key, step_key=traj_config.step_index_key)
+    batch.batch = TensorDict(out_t, batch_size=[plan.num_rows], device=batch.batch.device)
+    batch.non_tensor_batch = out_nt
+    if traj_config.trees:  # the trees of the planner's rows by plan.order; only the padding rows are read
+        pads = np.flatnonzero(plan.order.numpy() < 0)
+        pad_rows = attended_rows(batch.batch["input_ids"][pads], batch.batch["attention_mask"][pads])
+        for key, value in dense_tree_facts(rows, pad_rows, plan).items():
+            batch.batch[key] = value.to(batch.batch.device) if batch.batch.device is not None else value
+    return plan
+
+
+class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
+    """verl's ``RayPPOTrainer`` with trajectory-aware mini-batches (see the module docstring)."""
+
+    def __init__(self, config, *args, **kwargs):
+        self.traj_config = settled_traj_config(config)
+        self.spec = UpdateSpec.prepare(config, self.traj_config) if self.traj_config.enable else None
+        super().__init__(config, *args, **kwargs)
+
+    def fit(self):
+        if not self.traj_config.enable:
+            return super().fit()
+        self._real_row_mask = None
+        with patched(fit_patches(self.traj_config.step_wise, lambda: self._real_row_mask,
+                                 self.traj_config.step_index_key, self.spec.trajectory_ratios,
+                                 StepGroupOptions.of(self.traj_config))):
+            return super().fit()
+
+    # ---- planning --------------------------------------------------------------------------------
+
+    def _dp_size(self) -> int:
+        return check_same_dp_size(self._get_dp_size(self.actor_rollout_wg, "actor"),
+                                  self._get_dp_size(self.critic_wg, "train") if self.use_critic else None)
+
+    def _pad_token_id(self) -> int:
+        """The tokenizer's pad token (its EOS where it has none, as verl's ``hf_tokenizer`` sets it; neither: an
+        error naming ``tokenizer.pad_token_id``)."""
+        tokenizer = getattr(self, "tokenizer", None)
+        return resolve_pad_token_id(getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None))
+
+    def _balance_batch(self, batch: DataProto, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
+        if not self.traj_config.enable:
+            super()._balance_batch(batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+            if metrics is not None:  # observation only: what stock verl's mini-batches do to groups
+                metrics.update(self._stock_plan_metrics(batch))
+            return
+        if self.traj_config.step_wise:
+            step_metrics = expand_dataproto_step_rows(
+                batch, merge_prefix=self.traj_config.merge_prefix, pad_token_id=self._pad_token_id(),
+                traj_id_key=self.traj_config.traj_id_key, step_index_key=self.traj_config.step_index_key,
+                step_anchors=uses_step_groups(value_at(self.config, "algorithm.adv_estimator", "grpo")),
+            )
+            if metrics is not None:
+                metrics.update(step_metrics)
+        self.plan_and_apply(batch, self._dp_size(), metrics)
+
+    def _stock_plan_metrics(self, batch: DataProto) -> dict[str, float]:
+        return stock_plan_metrics_of(self.config, batch.non_tensor_batch["uid"], None, None,
+                                     self._get_dp_size(self.actor_rollout_wg, "actor"))
+
+    def plan_and_apply(self, batch: DataProto, dp_size: int, metrics: Optional[dict] = None) -> MiniBatchPlan:
+        """Plan ``batch`` and apply the plan in place (rows reordered, padding rows appended)."""
+        plan = plan_batch_in_place(batch, self.spec, dp_size, pad_token_id=self._pad_token_id(),
+                                   seed=self.spec.plan_seed(int(getattr(self, "global_steps", 0) or 0)))
+        self._real_row_mask = ~plan.is_padding.numpy()
+        self._all_atomic = plan.all_trajectories_atomic  # GSPO's trajectory ratio from the loss, no pre-pass
+        if self.traj_config.trees:  # every pass of this batch (log-probs, values, updates) on the plan's trees
+            batch.meta_info[TREE_KEY] = True
+        if metrics is not None:
+            metrics.update(plan_step_metrics(plan, self.spec.epochs))
+        self._debug_dump(batch, plan)
+        return plan
+
+    def _debug_dump(self, batch: DataProto, plan: MiniBatchPlan) -> None:
+        td, nt = batch.batch, batch.non_tensor_batch
+        traj_ids = nt.get(self.traj_config.traj_id_key)
+        debug_dump(int(getattr(self, "global_steps", 0) or 0), plan, {
+            "uid": [str(u) for u in nt["uid"]],
+            "traj_id": [str(t) for t in traj_ids] if traj_ids is not None else None,
+            "loss_tokens": td["response_mask"].sum(-1).tolist(),
+            # verl's compute_data_metrics response_length: attended response positions
+            "response_length": td["attention_mask"][:, -td["responses"].shape[-1]:].sum(-1).tolist(),
+            "attention_length": td["attention_mask"].sum(-1).tolist(),
+        })
+
+    # ---- rollout dumps ----------------------------------------------------------------------------
+
+    def _log_rollout_data(self, batch: DataProto, reward_extra_infos_dict: dict, timing_raw: dict,
+                          rollout_data_dir: str):
+        """``trainer.rollout_data_dir`` dumps: the real rows only (padding rows are not rollouts)."""
+        pad = is_padding(batch) if self.traj_config.enable else None
+        if pad is None:
+            return super()._log_rollout_data(batch, reward_extra_infos_dict, timing_raw, rollout_data_dir)
+        keep = ~pad
+        extra = {k: np.asarray(v)[keep] if len(v) == len(keep) else v for k, v in reward_extra_infos_dict.items()}
+        return super()._log_rollout_data(real_rows(batch), extra, timing_raw, rollout_data_dir)
+
+    # ---- updates ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _planned_update(self, batch: DataProto, loss: LossSpec, union: int = 1,
+                        ratio_groups: bool = False) -> Iterator[None]:
+        """Attach ``loss_weight`` (and the critic's mini-batch union, the actor's ``ratio_group`` where some trajectory
+        has several rows) for one update, and name the planned fields the workers must receive
+        (:func:`~verl_traj.integration.workers.engine_workers.check_planned_update`)."""
+        td = batch.batch
+        missing = [key for key in PLAN_KEYS if key not in td.keys()]
+        if missing:
+            raise TrajInputError(
+                f"the update's batch lacks the plan's field {missing[0]!r}: _balance_batch did not plan it (it runs "
+                "every step with traj.enable=true), or something replaced the batch after planning. verl_traj "
+                "trains planned batches only.", field=missing[0])
+        td[LOSS_WEIGHT] = loss.weights(td["response_mask"], td[MINI_BATCH_ID], td[TRAJ_INDEX], td[IS_PADDING])
+        ratio_groups = ratio_groups and has_multi_row_trajectory(td[TRAJ_INDEX], td[IS_PADDING])
+        if ratio_groups:
+            td[RATIO_GROUP] = td[TRAJ_INDEX].clone()
+            batch.meta_info[RATIO_IN_LOSS] = bool(getattr(self, "_all_atomic", False))
+        batch.meta_info[PLANNED_FIELDS] = ",".join(planned_update_fields(ratio_groups))
+        batch.meta_info[OLD_LOG_PROBS_AT_START] = True  # verl recomputed them just before (bypass_mode is refused)
+        if union > 1:
+            batch.meta_info[CRITIC_UNION_KEY] = union
+        try:
+            yield
+        finally:
+            td.pop(LOSS_WEIGHT, None)
+            td.pop(RATIO_GROUP, None)
+            batch.meta_info.pop(CRITIC_UNION_KEY, None)
+            batch.meta_info.pop(PLANNED_FIELDS, None)
+            batch.meta_info.pop(OLD_LOG_PROBS_AT_START, None)
+            batch.meta_info.pop(RATIO_IN_LOSS, None)
+
+    def _update_actor(self, batch: DataProto) -> DataProto:
+        if not self.traj_config.enable:
+            return super()._update_actor(batch)
+        with self._planned_update(batch, self.spec.actor_loss, ratio_groups=self.spec.ratio_groups):
+            return super()._update_actor(batch)
+
+    def _update_critic(self, batch: DataProto) -> DataProto:
+        if not self.traj_config.enable:
+            return super()._update_critic(batch)
+        with self._planned_update(batch, self.spec.critic_loss, self.spec.critic_union):
+            return super()._update_critic(batch)

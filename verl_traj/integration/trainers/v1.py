@@ -1,0 +1,284 @@
+"""verl_traj on verl's v1 trainer (``trainer.use_v1=true``, verl 0.9's default): the same core planner, workers
+and losses as on v0, behind one mixin, :class:`TrajV1Mixin`.
+
+v1 keeps a batch in TransferQueue (TQ): the trainer holds a ``KVBatchMeta`` (row keys and per-row tags), the
+workers pull the stored fields the meta names. A row key is ``{uid}_{session}_{index}``: ``uid`` is the prompt (the
+GRPO group), ``{uid}_{session}`` one trajectory (``rollout.n`` sessions per prompt), ``index`` the row's step among
+the session's agent-loop outputs (several outputs per session come from verl_traj's step-wise rows,
+:mod:`~verl_traj.integration.agent_loops.v1_agent_loop`, or from any v1 agent loop that returns ``list[AgentLoopOutput]``).
+
+With ``traj.enable=true`` every mode's trainer (``sync``, ``colocate_async``, ``separate_async`` and any mode
+registered later) runs as ``Traj<Class>(TrajV1Mixin, Class)`` (:func:`traj_trainer_class`, installed by the task
+runner for its lifetime). The mixin overrides only what differs from verl; each override names the module that
+does the work:
+
+==========================  ==================================================================================
+method                      what changes (module)
+==========================  ==================================================================================
+``_balance_batch``          verl's LCM upsampling + Karmarkar-Karp replaced by the core's plan: layout from keys,
+                            tags and one count of loss tokens, padding rows written, meta in dispatch order,
+                            ``mini_batch_id`` / ``micro_batch_id`` stored (:mod:`verl_traj.integration.trainers.v1_planning`,
+                            :mod:`verl_traj.integration.trainers.v1_padding`); the plan's other facts kept here (:mod:`verl_traj.integration.trainers.v1_plan_facts`)
+``_compute_advantage``      verl's own, with its advantage call being :func:`~verl_traj.integration.trainers.v1_advantage.planned_advantage`
+                            (:mod:`verl_traj.integration.trainers.v1_advantage`: real rows; one outcome per trajectory, or a temporal estimator
+                            on its timeline of rows)
+``_update_critic`` /        verl's own, with the planned update's fields stored and named for the workers
+``_update_actor``           (:mod:`verl_traj.integration.trainers.v1_updates`: ``loss_weight`` from each row's loss-token count)
+``_compute_old_log_prob``,  verl's own; with ``traj.prefix_tree`` the call is marked, so the workers forward the plan's
+``_compute_ref_log_prob``,  micro-batches as prefix trees (:mod:`verl_traj.integration.tree.tree_passes`; the updates are marked likewise)
+``_compute_values``
+``_compute_metrics``        per-trajectory metrics; verl's timing and throughput on real rows (:mod:`verl_traj.integration.trainers.v1_metrics`)
+set-up                      verl_traj's worker classes (:mod:`verl_traj.integration.workers.engine_workers`), the critic's loss (:mod:`verl_traj.integration.workers.losses`),
+                            seeded prompt uids
+==========================  ==================================================================================
+
+With ``traj.enable=false`` the mixin stays in the MRO but inactive (every override calls verl's, verl's own workers
+run); ``stock_plan/*`` metrics then observe what verl's fixed-size mini-batches do to groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import uuid
+from typing import Any, Callable, Optional
+
+import numpy as np
+import ray
+
+from verl.trainer.ppo.utils import Role
+from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+from verl.utils import tensordict_utils as tu
+
+from verl_traj.core import BatchLayout, MiniBatchPlan
+from verl_traj.core.keys import TREE_KEY
+from verl_traj.core.row_key import parse_row_keys
+from verl_traj.core.token_rows import TokenRows
+from verl_traj.integration.async_modes.v1_failures import group_policy_class, with_group_policies
+from verl_traj.integration.async_modes.v1_staleness import recording_client_class
+from verl_traj.integration.config.update_spec import UpdateSpec, has_multi_row_trajectory
+from verl_traj.integration.config.verl_config import prepare_v1_agent_loop
+from verl_traj.integration.patches.scoped import (llm_client_patches, patched, replay_buffer_patches, v1_advantage_patches,
+                                                  v1_metric_patches)
+from verl_traj.integration.rows.real_rows import metrics_on_masked_rows
+from verl_traj.integration.startup.tree_checks import settled_traj_config
+from verl_traj.integration.trainers.checkpoints import CompleteCheckpoints
+from verl_traj.integration.trainers.step_plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
+                                                      stock_plan_metrics_of)
+from verl_traj.integration.trainers.v1_advantage import (corrected_per_trajectory, kl_penalty_on_planned_rows,
+                                                         planned_advantage)
+from verl_traj.integration.trainers.v1_metrics import (RolloutBusy, StepPadding, current_policy_gap, stepwise_metrics,
+                                                       trajectory_metrics)
+from verl_traj.integration.trainers.v1_padding import write_padding_rows
+from verl_traj.integration.trainers.v1_plan_facts import PlanFacts, plan_facts
+from verl_traj.integration.trainers.v1_planning import (debug_rows, dispatch_dp_size, in_key_order, ordered_batch,
+                                                        read_layout, read_rows, store_plan_ids)
+from verl_traj.integration.trainers.v1_updates import extra_info, planned_update
+from verl_traj.stepwise.step_groups import StepGroupOptions
+
+__all__ = ["TrajV1Mixin", "traj_trainer_class"]
+
+ROLLOUT_POOLS = (("hybrid", "llm_server_manager"), ("standalone", "standalone_server_manager"))
+_UID_NAMESPACE = uuid.UUID("5f3c1d52-6a1e-4c8e-9a57-1c0a3e5b7d11")
+
+
+RoleWorker = Callable[[Role, type], Optional[type]]  # (role, verl's worker class) -> verl_traj's, or None: verl's
+
+
+@functools.lru_cache(maxsize=None)
+def traj_trainer_class(verl_cls: type, role_worker: Optional[RoleWorker] = None) -> type:
+    """``Traj<Name>(TrajV1Mixin, verl_cls)`` for a registered v1 trainer class (one class per input).
+    ``role_worker``: the worker class each role runs (the entry passes
+    :func:`~verl_traj.integration.workers.engine_workers.traj_role_worker`: driver code imports no worker module);
+    required to start workers with ``traj.enable=true``."""
+    return type(f"Traj{verl_cls.__name__}", (TrajV1Mixin, verl_cls),
+                {"__module__": __name__, "_traj_role_worker": staticmethod(role_worker) if role_worker else None})
+
+
+class TrajV1Mixin(CompleteCheckpoints):
+    """verl_traj's part of a v1 trainer (first base; see the module docstring). Inactive with ``traj.enable=false``
+    but for the ``stock_plan/*`` observer metrics and what pairs a stock run with a verl_traj run of the same seed:
+    seeded prompt uids and one request priority per session (neither changes what is trained)."""
+
+    def __init__(self, config: Any):
+        self.traj_config = settled_traj_config(config)
+        self.spec = UpdateSpec.prepare(config, self.traj_config) if self.traj_config.enable else None
+        if not self.traj_config.enable:
+            # the agent-loop manager that gives each session its request priority
+            prepare_v1_agent_loop(config, self.traj_config)
+        self._plan_facts: Optional[PlanFacts] = None  # the facts of the local update planned last
+        self._all_atomic = False  # every trajectory of the batch planned last in one micro-batch (prefix trees)
+        self._step_padding = StepPadding()  # every row planned since the last step's metrics
+        self._uid_draws = (-1, 0)  # (global step, prompts drawn in it): deterministic uids
+        self._rollout_busy = RolloutBusy()  # rollout_pool/*_busy_share
+        super().__init__(config)
+
+    # ---- set-up ------------------------------------------------------------------------------------
+
+    def _init_resource_pool_mgr(self):
+        if self.traj_config.enable and self._traj_role_worker is None:
+            raise RuntimeError(f"{type(self).__name__} was built without verl_traj's worker classes, so its updates "
+                               "would run on verl's workers, which ignore the plan: build it with "
+                               "traj_trainer_class(verl_cls, traj_role_worker), as verl_traj.main_ppo does.")
+        super()._init_resource_pool_mgr()
+        if not self.traj_config.enable:
+            return
+        for role, cls in list(self.role_worker_mapping.items()):
+            traj_cls = self._traj_role_worker(role, cls.__ray_actor_class__)
+            if traj_cls is not None:
+                self.role_worker_mapping[role] = ray.remote(traj_cls)
+
+    def _build_replay_buffer(self):
+        """verl's, built as verl_traj's subclass of the class verl picks: ``traj.failed_groups`` decides which failed
+        groups leave the batch (:mod:`~verl_traj.integration.async_modes.v1_failures`) and ``traj.max_staleness``
+        which stale ones (:mod:`~verl_traj.integration.async_modes.v1_staleness`)."""
+        if not self.traj_config.enable:
+            return super()._build_replay_buffer()
+        with patched(replay_buffer_patches(group_policy_class)):
+            buffer = super()._build_replay_buffer()
+        return with_group_policies(buffer, self.traj_config)
+
+    def get_llm_client(self):
+        """verl's, built as verl_traj's subclass of the class the mode asks for: each generate attempt's policy
+        version recorded (``traj_version/*``, ``traj.max_staleness``)."""
+        if not self.traj_config.enable:
+            return super().get_llm_client()
+        managers = [m for _, name in ROLLOUT_POOLS if (m := getattr(self, name, None)) is not None]
+        with patched(llm_client_patches(managers, recording_client_class)):
+            return super().get_llm_client()
+
+    def _fetch_one_gen_batch(self):
+        """verl's, with prompt uids from (``data.seed``, step, position) instead of ``uuid4``: a seeded run plans
+        the same batches again (rows are planned in key order)."""
+        batch = super()._fetch_one_gen_batch()
+        step, drawn = self._uid_draws if self._uid_draws[0] == self.global_steps else (self.global_steps, 0)
+        seed = self.config.data.get("seed", None)
+        uids = [str(uuid.uuid5(_UID_NAMESPACE, f"{seed}/{step}/{drawn + i}")) for i in range(len(batch))]
+        tu.assign_non_tensor_stack(batch, "uid", uids)
+        self._uid_draws = (step, drawn + len(uids))
+        return batch
+
+    # ---- planning ----------------------------------------------------------------------------------
+
+    def _traj_dp_size(self) -> int:
+        return check_same_dp_size(dispatch_dp_size(self.actor_rollout_wg, "actor"),
+                                  dispatch_dp_size(self.critic_wg, "train") if self.use_critic else None)
+
+    def _balance_batch(self, batch: Any, metrics: dict, logging_prefix: str = "global_seqlen",
+                       keep_minibatch: bool = False) -> Any:
+        """The core's plan instead of verl's balancing; returns the planned meta (rank-major, padding included)."""
+        if not self.traj_config.enable:
+            batch = super()._balance_batch(batch, metrics, logging_prefix=logging_prefix,
+                                           keep_minibatch=keep_minibatch)
+            metrics.update(self._stock_plan_metrics(batch))
+            return batch
+        batch = in_key_order(batch)
+        metrics.update(stepwise_metrics(batch.tags))
+        layout = read_layout(batch)
+        rows = read_rows(batch) if self.traj_config.trees else None
+        plan = self._plan(layout, rows)
+        pad_keys, pad_tags = write_padding_rows(batch, int(plan.is_padding.sum()), self.tokenizer.eos_token_id,
+                                                self.spec.plan.pad_row_tokens)
+        out = ordered_batch(batch, plan, pad_keys, pad_tags)
+        store_plan_ids(out, plan, rows)
+        self._all_atomic = plan.all_trajectories_atomic  # GSPO's trajectory ratio from the loss, no pre-pass
+        self._plan_facts = plan_facts(out, plan, layout)
+        self._step_padding.record(out.keys, plan.is_padding.tolist())
+        metrics.update(plan_step_metrics(plan, self.spec.epochs))
+        debug_dump(int(self.global_steps), plan, debug_rows(out, plan, layout))
+        return out
+
+    def _plan(self, layout: BatchLayout, rows: Optional[TokenRows] = None) -> MiniBatchPlan:
+        return plan_layout(layout, self.traj_config, self.spec.num_mini_batches, self._traj_dp_size(),
+                           micro=self.spec.plan, seed=self.spec.plan_seed(self.global_steps, self.local_trigger_step),
+                           rows=rows)
+
+    def _stock_plan_metrics(self, batch: Any) -> dict[str, float]:
+        keys = parse_row_keys(batch.keys)
+        pad = np.array([bool(t.get("is_padding", False)) for t in batch.tags])
+        return stock_plan_metrics_of(self.config, keys.uid, keys.traj_id, pad,
+                                     dispatch_dp_size(self.actor_rollout_wg, "actor"))
+
+    def _facts_of(self, batch: Any) -> PlanFacts:
+        """The plan's facts of ``batch`` (raises unless it is the batch planned last, rows in the planned order)."""
+        if self._plan_facts is None:
+            raise RuntimeError("no batch was planned: _balance_batch runs before every advantage and update")
+        self._plan_facts.check(batch.keys)
+        return self._plan_facts
+
+    # ---- after planning ----------------------------------------------------------------------------
+
+    def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
+        """verl's ``_compute_advantage`` (fetch, KL-in-reward, rollout correction, advantage, write back) with its
+        advantage being :func:`~verl_traj.integration.trainers.v1_advantage.planned_advantage` of this batch's plan facts,
+        and for step rows at ``traj.ratio_scope=trajectory`` its rollout correction per trajectory."""
+        if not self.traj_config.enable:
+            return super()._compute_advantage(batch, metrics)
+        facts = self._facts_of(batch)
+        per_trajectory = self.spec.trajectory_ratios
+        correction = functools.partial(corrected_per_trajectory, facts) if per_trajectory else None
+        advantage = functools.partial(planned_advantage, facts, step_groups=StepGroupOptions.of(self.traj_config))
+        kl_penalty = functools.partial(kl_penalty_on_planned_rows, facts)  # KL-in-reward on real rows
+        with patched(v1_advantage_patches(advantage, correction, kl_penalty=kl_penalty)):
+            out = super()._compute_advantage(batch, metrics)
+        metrics.update(facts.advantage_metrics)
+        return out
+
+    def _update_critic(self, batch: Any, metrics: dict) -> Any:
+        if not self.traj_config.enable:
+            return super()._update_critic(batch, metrics)
+        with planned_update(batch, self._facts_of(batch), self.spec.critic_loss, union=self.spec.critic_union), \
+                self._trees(batch):
+            return super()._update_critic(batch, metrics)
+
+    def _compute_values(self, batch: Any, metrics: dict) -> Any:
+        with self._trees(batch):
+            return super()._compute_values(batch, metrics)
+
+    def _update_actor(self, batch: Any, metrics: dict) -> Any:
+        if not self.traj_config.enable:
+            return super()._update_actor(batch, metrics)
+        facts = self._facts_of(batch)
+        # a one-row trajectory's ratio is its row's: ratio groups only where some trajectory has several rows
+        ratio_groups = self.spec.ratio_groups and has_multi_row_trajectory(facts.traj_index, facts.is_padding)
+        with planned_update(batch, facts, self.spec.actor_loss, ratio_groups=ratio_groups,
+                            old_log_probs_at_start=self._old_log_probs_at_start(),
+                            ratio_in_loss=ratio_groups and self._all_atomic), self._trees(batch):
+            return super()._update_actor(batch, metrics)
+
+    def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
+        with self._trees(batch):
+            batch = super()._compute_old_log_prob(batch, metrics)
+        if self.trainer_mode != "sync" and self.config.actor_rollout_ref.rollout.calculate_log_probs:
+            metrics.update(current_policy_gap(batch, int(self.global_steps)))  # did the last weight sync arrive?
+        return batch
+
+    def _compute_ref_log_prob(self, batch: Any, metrics: dict) -> Any:
+        with self._trees(batch):
+            return super()._compute_ref_log_prob(batch, metrics)
+
+    def _trees(self, batch: Any) -> Any:
+        """With ``traj.prefix_tree``: the actor's and the critic's passes of this batch forward the plan's
+        micro-batches as trees (:mod:`verl_traj.integration.tree.tree_passes`; verl rebuilds the meta between passes, so each pass is marked
+        for its call)."""
+        return extra_info(batch, {TREE_KEY: True}) if self.traj_config.trees else contextlib.nullcontext()
+
+    def _old_log_probs_at_start(self) -> bool:
+        """Whether this update's old log-probs came from the parameters it starts from: verl's base
+        ``_compute_old_log_prob`` recomputes them right before every local update; a mode that overrides it
+        (``separate_async`` reuses the first local step's weights for the later ones) only on its first local step."""
+        verl_defining = next(c for c in type(self).__mro__
+                             if "_compute_old_log_prob" in vars(c) and not issubclass(TrajV1Mixin, c))
+        recomputed = verl_defining is PPOTrainer  # the mixin's own override only marks the pass for prefix trees
+        return recomputed or int(getattr(self, "local_trigger_step", 0)) == 0
+
+    def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
+        metrics.update(trajectory_metrics(batch, global_steps))
+        metrics.update(self._rollout_busy.metrics({name: getattr(getattr(self, manager, None), "server_handles", [])
+                                                   for name, manager in ROLLOUT_POOLS}))
+        if not self.traj_config.enable:
+            return super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
+        real = self._step_padding.real_rows(batch.keys)
+        on_real_rows = functools.partial(metrics_on_masked_rows, real_row_mask=lambda: real)
+        with patched(v1_metric_patches(on_real_rows)):
+            return super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)

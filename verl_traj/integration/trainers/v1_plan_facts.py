@@ -1,0 +1,118 @@
+"""The plan's per-row facts on v1's driver (:class:`PlanFacts`): what the advantage and the loss weights read of the
+batch planned last, kept on the trainer instead of in TransferQueue.
+
+v1's fields are fixed per batch (the workers pull the stored fields common to every row), and verl builds the
+advantage's ``DataProto`` from a fixed field list, so the facts ride from the planner to the advantage and the
+updates here, in dispatch order, checked against the batch's keys at every use. They are born in ``_balance_batch``
+(:func:`plan_facts`) and read by :mod:`~verl_traj.integration.trainers.v1_advantage` (advantage, rollout correction) and
+:mod:`~verl_traj.integration.trainers.v1_updates` (loss weights).
+
+Loss tokens per row are counted where the mask is born (planning: one fetch of ``response_mask``) and again where it
+is final (verl's rollout correction may zero tokens before the advantage, which has the corrected mask in memory):
+the loss weights need only these counts, never the ``[B, R]`` mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from verl_traj.core import BatchLayout, MiniBatchPlan
+from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, STEP_ANCHORS, TRAJ_INDEX, TURN_REWARDS
+from verl_traj.core.row_key import parse_row_keys
+from verl_traj.core.row_tags import anchor_entries
+from verl_traj.core.row_tags import turn_reward_entries
+
+__all__ = ["STEP_INDEX", "PlanFacts", "plan_facts", "row_loss_tokens"]
+
+# the field the step-wise advantage reads each row's step from (on v1 fixed: traj.step_index_key is for v0 batches)
+STEP_INDEX = "step_index"
+
+
+def row_loss_tokens(mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` int64 non-zero entries per row of a ``[B, R]`` mask, dense or jagged (TQ's nested layout)."""
+    if mask.is_nested:
+        lengths = mask.offsets().diff()
+        rows = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        return torch.zeros(lengths.numel(), dtype=torch.int64).index_add_(0, rows, (mask.values() != 0).long())
+    return (mask != 0).sum(-1).long()
+
+
+@dataclass(frozen=True)
+class PlanFacts:
+    """The plan's per-row facts of the batch planned last, in dispatch order (``[B]`` CPU tensors each).
+
+    Invariants: ``keys`` are the planned batch's row keys in dispatch order; padding rows have ``traj_index == -1``,
+    ``is_last_step`` False and ``loss_tokens == 0``. ``loss_tokens`` is the one mutable fact: counted at planning,
+    recounted in place from the final ``response_mask`` by :meth:`record_final_loss_tokens`."""
+
+    keys: tuple[str, ...]
+    traj_index: torch.Tensor  # int64, -1 on padding
+    is_last_step: torch.Tensor  # bool
+    is_padding: torch.Tensor  # bool
+    mini_batch_id: torch.Tensor  # int64
+    loss_tokens: torch.Tensor  # int64, loss tokens of each row (0 on padding)
+    multi_row: bool  # some trajectory has several rows (steps)
+    turn_rewards: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # (row, position, reward) [K]
+    step_anchors: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # (row, position, key) [K], gigpo
+    advantage_metrics: dict = field(default_factory=dict)  # the advantage step's (traj_gigpo/*), for the step's metrics
+
+    @property
+    def stepwise(self) -> bool:
+        """The step-wise advantage path: a trajectory with several rows, or turn rewards to put on tokens."""
+        return self.multi_row or self.turn_rewards is not None or self.step_anchors is not None
+
+    def check(self, keys: list[str]) -> None:
+        """Raise unless ``keys`` are the planned keys, in the planned order."""
+        if tuple(keys) != self.keys:
+            first = next((i for i, (a, b) in enumerate(zip(keys, self.keys)) if a != b), min(len(keys), len(self.keys)))
+            raise RuntimeError(
+                f"the batch's keys are not the ones _balance_batch planned ({len(keys)} rows vs {len(self.keys)} "
+                f"planned; first difference at row {first}): something between balancing and this step reordered or "
+                "replaced rows. verl_traj needs the planned order."
+            )
+
+    def attach(self, data: Any, keys: list[str]) -> None:
+        """Carry the facts into a verl ``DataProto`` that verl built from TransferQueue for one driver step (its
+        field lists are fixed, so the facts travel from here, as on v0 they travel in the batch): ``is_padding`` and
+        ``traj_index`` tensors, ``is_last_step`` and ``step_index`` (the step of each row, read from its key), the
+        turn rewards on their tokens; after checking ``keys`` are the planned ones.
+        :func:`verl_traj.integration.rows.real_rows.is_padding` then reads the padding flag, on both trainers."""
+        self.check(keys)
+        td = data.batch
+        td[IS_PADDING] = self.is_padding.to(td.device)
+        td[TRAJ_INDEX] = self.traj_index.to(td.device)
+        data.non_tensor_batch[IS_LAST_STEP] = self.is_last_step.numpy()
+        data.non_tensor_batch[STEP_INDEX] = parse_row_keys(keys).step
+        if self.turn_rewards is not None:  # the sparse tags back on their tokens (v0's expansion writes the same)
+            row, pos, reward = self.turn_rewards
+            dense = torch.zeros(td["response_mask"].shape, dtype=torch.float32)
+            td[TURN_REWARDS] = dense.index_put_((row, pos), reward, accumulate=True).to(td.device)
+        if self.step_anchors is not None:  # each call's anchor key on its first response token (gigpo)
+            row, pos, key = self.step_anchors
+            dense = torch.zeros(td["response_mask"].shape, dtype=torch.int64)
+            td[STEP_ANCHORS] = dense.index_put_((row, pos), key).to(td.device)
+
+    def record_final_loss_tokens(self, response_mask: torch.Tensor) -> None:
+        """Recount :attr:`loss_tokens` from the batch's final ``[B, R]`` ``response_mask`` (dispatch order; after
+        verl's rollout correction, which may zero tokens). In place: the facts object stays the planned one."""
+        counts = row_loss_tokens(response_mask.detach().cpu())
+        if counts.shape != self.loss_tokens.shape:
+            raise RuntimeError(f"response_mask has {counts.numel()} rows, the plan {self.loss_tokens.numel()}")
+        self.loss_tokens.copy_(torch.where(self.is_padding, 0, counts))
+
+
+def plan_facts(batch: Any, plan: MiniBatchPlan, layout: BatchLayout) -> PlanFacts:
+    """The plan's per-row facts in dispatch order (``batch``: the planned batch's keys and tags, padding rows
+    included; ``layout``: the rows before planning, in the order ``plan.order`` indexes)."""
+    src = plan.order.clamp(min=0)
+    return PlanFacts(
+        keys=tuple(batch.keys), traj_index=plan.traj_index.clone(),
+        is_last_step=layout.is_last_step[src] & ~plan.is_padding, is_padding=plan.is_padding.clone(),
+        mini_batch_id=plan.mini_batch_id.clone(),
+        loss_tokens=torch.where(plan.is_padding, 0, layout.num_loss_tokens[src]).long(),
+        multi_row=bool((layout.traj_num_steps > 1).any()), turn_rewards=turn_reward_entries(batch.tags),
+        step_anchors=anchor_entries(batch.tags),
+    )

@@ -1,0 +1,112 @@
+"""Planning a v1 batch held in TransferQueue: its layout from the row keys, the ``seq_len`` tags and one count of
+loss tokens; the planned batch meta in dispatch order; the plan's ids stored as fields of every row.
+
+A row key is ``{uid}_{session}_{index}`` (:mod:`verl_traj.core.row_key`): ``uid`` is the prompt (the GRPO group),
+``{uid}_{session}`` one trajectory, ``index`` its step. The planner itself is the core's
+(:func:`~verl_traj.integration.trainers.step_plan.plan_layout`); these functions move its input out of TransferQueue and its
+output back in. The only ``[B, R]`` reads are :func:`read_layout`'s fetch of ``response_mask``, counted to ``[B]``, and
+with ``traj.prefix_tree`` :func:`read_rows`' fetch of ``input_ids`` (the tree planner's costs), which
+:func:`store_plan_ids` reuses, fetching only the padding rows, to build each planned micro-batch's tree once per step
+(the tree facts the workers rebuild them from on the device in every pass, :mod:`verl_traj.integration.tree.tree_plan_facts`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import transfer_queue as tq
+from tensordict import TensorDict
+from transfer_queue import KVBatchMeta
+
+from verl_traj.core import BatchLayout, MiniBatchPlan, build_layout_from_counts
+from verl_traj.core.errors import TrajInputError
+from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID
+from verl_traj.core.row_key import parse_row_keys, row_key_order
+from verl_traj.core.token_rows import TokenRows
+from verl_traj.integration.trainers.v1_plan_facts import row_loss_tokens
+from verl_traj.integration.tree.tree_plan_facts import nested_tree_facts
+
+__all__ = ["debug_rows", "dispatch_dp_size", "in_key_order", "ordered_batch", "read_layout", "read_rows",
+           "store_plan_ids"]
+
+
+def dispatch_dp_size(worker_group: Any, mesh: str) -> int:
+    """Data-parallel size of a worker group's mesh, as verl's v1 ``_balance_batch`` reads it (cached there)."""
+    if mesh not in worker_group._dispatch_info:
+        worker_group._dispatch_info[mesh] = worker_group._query_dispatch_info(mesh)
+    return max(worker_group._dispatch_info[mesh]) + 1
+
+
+def in_key_order(batch: KVBatchMeta) -> KVBatchMeta:
+    """``batch`` reordered in place by row key (prompt, session, step; numeric): the replay buffer returns rows in
+    completion order, and a seeded run must plan the same rows in the same order."""
+    batch.reorder(sorted(range(len(batch)), key=lambda i: row_key_order(batch.keys[i])))
+    return batch
+
+
+def read_layout(batch: KVBatchMeta) -> BatchLayout:
+    """The planner's input: groups, trajectories and steps from the keys, attended tokens from the ``seq_len`` tags,
+    loss tokens from one fetch of ``response_mask`` (counted per row)."""
+    keys = parse_row_keys(batch.keys)
+    seq_len = torch.tensor([int(t["seq_len"]) for t in batch.tags], dtype=torch.int64)
+    mask = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["response_mask"])
+    return build_layout_from_counts(seq_len, row_loss_tokens(mask["response_mask"]), keys.uid,
+                                    traj_id=keys.traj_id, step_index=keys.step)
+
+
+def read_rows(batch: KVBatchMeta, keys: Optional[list[str]] = None) -> TokenRows:
+    """Every row's attended token ids (``traj.prefix_tree``: the planner costs units in tree tokens), from one fetch
+    of ``input_ids`` (stored unpadded, one nested row each); ``keys``: only those rows of ``batch``'s partition."""
+    keys = batch.keys if keys is None else keys
+    if not keys:
+        return TokenRows(np.zeros(0, np.int64), np.zeros(1, np.int64))
+    ids = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["input_ids"])["input_ids"]
+    if not ids.is_nested:  # rows of one length as one [K, L] tensor (verl's list_of_dict_to_tensordict makes one)
+        return TokenRows.of_flat(ids.reshape(-1), np.full(ids.shape[0], ids.shape[-1]))
+    return TokenRows.of_flat(ids.values(), ids.offsets().diff())
+
+
+def pad_rows(batch: KVBatchMeta, plan: MiniBatchPlan) -> TokenRows:
+    """The padding rows the plan wrote into the planned ``batch`` (``plan.order < 0``, dispatch order), fetched: the
+    trees take the source rows read for planning by ``plan.order`` and these."""
+    return read_rows(batch, [k for k, o in zip(batch.keys, plan.order.tolist()) if o < 0])
+
+
+def ordered_batch(batch: KVBatchMeta, plan: MiniBatchPlan, pad_keys: list[str], pad_tags: list[dict]) -> KVBatchMeta:
+    """A new meta: ``batch``'s keys and tags with the padding rows appended, in the plan's rank-major order
+    (``plan.order``: source row per planned row, ``-1`` for padding; padding rows fill those slots in order)."""
+    keys, tags = batch.keys + pad_keys, batch.tags + pad_tags
+    order = plan.order.numpy().copy()
+    pads = np.flatnonzero(order < 0)
+    order[pads] = len(batch) + np.arange(pads.size)
+    return KVBatchMeta(keys=[keys[i] for i in order], tags=[tags[i] for i in order], partition_id=batch.partition_id,
+                       fields=batch.fields, extra_info=batch.extra_info)
+
+
+def store_plan_ids(batch: KVBatchMeta, plan: MiniBatchPlan, rows: Optional[TokenRows] = None) -> None:
+    """``mini_batch_id`` and ``micro_batch_id`` (``[B]`` int64, dispatch order) as fields of every row of the
+    planned ``batch``; with a prefix-tree plan also each planned micro-batch's tree facts (``TREE_INDEX`` nested per
+    row, ``TREE_SIZE`` ``[B]``) from the planned rows (``rows``: the source rows :func:`read_rows` gave the planner;
+    only the padding rows are fetched). Named in its field list when it has one (the workers fetch exactly those)."""
+    fields = {MINI_BATCH_ID: plan.mini_batch_id, MICRO_BATCH_ID: plan.micro_batch_id}
+    if plan.spec.prefix_tree:
+        if rows is None:
+            raise TrajInputError("store_plan_ids: a prefix-tree plan needs the rows it was planned from (rows=None). "
+                                 "Fix: pass read_rows(batch), the rows the planner costed.", field="rows")
+        fields.update(nested_tree_facts(rows, pad_rows(batch, plan), plan).items())
+    tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                    fields=TensorDict(fields, batch_size=[plan.num_rows]))
+    if batch.fields is not None:
+        batch.fields = list(dict.fromkeys([*batch.fields, *fields]))
+
+
+def debug_rows(batch: KVBatchMeta, plan: MiniBatchPlan, layout: BatchLayout) -> dict[str, list]:
+    """The per-row lists of the debug dump (:func:`~verl_traj.integration.trainers.step_plan.debug_dump`), dispatch order."""
+    src = plan.order.clamp(min=0)
+    keys = parse_row_keys(batch.keys)
+    return {"uid": keys.uid.tolist(), "traj_id": keys.traj_id.tolist(),
+            "loss_tokens": torch.where(plan.is_padding, 0, layout.num_loss_tokens[src]).tolist(),
+            "response_length": [int(t["response_len"]) for t in batch.tags],
+            "attention_length": [int(t["seq_len"]) for t in batch.tags]}

@@ -1,0 +1,151 @@
+"""A planned update as the workers run it: the contract check, the plan's mini-batches and micro-batches, and what
+ran (:class:`PlannedUpdate`). :mod:`verl_traj.integration.workers.engine_workers` swaps these into verl's ``train_mini_batch`` (and, for prefix-tree
+batches, ``infer_batch``) for one call.
+
+The micro-batches are cut on the batch's host copy (verl's workers move each micro-batch to the device in
+``forward_step``), so what each one needs besides its rows rides along as non-tensor data, read from the host:
+a prefix-tree micro-batch's tree size (:data:`~verl_traj.integration.tree.tree_plan_facts.TREE_SIZE_KEY`) and the update's loss sink
+(:data:`~verl_traj.integration.workers.loss_sink.LOSS_SINK`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from tensordict import TensorDict
+
+from verl.utils import tensordict_utils as tu
+
+from verl_traj.core import mini_batch_order
+from verl_traj.core.errors import TrajInputError
+from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID, PLANNED_FIELDS, RATIO_GROUP
+from verl_traj.integration.tree.tree_plan_facts import TREE_SIZE, TREE_SIZE_KEY, micro_batch_tree_sizes
+from verl_traj.integration.workers.loss_sink import LOSS_SINK, LossSink
+
+__all__ = ["PlannedUpdate", "check_planned_update", "mini_batch_slices"]
+
+
+def check_planned_update(data: TensorDict) -> tuple[str, ...]:
+    """The per-row fields the trainer planned for this update (the non-tensor ``traj_planned_fields``, popped), each
+    checked present in ``data``. Raises :class:`TrajInputError` naming the list or the first missing field."""
+    listed = tu.pop(data, key=PLANNED_FIELDS, default=None)
+    if listed is None:
+        raise TrajInputError(
+            f"a verl_traj worker received an update without {PLANNED_FIELDS!r}: it was not planned by verl_traj's "
+            "trainer (TrajRayPPOTrainer / TrajV1Mixin with traj.enable=true), and verl_traj's workers run planned "
+            "updates only. Fix: run through python -m verl_traj.main_ppo with traj.enable=true, or use verl's own "
+            "workers for traj.enable=false.", field=PLANNED_FIELDS)
+    fields = tuple(name for name in str(listed).split(",") if name)
+    keys = set(data.keys())
+    missing = [name for name in fields if name not in keys]
+    if missing:
+        raise TrajInputError(
+            f"the planned update lacks field {missing[0]!r} (planned: {list(fields)}; received: {sorted(keys)}): the "
+            "trainer wrote it, but it did not reach this worker. On v1 the workers fetch exactly the fields the "
+            "batch meta (KVBatchMeta.fields) names. Fix: name every planned field in the meta after writing it "
+            "(verl_traj's trainer does; a subclass that rebuilds the meta must keep them).", field=missing[0])
+    return fields
+
+
+def mini_batch_slices(mini_batch_id: torch.Tensor, union: int = 1) -> list[tuple[int, int]]:
+    """``[(start, end)]`` of each optimizer step's rows ``0..M'-1`` in one rank's rows: ``union`` consecutive planned
+    mini-batches per step (``id // union``; the critic may step on unions of the actor's mini-batches).
+
+    The plan lays each rank's rows out mini-batch after mini-batch, so every mini-batch is one contiguous
+    block; anything else means the batch did not come unmodified from the planner."""
+    ids = mini_batch_id.detach().cpu().long() // int(union)
+    values, counts = torch.unique_consecutive(ids, return_counts=True)
+    if not torch.equal(values, torch.arange(values.numel())):
+        raise RuntimeError(
+            f"this rank's mini_batch_id blocks are {values.tolist()[:16]}, expected 0, 1, 2, ... in order: the "
+            "batch must come from TrajRayPPOTrainer._balance_batch (rank-major plan), unmodified."
+        )
+    ends = torch.cumsum(counts, 0).tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+def _micro_batch_parts(data: TensorDict) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``(row positions of each planned micro-batch of a mini-batch, [b] micro-batch of each row)``: one per
+    ``(mini_batch_id, micro_batch_id)`` pair, so a union of mini-batches keeps each one's micro-batches (host ops on
+    the ids' host copy; a micro-batch id is below the row count, which bounds the key)."""
+    micro = data[MICRO_BATCH_ID].detach().cpu().long()
+    key = data[MINI_BATCH_ID].detach().cpu().long() * (micro.shape[0] + 1) + micro
+    _, inverse = torch.unique(key, return_inverse=True)
+    order = torch.argsort(inverse, stable=True)
+    return list(torch.split(order, torch.bincount(inverse).tolist())), inverse
+
+
+@dataclass
+class PlannedUpdate:
+    """One planned ``train_mini_batch``: the fields it was planned with, the iterator and micro-batches it runs, and
+    what they did (the GSPO pre-pass's micro-batches counted apart from the planned ones)."""
+
+    seed: int
+    fields: tuple[str, ...]
+    union: int = 1
+    old_log_probs_at_start: bool = False  # the trainer's word (OLD_LOG_PROBS_AT_START)
+    ratio_in_loss: bool = False  # the trainer's word (RATIO_IN_LOSS): GSPO's trajectory ratio from the live log-probs
+    micro_batches_run: list[int] = field(default_factory=list)
+    steps: int = 0
+    steps_started: int = 0  # optimizer steps begun (forward_backward calls that train)
+    prepass_micro_batches: int = 0
+    prepass_skipped: int = 0
+    in_prepass: bool = False
+    sink: Optional[LossSink] = None  # the update's loss sink, on each training micro-batch (:mod:`verl_traj.integration.workers.loss_sink`)
+    group_bound: int = 0  # GSPO at trajectory scope: a bound on the update's trajectories (the pre-pass's table)
+
+    @property
+    def ratio_groups(self) -> bool:
+        """GSPO at trajectory scope: the rows carry their trajectory as ``ratio_group``."""
+        return RATIO_GROUP in self.fields
+
+    def make_iterator(self, _verl_make_iterator: Callable) -> Callable:
+        def make_iterator(tensordict: TensorDict, mini_batch_size: Any = None, epochs: int = 1, seed: Any = None,
+                          dataloader_kwargs: Optional[dict] = None):
+            blocks = mini_batch_slices(tensordict[MINI_BATCH_ID], self.union)
+            shuffle = bool((dataloader_kwargs or {}).get("shuffle", False))
+            orders = [mini_batch_order(len(blocks), e, self.seed, shuffle).tolist() for e in range(int(epochs))]
+            self.steps = len(blocks) * int(epochs)
+            return (tu.index_select_tensor_dict(tensordict, torch.arange(*blocks[m])) for o in orders for m in o)
+
+        return make_iterator
+
+    def prepare_micro_batches(self, _verl_prepare: Callable) -> Callable:
+        def prepare_micro_batches(data: TensorDict, *args: Any, **kwargs: Any):
+            if MICRO_BATCH_ID not in data.keys():
+                raise TrajInputError(f"a micro-batch cut was asked for inside a planned update whose rows carry no "
+                                     f"{MICRO_BATCH_ID!r}: the planned micro-batches would be lost. The batch must "
+                                     "come from verl_traj's trainer unmodified.", field=MICRO_BATCH_ID)
+            parts, inverse = _micro_batch_parts(data)
+            micro_batches = [tu.index_select_tensor_dict(data, idx) for idx in parts]
+            if TREE_SIZE in data.keys():  # prefix trees: each one's size, a host int (no device read in the pass)
+                sizes = micro_batch_tree_sizes(data, inverse, torch.stack([idx[0] for idx in parts]))
+                for micro_batch, size in zip(micro_batches, sizes):
+                    tu.assign_non_tensor(micro_batch, **{TREE_SIZE_KEY: size})
+            if self.in_prepass:
+                self.prepass_micro_batches += len(parts)
+            else:
+                self._to_sink(micro_batches)
+                self.micro_batches_run.append(len(parts))
+            return micro_batches, [idx.tolist() for idx in parts]
+
+        return prepare_micro_batches
+
+    def _to_sink(self, micro_batches: list) -> None:
+        """The update's loss sink on each training micro-batch, at the optimizer step they belong to."""
+        if self.sink is not None:
+            self.sink.step = len(self.micro_batches_run)
+            for micro_batch in micro_batches:
+                tu.assign_non_tensor(micro_batch, **{LOSS_SINK: self.sink})
+
+    def metrics(self, epochs: int) -> dict[str, list]:
+        runs, epochs = self.micro_batches_run, max(epochs, 1)
+        out = {"num_optimizer_steps": [self.steps], "num_mini_batches": [self.steps // epochs]}
+        if runs:  # an engine that cut its own micro-batches (Megatron) reports its own, not ours
+            out.update(micro_batches_per_epoch=[sum(runs) / epochs], micro_batches_per_mini_batch_max=[max(runs)])
+        if self.ratio_groups:  # GSPO at trajectory scope: the extra no-grad forwards, apart from the plan's
+            out.update(prepass_micro_batches_per_epoch=[self.prepass_micro_batches / epochs],
+                       prepass_skipped_steps=[self.prepass_skipped], ratio_in_loss=[float(self.ratio_in_loss)])
+        return out
