@@ -541,3 +541,15 @@ def test_no_live_object_is_retyped():
     assert class_assignments(ast.parse("a.__class__ = B\nb = a.__class__")) == [1]
     found = {str(p.relative_to(PACKAGE)): class_assignments(ast.parse(p.read_text())) for p in PACKAGE.rglob("*.py")}
     assert not {k: v for k, v in found.items() if v}
+
+
+UPDATE_MARKERS = ("OLD_LOG_PROBS_AT_START", "RATIO_IN_LOSS", "CRITIC_UNION_KEY", "PLANNED_FIELDS")
+
+
+def test_the_update_markers_are_written_by_one_contract_and_read_by_the_workers():
+    """Both trainers hand the workers one contract (trainers/update_contract.py); the workers read it."""
+    users = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                   if any(name in p.read_text() for name in UPDATE_MARKERS))
+    allowed = ("core/keys.py", "integration/trainers/update_contract.py", "integration/workers/",
+               "testing/engine.py")  # the engine tests' harness stages updates by hand (its own ratio groups)
+    assert [u for u in users if not u.startswith(allowed)] == [], users

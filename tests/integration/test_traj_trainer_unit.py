@@ -19,10 +19,10 @@ from tests.integration import grad_harness as H
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.estimators import estimator_traits
 from verl_traj.core.keys import planned_update_fields
-from verl_traj.integration.config.update_spec import LossSpec
 from verl_traj.integration.config.verl_config import PlanSettings, prepare_config
 from verl_traj.integration.patches.scoped import METRIC_FUNCTIONS, fit_patches, patched
 from verl_traj.integration.rows import real_rows as R
+from verl_traj.integration.trainers.update_contract import ACTOR
 from verl_traj.testing import as_dataproto, rl_batch
 
 from tests.integration.trainers import P, R_, fake_trainer
@@ -206,9 +206,9 @@ def test_kl_in_reward_from_real_rows():
 
 def test_loss_weights_through_trainer():
     batch = make_batch(step_wise=True)
-    tr = fake_trainer({"group_by": "group"})
+    tr = fake_trainer({"group_by": "group", "loss_agg_mode": "traj-mean"})
     tr.plan_and_apply(batch, dp_size=2)
-    with tr._planned_update(batch, LossSpec("traj-mean", None)):
+    with tr._planned_update(batch, ACTOR):
         w = batch.batch["loss_weight"]
     assert "loss_weight" not in batch.batch.keys()  # attached for the update call only
     pad = batch.batch["is_padding"]

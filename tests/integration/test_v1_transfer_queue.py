@@ -11,6 +11,8 @@ planned-update contract: the meta verl hands an update names every planned field
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -96,6 +98,7 @@ def _dense(t):
 
 
 def test_planned_batch_in_transfer_queue(tq):
+    from verl_traj.integration.trainers.update_contract import ACTOR
     from verl_traj.integration.trainers.v1_updates import put_update_fields
 
     batch = _store_rows(tq, np.random.default_rng(0))
@@ -121,7 +124,7 @@ def test_planned_batch_in_transfer_queue(tq):
             ids = {int(m) for k, m in zip(out.keys, mb) if k.startswith(unit + "_")}
             assert len(ids) == 1 or unit.startswith("pad")
 
-    put_update_fields(out, facts, tr.spec.actor_loss)
+    put_update_fields(out, facts, tr.spec, ACTOR)
     w = _fetch(tq, out, LOSS_WEIGHT, "response_mask")
     loss_tokens = _dense(w["response_mask"]).sum(-1).double()
     per_mb = torch.zeros(int(mb.max()) + 1, dtype=torch.float64).index_add_(0, mb, w[LOSS_WEIGHT].double() * loss_tokens)
@@ -228,13 +231,14 @@ def test_a_planned_update_reaches_the_worker_through_the_meta(tq, role, setup, r
 def test_a_planned_field_the_meta_does_not_name_is_refused_by_the_worker(tq, field):
     """Each planned field in turn left out of the meta's field list (a subclass that rebuilds the meta): the worker
     does not receive it and refuses the update, naming the field; with every field named the check passes."""
+    from verl_traj.integration.trainers.update_contract import ACTOR
     from verl_traj.integration.trainers.v1_updates import planned_update
     from verl_traj.integration.workers.engine_workers import check_planned_update
 
     tr = _trainer(**STEP_ROWS_GSPO)
     rows = _store_rows(tq, np.random.default_rng(4), prefix=f"m{field.replace('_', '')}")
     meta = _as_verl_leaves_it(tq, tr._balance_batch(rows, {}))
-    with planned_update(meta, tr._plan_facts, tr.spec.actor_loss, ratio_groups=True):
+    with planned_update(meta, tr._plan_facts, tr.spec, ACTOR):
         assert check_planned_update(_as_a_worker_receives(meta)) == planned_update_fields(ratio_groups=True)
         meta.fields = [f for f in meta.fields if f != field]
         data = _as_a_worker_receives(meta)
@@ -277,25 +281,26 @@ def test_the_actor_update_says_whether_its_old_log_probs_came_from_its_starting_
     local step. The flag reaches the worker with the update."""
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-    from verl_traj.core.keys import OLD_LOG_PROBS_AT_START
-    from verl_traj.integration.trainers.v1 import traj_trainer_class
+    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 
-    tr = _trainer(**STEP_ROWS_GSPO)
-    for step in (0, 1):
-        tr.local_trigger_step = step
-        assert tr._old_log_probs_at_start()
-    class Reuses(PPOTrainerSync):  # noqa: E306 -- as verl's separate_async: its own _compute_old_log_prob
+    from verl_traj.core.keys import OLD_LOG_PROBS_AT_START
+    from verl_traj.integration.trainers.update_contract import ACTOR, update_contract
+    from verl_traj.integration.trainers.v1 import reuses_old_log_probs, traj_trainer_class
+
+    class Reuses(PPOTrainerSync):  # as verl's separate_async: its own _compute_old_log_prob
         def _compute_old_log_prob(self, batch, metrics):
             return batch
 
-    reusing = traj_trainer_class(Reuses)
-    tr.__class__ = reusing
-    tr.local_trigger_step = 0
-    assert tr._old_log_probs_at_start()
-    tr.local_trigger_step = 1
-    assert not tr._old_log_probs_at_start()
-    tr.__class__ = traj_trainer_class(PPOTrainerSync)
-    tr.local_trigger_step = 0
+    assert not reuses_old_log_probs(traj_trainer_class(PPOTrainerSync))
+    assert reuses_old_log_probs(traj_trainer_class(Reuses))
+    assert reuses_old_log_probs(traj_trainer_class(PPOTrainerSeparateAsync))
+    tr = _trainer(**STEP_ROWS_GSPO)
+    assert not tr.spec.reuses_old_log_probs  # derived once, in __init__, from the trainer's class
+    reusing = dataclasses.replace(tr.spec, reuses_old_log_probs=True)
+    rows = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.bool)
+    for spec, step, at_start in ((tr.spec, 0, True), (tr.spec, 1, True), (reusing, 0, True), (reusing, 1, False)):
+        contract = update_contract(spec, ACTOR, torch.ones(2), *rows, all_atomic=False, local_step=step)
+        assert contract.markers[OLD_LOG_PROBS_AT_START] is at_start
     meta = _as_verl_leaves_it(tq, tr._balance_batch(_store_rows(tq, np.random.default_rng(6), prefix="olp"), {}))
     worker = _WorkerGroup()
     tr.actor_rollout_wg = worker

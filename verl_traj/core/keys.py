@@ -40,6 +40,7 @@ STEP_ANCHORS = "step_anchors"  # [B, R] int64: each LLM call's anchor key on its
 TREE_INDEX = "prefix_tree_index"  # per row token: its tree token in its micro-batch's tree (traj.prefix_tree)
 TREE_SIZE = "prefix_tree_size"  # [B] per row: the tree tokens of its micro-batch's tree
 TREE_KEY = "prefix_tree"  # non-tensor of a planned pass: forward each of its micro-batches as a prefix tree
+PLAN_ATOMIC = "traj_plan_atomic"  # non-tensor of a v0 planned batch: every trajectory in one micro-batch
 TREE_SIZE_KEY = "prefix_tree_tokens"  # non-tensor of one planned micro-batch: its tree tokens (a host int)
 
 ADVANTAGE_METRICS = "traj_advantage_metrics"  # meta_info of a batch: the advantage step's metrics (traj_gigpo/*)

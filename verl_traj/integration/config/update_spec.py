@@ -89,6 +89,8 @@ class UpdateSpec:
     critic_loss: Optional[LossSpec]  # None without a critic
     trajectory_ratios: bool = False  # step rows at traj.ratio_scope=trajectory: rollout correction per trajectory
     ratio_groups: bool = False  # ... and GSPO: the actor's rows carry ratio_group (its ratio over the trajectory)
+    # the trainer's later local updates of a sync cycle reuse its first's old log-probs (v1 separate_async)
+    reuses_old_log_probs: bool = False
 
     @property
     def critic_union(self) -> int:

@@ -38,14 +38,11 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 from verl_traj.core import MiniBatchPlan, apply_plan, build_layout
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.keys import (CRITIC_UNION_KEY, IS_LAST_STEP, IS_PADDING, LOSS_WEIGHT, MINI_BATCH_ID,
-                                 OLD_LOG_PROBS_AT_START, PLAN_KEYS, PLANNED_FIELDS, RATIO_GROUP, RATIO_IN_LOSS,
-                                 TRAJ_INDEX, planned_update_fields)
-from verl_traj.core.keys import TREE_KEY
+from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, MINI_BATCH_ID, PLAN_ATOMIC, PLAN_KEYS, TRAJ_INDEX
 from verl_traj.core.padding import resolve_pad_token_id
 from verl_traj.core.token_rows import TokenRows
 from verl_traj.integration.config.access import value_at
-from verl_traj.integration.config.update_spec import LossSpec, UpdateSpec, has_multi_row_trajectory
+from verl_traj.integration.config.update_spec import UpdateSpec
 from verl_traj.integration.patches.scoped import fit_patches, patched
 from verl_traj.integration.rows.gigpo import uses_step_groups
 from verl_traj.integration.rows.real_rows import is_padding, real_rows
@@ -54,6 +51,7 @@ from verl_traj.integration.startup.tree_checks import settled_traj_config
 from verl_traj.integration.trainers.checkpoints import CompleteCheckpoints
 from verl_traj.integration.trainers.step_plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
                                                       stock_plan_metrics_of)
+from verl_traj.integration.trainers.update_contract import ACTOR, CRITIC, loss_of, pass_markers, update_contract
 from verl_traj.integration.tree.tree_plan_facts import dense_tree_facts
 from verl_traj.stepwise.step_groups import StepGroupOptions
 
@@ -148,9 +146,8 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
         plan = plan_batch_in_place(batch, self.spec, dp_size, pad_token_id=self._pad_token_id(),
                                    seed=self.spec.plan_seed(int(getattr(self, "global_steps", 0) or 0)))
         self._real_row_mask = ~plan.is_padding.numpy()
-        self._all_atomic = plan.all_trajectories_atomic  # GSPO's trajectory ratio from the loss, no pre-pass
-        if self.traj_config.trees:  # every pass of this batch (log-probs, values, updates) on the plan's trees
-            batch.meta_info[TREE_KEY] = True
+        batch.meta_info[PLAN_ATOMIC] = plan.all_trajectories_atomic  # GSPO's trajectory ratio from the loss
+        batch.meta_info.update(pass_markers(self.spec))  # every pass of this batch (log-probs, values, updates)
         if metrics is not None:
             metrics.update(plan_step_metrics(plan, self.spec.epochs))
         self._debug_dump(batch, plan)
@@ -183,11 +180,9 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
     # ---- updates ---------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _planned_update(self, batch: DataProto, loss: LossSpec, union: int = 1,
-                        ratio_groups: bool = False) -> Iterator[None]:
-        """Attach ``loss_weight`` (and the critic's mini-batch union, the actor's ``ratio_group`` where some trajectory
-        has several rows) for one update, and name the planned fields the workers must receive
-        (:func:`~verl_traj.integration.workers.engine_workers.check_planned_update`)."""
+    def _planned_update(self, batch: DataProto, role: str) -> Iterator[None]:
+        """The update's contract (:func:`~verl_traj.integration.trainers.update_contract.update_contract`) in the
+        batch for one ``role`` update: its fields as tensors, its markers in ``meta_info``; removed on exit."""
         td = batch.batch
         missing = [key for key in PLAN_KEYS if key not in td.keys()]
         if missing:
@@ -195,33 +190,28 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
                 f"the update's batch lacks the plan's field {missing[0]!r}: _balance_batch did not plan it (it runs "
                 "every step with traj.enable=true), or something replaced the batch after planning. verl_traj "
                 "trains planned batches only.", field=missing[0])
-        td[LOSS_WEIGHT] = loss.weights(td["response_mask"], td[MINI_BATCH_ID], td[TRAJ_INDEX], td[IS_PADDING])
-        ratio_groups = ratio_groups and has_multi_row_trajectory(td[TRAJ_INDEX], td[IS_PADDING])
-        if ratio_groups:
-            td[RATIO_GROUP] = td[TRAJ_INDEX].clone()
-            batch.meta_info[RATIO_IN_LOSS] = bool(getattr(self, "_all_atomic", False))
-        batch.meta_info[PLANNED_FIELDS] = ",".join(planned_update_fields(ratio_groups))
-        batch.meta_info[OLD_LOG_PROBS_AT_START] = True  # verl recomputed them just before (bypass_mode is refused)
-        if union > 1:
-            batch.meta_info[CRITIC_UNION_KEY] = union
+        weights = loss_of(self.spec, role).weights(td["response_mask"], td[MINI_BATCH_ID], td[TRAJ_INDEX],
+                                                   td[IS_PADDING])
+        contract = update_contract(self.spec, role, weights, td[TRAJ_INDEX], td[IS_PADDING],
+                                   all_atomic=bool(batch.meta_info.get(PLAN_ATOMIC, False)))
+        td.update(contract.fields)
+        batch.meta_info.update(contract.markers)
         try:
             yield
         finally:
-            td.pop(LOSS_WEIGHT, None)
-            td.pop(RATIO_GROUP, None)
-            batch.meta_info.pop(CRITIC_UNION_KEY, None)
-            batch.meta_info.pop(PLANNED_FIELDS, None)
-            batch.meta_info.pop(OLD_LOG_PROBS_AT_START, None)
-            batch.meta_info.pop(RATIO_IN_LOSS, None)
+            for key in contract.fields:
+                td.pop(key, None)
+            for key in contract.markers:
+                batch.meta_info.pop(key, None)
 
     def _update_actor(self, batch: DataProto) -> DataProto:
         if not self.traj_config.enable:
             return super()._update_actor(batch)
-        with self._planned_update(batch, self.spec.actor_loss, ratio_groups=self.spec.ratio_groups):
+        with self._planned_update(batch, ACTOR):
             return super()._update_actor(batch)
 
     def _update_critic(self, batch: DataProto) -> DataProto:
         if not self.traj_config.enable:
             return super()._update_critic(batch)
-        with self._planned_update(batch, self.spec.critic_loss, self.spec.critic_union):
+        with self._planned_update(batch, CRITIC):
             return super()._update_critic(batch)

@@ -39,6 +39,7 @@ run); ``stock_plan/*`` metrics then observe what verl's fixed-size mini-batches 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import uuid
 from typing import Any, Callable, Optional
@@ -51,20 +52,20 @@ from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.utils import tensordict_utils as tu
 
 from verl_traj.core import BatchLayout, MiniBatchPlan
-from verl_traj.core.keys import TREE_KEY
 from verl_traj.core.row_key import parse_row_keys
 from verl_traj.core.token_rows import TokenRows
 from verl_traj.integration.async_modes.v1_failures import group_policy_class, with_group_policies
 from verl_traj.integration.async_modes.v1_staleness import recording_client_class
-from verl_traj.integration.config.update_spec import UpdateSpec, has_multi_row_trajectory
+from verl_traj.integration.config.update_spec import UpdateSpec
 from verl_traj.integration.config.verl_config import prepare_v1_agent_loop
-from verl_traj.integration.patches.scoped import (llm_client_patches, patched, replay_buffer_patches, v1_advantage_patches,
-                                                  v1_metric_patches)
+from verl_traj.integration.patches.scoped import (llm_client_patches, patched, replay_buffer_patches,
+                                                  v1_advantage_patches, v1_metric_patches)
 from verl_traj.integration.rows.real_rows import metrics_on_masked_rows
 from verl_traj.integration.startup.tree_checks import settled_traj_config
 from verl_traj.integration.trainers.checkpoints import CompleteCheckpoints
 from verl_traj.integration.trainers.step_plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
                                                       stock_plan_metrics_of)
+from verl_traj.integration.trainers.update_contract import ACTOR, CRITIC, pass_markers
 from verl_traj.integration.trainers.v1_advantage import (corrected_per_trajectory, kl_penalty_on_planned_rows,
                                                          planned_advantage)
 from verl_traj.integration.trainers.v1_metrics import (RolloutBusy, StepPadding, current_policy_gap, stepwise_metrics,
@@ -76,7 +77,7 @@ from verl_traj.integration.trainers.v1_planning import (debug_rows, dispatch_dp_
 from verl_traj.integration.trainers.v1_updates import extra_info, planned_update
 from verl_traj.stepwise.step_groups import StepGroupOptions
 
-__all__ = ["TrajV1Mixin", "traj_trainer_class"]
+__all__ = ["TrajV1Mixin", "reuses_old_log_probs", "traj_trainer_class"]
 
 ROLLOUT_POOLS = (("hybrid", "llm_server_manager"), ("standalone", "standalone_server_manager"))
 _UID_NAMESPACE = uuid.UUID("5f3c1d52-6a1e-4c8e-9a57-1c0a3e5b7d11")
@@ -102,12 +103,13 @@ class TrajV1Mixin(CompleteCheckpoints):
 
     def __init__(self, config: Any):
         self.traj_config = settled_traj_config(config)
-        self.spec = UpdateSpec.prepare(config, self.traj_config) if self.traj_config.enable else None
+        self.spec = (dataclasses.replace(UpdateSpec.prepare(config, self.traj_config),
+                                         reuses_old_log_probs=reuses_old_log_probs(type(self)))
+                     if self.traj_config.enable else None)
         if not self.traj_config.enable:
             # the agent-loop manager that gives each session its request priority
             prepare_v1_agent_loop(config, self.traj_config)
         self._plan_facts: Optional[PlanFacts] = None  # the facts of the local update planned last
-        self._all_atomic = False  # every trajectory of the batch planned last in one micro-batch (prefix trees)
         self._step_padding = StepPadding()  # every row planned since the last step's metrics
         self._uid_draws = (-1, 0)  # (global step, prompts drawn in it): deterministic uids
         self._rollout_busy = RolloutBusy()  # rollout_pool/*_busy_share
@@ -181,7 +183,6 @@ class TrajV1Mixin(CompleteCheckpoints):
                                                 self.spec.plan.pad_row_tokens)
         out = ordered_batch(batch, plan, pad_keys, pad_tags)
         store_plan_ids(out, plan, rows)
-        self._all_atomic = plan.all_trajectories_atomic  # GSPO's trajectory ratio from the loss, no pre-pass
         self._plan_facts = plan_facts(out, plan, layout)
         self._step_padding.record(out.keys, plan.is_padding.tolist())
         metrics.update(plan_step_metrics(plan, self.spec.epochs))
@@ -227,8 +228,7 @@ class TrajV1Mixin(CompleteCheckpoints):
     def _update_critic(self, batch: Any, metrics: dict) -> Any:
         if not self.traj_config.enable:
             return super()._update_critic(batch, metrics)
-        with planned_update(batch, self._facts_of(batch), self.spec.critic_loss, union=self.spec.critic_union), \
-                self._trees(batch):
+        with planned_update(batch, self._facts_of(batch), self.spec, CRITIC), self._trees(batch):
             return super()._update_critic(batch, metrics)
 
     def _compute_values(self, batch: Any, metrics: dict) -> Any:
@@ -238,12 +238,8 @@ class TrajV1Mixin(CompleteCheckpoints):
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
         if not self.traj_config.enable:
             return super()._update_actor(batch, metrics)
-        facts = self._facts_of(batch)
-        # a one-row trajectory's ratio is its row's: ratio groups only where some trajectory has several rows
-        ratio_groups = self.spec.ratio_groups and has_multi_row_trajectory(facts.traj_index, facts.is_padding)
-        with planned_update(batch, facts, self.spec.actor_loss, ratio_groups=ratio_groups,
-                            old_log_probs_at_start=self._old_log_probs_at_start(),
-                            ratio_in_loss=ratio_groups and self._all_atomic), self._trees(batch):
+        local_step = int(getattr(self, "local_trigger_step", 0))
+        with planned_update(batch, self._facts_of(batch), self.spec, ACTOR, local_step), self._trees(batch):
             return super()._update_actor(batch, metrics)
 
     def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
@@ -258,19 +254,11 @@ class TrajV1Mixin(CompleteCheckpoints):
             return super()._compute_ref_log_prob(batch, metrics)
 
     def _trees(self, batch: Any) -> Any:
-        """With ``traj.prefix_tree``: the actor's and the critic's passes of this batch forward the plan's
-        micro-batches as trees (:mod:`verl_traj.integration.tree.tree_passes`; verl rebuilds the meta between passes, so each pass is marked
-        for its call)."""
-        return extra_info(batch, {TREE_KEY: True}) if self.traj_config.trees else contextlib.nullcontext()
-
-    def _old_log_probs_at_start(self) -> bool:
-        """Whether this update's old log-probs came from the parameters it starts from: verl's base
-        ``_compute_old_log_prob`` recomputes them right before every local update; a mode that overrides it
-        (``separate_async`` reuses the first local step's weights for the later ones) only on its first local step."""
-        verl_defining = next(c for c in type(self).__mro__
-                             if "_compute_old_log_prob" in vars(c) and not issubclass(TrajV1Mixin, c))
-        recomputed = verl_defining is PPOTrainer  # the mixin's own override only marks the pass for prefix trees
-        return recomputed or int(getattr(self, "local_trigger_step", 0)) == 0
+        """The pass's markers (:func:`~verl_traj.integration.trainers.update_contract.pass_markers`: with
+        ``traj.prefix_tree`` the actor's and the critic's passes forward the plan's micro-batches as trees), in the
+        meta's ``extra_info`` for one call: verl rebuilds the meta between passes, so each pass is marked."""
+        markers = pass_markers(self.spec) if self.spec is not None else {}
+        return extra_info(batch, markers) if markers else contextlib.nullcontext()
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
         metrics.update(trajectory_metrics(batch, global_steps))
@@ -282,3 +270,13 @@ class TrajV1Mixin(CompleteCheckpoints):
         on_real_rows = functools.partial(metrics_on_masked_rows, real_row_mask=lambda: real)
         with patched(v1_metric_patches(on_real_rows)):
             return super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
+
+
+def reuses_old_log_probs(trainer_cls: type) -> bool:
+    """Whether ``trainer_cls``'s later local updates of a weight-sync cycle reuse the first's old log-probs: verl's
+    base ``_compute_old_log_prob`` recomputes them right before every local update; a mode that overrides it
+    (``separate_async`` keeps the first local step's weights for the later ones) reuses them. The mixin's own
+    override only marks the pass for prefix trees."""
+    verl_defining = next(c for c in trainer_cls.__mro__
+                         if "_compute_old_log_prob" in vars(c) and not issubclass(TrajV1Mixin, c))
+    return verl_defining is not PPOTrainer

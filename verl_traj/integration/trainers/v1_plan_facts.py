@@ -55,6 +55,7 @@ class PlanFacts:
     mini_batch_id: torch.Tensor  # int64
     loss_tokens: torch.Tensor  # int64, loss tokens of each row (0 on padding)
     multi_row: bool  # some trajectory has several rows (steps)
+    all_atomic: bool = False  # every trajectory in one micro-batch on one rank (MiniBatchPlan.all_trajectories_atomic)
     turn_rewards: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # (row, position, reward) [K]
     step_anchors: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # (row, position, key) [K], gigpo
     advantage_metrics: dict = field(default_factory=dict)  # the advantage step's (traj_gigpo/*), for the step's metrics
@@ -113,6 +114,6 @@ def plan_facts(batch: Any, plan: MiniBatchPlan, layout: BatchLayout) -> PlanFact
         is_last_step=layout.is_last_step[src] & ~plan.is_padding, is_padding=plan.is_padding.clone(),
         mini_batch_id=plan.mini_batch_id.clone(),
         loss_tokens=torch.where(plan.is_padding, 0, layout.num_loss_tokens[src]).long(),
-        multi_row=bool((layout.traj_num_steps > 1).any()), turn_rewards=turn_reward_entries(batch.tags),
+        multi_row=bool((layout.traj_num_steps > 1).any()), all_atomic=plan.all_trajectories_atomic, turn_rewards=turn_reward_entries(batch.tags),
         step_anchors=anchor_entries(batch.tags),
     )

@@ -1,17 +1,13 @@
-"""One planned update on v1 (actor or critic), as a contract with the workers.
+"""One planned update on v1 (actor or critic): the contract both trainers build
+(:mod:`~verl_traj.integration.trainers.update_contract`), moved into v1's data path.
 
-Before verl dispatches an update, the driver stores the per-row fields the planned update needs and names them:
-
-* ``loss_weight`` (:meth:`~verl_traj.integration.config.update_spec.LossSpec.weights_from_counts`, from the plan's facts and
-  each row's final loss-token count: no ``[B, R]`` mask is fetched here), and for GSPO at trajectory scope with a
-  trajectory of several rows ``ratio_group``, are written to TransferQueue;
-* every planned field (:func:`~verl_traj.core.keys.planned_update_fields`: ``mini_batch_id`` and ``micro_batch_id``
-  stored by ``_balance_batch``, plus the above) is named in the batch meta's field list when it has one: the workers
-  fetch exactly the fields ``KVBatchMeta.fields`` names (``None``: every stored field);
-* the update's ``extra_info`` (non-tensor data on the worker) carries the planned field names
-  (:data:`~verl_traj.core.keys.PLANNED_FIELDS`), the critic's mini-batch union and that the old log-probs came from
-  the update's starting parameters (:data:`~verl_traj.core.keys.OLD_LOG_PROBS_AT_START`), for the call only; the worker
-  checks every named field arrived (:func:`~verl_traj.integration.workers.engine_workers.check_planned_update`).
+* its per-row fields (``loss_weight`` from each row's final loss-token count: no ``[B, R]`` mask is fetched here;
+  ``ratio_group`` where GSPO needs it) are written to TransferQueue;
+* every planned field (``mini_batch_id`` and ``micro_batch_id`` stored by ``_balance_batch``, plus the above) is named
+  in the batch meta's field list when it has one: the workers fetch exactly the fields ``KVBatchMeta.fields`` names
+  (``None``: every stored field);
+* its markers travel in the meta's ``extra_info`` (non-tensor data on the worker), for the call only; the worker
+  checks every named field arrived (:func:`~verl_traj.integration.workers.planned_update.check_planned_update`).
 """
 
 from __future__ import annotations
@@ -22,9 +18,8 @@ from typing import Any, Iterator
 import transfer_queue as tq
 from tensordict import TensorDict
 
-from verl_traj.core.keys import (CRITIC_UNION_KEY, LOSS_WEIGHT, OLD_LOG_PROBS_AT_START, PLANNED_FIELDS, RATIO_GROUP,
-                                 RATIO_IN_LOSS, planned_update_fields)
-from verl_traj.integration.config.update_spec import LossSpec
+from verl_traj.integration.config.update_spec import UpdateSpec
+from verl_traj.integration.trainers.update_contract import UpdateContract, loss_of, update_contract
 from verl_traj.integration.trainers.v1_plan_facts import PlanFacts
 
 __all__ = ["extra_info", "name_fields", "planned_update", "put_update_fields"]
@@ -37,35 +32,29 @@ def name_fields(batch: Any, fields: tuple[str, ...]) -> None:
         batch.fields = list(dict.fromkeys([*batch.fields, *fields]))
 
 
-def put_update_fields(batch: Any, facts: PlanFacts, loss: LossSpec, ratio_groups: bool = False) -> tuple[str, ...]:
-    """Store ``loss_weight`` (``[B]`` float32) and with ``ratio_groups`` ``ratio_group`` (``[B]`` int64, each row's
-    trajectory) for every row of ``batch`` (checked to be the planned rows), name every planned field in the meta;
-    returns the planned field names."""
+def put_update_fields(batch: Any, facts: PlanFacts, spec: UpdateSpec, role: str, local_step: int = 0) -> UpdateContract:
+    """Store the ``role`` update's per-row fields (:func:`~verl_traj.integration.trainers.update_contract.update_contract`:
+    ``loss_weight`` from each row's final loss-token count, ``ratio_group`` where GSPO needs it) for every row of
+    ``batch`` (checked to be the planned rows) and name every planned field in the meta; returns the contract."""
     facts.check(batch.keys)
-    fields = {LOSS_WEIGHT: loss.weights_from_counts(facts.loss_tokens, facts.mini_batch_id, facts.traj_index,
-                                                    facts.is_padding)}
-    if ratio_groups:
-        fields[RATIO_GROUP] = facts.traj_index.clone()
+    weights = loss_of(spec, role).weights_from_counts(facts.loss_tokens, facts.mini_batch_id, facts.traj_index,
+                                                       facts.is_padding)
+    contract = update_contract(spec, role, weights, facts.traj_index, facts.is_padding, all_atomic=facts.all_atomic,
+                               local_step=local_step)
     tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
-                    fields=TensorDict(fields, batch_size=[len(batch)]))
-    planned = planned_update_fields(ratio_groups)
-    name_fields(batch, planned)
-    return planned
+                    fields=TensorDict(contract.fields, batch_size=[len(batch)]))
+    name_fields(batch, contract.planned)
+    return contract
 
 
 @contextlib.contextmanager
-def planned_update(batch: Any, facts: PlanFacts, loss: LossSpec, *, ratio_groups: bool = False,
-                   union: int = 1, old_log_probs_at_start: bool = False,
-                   ratio_in_loss: bool = False) -> Iterator[tuple[str, ...]]:
-    """For one verl update call: the update's fields stored and named (:func:`put_update_fields`), its
-    ``extra_info`` carrying the planned field names, (``union > 1``) the critic's mini-batch union and whether the old
-    log-probs came from the update's starting parameters (the trainer knows: ``TrajV1Mixin._old_log_probs_at_start``);
-    the keys removed again on exit, also on error. Yields the planned field names."""
-    planned = put_update_fields(batch, facts, loss, ratio_groups)
-    extra = {PLANNED_FIELDS: ",".join(planned), **({CRITIC_UNION_KEY: union} if union > 1 else {}),
-             OLD_LOG_PROBS_AT_START: bool(old_log_probs_at_start), **({RATIO_IN_LOSS: True} if ratio_in_loss else {})}
-    with extra_info(batch, extra):
-        yield planned
+def planned_update(batch: Any, facts: PlanFacts, spec: UpdateSpec, role: str,
+                   local_step: int = 0) -> Iterator[UpdateContract]:
+    """For one verl update call: the contract's fields stored and named (:func:`put_update_fields`), its markers in
+    the meta's ``extra_info``, removed again on exit, also on error. Yields the contract."""
+    contract = put_update_fields(batch, facts, spec, role, local_step)
+    with extra_info(batch, contract.markers):
+        yield contract
 
 
 @contextlib.contextmanager
