@@ -154,7 +154,7 @@ def _plan(tr, batch, args, meter: Meter):
     from verl_traj.core.keys import IS_LAST_STEP
     from verl_traj.integration.trainers.step_plan import plan_layout
     from verl_traj.integration.trainers.v0 import attended_rows
-    from verl_traj.integration.tree.tree_plan_facts import dense_tree_facts
+    from verl_traj.integration.trainers.tree_plan_facts import dense_tree_facts
 
     cfg, nt = tr.spec.traj_config, batch.non_tensor_batch
     with meter.phase("layout"):

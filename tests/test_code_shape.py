@@ -451,7 +451,7 @@ MAX_FOLDER_MODULES = 12
 DRIVER_FOLDERS = ("config", "rows", "startup", "trainers")
 # modules that run only in worker or agent-loop processes (tree_plan_facts is built on the driver, torch_flash names
 # the attention start-up settles: both stay importable there)
-WORKER_SIDE = ("workers.", "agent_loops.", "tree.tree_forward", "tree.tree_passes", "tree.tree_log")
+WORKER_SIDE = ("workers.", "agent_loops.", "tree.tree_forward", "tree.tree_passes")
 
 
 def _folders() -> dict[str, Path]:

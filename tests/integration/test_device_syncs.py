@@ -161,7 +161,7 @@ def _infer_log(worker, cfg, vocab: int) -> dict:
     """Inference passes on trees (as a reference worker runs them), then an update on a rank without output."""
     from verl.utils import tensordict_utils as tu
 
-    from verl_traj.integration.tree.tree_plan_facts import TREE_INDEX
+    from verl_traj.core.keys import TREE_INDEX
     from verl_traj.testing.engine import rank_tensordict
 
     batch = _planned(cfg, 2, vocab, tree=True)
@@ -225,7 +225,7 @@ def _no_more_than_stock(res: dict, name: str) -> None:
 
 
 def test_rows_and_trees_read_the_device_no_more_than_stock_and_tree_logs_stay_bounded(tiny_home, tmp_path):
-    from verl_traj.integration.tree.tree_plan_facts import TREE_INDEX
+    from verl_traj.core.keys import TREE_INDEX
 
     res = _run(tiny_home.parent, tmp_path, gspo=False)
     print(json.dumps(res))

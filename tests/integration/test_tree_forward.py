@@ -22,14 +22,14 @@ import torch
 import torch.multiprocessing as mp
 
 from verl_traj.core.errors import TrajInputError
+from verl_traj.core.keys import TREE_INDEX, TREE_SIZE_KEY
 from verl_traj.core.prefix_tree import build_prefix_tree, gather_flat
 from verl_traj.core.tree_attention import TreeAttentionError, per_row_causal_attention, refuse_tree_in_plain_attention
 from verl_traj.core.tree_facts import micro_batch_tree_facts
 from verl_traj.cpu.attention import CPU_VARLEN, varlen_attention
 from verl_traj.integration.tree import tree_forward as tree_forward_module
 from verl_traj.integration.tree.tree_forward import TREE_KWARG, TreeAttentionInput, tree_aware_attention
-from verl_traj.integration.tree.tree_log import TreeForwardLog
-from verl_traj.integration.tree.tree_plan_facts import TREE_INDEX, TREE_SIZE_KEY
+from verl_traj.integration.tree.tree_passes import TreeForwardLog
 from verl_traj.testing.engine import free_port
 
 
@@ -220,7 +220,7 @@ def _trees(engine):
     """What a verl_traj worker does in a marked pass: the plan's micro-batches, each forwarded as its tree."""
     from verl_traj.integration.patches.scoped import micro_batch_patches, patched
     from verl_traj.integration.workers.planned_update import PlannedUpdate
-    from verl_traj.integration.tree.tree_forward import tree_forward
+    from verl_traj.integration.tree.tree_passes import tree_forward
 
     with patched(micro_batch_patches(PlannedUpdate(seed=0, fields=()).prepare_micro_batches)), \
             tree_forward(engine) as log:

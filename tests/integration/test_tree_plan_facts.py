@@ -1,4 +1,4 @@
-"""The plan's tree facts as both trainers ship them (``verl_traj.integration.tree.tree_plan_facts``): built on the
+"""The plan's tree facts as both trainers ship them (``verl_traj.integration.trainers.tree_plan_facts``): built on the
 planner's rows in their own order, then put in dispatch order, they equal the facts of the planned rows taken in
 dispatch order (v0's dense ``[B, W]`` and v1's nested ``[B, L_r]`` alike), padding rows included."""
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tests.core.test_prefix_tree import PROPS, row_sets
 from verl_traj.core.keys import TREE_INDEX, TREE_SIZE
 from verl_traj.core.tree_facts import micro_batch_tree_facts
-from verl_traj.integration.tree.tree_plan_facts import dense_tree_facts, nested_tree_facts
+from verl_traj.integration.trainers.tree_plan_facts import dense_tree_facts, nested_tree_facts
 
 
 @PROPS

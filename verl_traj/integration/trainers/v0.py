@@ -15,7 +15,7 @@ With ``traj.enable=true``:
 * During ``fit`` verl's advantage, KL-in-reward and metric functions see real rows only
   (:func:`verl_traj.integration.patches.scoped.fit_patches`; restored when ``fit`` returns or raises).
 * With ``traj.prefix_tree``, :func:`plan_batch_in_place` also builds every planned micro-batch's tree here, where
-  the token ids are on the host, and ships what the workers need with the plan (:mod:`verl_traj.integration.tree.tree_plan_facts`): every
+  the token ids are on the host, and ships what the workers need with the plan (:mod:`verl_traj.integration.trainers.tree_plan_facts`): every
   later pass of the step rebuilds the trees on the device from those facts.
 * Start-up: :func:`verl_traj.integration.config.verl_config.prepare_config`.
 * Debug: ``VERL_TRAJ_DEBUG_DUMP=<dir>`` appends one JSON line per step to ``<dir>/plan.jsonl`` with every
@@ -51,8 +51,8 @@ from verl_traj.integration.startup.tree_checks import settled_traj_config
 from verl_traj.integration.trainers.checkpoints import CompleteCheckpoints
 from verl_traj.integration.trainers.step_plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
                                                       stock_plan_metrics_of)
+from verl_traj.integration.trainers.tree_plan_facts import dense_tree_facts
 from verl_traj.integration.trainers.update_contract import ACTOR, CRITIC, loss_of, pass_markers, update_contract
-from verl_traj.integration.tree.tree_plan_facts import dense_tree_facts
 from verl_traj.stepwise.step_groups import StepGroupOptions
 
 __all__ = ["TrajRayPPOTrainer", "attended_rows", "plan_batch_in_place"]

@@ -7,7 +7,7 @@ A row key is ``{uid}_{session}_{index}`` (:mod:`verl_traj.core.row_key`): ``uid`
 output back in. The only ``[B, R]`` reads are :func:`read_layout`'s fetch of ``response_mask``, counted to ``[B]``, and
 with ``traj.prefix_tree`` :func:`read_rows`' fetch of ``input_ids`` (the tree planner's costs), which
 :func:`store_plan_ids` reuses, fetching only the padding rows, to build each planned micro-batch's tree once per step
-(the tree facts the workers rebuild them from on the device in every pass, :mod:`verl_traj.integration.tree.tree_plan_facts`).
+(the tree facts the workers rebuild them from on the device in every pass, :mod:`verl_traj.integration.trainers.tree_plan_facts`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID
 from verl_traj.core.row_key import parse_row_keys, row_key_order
 from verl_traj.core.token_rows import TokenRows
+from verl_traj.integration.trainers.tree_plan_facts import nested_tree_facts
 from verl_traj.integration.trainers.v1_plan_facts import row_loss_tokens
-from verl_traj.integration.tree.tree_plan_facts import nested_tree_facts
 
 __all__ = ["debug_rows", "dispatch_dp_size", "in_key_order", "ordered_batch", "read_layout", "read_rows",
            "store_plan_ids"]

@@ -1,7 +1,8 @@
-"""The prefix tree's engine path, run in the actor, reference and critic worker processes: the plan's tree facts as
-per-row fields (:mod:`.tree_plan_facts`, built on the driver), one micro-batch forwarded as a tree through verl's FSDP
-engine (:mod:`.tree_forward`), each pass's trees (:mod:`.tree_passes`), what they record (:mod:`.tree_log`), and the
-flash-attention path in torch for a CUDA process without flash-attn (:mod:`.torch_flash`).
+"""The prefix tree's engine path, run in the actor, reference and critic worker processes: a worker's passes on
+trees, their contract and what they record (:mod:`.tree_passes`), one micro-batch forwarded as a tree through verl's
+FSDP engine (:mod:`.tree_forward`), and the flash-attention path in torch for a CUDA process without flash-attn
+(:mod:`.torch_flash`). The trees' facts are built on the driver
+(:mod:`verl_traj.integration.trainers.tree_plan_facts`) and shipped with the plan.
 
 May import: patches.
 """

@@ -1,6 +1,6 @@
 """One micro-batch forwarded as a prefix tree through verl's FSDP engine (remove-padding path), exactly (issue 29).
 
-Opt-in, off by default: nothing changes until a worker process enters :func:`tree_forward` on its engine, and then
+Nothing changes until a worker process enters :func:`~verl_traj.integration.tree.tree_passes.tree_forward` on its engine, and then
 only micro-batches whose batch carries the non-tensor key ``prefix_tree=True`` (:data:`TREE_KEY`) are forwarded as a
 tree; every other micro-batch runs verl's code unchanged.
 
@@ -12,14 +12,14 @@ Hook points (each declared, with how it is undone):
    carrying the tree (model keyword :data:`TREE_KWARG`, which transformers hands down to every attention call, also
    when gradient checkpointing recomputes a layer) runs :func:`~verl_traj.core.tree_attention.tree_attention`; any
    other call runs the wrapped kernel after :func:`~verl_traj.core.tree_attention.refuse_tree_in_plain_attention`.
-   Installed on the first :func:`tree_forward`, never restored (idempotent; a non-tree call computes as before).
+   Installed on the first :func:`~verl_traj.integration.tree.tree_passes.tree_forward`, never restored (idempotent; a non-tree call computes as before).
 2. the engine *instance*'s ``prepare_model_inputs`` / ``prepare_model_outputs`` (:func:`tree_forward_patches`,
    installed by :func:`~verl_traj.integration.patches.scoped.patched`; on exit the instance attributes are removed and the
    class's methods show through again):
 
    * inputs: the micro-batch's tree is built on its device from its rows and the plan's facts
      (:func:`~verl_traj.core.tree_facts.tree_from_facts`: each row token's tree index, shipped by the trainer, and
-     the tree's size, a host int the planned micro-batch carries; :mod:`verl_traj.integration.tree.tree_plan_facts`), no host copy of token
+     the tree's size, a host int the planned micro-batch carries; :mod:`verl_traj.integration.trainers.tree_plan_facts`), no host copy of token
      ids; verl's own
      ``prepare_model_inputs`` gets a one-row micro-batch holding the tree tokens and their depths, so verl packs,
      rolls the labels (the next serialised token is each tree token's child wherever it has one: branch copies),
@@ -34,7 +34,7 @@ Exact because every row token's tree instance has exactly the row's tokens as an
 = the row's own position ids): logits, log-probs at the rolled label and entropy equal the per-row forward's, and the
 backward through the gather sums each shared token's gradient over its rows. The facts are checked against the rows
 on the device (:attr:`~verl_traj.core.tree_facts.DeviceTree.checks`, with the rows' temperatures); the counts are
-read once when the pass ends (:meth:`TreeForwardLog.settle`, the pass's one device-to-host read), never per
+read once when the pass ends (:meth:`~verl_traj.integration.tree.tree_passes.TreeForwardLog.settle`, the pass's one device-to-host read), never per
 micro-batch, and a mismatch raises there.
 
 Refused (a :class:`~verl_traj.core.tree_attention.TreeAttentionError` naming the fix): no remove-padding,
@@ -47,11 +47,10 @@ temperatures that differ.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Protocol
 
 import torch
 from tensordict import NonTensorData, TensorDict
@@ -61,23 +60,27 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from verl.utils import tensordict_utils as tu
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.keys import TREE_KEY
+from verl_traj.core.keys import TREE_INDEX, TREE_KEY, TREE_SIZE_KEY
 from verl_traj.core.tree_attention import (TreeAttentionError, refuse_tree_in_plain_attention, tree_attention,
                                            tree_attention_blocks)
 from verl_traj.core.tree_facts import DeviceTree, tree_from_facts
 from verl_traj.core.tree_flex import FlexTree, tree_attention_flex
 from verl_traj.integration.patches.process import install, prefix_tree_attention_patches
-from verl_traj.integration.patches.scoped import Patch, patched
-from verl_traj.integration.tree.tree_log import TreeForwardLog
-from verl_traj.integration.tree.tree_plan_facts import TREE_INDEX, TREE_SIZE_KEY
+from verl_traj.integration.patches.scoped import Patch
 
-__all__ = ["TREE_KWARG", "TreeAttentionInput", "TreeForwardLog", "tree_aware_attention",
-           "install_tree_attention", "tree_forward_patches", "tree_forward", "per_row_outputs", "micro_batch_tree"]
+__all__ = ["TREE_KWARG", "TreeAttentionInput", "TreeRecorder", "tree_aware_attention", "install_tree_attention",
+           "tree_forward_patches", "per_row_outputs", "micro_batch_tree"]
 
 TREE_KWARG = "prefix_tree_attention"  # model keyword carrying the tree to the attention
 LABELED_OUTPUTS = ("log_probs",)  # outputs that depend on the rolled label (the rest are per-token functions)
 _STATE = "prefix_tree_state"  # output_args key: the tree of this forward
 _ENGINE = "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead"
+
+
+class TreeRecorder(Protocol):
+    """What a tree micro-batch is recorded into (:class:`~verl_traj.integration.tree.tree_passes.TreeForwardLog`)."""
+
+    def add(self, tree: DeviceTree, forwarded: int, checks: dict) -> None: ...
 
 
 class TreeAttentionInput:
@@ -221,7 +224,7 @@ def _padded_subtree_end(subtree_end: torch.Tensor, length: int) -> torch.Tensor:
     return torch.cat([subtree_end, subtree_end.new_full((length - n,), length - 1)])
 
 
-def _prepare_inputs(verl_prepare: Callable, engine: Any, log: TreeForwardLog, micro_batch: TensorDict):
+def _prepare_inputs(verl_prepare: Callable, engine: Any, log: TreeRecorder, micro_batch: TensorDict):
     """``engine.prepare_model_inputs`` (module docstring, hook 2)."""
     if not tu.get_non_tensor_data(data=micro_batch, key=TREE_KEY, default=False):
         return verl_prepare(micro_batch=micro_batch)
@@ -273,7 +276,7 @@ def _prepare_outputs(verl_prepare: Callable, output: Any, output_args: dict, mic
         return per_row_outputs(model_output, state.tree, micro_batch["input_ids"].offsets())
 
 
-def tree_forward_patches(engine: Any, log: TreeForwardLog) -> list[Patch]:
+def tree_forward_patches(engine: Any, log: TreeRecorder) -> list[Patch]:
     """Hook 2 (module docstring): the engine instance's two methods, restored on exit of :func:`patched`."""
     return [
         Patch(_ENGINE, "prepare_model_inputs", lambda verl: functools.partial(_prepare_inputs, verl, engine, log),
@@ -281,14 +284,3 @@ def tree_forward_patches(engine: Any, log: TreeForwardLog) -> list[Patch]:
         Patch(_ENGINE, "prepare_model_outputs", lambda verl: functools.partial(_prepare_outputs, verl),
               "gather a tree micro-batch's per-token outputs back into its rows", target=engine),
     ]
-
-
-@contextlib.contextmanager
-def tree_forward(engine: Any) -> Iterator[TreeForwardLog]:
-    """Within: ``engine`` forwards micro-batches marked ``prefix_tree=True`` as prefix trees (hooks 1 and 2).
-    Yields the log of the tree micro-batches run, settled on exit (its one device read; a mismatch raises)."""
-    install_tree_attention()
-    log = TreeForwardLog()
-    with patched(tree_forward_patches(engine, log)):
-        yield log
-    log.settle()

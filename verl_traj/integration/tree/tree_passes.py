@@ -4,7 +4,7 @@ worker does with a batch the trainer marked ``prefix_tree``.
 The trainer marks each pass of a planned batch (the non-tensor :data:`~verl_traj.core.keys.TREE_KEY`:
 v1 puts it in the call's ``extra_info``, since verl rebuilds the meta between passes; v0 in the batch's
 ``meta_info``, which every pass carries). A verl_traj worker that receives a marked batch runs the pass inside
-:func:`~verl_traj.integration.tree.tree_forward.tree_forward` on its engine, on the plan's micro-batches:
+:func:`tree_forward` on its engine (the hooks of :mod:`~verl_traj.integration.tree.tree_forward`), on the plan's micro-batches:
 
 * the updates (``train_mini_batch``, actor and critic): the plan's mini-batches and micro-batches as for every
   planned update (:mod:`verl_traj.integration.workers.engine_workers`), each micro-batch forwarded as one tree;
@@ -13,40 +13,151 @@ v1 puts it in the call's ``extra_info``, since verl rebuilds the meta between pa
   the same kernels), and a group's rows share their prompt here too.
 
 A marked pass is a contract like the planned update: a marked batch without the plan's ids or its tree facts
-(:mod:`verl_traj.integration.tree.tree_plan_facts`: the trees are planned once per step on the driver, shipped with the plan and rebuilt on the
+(:mod:`verl_traj.integration.trainers.tree_plan_facts`: the trees are planned once per step on the driver, shipped with the plan and rebuilt on the
 device in each pass) raises, and after the pass every micro-batch that ran must have been forwarded as a tree
 (:func:`check_all_tree`), else it raises -- a tree pass never falls back to the per-row forward in silence.
 
-What the passes record is bounded: a pass's log lives as long as the pass (an update's until its metrics are read);
-the inference passes add to the worker's :class:`~verl_traj.integration.tree.tree_log.TreeTotals` (two numbers), which its next update reports
+What the passes record (issue 40, item 4) is bounded: a pass's log lives as long as the pass (an update's until its metrics are read);
+the inference passes add to the worker's :class:`TreeTotals` (two numbers), which its next update reports
 and resets on every rank.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 from tensordict import TensorDict
-from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID
-from verl_traj.core.keys import TREE_KEY
-from verl_traj.integration.tree.tree_forward import tree_forward
-from verl_traj.integration.tree.tree_log import TreeForwardLog, TreeTotals
-from verl_traj.integration.tree.tree_plan_facts import require_tree_facts
+from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID, TREE_INDEX, TREE_KEY, TREE_SIZE
+from verl_traj.core.tree_facts import DeviceTree
+from verl_traj.integration.patches.scoped import patched
+from verl_traj.integration.tree.tree_forward import install_tree_attention, tree_forward_patches
 
-__all__ = ["check_all_tree", "tree_marked", "tree_metrics", "tree_pass"]
+__all__ = ["TreeForwardLog", "TreeTotals", "check_all_tree", "micro_batch_tree_sizes", "require_tree_facts", "tree_forward",
+           "check_marked", "tree_metrics", "tree_pass"]
 
 
-def tree_marked(data: TensorDict) -> bool:
-    """Whether the trainer marked this batch for the prefix-tree forward; a marked batch must carry the plan's ids
-    and tree facts."""
-    if not bool(tu.get_non_tensor_data(data=data, key=TREE_KEY, default=False)):
-        return False
+_COUNTED = ("branch_copies", "attention_pairs", "row_attention_pairs")  # device counts, host ints once settled
+_CHECK_FIX = {"tree_index": (TREE_INDEX, "the plan's tree facts do not reproduce these rows (the batch was changed or "
+                             "re-cut after planning): hand the workers the planned batch unmodified"),
+              "position_ids": ("position_ids", "a row's position ids are not 0..L-1 (a tree token's position is its "
+                               "depth): forward these rows without the tree"),
+              "temperature": ("temperature", "give the rows of a tree micro-batch one temperature (shared tokens "
+                              "serve several rows)")}
+
+
+@dataclass
+class TreeForwardLog:
+    """One pass's tree micro-batches, in order: rows, row tokens ``T``, tree tokens ``N``, branch copies, the tokens
+    the model forwards (``N`` plus verl's tail padding), and the (query, key) pairs the tree's attention computes
+    beside those of the per-row causal attention over the same rows. Invariant: after :meth:`settle` every entry is
+    a host int and ``checks`` is empty; before it, :data:`_COUNTED` entries and ``checks`` hold 0-d device counts."""
+
+    rows: list = field(default_factory=list)
+    row_tokens: list = field(default_factory=list)
+    tree_tokens: list = field(default_factory=list)
+    branch_copies: list = field(default_factory=list)
+    forwarded_tokens: list = field(default_factory=list)
+    attention_pairs: list = field(default_factory=list)
+    row_attention_pairs: list = field(default_factory=list)
+    checks: list = field(default_factory=list)  # [(first unsettled micro-batch, {name: 0-d device count})]
+
+    def add(self, tree: DeviceTree, forwarded: int, checks: dict) -> None:
+        self.rows.append(tree.num_rows)
+        self.row_tokens.append(tree.num_row_tokens)
+        self.tree_tokens.append(tree.num_tree_tokens)
+        self.forwarded_tokens.append(forwarded)
+        for name in _COUNTED:
+            getattr(self, name).append(tree.stats[name])
+        self.checks.append(checks)
+
+    def settle(self) -> None:
+        """Read every device count of the pass in one transfer (the pass's one device-to-host read); raise
+        :class:`TrajInputError` naming the field when a tree micro-batch did not reproduce its rows."""
+        pending = [i for i, v in enumerate(self.branch_copies) if isinstance(v, torch.Tensor)]
+        if not pending:
+            return
+        names = sorted({name for c in self.checks for name in c})
+        zero = torch.zeros((), dtype=torch.long, device=self.branch_copies[pending[0]].device)
+        rows = [[getattr(self, n)[i] for n in _COUNTED] + [c.get(name, zero) for name in names]
+                for i, c in zip(pending, self.checks)]
+        values = torch.stack([torch.stack(r).long() for r in rows]).tolist()
+        for row, i in zip(values, pending):
+            for n, v in zip(_COUNTED, row):
+                getattr(self, n)[i] = v
+        self.checks = []
+        for k, name in enumerate(names):
+            count = sum(row[len(_COUNTED) + k] for row in values)
+            if count:
+                where, fix = _CHECK_FIX[name]
+                raise TrajInputError(f"prefix-tree forward: {count} row token(s) of this pass's tree micro-batches "
+                                     f"fail the {name} check. Fix: {fix}.", field=where)
+
+
+@dataclass
+class TreeTotals:
+    """A worker's inference passes on trees since its last update: micro-batches and tree tokens (constant size: a
+    reference worker, which never updates, and a rank that returns no output keep two numbers, not a log)."""
+
+    micro_batches: int = 0
+    tree_tokens: int = 0
+
+    def add(self, log: TreeForwardLog) -> None:
+        """Count a settled pass."""
+        self.micro_batches += len(log.tree_tokens)
+        self.tree_tokens += sum(log.tree_tokens)
+
+    def take(self) -> "TreeTotals":
+        """The totals so far, and zero them."""
+        out = TreeTotals(self.micro_batches, self.tree_tokens)
+        self.micro_batches = self.tree_tokens = 0
+        return out
+
+
+@contextlib.contextmanager
+def tree_forward(engine: Any) -> Iterator[TreeForwardLog]:
+    """Within: ``engine`` forwards micro-batches marked ``prefix_tree=True`` as prefix trees (hooks 1 and 2).
+    Yields the log of the tree micro-batches run, settled on exit (its one device read; a mismatch raises)."""
+    install_tree_attention()
+    log = TreeForwardLog()
+    with patched(tree_forward_patches(engine, log)):
+        yield log
+    log.settle()
+
+
+def require_tree_facts(keys: Any) -> None:
+    """Raise :class:`TrajInputError` naming the first tree fact a marked pass's batch lacks."""
+    missing = [k for k in (TREE_INDEX, TREE_SIZE) if k not in set(keys)]
+    if missing:
+        raise TrajInputError(
+            f"a batch marked for the prefix-tree forward lacks the plan's {missing[0]!r} (received: {sorted(keys)}): "
+            "the workers build each micro-batch's tree from the facts the trainer ships with the plan, never from "
+            "token ids copied back to the host. Fix: plan the batch with verl_traj's trainer and traj.prefix_tree=true "
+            "(it writes them next to mini_batch_id); a subclass that rebuilds the batch must keep them.",
+            field=missing[0])
+
+
+def micro_batch_tree_sizes(data: TensorDict, inverse: torch.Tensor, firsts: torch.Tensor) -> list[int]:
+    """Each planned micro-batch's tree tokens from the batch's host copy: ``inverse`` ``[b]`` micro-batch of each
+    row, ``firsts`` ``[k]`` a row of each. Raises :class:`TrajInputError` (field ``TREE_SIZE``) when the rows of a
+    micro-batch disagree (the batch was cut or reordered after planning)."""
+    size = data[TREE_SIZE].cpu()  # a no-op: verl's workers hold a batch on the host until forward_step moves it
+    sizes = size[firsts]
+    if not torch.equal(sizes[inverse], size):
+        raise TrajInputError(
+            f"the rows of a planned micro-batch carry different {TREE_SIZE!r} ({size.tolist()[:16]} for micro-batches "
+            f"{inverse.tolist()[:16]}): the batch was re-cut or reordered after the trainer planned its trees. Fix: "
+            "hand the workers the planned batch unmodified.", field=TREE_SIZE)
+    return sizes.tolist()
+
+def check_marked(data: TensorDict) -> None:
+    """A batch marked for the prefix-tree forward must carry the plan's ids and tree facts; raise naming the first
+    one missing."""
     missing = [k for k in (MINI_BATCH_ID, MICRO_BATCH_ID) if k not in data.keys()]
     if missing:
         raise TrajInputError(
@@ -54,7 +165,6 @@ def tree_marked(data: TensorDict) -> bool:
             f"(received: {sorted(data.keys())}). Fix: name the plan's ids in the batch meta's fields (verl_traj's "
             "trainer does in _balance_batch; a subclass that rebuilds the meta must keep them).", field=missing[0])
     require_tree_facts(data.keys())
-    return True
 
 
 def check_all_tree(log: TreeForwardLog, micro_batches_run: int, what: str) -> None:
@@ -67,12 +177,13 @@ def check_all_tree(log: TreeForwardLog, micro_batches_run: int, what: str) -> No
 
 
 @contextlib.contextmanager
-def tree_pass(engine: Any, counts: Callable[[], int], what: str,
+def tree_pass(engine: Any, data: TensorDict, counts: Callable[[], int], what: str,
               into: Optional[TreeTotals] = None) -> Iterator[TreeForwardLog]:
-    """Within: ``engine`` forwards every micro-batch as a tree; on exit (no error) the pass's log is settled (its one
-    device read: :meth:`~verl_traj.integration.tree.tree_log.TreeForwardLog.settle`) and ``counts()`` micro-batches (the planned ones the pass
+    """Within: ``engine`` forwards every micro-batch of the marked ``data`` (checked: :func:`check_marked`) as a tree; on exit (no error) the pass's log is settled (its one
+    device read: :meth:`TreeForwardLog.settle`) and ``counts()`` micro-batches (the planned ones the pass
     ran) must all have been trees (:func:`check_all_tree`). ``into``: totals the pass is added to (a worker's
     log-prob / value passes, which its next update reports)."""
+    check_marked(data)
     with tree_forward(engine) as log:
         yield log
     check_all_tree(log, counts(), what)
@@ -80,12 +191,13 @@ def tree_pass(engine: Any, counts: Callable[[], int], what: str,
         into.add(log)
 
 
-def tree_metrics(log: TreeForwardLog, infer: TreeTotals, dp_group: Any = None) -> dict[str, list]:
+def tree_metrics(log: TreeForwardLog, infer: Optional[TreeTotals], dp_group: Any = None) -> dict[str, list]:
     """Per update, summed over the data-parallel ranks (one all-reduce) and all epochs: row tokens, tree tokens (what
     the model forwarded, verl's tail padding aside), branch copies, tree micro-batches (per rank: their mean), row
     tokens per tree token, the (query, key) pairs of the trees' attention and of the per-row attention over the same
     rows; and the micro-batches and tree tokens of this worker's inference passes (``infer``, taken from its totals:
-    the actor's old log-probs, the critic's values) since its last update."""
+    the actor's old log-probs, the critic's values; ``None``: none ran) since its last update."""
+    infer = infer or TreeTotals()
     local = [sum(log.row_tokens), sum(log.tree_tokens), sum(log.branch_copies), len(log.tree_tokens),
              infer.micro_batches, infer.tree_tokens, sum(log.attention_pairs), sum(log.row_attention_pairs)]
     totals = torch.tensor(local, dtype=torch.float64, device=get_device_id())

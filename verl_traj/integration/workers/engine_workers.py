@@ -23,7 +23,7 @@ counts happen to agree).
 
 The loss: ``TrajActorRolloutRefWorker.init_model`` installs ``traj_ppo_loss``; the critic's ``traj_value_loss`` is
 set by the trainer through ``set_loss_fn``, as verl does for ``value_loss``. Both require ``loss_weight``. What they
-add to verl's loss goes to the update's :class:`~verl_traj.integration.workers.loss_sink.LossSink`, read once when the update ends on every rank
+add to verl's loss goes to the update's :class:`~verl_traj.integration.workers.planned_update.LossSink`, read once when the update ends on every rank
 (its metrics reported, a non-finite count raised), so no micro-batch waits on the device beyond verl's own reads.
 """
 
@@ -42,15 +42,15 @@ from verl.trainer.ppo.utils import Role
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.keys import CRITIC_UNION_KEY, OLD_LOG_PROBS_AT_START, RATIO_GROUP, RATIO_IN_LOSS, SEQ_RATIO_SHIFT
+from verl_traj.core.keys import (TREE_KEY, CRITIC_UNION_KEY, OLD_LOG_PROBS_AT_START, RATIO_GROUP, RATIO_IN_LOSS,
+                                 SEQ_RATIO_SHIFT)
 from verl_traj.integration.patches.scoped import gspo_prepass_patches, micro_batch_patches, patched, update_patches
-from verl_traj.integration.tree.tree_log import TreeTotals
-from verl_traj.integration.tree.tree_passes import tree_marked, tree_metrics, tree_pass
+from verl_traj.integration.tree.tree_passes import TreeTotals, tree_metrics, tree_pass
 from verl_traj.integration.workers.actor_sequence_ratios import (check_ratio_groups, ratio_group_bound,
                                                                  stochastic_in_training, trajectory_ratio_shift)
-from verl_traj.integration.workers.loss_sink import LossSink
 from verl_traj.integration.workers.losses import traj_ppo_loss, traj_value_loss
-from verl_traj.integration.workers.planned_update import PlannedUpdate, check_planned_update, mini_batch_slices
+from verl_traj.integration.workers.planned_update import (LossSink, PlannedUpdate, check_planned_update,
+                                                          mini_batch_slices)
 
 __all__ = ["PlannedUpdate", "TrajActorMixin", "TrajActorRolloutRefWorker", "TrajActorTrainingWorker", "TrajCriticWorker",
            "TrajTrainingWorker", "check_planned_update", "mini_batch_slices", "traj_actor_worker", "traj_role_worker"]
@@ -63,6 +63,12 @@ def _fixed_size_arithmetic(data: TensorDict, dp_size: int) -> int:
     tu.pop(data, key="mini_batch_size", default=None)
     tu.assign_non_tensor(data, mini_batch_size=dp_size)
     return int(data.shape[0])
+
+
+def tree_marked(data: TensorDict) -> bool:
+    """Whether the trainer marked this pass for the prefix-tree forward (the marker only: the pass checks the rest,
+    :func:`~verl_traj.integration.tree.tree_passes.tree_pass`)."""
+    return bool(tu.get_non_tensor_data(data=data, key=TREE_KEY, default=False))
 
 
 class TrajTrainingWorker(TrainingWorker):
@@ -85,7 +91,7 @@ class TrajTrainingWorker(TrainingWorker):
         lr = self.engine.lr_scheduler_step() if run.steps < verl_iterations else None  # verl did not step it
         dp_group = self.engine.get_data_parallel_group()
         loss_metrics = run.sink.read(run.steps, dp_group)  # every rank: the sink's one read, its checks
-        infer = self._tree_infer_totals.take()  # every rank, one without output too: nothing accumulates
+        infer = self._infer_trees.take() if self._infer_trees else None  # every rank: nothing accumulates
         if output is None:
             return output
         metrics = dict(tu.get(output, "metrics"))
@@ -101,19 +107,17 @@ class TrajTrainingWorker(TrainingWorker):
         """What one planned update swaps in verl (:mod:`verl_traj.integration.patches.scoped`)."""
         return update_patches(run.make_iterator, run.prepare_micro_batches)
 
+    _infer_trees: Optional[TreeTotals] = None  # the trees of this worker's inference passes since its last update
+
     def _trees(self, data: TensorDict, counts: Callable[[], int], what: str, infer: bool = False) -> Any:
         """:func:`~verl_traj.integration.tree.tree_passes.tree_pass` for a batch marked ``prefix_tree``, else a context yielding ``None``;
-        ``infer``: an inference pass, whose trees this worker's next update reports (:class:`~verl_traj.integration.tree.tree_log.TreeTotals`:
+        ``infer``: an inference pass, whose trees this worker's next update reports (:class:`~verl_traj.integration.tree.tree_passes.TreeTotals`:
         two numbers, so a reference worker, which never updates, holds no growing log)."""
         if not tree_marked(data):
             return contextlib.nullcontext()
-        return tree_pass(self.engine, counts, what, self._tree_infer_totals if infer else None)
-
-    @property
-    def _tree_infer_totals(self) -> TreeTotals:
-        if not hasattr(self, "_infer_trees"):
+        if infer and self._infer_trees is None:
             self._infer_trees = TreeTotals()
-        return self._infer_trees
+        return tree_pass(self.engine, data, counts, what, self._infer_trees if infer else None)
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
     def infer_batch(self, data: TensorDict) -> TensorDict:

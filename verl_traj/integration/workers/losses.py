@@ -21,7 +21,7 @@ Both require ``loss_weight`` (:func:`require_loss_weight`): they are installed o
 planned updates only; a micro-batch without it raises, naming the field (it never falls back to verl's loss).
 
 No device-to-host sync beyond verl's own loss: what verl_traj adds (``*/loss_weight_mass``, GSPO's trajectory-ratio
-shift and its non-finite check) goes to the update's :class:`~verl_traj.integration.workers.loss_sink.LossSink`, read once
+shift and its non-finite check) goes to the update's :class:`~verl_traj.integration.workers.planned_update.LossSink`, read once
 when the update ends, and GSPO's in-loss trajectory ratio is computed without a host read
 (:func:`~verl_traj.stepwise.ratios.micro_batch_ratio_shift`).
 """
@@ -43,7 +43,7 @@ from verl.workers.utils.padding import no_padding_2_padding
 
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import LOSS_WEIGHT, RATIO_GROUP, RATIO_IN_LOSS, SEQ_RATIO_SHIFT
-from verl_traj.integration.workers.loss_sink import LOSS_SINK, LossSink, record, record_nonfinite
+from verl_traj.integration.workers.planned_update import LOSS_SINK, LossSink, record, record_nonfinite
 from verl_traj.stepwise.ratios import micro_batch_ratio_shift, nonfinite_rows
 
 

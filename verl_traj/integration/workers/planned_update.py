@@ -1,11 +1,24 @@
-"""A planned update as the workers run it: the contract check, the plan's mini-batches and micro-batches, and what
-ran (:class:`PlannedUpdate`). :mod:`verl_traj.integration.workers.engine_workers` swaps these into verl's ``train_mini_batch`` (and, for prefix-tree
-batches, ``infer_batch``) for one call.
+"""A planned update as the workers run it: the contract check, the plan's mini-batches and micro-batches, what
+ran (:class:`PlannedUpdate`) and what its losses recorded (:class:`LossSink`).
+:mod:`~verl_traj.integration.workers.engine_workers` swaps these into verl's ``train_mini_batch`` (and, for
+prefix-tree batches, ``infer_batch``) for one call.
 
 The micro-batches are cut on the batch's host copy (verl's workers move each micro-batch to the device in
 ``forward_step``), so what each one needs besides its rows rides along as non-tensor data, read from the host:
-a prefix-tree micro-batch's tree size (:data:`~verl_traj.integration.tree.tree_plan_facts.TREE_SIZE_KEY`) and the update's loss sink
-(:data:`~verl_traj.integration.workers.loss_sink.LOSS_SINK`).
+a prefix-tree micro-batch's tree size (:data:`~verl_traj.core.keys.TREE_SIZE_KEY`) and the update's loss sink
+(:data:`LOSS_SINK`).
+
+The loss sink (issue 40, item 3) is where verl_traj's losses leave what verl's loss does not compute: device
+scalars read once per update, so the loss never waits on the device beyond verl's own ``.item()`` calls. verl's
+``Metric(value=tensor)`` reads its value on the spot (a device-to-host sync per metric per micro-batch). The
+metrics verl_traj adds (``*/loss_weight_mass``, ``actor/traj_seq_ratio_shift_abs_max``) and the non-finite
+log-ratio counts of GSPO's trajectory ratio go instead into the update's :class:`LossSink`, the same object on every
+planned micro-batch (a ``TensorDict`` moves non-tensor data by reference). The worker reads it when the update ends
+(:meth:`LossSink.read`: two all-reduces and one read for the whole update) and reports per optimizer step what
+verl's aggregation would have: ``sum`` metrics summed over a step's micro-batches and averaged over the
+data-parallel ranks, ``max`` metrics the step's maximum over micro-batches and ranks. A non-finite count raises there,
+naming the field. Without a sink (a loss called outside a planned update) :func:`record` and :func:`record_nonfinite`
+fall back to verl's immediate ``Metric`` and an immediate check.
 """
 
 from __future__ import annotations
@@ -17,15 +30,87 @@ import torch
 from tensordict import TensorDict
 
 from verl.utils import tensordict_utils as tu
+from verl.utils.metric import AggregationType, Metric
 
 from verl_traj.core import mini_batch_order
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID, PLANNED_FIELDS, RATIO_GROUP
-from verl_traj.integration.tree.tree_plan_facts import TREE_SIZE, TREE_SIZE_KEY, micro_batch_tree_sizes
-from verl_traj.integration.workers.loss_sink import LOSS_SINK, LossSink
+from verl_traj.core.keys import TREE_SIZE, TREE_SIZE_KEY
+from verl_traj.integration.tree.tree_passes import micro_batch_tree_sizes
 
-__all__ = ["PlannedUpdate", "check_planned_update", "mini_batch_slices"]
+__all__ = ["LOSS_SINK", "LossSink", "PlannedUpdate", "check_planned_update", "mini_batch_slices", "record",
+           "record_nonfinite"]
 
+LOSS_SINK = "traj_loss_sink"  # non-tensor of a planned update's micro-batches: the update's LossSink
+_KINDS = {"sum": AggregationType.SUM, "max": AggregationType.MAX}
+
+
+@dataclass
+class LossSink:
+    """One planned update's device scalars: ``entries`` ``(kind, name, step, 0-d tensor)`` with ``kind`` ``sum`` /
+    ``max`` (a metric) or ``nonfinite`` (a count that must be 0; ``name`` the field); ``step``: the optimizer step the
+    micro-batches being cut belong to (set by the planned update)."""
+
+    step: int = 0
+    entries: list = field(default_factory=list)
+
+    def add(self, kind: str, name: str, value: torch.Tensor) -> None:
+        self.entries.append((kind, name, self.step, value.detach().reshape(())))
+
+    def _per_step(self, kind: str, name: str, steps: int) -> torch.Tensor:
+        """``[steps]`` float64: the entries of ``(kind, name)`` summed (``max``: maximised) per step."""
+        picked = [(s, v) for k, n, s, v in self.entries if (k, n) == (kind, name)]
+        device = picked[0][1].device
+        index = torch.tensor([s for s, _ in picked], device=device)
+        values = torch.stack([v.double() for _, v in picked])
+        if kind == "max":
+            out = torch.full((steps,), float("-inf"), dtype=torch.float64, device=device)
+            return out.scatter_reduce(0, index, values, "amax")
+        return torch.zeros(steps, dtype=torch.float64, device=device).index_add_(0, index, values)
+
+    def read(self, steps: int, dp_group: Any = None) -> dict[str, list[float]]:
+        """Metrics per optimizer step (``steps`` of them), reduced over the ranks of ``dp_group`` (every rank of it
+        calls this); raises :class:`TrajInputError` naming the field of a non-zero ``nonfinite`` count. Empties the
+        sink."""
+        keys = sorted({(k, n) for k, n, _, _ in self.entries})
+        if not keys:
+            return {}
+        added = [k for k in keys if k[0] != "max"]
+        maxed = [k for k in keys if k[0] == "max"]
+        parts = [torch.stack([self._per_step(*k, steps) for k in group]) if group else None for group in (added, maxed)]
+        self.entries = []
+        ranks = 1
+        if dp_group is not None and torch.distributed.is_initialized():
+            ranks = torch.distributed.get_world_size(dp_group)
+            for part, op in zip(parts, (torch.distributed.ReduceOp.SUM, torch.distributed.ReduceOp.MAX)):
+                if part is not None:
+                    torch.distributed.all_reduce(part, op=op, group=dp_group)
+        values = torch.cat([p.reshape(-1) for p in parts if p is not None]).tolist()
+        per_key = {k: values[i * steps:(i + 1) * steps] for i, k in enumerate(added + maxed)}
+        for (kind, name), row in per_key.items():
+            if kind == "nonfinite" and sum(row):
+                raise TrajInputError(f"{int(sum(row))} row(s) hold a NaN / inf {name} on a loss token: it poisons "
+                                     "the trajectory's GSPO sequence ratio. Fix: check the model and its inputs "
+                                     f"(the pass that wrote {name}).", field=name)
+        return {name: ([v / ranks for v in row] if kind == "sum" else [v for v in row if v != float("-inf")])
+                for (kind, name), row in per_key.items() if kind in _KINDS}
+
+
+def record(metrics: dict, sink: Optional[LossSink], kind: str, name: str, value: torch.Tensor) -> None:
+    """The metric ``name`` (``kind`` ``sum`` / ``max``) of one micro-batch: into ``sink``, else verl's ``Metric``."""
+    if sink is None:
+        metrics[name] = Metric(value=value.detach(), aggregation=_KINDS[kind])
+    else:
+        sink.add(kind, name, value)
+
+
+def record_nonfinite(sink: Optional[LossSink], name: str, count: torch.Tensor) -> None:
+    """A count of rows with a non-finite ``name`` that must be 0: into ``sink``, else checked now."""
+    if sink is not None:
+        sink.add("nonfinite", name, count)
+    elif bool(count):
+        raise TrajInputError(f"{int(count)} row(s) hold a NaN / inf {name} on a loss token: it poisons the "
+                             "trajectory's GSPO sequence ratio. Fix: check the model and its inputs.", field=name)
 
 def check_planned_update(data: TensorDict) -> tuple[str, ...]:
     """The per-row fields the trainer planned for this update (the non-tensor ``traj_planned_fields``, popped), each
@@ -93,7 +178,7 @@ class PlannedUpdate:
     prepass_micro_batches: int = 0
     prepass_skipped: int = 0
     in_prepass: bool = False
-    sink: Optional[LossSink] = None  # the update's loss sink, on each training micro-batch (:mod:`verl_traj.integration.workers.loss_sink`)
+    sink: Optional[LossSink] = None  # the update's loss sink, on each training micro-batch (:class:`LossSink`)
     group_bound: int = 0  # GSPO at trajectory scope: a bound on the update's trajectories (the pre-pass's table)
 
     @property
