@@ -49,3 +49,15 @@ def test_design_patch_table_lists_every_declared_patch_and_nothing_else():
     assert not unknown_or_ambiguous, f"table names that are not exactly one declared patch: {unknown_or_ambiguous}"
     missing = [d for d in declared if not any(_matches(e, d) for e in entries)]
     assert not missing, f"declared patches missing from docs/design.md's patch table: {missing}"
+
+
+def test_every_declared_patch_names_the_verl_extension_point_that_would_replace_it():
+    """Issue 42, item 4: each catalogue's ``UPSTREAM`` says, for each entry, what verl (or transformers) would need
+    so that the patch could go, or which registry a registration uses; no entry for a patch that is gone."""
+    from verl_traj.integration.patches import process, scoped
+
+    upstream = {**scoped.UPSTREAM, **process.UPSTREAM}
+    declared = set(declared_patches())
+    assert sorted(declared - set(upstream)) == [], "patches without their extension point in UPSTREAM"
+    assert sorted(set(upstream) - declared) == [], "UPSTREAM entries of patches no catalogue declares"
+    assert all(len(text) > 20 for text in upstream.values())

@@ -148,6 +148,22 @@ def test_a_step_of_several_local_updates_reads_every_plans_padding(tq):
         tr._step_padding.real_rows(keys)  # forgotten after the step's metrics
 
 
+def test_verls_step_metrics_are_handed_the_real_rows_only(tq, monkeypatch):
+    """verl's v1 ``_compute_metrics`` drops rows tagged ``is_padding`` from most metrics but counts every row it is
+    handed in its timing and throughput: it is handed the step's real rows (no patch of its metric functions)."""
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    tr = _trainer()
+    out = tr._balance_batch(_store_rows(tq, np.random.default_rng(7), prefix="met"), {})
+    handed = []
+    monkeypatch.setattr(PPOTrainer, "_compute_metrics", lambda self, batch, *args: handed.append(batch))
+    monkeypatch.setattr("verl_traj.integration.trainers.v1.trajectory_metrics", lambda batch, step: {})
+    tr._compute_metrics(out, {}, {}, 1, 0)
+    assert any(k.startswith("pad") for k in out.keys)
+    assert handed[0].keys == [k for k in out.keys if not k.startswith("pad")]
+    assert not any(tag.get("is_padding") for tag in handed[0].tags)
+
+
 # ---- the planned-update contract, through verl's own update methods --------------------------------------------
 
 def _as_a_worker_receives(meta):

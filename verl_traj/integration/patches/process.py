@@ -61,7 +61,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["ProcessPatch", "REPLACE", "REGISTER", "NOW", "IF_LOADED", "ON_IMPORT", "apply", "install",
+__all__ = ["ProcessPatch", "UPSTREAM", "REPLACE", "REGISTER", "NOW", "IF_LOADED", "ON_IMPORT", "apply", "install",
            "cpu_rollout_registrations", "cpu_platform_patches", "prefix_tree_attention_patches", "tool_parser_log_patches",
            "PROCESS_GROUP_MODULES", "PROCESS_GROUP_FUNCTIONS"]
 
@@ -79,6 +79,35 @@ TRANSFORMERS_FLASH = "transformers.integrations.flash_attention"
 VERL_MONKEY_PATCH = "verl.models.transformers.monkey_patch"
 # modules that import verl.utils.distributed's process-group functions by name
 PROCESS_GROUP_MODULES = ("verl.workers.engine_workers", "verl.checkpoint_engine.base", "verl.trainer.sft_trainer")
+
+
+ITSELF = "none needed: this is {}'s extension point (an entry added, nothing replaced)"
+# For every change here: the extension point that would make it unnecessary (none of the replacements' exists in verl
+# 0.9.1 / transformers 5), or, for a registration, the registry it uses.
+UPSTREAM = {
+    ("verl.workers.rollout.base", "_ROLLOUT_REGISTRY"): ITSELF.format("verl"),
+    ("verl.workers.rollout.replica", "RolloutReplicaRegistry"): ITSELF.format("verl"),
+    (PLATFORM_MANAGER, "PlatformRegistry"): ITSELF.format("verl"),
+    (PLATFORM_MANAGER, "_current_platform"): "verl's platform detection choosing a registered platform on a machine "
+                                             "without an accelerator (it falls back to 'nvidia')",
+    **{(module, name): "a process-group backend setting (verl passes 'cpu:gloo,cpu:gloo', which torch rejects)"
+       for module in (DISTRIBUTED, *PROCESS_GROUP_MODULES) for name in PROCESS_GROUP_FUNCTIONS},
+    (FSDP_ENGINE, "CPUOffloadPolicy"): "a pin-memory setting of verl's forward-only engines",
+    ("verl.workers.engine.base", "EngineRegistry"): ITSELF.format("verl"),
+    ("verl.utils.model", "load_valuehead_model"): "the value model loaded with the config's attn_implementation "
+                                                  "(verl hard-codes flash_attention_2)",
+    ("transformers.modeling_utils", "AttentionInterface"): ITSELF.format("transformers"),
+    ("transformers.masking_utils", "AttentionMaskInterface"): ITSELF.format("transformers"),
+    (TRANSFORMERS_FLASH, "_flash_attention_forward"): "a registered attention that verl's remove-padding path accepts "
+                                                      "(it calls transformers' flash path by name)",
+    (VERL_MONKEY_PATCH, "_flash_attention_forward"): "an attention hook that carries a prefix tree (or a torch kernel) "
+                                                     "through verl's remove-padding and Ulysses wrapper",
+    ("verl.utils.fsdp_utils", "fsdp2_sharded_save_to_cpu"): "a copy in verl's save where the device is the CPU (an "
+                                                            "upstream fix)",
+    (FSDP_ENGINE, "logprobs_from_logits"): "a vectorised fallback in verl where flash-attn's fused cross-entropy is "
+                                           "missing (an upstream fix)",
+    ("verl.experimental.agent_loop.tool_parser", "logger"): ITSELF.format("Python logging") + " (a filter)",
+}
 
 
 @dataclass(frozen=True)

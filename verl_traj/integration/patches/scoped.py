@@ -38,8 +38,6 @@ The patch sets, each in the order it is installed (a later patch of the same nam
 * :func:`llm_client_patches` -- driver, during ``TrajV1Mixin.get_llm_client`` (once, at set-up): the rollout
   server managers' ``get_client`` (instance attributes, restored to the class's) <- the same with verl_traj's
   subclass of the client class the trainer asks for (each generate attempt's policy version recorded).
-* :func:`v1_metric_patches` -- driver, during one ``TrajV1Mixin._compute_metrics``:
-  ``trainer_base.compute_timing_metrics``, ``compute_throughout_metrics`` <- real rows only.
 * :func:`update_patches` -- actor / critic worker, during one planned ``train_mini_batch``:
   1. ``tensordict_utils.make_iterator`` <- the plan's mini-batches (same order on every rank);
   2. ``prepare_micro_batches`` of every loaded FSDP engine module <- the plan's micro-batches
@@ -68,8 +66,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-__all__ = ["Patch", "patched", "fit_patches", "gspo_prepass_patches", "llm_client_patches", "micro_batch_patches",
-           "replay_buffer_patches", "task_runner_patches", "update_patches", "v1_advantage_patches", "v1_metric_patches",
+__all__ = ["Patch", "UPSTREAM", "patched", "fit_patches", "gspo_prepass_patches", "llm_client_patches", "micro_batch_patches",
+           "replay_buffer_patches", "task_runner_patches", "update_patches", "v1_advantage_patches",
            "v1_task_runner_patches", "ENGINE_MODULES"]
 
 RAY_TRAINER = "verl.trainer.ppo.ray_trainer"
@@ -81,6 +79,42 @@ METRIC_FUNCTIONS = ("compute_data_metrics", "compute_timing_metrics", "compute_t
 # runs them as a plain loop (Megatron's pipeline schedule is not one of them).
 ENGINE_MODULES = ("verl.workers.engine.fsdp.transformer_impl",)
 
+
+
+NO_ROW_MASK = ("verl's batch functions honouring a row mask (v1 drops rows tagged is_padding from most of its "
+               "metrics; v0's fit has no such flag)")
+# For every patch here: the verl extension point that would make it unnecessary (none of these exists in verl 0.9.1).
+UPSTREAM = {
+    (RAY_TRAINER, "compute_advantage"): "an advantage method on RayPPOTrainer (v0's fit calls the module function by "
+                                        "name) and " + NO_ROW_MASK,
+    (ROLLOUT_CORR, "compute_rollout_correction_and_add_to_batch"): "a rollout-correction scope in "
+                                                                    "algorithm.rollout_correction (verl computes per row)",
+    (RAY_TRAINER, "apply_kl_penalty"): NO_ROW_MASK,
+    (RAY_TRAINER, "extract_reward"): NO_ROW_MASK,
+    **{(RAY_TRAINER, name): NO_ROW_MASK for name in METRIC_FUNCTIONS},
+    (RAY_TRAINER, "compute_spec_decode_metrics"): NO_ROW_MASK,
+    ("verl.trainer.main_ppo_v0", "RayPPOTrainer"): "a trainer-class argument of v0's TaskRunner (it builds "
+                                                   "RayPPOTrainer by name)",
+    ("verl.trainer.ppo.v1", "get_trainer_cls"): "a trainer-class hook of v1's task runner (TRAINER_REGISTRY refuses a "
+                                                "second class for a mode, and v1 reads meaning from the mode's name)",
+    (V1_TRAINER, "compute_advantage_for_multi_trajectories"): "an advantage method on PPOTrainer (its "
+                                                              "_compute_advantage calls the module function by name)",
+    (V1_TRAINER, "apply_kl_penalty"): NO_ROW_MASK + " in v1's KL-in-reward",
+    (V1_TRAINER, "compute_rollout_correction_and_add_to_batch"): "a rollout-correction scope in "
+                                                                  "algorithm.rollout_correction (verl computes per row)",
+    (V1_TRAINER, "ReplayBuffer"): "a replay-buffer class setting that keeps verl's own constructor arguments "
+                                  "(trainer.v1.sampler.custom_sampler gets fewer)",
+    (V1_TRAINER, "ReplayBufferAsync"): "the same setting as for ReplayBuffer",
+    (V1_TRAINER, "load_extern_type"): "the same setting as for ReplayBuffer",
+    ("verl.workers.rollout.llm_server.LLMServerManager", "get_client"): "a client-class setting of the v1 trainer "
+                                                                         "(get_llm_client names verl's class)",
+    ("verl.utils.tensordict_utils", "make_iterator"): "a mini-batch iterator hook of TrainingWorker.train_mini_batch "
+                                                      "(it slices fixed-size mini-batches)",
+    **{(name, "prepare_micro_batches"): "a micro-batch hook of the engine (it re-cuts by its own rule)"
+       for name in ENGINE_MODULES},
+    ("verl.workers.engine.base.BaseEngine", "forward_backward_batch"): "a hook before each optimizer step's forward "
+                                                                       "in TrainingWorker.train_mini_batch",
+}
 
 
 @dataclass(frozen=True)
@@ -211,13 +245,6 @@ def llm_client_patches(managers: Sequence[Any], client_class: Callable[[Optional
     return [Patch("verl.workers.rollout.llm_server.LLMServerManager", "get_client", wrap,
                   "record each generate attempt's policy version (traj_version/*, traj.max_staleness)", target=manager)
             for manager in managers]
-
-
-def v1_metric_patches(on_real_rows: Callable[[Callable], Callable]) -> list[Patch]:
-    """``on_real_rows(verl_metric_fn)``: the metric function on the step's real rows (the mixin passes
-    :func:`~verl_traj.integration.rows.real_rows.metrics_on_masked_rows` with the step's real-row mask bound)."""
-    return [Patch(V1_TRAINER, name, on_real_rows, "log timing and throughput of real rows")
-            for name in ("compute_timing_metrics", "compute_throughout_metrics")]
 
 
 def update_patches(make_iterator: Callable[[Any], Any], prepare_micro_batches: Callable[[Any], Any]) -> list[Patch]:

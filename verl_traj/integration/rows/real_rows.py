@@ -40,7 +40,6 @@ __all__ = [
     "advantage_on_real_rows",
     "kl_penalty_on_real_rows",
     "metric_view",
-    "metrics_on_masked_rows",
     "metrics_on_real_rows",
     "reward_on_real_rows",
     "shared_view",
@@ -180,21 +179,6 @@ def reward_on_real_rows(fn: Callable) -> Callable:
         reward = reward.clone()
         reward[torch.from_numpy(np.flatnonzero(pad)).to(reward.device)] = 0
         return reward, extra
-
-    return wrapper
-
-
-def metrics_on_masked_rows(fn: Callable, real_row_mask: Callable[[], Optional[np.ndarray]]) -> Callable:
-    """Wrap a verl metric function ``fn(batch, ...)`` for a batch that carries no padding flag (v1 builds its metric
-    batch from stored fields): ``real_row_mask()`` gives the flag, by row."""
-
-    @functools.wraps(fn)
-    def wrapper(batch: Any, *args: Any, **kwargs: Any) -> Any:
-        mask = real_row_mask()
-        if mask is None or len(mask) != len(batch) or bool(np.all(mask)) or not bool(np.any(mask)):
-            return fn(batch, *args, **kwargs)
-        batch.batch[IS_PADDING] = torch.from_numpy(~np.asarray(mask, dtype=bool))
-        return fn(real_rows(batch), *args, **kwargs)
 
     return wrapper
 

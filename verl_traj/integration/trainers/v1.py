@@ -59,8 +59,7 @@ from verl_traj.integration.async_modes.v1_staleness import recording_client_clas
 from verl_traj.integration.config.update_spec import UpdateSpec
 from verl_traj.integration.config.verl_config import prepare_v1_agent_loop
 from verl_traj.integration.patches.scoped import (llm_client_patches, patched, replay_buffer_patches,
-                                                  v1_advantage_patches, v1_metric_patches)
-from verl_traj.integration.rows.real_rows import metrics_on_masked_rows
+                                                  v1_advantage_patches)
 from verl_traj.integration.startup.tree_checks import settled_traj_config
 from verl_traj.integration.trainers.checkpoints import CompleteCheckpoints
 from verl_traj.integration.trainers.step_plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
@@ -266,10 +265,11 @@ class TrajV1Mixin(CompleteCheckpoints):
                                                    for name, manager in ROLLOUT_POOLS}))
         if not self.traj_config.enable:
             return super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
+        # verl's metrics of the step's real rows: verl drops rows tagged is_padding from most of them, but its timing
+        # and throughput count every row it is handed, so it is handed the real ones
         real = self._step_padding.real_rows(batch.keys)
-        on_real_rows = functools.partial(metrics_on_masked_rows, real_row_mask=lambda: real)
-        with patched(v1_metric_patches(on_real_rows)):
-            return super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
+        real_batch = batch.select_keys([key for key, keep in zip(batch.keys, real) if keep])
+        return super()._compute_metrics(real_batch, metrics, timing_raw, global_steps, epoch)
 
 
 def reuses_old_log_probs(trainer_cls: type) -> bool:
