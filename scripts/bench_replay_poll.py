@@ -2,9 +2,9 @@
 """Benchmark: one v1 replay-buffer poll (verl's ``_sync_metadata_from_transfer_queue``) against the number of sessions.
 
 Each poll reads every key's tag of the partition from TransferQueue, so its cost grows with the batch; verl_traj waits
-``max(traj.replay_poll_s, 4 x the poll's own time)`` between polls (``integration/v1_failures.poll_interval``).
-Real Ray and TransferQueue in this process; one prompt key and ``n`` session keys a prompt, tags as verl's agent-loop
-workers and verl_traj leave them.
+``max(traj.replay_poll_s, 4 x the poll's own time)`` between polls
+(``integration/async_modes/v1_failures.poll_interval``). Real Ray and TransferQueue in this process; one prompt key and
+``n`` session keys a prompt, tags as verl's agent-loop workers and verl_traj leave them.
 
     python scripts/bench_replay_poll.py [--sizes 64x4,256x16,1024x16] [--repeats 5] [--json]
 """

@@ -410,8 +410,8 @@ TREE_SPANS = ("verl_traj.tree.build", "verl_traj.tree.inputs", "verl_traj.tree.m
 def _profiled_update(run: dict, rank: int, dp: int, rows: int, cuda: bool, path: str) -> dict:
     """One more update of ``run`` under torch's profiler (CPU, and CUDA on a GPU): rank 0 writes the operator table
     (``path``.txt, by self device time on a GPU, else CPU time) and returns the seconds spent in each of the tree's
-    stages (:data:`TREE_SPANS`, ``record_function`` spans in ``integration/tree/tree_forward.py``: the trees' build from the
-    plan's facts, verl's input preparation over them, the attention's mask, the attention calls, the gathers back to
+    stages (:data:`TREE_SPANS`, ``record_function`` spans in ``integration/tree/tree_forward.py``: the trees' build from
+    the plan's facts, verl's input preparation over them, the attention's mask, the attention calls, the gathers back to
     the rows), in the attention's kernels, and in the whole update."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -363,7 +363,7 @@ def _package_writes():
 
 def test_every_write_to_a_verl_module_is_declared_in_a_patch_catalogue():
     """Outside the two installers, ``module.x = ...`` (any spelling) on a verl module needs ``(module, x)`` in
-    ``patches.py`` or ``process_patches.py``: a write the catalogues do not list is an unlisted patch."""
+    ``patches/scoped.py`` or ``patches/process.py``: a write the catalogues do not list is an unlisted patch."""
     from tests.patch_catalogue import declared_patches
 
     declared = set(declared_patches())
@@ -553,3 +553,16 @@ def test_the_update_markers_are_written_by_one_contract_and_read_by_the_workers(
     allowed = ("core/keys.py", "integration/trainers/update_contract.py", "integration/workers/",
                "testing/engine.py")  # the engine tests' harness stages updates by hand (its own ratio groups)
     assert [u for u in users if not u.startswith(allowed)] == [], users
+
+
+README = PACKAGE.parent / "README.md"
+
+
+def test_the_readme_is_read_in_five_minutes():
+    """Issue 42, item 6: at most 150 lines; every feature-table row one line, with a link to its details."""
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 150, len(lines)
+    table = lines[lines.index("## Features"):]
+    rows = [line for line in table[:next(i for i, l in enumerate(table) if l.startswith("## ") and i)]
+            if line.startswith("| ") and not line.startswith("| feature")]
+    assert rows and all("](docs/" in row and len(row) <= 220 for row in rows), [r for r in rows if len(r) > 220]

@@ -68,8 +68,8 @@ class TrajConfig:
             keeps verl's own log-prob caps.
         padded_cap: without remove-padding (every micro-batch padded to its longest row), what the cap
             bounds: ``"tokens"``, the rows' token sum as in verl (from verl's number of passes up, padding
-            weighed against ``pass_cost_tokens``), or ``"area"``, rows x longest row (a strict bound on the padded activation
-            memory; more, smaller passes). With remove-padding the cap always bounds tokens.
+            weighed against ``pass_cost_tokens``), or ``"area"``, rows x longest row (a strict bound on the padded
+            activation memory; more, smaller passes). With remove-padding the cap always bounds tokens.
         pass_cost_tokens: with ``padded_cap="tokens"`` and no remove-padding: the fixed cost of one forward /
             backward pass, in padded positions. From verl's count upward, the planner cuts another micro-batch
             only where the padded positions it saves exceed this. ``None``: never more passes than the fewest.

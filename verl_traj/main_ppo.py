@@ -1,8 +1,8 @@
 """``python -m verl_traj.main_ppo``: verl's PPO/GRPO entry with verl_traj's trainer and workers.
 
 Hydra config: ``verl_traj/configs/traj_ppo.yaml`` (verl's ``ppo_trainer`` plus our ``traj:`` section);
-presets such as ``cpu_tiny`` select with ``--config-name`` (the configs ship with the package). Every verl override works
-as with ``python -m verl.trainer.main_ppo``.
+presets such as ``cpu_tiny`` select with ``--config-name`` (the configs ship with the package). Every verl override
+works as with ``python -m verl.trainer.main_ppo``.
 """
 
 from __future__ import annotations
@@ -116,8 +116,8 @@ def transfer_queue_threads(environ: dict) -> None:
 
 
 def run(config) -> None:
-    """Check ``traj:`` and verl's config on the driver (once: :func:`~verl_traj.integration.startup.checks.check_startup`),
-    then run training on Ray."""
+    """Check ``traj:`` and verl's config on the driver (once:
+    :func:`~verl_traj.integration.startup.checks.check_startup`), then run training on Ray."""
     from verl.trainer.main_ppo import run_ppo
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config

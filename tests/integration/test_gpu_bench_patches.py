@@ -1,7 +1,8 @@
 """What ``scripts/bench_update.py --device cuda`` (and the plugin, in every CUDA process) installs on a GPU without
-flash-attn, checked on CPU in a fresh process (the patches are for the life of a process): the torch variable-length attention under ``torch_varlen`` in
-transformers' registries and in verl's module, and one vectorised fp32 log-softmax for verl's engine log-probs, equal
-to verl's own fallback (the figures in docs/prefix_tree.md's update A/B rest on both)."""
+flash-attn, checked on CPU in a fresh process (the patches are for the life of a process): the torch variable-length
+attention under ``torch_varlen`` in transformers' registries and in verl's module, and one vectorised fp32 log-softmax
+for verl's engine log-probs, equal to verl's own fallback (the figures in docs/prefix_tree.md's update A/B rest on
+both)."""
 
 import os
 import subprocess

@@ -1,4 +1,5 @@
-"""Where ``python -m verl_traj.main_ppo`` starts Ray (:func:`verl_traj.integration.config.verl_config.ray_init_address`).
+"""Where ``python -m verl_traj.main_ppo`` starts Ray
+(:func:`verl_traj.integration.config.verl_config.ray_init_address`).
 
 Regression: CI's machine had a Ray cluster recorded in ``/tmp/ray/ray_current_cluster``; every CPU run then
 connected to it and died inside ``ray.init`` ("When connecting to an existing cluster, num_cpus and num_gpus must

@@ -1,4 +1,5 @@
-"""One micro-batch forwarded as a prefix tree (``verl_traj.integration.tree.tree_forward``) equals the forward without it.
+"""One micro-batch forwarded as a prefix tree (``verl_traj.integration.tree.tree_forward``) equals the forward without
+it.
 
 * the tree-aware attention: a tree call equals each row's causal attention; a tree reaching the plain kernel raises;
 * a tiny Qwen2 on the flash-attention path (``cpu_varlen``): tree logits gathered to rows equal the packed rows';

@@ -1,5 +1,5 @@
-"""The v1 trainer adapter's pure parts (:mod:`verl_traj.integration.trainers.v1` and its ``v1_*`` modules): keys -> layout,
-the planned advantage
+"""The v1 trainer adapter's pure parts (:mod:`verl_traj.integration.trainers.v1` and its ``v1_*`` modules): keys ->
+layout, the planned advantage
 (v1's reward-on-every-step-row convention gives exactly v0's step-wise advantages), padding rows with the source's
 schema, the trainer classes every registered mode gets, and the start-up checks for ``trainer.use_v1=true``."""
 

@@ -1,4 +1,5 @@
-"""verl_traj's group policies on verl's v1 pieces (:mod:`verl_traj.integration.async_modes.v1_staleness`, ``v1_failures``):
+"""verl_traj's group policies on verl's v1 pieces (:mod:`verl_traj.integration.async_modes.v1_staleness`,
+``v1_failures``):
 
 * the version of every generate attempt, through verl's own ``FullyAsyncLLMServerClient`` resume loop (a partial
   rollout aborted at a weight sync and resumed under the next version), with only the Ray transport replaced;

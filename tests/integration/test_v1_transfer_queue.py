@@ -180,7 +180,8 @@ def _as_a_worker_receives(meta):
 
 class _WorkerGroup:
     """The worker side of one update dispatch, in this process: what verl's worker receives for the meta, then
-    verl_traj's worker check of the planned fields (:func:`~verl_traj.integration.workers.engine_workers.check_planned_update`)."""
+    verl_traj's worker check of the planned fields
+    (:func:`~verl_traj.integration.workers.engine_workers.check_planned_update`)."""
 
     def __init__(self):
         self.received, self.checked = [], []

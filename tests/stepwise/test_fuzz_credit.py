@@ -1,8 +1,8 @@
 """Fuzzing the step rows' credit entries (issue 28, item 8): the timeline estimators (``Timeline``,
 ``timeline_advantages``), the outcome estimators (``compute_trajectory_advantages`` and its parts), the
 trajectory-scoped correction (``trajectory_rollout_correction``, ``group_log_ratio_sums``, ``sequence_ratio_shift``)
-and the DataProto-level wrappers of :mod:`verl_traj.integration.rows.stepwise_rows`. Each gets a valid batch of step rows
-and one random corruption (duplicate steps, out-of-range trajectory indices, widths that do not match the mask,
+and the DataProto-level wrappers of :mod:`verl_traj.integration.rows.stepwise_rows`. Each gets a valid batch of step
+rows and one random corruption (duplicate steps, out-of-range trajectory indices, widths that do not match the mask,
 NaN / inf, wrong dtypes, misspelled options); only the clean result (harmless corruptions) or a
 :class:`~verl_traj.core.TrajInputError` whose ``field`` is set and named in its message are accepted. Then one
 regression test per class of bug the fuzzing found."""

@@ -20,7 +20,8 @@ def _right_padded_mask(lengths, width):
 
 
 def _two_groups_batch():
-    """Group "g0": traj A (3 steps, reward 1) and B (2 steps, reward 0); group "g1": C (1 step, r=1), D (2 steps, r=0.5).
+    """Group "g0": traj A (3 steps, reward 1) and B (2 steps, reward 0); group "g1": C (1 step, r=1), D (2 steps,
+    r=0.5).
 
     Responses are right-padded to width 8 with DIFFERENT lengths per step (prompts would be left-padded).
     Rows are deliberately interleaved (not grouped by trajectory).

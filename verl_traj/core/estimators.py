@@ -4,8 +4,8 @@ real-row wrapper (:mod:`verl_traj.integration.rows.real_rows`), so they cannot d
 
 Pure module (stdlib and :mod:`verl_traj.core.errors`). The names are verl 0.9.1's ``AdvantageEstimator``
 values; a test walks every estimator verl registers (``core_algos.ADV_ESTIMATOR_REGISTRY``) and checks it has an
-entry here. A name verl_traj does not know (a user's ``register_adv_est``) gets :data:`CUSTOM`: refused with step rows unless
-its output is checked to be ``scalar * response_mask`` (the step-wise adapter does this at run time).
+entry here. A name verl_traj does not know (a user's ``register_adv_est``) gets :data:`CUSTOM`: refused with step rows
+unless its output is checked to be ``scalar * response_mask`` (the step-wise adapter does this at run time).
 
 Traits:
 

@@ -1,6 +1,6 @@
 """Failed rollouts, handled per GRPO group (``traj.failed_groups``): which failed groups leave the batch, and what is
-logged about them. Pure: no verl, no TransferQueue; :mod:`verl_traj.integration.async_modes.v1_failures` applies it to verl's
-replay buffer, whose unit is the group (a prompt ``uid`` and its ``n`` sessions).
+logged about them. Pure: no verl, no TransferQueue; :mod:`verl_traj.integration.async_modes.v1_failures` applies it to
+verl's replay buffer, whose unit is the group (a prompt ``uid`` and its ``n`` sessions).
 
 A session (one trajectory) fails when its agent loop raises: an error in the loop or a tool it does not catch, a
 context overflow the loop reports by raising, or ``traj.trajectory_timeout_s`` passing. verl marks the group

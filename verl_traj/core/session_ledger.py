@@ -1,6 +1,6 @@
 """What one agent-loop session records besides its rows, for tags of its last row: the policy version and token
-count of every generate attempt (:mod:`verl_traj.integration.async_modes.v1_staleness`) and its tool calls, parsed and malformed
-(:class:`~verl_traj.integration.agent_loops.stepwise_agent_loop.StepwiseToolAgentLoop`).
+count of every generate attempt (:mod:`verl_traj.integration.async_modes.v1_staleness`) and its tool calls, parsed and
+malformed (:class:`~verl_traj.integration.agent_loops.stepwise_agent_loop.StepwiseToolAgentLoop`).
 
 The v1 agent-loop worker opens a ledger around each training session (:func:`session_ledger`); whatever runs inside
 the session's task finds it with :func:`current_ledger` (a context variable: concurrent sessions never mix, and tasks

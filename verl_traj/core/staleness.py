@@ -1,6 +1,6 @@
 """Staleness per trajectory, in tokens per policy version (``traj.max_staleness``, ``traj.stale_groups``). Pure: numpy
-and stdlib; :mod:`verl_traj.integration.async_modes.v1_staleness` records the versions and applies the bound to verl's replay
-buffer, whose unit is the GRPO group.
+and stdlib; :mod:`verl_traj.integration.async_modes.v1_staleness` records the versions and applies the bound to verl's
+replay buffer, whose unit is the GRPO group.
 
 A trajectory's tokens can come from several policies: a partial rollout is aborted at each weight sync and resumed
 under the new weights, and a long agent's later turns are generated after syncs its first turns did not see. Every

@@ -9,9 +9,10 @@ rollout servers). Importing it:
 * registers the ``cpu`` platform, the FSDP engines for device ``cpu`` (with an unpinned offload policy
   for forward-only engines such as the reference model: pinning needs an accelerator), a gloo-only
   process-group init and a value-model loader that honours the model config's attention implementation
-  (verl hard-codes ``flash_attention_2`` for critics; CUDA-only) ONLY when no accelerator is present: ``torch.cuda.is_available()`` is false and none of
-  verl's own platforms (nvidia, npu, rocm) detects its hardware with its SMI check (the same probe
-  verl's auto-detection uses, so a CPU-only Ray actor on a GPU node is NOT treated as CPU-only).
+  (verl hard-codes ``flash_attention_2`` for critics; CUDA-only) ONLY when no accelerator is present:
+  ``torch.cuda.is_available()`` is false and none of verl's own platforms (nvidia, npu, rocm) detects its hardware with
+  its SMI check (the same probe verl's auto-detection uses, so a CPU-only Ray actor on a GPU node is NOT treated as
+  CPU-only).
 
 ``VERL_TRAJ_CPU=1`` forces the CPU platform, ``VERL_TRAJ_CPU=0`` disables it. An explicit
 ``VERL_PLATFORM`` other than ``cpu`` also disables it.

@@ -19,8 +19,8 @@ the CPU rollout cannot do.
   pools, and weight sync over gloo (:mod:`verl_traj.cpu.weight_sync`, backend ``gloo``) where the preset's colocated
   ``naive`` sync cannot serve a separate pool.
 
-All run in :func:`verl_traj.integration.startup.checks.check_startup`: the attention and the separate_async settings where the
-CPU platform is in use (``trainer.device=cpu``), the LoRA check wherever the CPU rollout is.
+All run in :func:`verl_traj.integration.startup.checks.check_startup`: the attention and the separate_async settings
+where the CPU platform is in use (``trainer.device=cpu``), the LoRA check wherever the CPU rollout is.
 """
 
 from __future__ import annotations

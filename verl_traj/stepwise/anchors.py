@@ -10,9 +10,10 @@ A key is a positive 63-bit integer, the same in every process and run (blake2b, 
   latest observation, not the whole state: identical short results reached from different states (``OK``, one error
   text) share a key, and a rewritten context puts earlier responses into it. Where that matters, the loop gives
   its own keys.
-* an agent loop's own key (:meth:`~verl_traj.integration.agent_loops.stepwise_agent_loop.StepRecordingMixin.anchor_keys`),
-  for environments whose state is not the text, or for matching similar observations: a ``str``, ``bytes``,
-  ``int`` or a tuple of them, hashed by :func:`anchor_key`.
+* an agent loop's own key
+  (:meth:`~verl_traj.integration.agent_loops.stepwise_agent_loop.StepRecordingMixin.anchor_keys`), for environments
+  whose state is not the text, or for matching similar observations: a ``str``, ``bytes``, ``int`` or a tuple of them,
+  hashed by :func:`anchor_key`.
 
 Pure module: numpy, torch and hashlib.
 """

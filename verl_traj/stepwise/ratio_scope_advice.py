@@ -18,11 +18,11 @@ turns) measure 0.80 / 0.63 / 0.32 / 0.02 at trajectory scope for s = 0.005 / 0.0
 / 0.31 / 0.03), against 0.96 / 0.91 / 0.79 / 0.52 at row scope (rows: median 71 loss tokens); 100-turn agents
 (~22K loss tokens) 0.75 / 0.44 / 0.12 / 0.01 at trajectory scope.
 
-The start-up warning (``verl_traj.integration.startup.checks.ratio_scope_warning``): :func:`degenerates` with the largest
-loss-token count a trajectory can have (verl's agent loop caps a trajectory's response tokens, every turn together,
-at ``data.max_response_length``) and a spread; a run-time check can read the spread from verl's logged per-token chi-square
-(:func:`spread_from_chi2_token`: ``E[ratio^2] - 1 = exp(s^2) - 1`` under the model). The lower SAFETY_BOUND clamp
-of verl (log weight >= -20) is ignored: weights below ``exp(-20)`` add nothing to either moment.
+The start-up warning (``verl_traj.integration.startup.checks.ratio_scope_warning``): :func:`degenerates` with the
+largest loss-token count a trajectory can have (verl's agent loop caps a trajectory's response tokens, every turn
+together, at ``data.max_response_length``) and a spread; a run-time check can read the spread from verl's logged
+per-token chi-square (:func:`spread_from_chi2_token`: ``E[ratio^2] - 1 = exp(s^2) - 1`` under the model). The lower
+SAFETY_BOUND clamp of verl (log weight >= -20) is ignored: weights below ``exp(-20)`` add nothing to either moment.
 
 Pure module (math only).
 """

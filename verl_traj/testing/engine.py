@@ -65,8 +65,8 @@ def gpu_config(overrides: Sequence[str] = ()) -> Any:
 
 def register_torch_varlen(name: str = TORCH_VARLEN) -> str:
     """transformers' flash-attention path under ``name`` with the torch variable-length kernel where verl's
-    remove-padding wrapper calls flash-attn (:mod:`verl_traj.integration.tree.torch_flash`; the plugin installs the same in
-    every CUDA process without flash-attn), installed now in this process; idempotent. Returns ``name``."""
+    remove-padding wrapper calls flash-attn (:mod:`verl_traj.integration.tree.torch_flash`; the plugin installs the same
+    in every CUDA process without flash-attn), installed now in this process; idempotent. Returns ``name``."""
     from verl_traj.integration.patches.process import install
     from verl_traj.integration.tree.torch_flash import attention_patches
 

@@ -81,9 +81,10 @@ MALFORMED_TOOL_CALL_LOG = re.compile(r"Failed to decode (\S+ )?tool call")
 
 
 class MalformedToolCallCounter(logging.Filter):
-    """On verl's tool-parser logger: inside a training session (:func:`~verl_traj.core.session_ledger.current_ledger`), a tool call
-    the model wrote malformed is counted for ``traj_agent/malformed_tool_call_share`` instead of logged as an ERROR
-    (the policy learning its format is expected behaviour, worth a metric, not an alarm); outside one it is logged."""
+    """On verl's tool-parser logger: inside a training session (:func:`~verl_traj.core.session_ledger.current_ledger`),
+    a tool call the model wrote malformed is counted for ``traj_agent/malformed_tool_call_share`` instead of logged as
+    an ERROR (the policy learning its format is expected behaviour, worth a metric, not an alarm); outside one it is
+    logged."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         ledger = current_ledger()

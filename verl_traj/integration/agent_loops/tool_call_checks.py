@@ -45,8 +45,8 @@ def tool_call_problem(name: str, arguments: Any, tools: Mapping[str, Optional[Ma
 
     ``arguments``: the call's JSON text (verl's ``FunctionCall.arguments``). ``tools``: each available tool's name ->
     the JSON-schema ``parameters`` object naming its arguments (``properties``: name -> ``{"type": ...}``, the types
-    only shown in the answer; ``required``: names), or ``None`` for a tool that takes any JSON object. An unknown name and arguments that are
-    not JSON get verl's own texts; the others name each wrong argument and what the tool takes.
+    only shown in the answer; ``required``: names), or ``None`` for a tool that takes any JSON object. An unknown name
+    and arguments that are not JSON get verl's own texts; the others name each wrong argument and what the tool takes.
     """
     if name not in tools:
         return f"Unknown function '{name}'. Available tools: {list(tools)}"

@@ -1,8 +1,9 @@
 """Step-wise rows on verl's v1 trainer: one stored row per (prefix-merged) LLM call, cut where the session ends.
 
 v1's ``AgentLoopWorkerTQ`` stores every ``AgentLoopOutput`` of a session as its own TransferQueue row
-(``{uid}_{session}_{index}``). verl_traj's step-wise loops (:class:`~verl_traj.integration.agent_loops.stepwise_agent_loop.
-StepRecordingMixin`) return the usual concatenated multi-turn output plus the calls they recorded.
+(``{uid}_{session}_{index}``). verl_traj's step-wise loops
+(:class:`~verl_traj.integration.agent_loops.stepwise_agent_loop.StepRecordingMixin`) return the usual concatenated
+multi-turn output plus the calls they recorded.
 :class:`TrajAgentLoopWorkerTQ` scores that output ONCE -- the whole trajectory, exactly what verl's reward
 functions see on v0 -- and then hands verl its step rows instead (prefix-merged with ``traj.merge_prefix``), so:
 

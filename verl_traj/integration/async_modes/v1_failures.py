@@ -2,9 +2,10 @@
 
 Two places:
 
-* the agent-loop worker (:func:`run_session`, from :class:`~verl_traj.integration.agent_loops.v1_agent_loop.TrajAgentLoopWorkerTQ`): each session
-  runs under ``traj.trajectory_timeout_s``; when it fails, it tags its group's prompt key with the reason and clears
-  any rows it had stored (never half a trajectory), then re-raises, so verl marks the group ``failure`` as usual;
+* the agent-loop worker (:func:`run_session`, from
+  :class:`~verl_traj.integration.agent_loops.v1_agent_loop.TrajAgentLoopWorkerTQ`): each session runs under
+  ``traj.trajectory_timeout_s``; when it fails, it tags its group's prompt key with the reason and clears any rows it
+  had stored (never half a trajectory), then re-raises, so verl marks the group ``failure`` as usual;
 * the replay buffer (from :class:`~verl_traj.integration.trainers.v1.TrajV1Mixin`): verl builds it with
   :func:`group_policy_class` of its choice (sync or async, or a user's subclass), :class:`FailedGroupPolicy` first in
   its MRO, and :func:`with_group_policies` sets it to ``traj:``. It decides which failed
@@ -43,8 +44,8 @@ POLL_COST_SHARE = 0.2  # the most of the trainer's wait for a step's groups spen
 def poll_interval(floor: float, took: float) -> float:
     """Seconds to wait before the next replay-buffer poll: ``traj.replay_poll_s`` (``floor``), or longer where one
     poll took ``took`` seconds, so polling costs at most ``POLL_COST_SHARE`` of the wait. A poll reads every key's
-    tag of the partition: 1-2 ms at 64 prompts x 4 sessions, 69-398 ms at 1,024 x 16 (scripts/bench_replay_poll.py), where
-    a fixed 0.25 s would keep the driver and the TransferQueue controller busy most of the time."""
+    tag of the partition: 1-2 ms at 64 prompts x 4 sessions, 69-398 ms at 1,024 x 16 (scripts/bench_replay_poll.py),
+    where a fixed 0.25 s would keep the driver and the TransferQueue controller busy most of the time."""
     return max(floor, took * (1 - POLL_COST_SHARE) / POLL_COST_SHARE)
 
 
@@ -100,8 +101,8 @@ def _tag_lock() -> asyncio.Lock:
 
 class FailedGroupPolicy:
     """Mixed in before verl's replay buffer class (:func:`with_group_policies`). Its ``_log`` collects what the next
-    training ``sample`` reports, for :class:`~verl_traj.integration.async_modes.v1_staleness.StaleGroupPolicy` too; each metadata read sets the wait
-    before the next (:func:`poll_interval`)."""
+    training ``sample`` reports, for :class:`~verl_traj.integration.async_modes.v1_staleness.StaleGroupPolicy` too; each
+    metadata read sets the wait before the next (:func:`poll_interval`)."""
 
     failed_group_policy = "drop"
     replay_poll_s = 2.0  # traj.replay_poll_s (with_group_policies sets it)

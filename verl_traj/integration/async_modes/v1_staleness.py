@@ -6,14 +6,15 @@ Two places:
   trainer's ``get_llm_client``) with :func:`recording_client_class`, which puts :class:`AttemptRecorder` just above
   verl's ``LLMServerClient`` in the MRO, so each server call (one attempt; verl's
   ``FullyAsyncLLMServerClient`` resumes an aborted call with further attempts) adds ``(version, tokens)`` to the
-  running session's ledger (:mod:`verl_traj.core.session_ledger`). When the session's rows are stored, its last row gets them,
-  summed per version, as the tag ``traj_version_tokens``;
-* the replay buffer of the async modes gets :class:`StaleGroupPolicy` (:func:`~verl_traj.integration.async_modes.v1_failures.with_group_policies`):
-  with ``traj.max_staleness`` it drops groups with a trajectory over the bound (verl's stale-group eviction and
-  refill) or, with ``traj.stale_groups=defer``, holds sampling while a running group could pass it, and logs
-  ``traj_staleness/*`` on every sampling.
+  running session's ledger (:mod:`verl_traj.core.session_ledger`). When the session's rows are stored, its last row gets
+  them, summed per version, as the tag ``traj_version_tokens``;
+* the replay buffer of the async modes gets :class:`StaleGroupPolicy`
+  (:func:`~verl_traj.integration.async_modes.v1_failures.with_group_policies`): with ``traj.max_staleness`` it drops
+  groups with a trajectory over the bound (verl's stale-group eviction and refill) or, with ``traj.stale_groups=defer``,
+  holds sampling while a running group could pass it, and logs ``traj_staleness/*`` on every sampling.
 
-The trainer logs ``traj_version/token_staleness_*`` of what each step trains (:mod:`verl_traj.integration.trainers.v1_metrics`).
+The trainer logs ``traj_version/token_staleness_*`` of what each step trains
+(:mod:`verl_traj.integration.trainers.v1_metrics`).
 """
 
 from __future__ import annotations
@@ -81,9 +82,9 @@ _CLIENTS: dict[type, type] = {LLMServerClient: TrajLLMServerClient,
 
 def recording_client_class(cls: Optional[type]) -> type:
     """The class verl builds the agent loops' client with instead of ``cls`` (verl's ``LLMServerClient`` or a
-    subclass; ``None``: verl's default, ``LLMServerClient``): :class:`AttemptRecorder` between ``cls`` and ``LLMServerClient``, so a subclass's resume loop calls
-    it once per attempt. verl's two clients have named classes (pickled by name to the agent-loop workers); any
-    other subclass gets one built here, once."""
+    subclass; ``None``: verl's default, ``LLMServerClient``): :class:`AttemptRecorder` between ``cls`` and
+    ``LLMServerClient``, so a subclass's resume loop calls it once per attempt. verl's two clients have named classes
+    (pickled by name to the agent-loop workers); any other subclass gets one built here, once."""
     cls = LLMServerClient if cls is None else cls
     if not (isinstance(cls, type) and issubclass(cls, LLMServerClient)):
         raise TrajConfigError(
@@ -114,8 +115,8 @@ def check_recording(client: Any, required: bool) -> None:
 
 
 class StaleGroupPolicy:
-    """Mixed in before :class:`~verl_traj.integration.async_modes.v1_failures.FailedGroupPolicy` (whose ``_log`` it reports through, and whose choice
-    of failed groups to evict it reads) and verl's async replay buffer class."""
+    """Mixed in before :class:`~verl_traj.integration.async_modes.v1_failures.FailedGroupPolicy` (whose ``_log`` it
+    reports through, and whose choice of failed groups to evict it reads) and verl's async replay buffer class."""
 
     max_staleness: Optional[float] = None
     stale_group_policy = "drop"

@@ -2,7 +2,8 @@
 
 :class:`UpdateSpec` is built in the trainer's ``__init__`` (v0 ``TrajRayPPOTrainer``, v1 ``TrajV1Mixin``), after
 :func:`~verl_traj.integration.config.verl_config.prepare_config` has adapted verl's micro-batch settings (the sections
-were validated once, at start-up: :func:`~verl_traj.integration.startup.checks.check_startup`). Both adapters read every fact from it; none re-derives one from verl's config:
+were validated once, at start-up: :func:`~verl_traj.integration.startup.checks.check_startup`). Both adapters read every
+fact from it; none re-derives one from verl's config:
 
 * the prompts of one planned update (``data.train_batch_size``, over v1's ``parameter_sync_step``), the number of
   (actor) mini-batches it is cut into, ``actor.ppo_epochs``;

@@ -19,7 +19,8 @@ length of padding rows. It adapts and does not validate: the checks ran once, on
   packing hands every CP rank a slice of each row; verl PR 7449 measured the shortest rows that survive
   as 2 / 3 / 8 / 16 tokens at TP1CP2 / TP2CP2 / TP2CP4 / TP4CP4, each at most TP x CP), else 2.
 * v0: ``trainer.balance_batch`` is forced on (the planner runs in ``_balance_batch``), with a warning.
-* v1: verl_traj's agent-loop manager is selected (:mod:`verl_traj.integration.agent_loops.v1_agent_loop`: step rows, deterministic request ids).
+* v1: verl_traj's agent-loop manager is selected (:mod:`verl_traj.integration.agent_loops.v1_agent_loop`: step rows,
+  deterministic request ids).
 """
 
 from __future__ import annotations
@@ -199,9 +200,9 @@ def _force_balance_batch(config: Any) -> None:
 
 
 def prepare_v1_agent_loop(config: Any, traj_config: TrajConfig) -> None:
-    """v1: verl_traj's agent-loop manager (:mod:`verl_traj.integration.agent_loops.v1_agent_loop`: step rows for ``traj.step_wise``, one request
-    priority per session for ``rollout.full_determinism``), unless the user chose a manager of their own (then
-    ``traj.step_wise`` needs it to subclass verl_traj's)."""
+    """v1: verl_traj's agent-loop manager (:mod:`verl_traj.integration.agent_loops.v1_agent_loop`: step rows for
+    ``traj.step_wise``, one request priority per session for ``rollout.full_determinism``), unless the user chose a
+    manager of their own (then ``traj.step_wise`` needs it to subclass verl_traj's)."""
     agent = config.actor_rollout_ref.rollout.agent
     given = agent.get("agent_loop_manager_class", None)
     if given not in (None, "", MANAGER_FQN):

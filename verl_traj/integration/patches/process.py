@@ -44,8 +44,8 @@ replacements in; this module imports nothing of verl_traj (it lists patches, it 
 * :func:`fused_logprobs_patches` -- there too: ``verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits``
   <- one vectorised fp32 log-softmax (flash-attn's fused cross-entropy's numbers; verl's fallback loops over tokens).
 * :func:`tool_parser_log_patches` -- in an agent-loop worker process, when the first
-  :class:`~verl_traj.integration.agent_loops.stepwise_agent_loop.StepwiseToolAgentLoop` is built, and in the calculator recipe's
-  offline evaluation (both through ``counting_tool_parser``), now (idempotent):
+  :class:`~verl_traj.integration.agent_loops.stepwise_agent_loop.StepwiseToolAgentLoop` is built, and in the calculator
+  recipe's offline evaluation (both through ``counting_tool_parser``), now (idempotent):
   ``verl.experimental.agent_loop.tool_parser.logger`` += a filter that counts, inside a training session, each tool
   call the model wrote malformed (``traj_agent/malformed_tool_call_share``) instead of logging it at ERROR; outside a
   session the record passes.

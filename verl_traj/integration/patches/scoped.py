@@ -22,8 +22,9 @@ The patch sets, each in the order it is installed (a later patch of the same nam
 * :func:`task_runner_patches` -- task runner, during ``TrajTaskRunner.run``:
   ``main_ppo_v0.RayPPOTrainer`` <- ``TrajRayPPOTrainer`` (verl's runner wiring runs unchanged).
 * :func:`v1_task_runner_patches` -- task runner, during ``TrajTaskRunnerV1.run`` (``trainer.use_v1=true``):
-  ``verl.trainer.ppo.v1.get_trainer_cls`` <- the registered class with :class:`~verl_traj.integration.trainers.v1.TrajV1Mixin`
-  first (every mode, under its own name: v1 reads meaning from the mode name).
+  ``verl.trainer.ppo.v1.get_trainer_cls`` <- the registered class with
+  :class:`~verl_traj.integration.trainers.v1.TrajV1Mixin` first (every mode, under its own name: v1 reads meaning from
+  the mode name).
 * :func:`v1_advantage_patches` -- driver, during one ``TrajV1Mixin._compute_advantage``:
   1. ``trainer_base.compute_advantage_for_multi_trajectories`` <- the planned batch's advantage (real rows, one
      outcome per trajectory);
@@ -53,8 +54,9 @@ Not here, on purpose: the CPU platform plugin's changes for the whole life of a 
 a rollout backend, a gloo-only process-group init and a value-model loader; all but the rollout backend only
 in processes without an accelerator) are listed in :mod:`verl_traj.integration.patches.process`.
 
-This module lists patches and depends on nothing that installs them: the adapters (``trainer.py``, ``v1.py``,
-``workers.py``, ``main_ppo.py``) import it and pass their own classes and functions in.
+This module lists patches and depends on nothing that installs them: the adapters (``trainers/v0.py``,
+``trainers/v1.py``, ``workers/engine_workers.py``, ``main_ppo.py``) import it and pass their own classes and functions
+in (v0's fit patches name their replacements in ``rows/``, imported where the patch list is built).
 """
 
 from __future__ import annotations
@@ -193,7 +195,8 @@ def task_runner_patches(trainer_cls: type) -> list[Patch]:
 
 
 def v1_task_runner_patches(traj_trainer_class: Callable[[type], type]) -> list[Patch]:
-    """``traj_trainer_class``: :func:`verl_traj.integration.trainers.v1.traj_trainer_class` (verl's class -> with the mixin)."""
+    """``traj_trainer_class``: :func:`verl_traj.integration.trainers.v1.traj_trainer_class` (verl's class -> with the
+    mixin)."""
 
     def wrap(get_trainer_cls: Callable[[str], type]) -> Callable[[str], type]:
         return lambda name: traj_trainer_class(get_trainer_cls(name))
@@ -206,8 +209,8 @@ def v1_advantage_patches(advantage: Callable, correction: Optional[Callable] = N
     """``advantage``: replaces ``compute_advantage_for_multi_trajectories`` (same signature; the mixin passes
     :func:`~verl_traj.integration.trainers.v1_advantage.planned_advantage` with the batch's plan facts bound);
     ``kl_penalty(verl_apply_kl_penalty, data, kl_ctrl, kl_penalty)``: wraps verl's KL-in-reward (the mixin passes
-    :func:`~verl_traj.integration.trainers.v1_advantage.kl_penalty_on_planned_rows` with the facts bound; only called with
-    ``algorithm.use_kl_in_reward=true``); ``correction(verl_correction, data, rollout_corr_config)``: wraps verl's
+    :func:`~verl_traj.integration.trainers.v1_advantage.kl_penalty_on_planned_rows` with the facts bound; only called
+    with ``algorithm.use_kl_in_reward=true``); ``correction(verl_correction, data, rollout_corr_config)``: wraps verl's
     rollout correction (step rows at ``traj.ratio_scope=trajectory``:
     :func:`~verl_traj.integration.trainers.v1_advantage.corrected_per_trajectory`), or ``None``."""
     out = [Patch(V1_TRAINER, "compute_advantage_for_multi_trajectories", lambda _original: advantage,

@@ -3,10 +3,10 @@ planned step-row batch (both trainers: v0's ``compute_advantage`` patch and v1's
 through :func:`~verl_traj.integration.rows.stepwise_rows.stepwise_advantage`).
 
 The step rows carry each LLM call's anchor key (``step_anchors``, ``[B, R]``): v0's expansion writes it, v1's
-agent-loop worker tags each row with its calls' keys (:data:`~verl_traj.core.row_tags.STEP_ANCHOR_TAG`) and the plan's facts put them back on
-their tokens. :func:`gigpo_advantage` then runs :func:`verl_traj.stepwise.step_groups.gigpo_advantages` with verl's
-GRPO as the episode-level estimator. Its metrics (``traj_gigpo/*``) travel in the batch's ``meta_info``
-(:data:`ADVANTAGE_METRICS`) to the step's metrics.
+agent-loop worker tags each row with its calls' keys (:data:`~verl_traj.core.row_tags.STEP_ANCHOR_TAG`) and the plan's
+facts put them back on their tokens. :func:`gigpo_advantage` then runs
+:func:`verl_traj.stepwise.step_groups.gigpo_advantages` with verl's GRPO as the episode-level estimator. Its metrics
+(``traj_gigpo/*``) travel in the batch's ``meta_info`` (:data:`ADVANTAGE_METRICS`) to the step's metrics.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Everything the driver checks and settles before Ray starts, in one place: :func:`check_startup`.
 
 ``python -m verl_traj.main_ppo`` calls it once per job (``verl_traj.main_ppo.run``), before verl's own
-``validate_config`` and before any worker exists; the trainer's :func:`~verl_traj.integration.config.verl_config.prepare_config` then only adapts
-verl's settings. In order:
+``validate_config`` and before any worker exists; the trainer's
+:func:`~verl_traj.integration.config.verl_config.prepare_config` then only adapts verl's settings. In order:
 
 1. the job's device and this process's platform agree (:func:`check_platform`);
 2. the ``traj:`` section (:class:`~verl_traj.config.TrajConfig`);
@@ -11,12 +11,15 @@ verl's settings. In order:
    ``gdpo`` with ``gdpo_reward_keys``, the optimal-token baselines with ``calculate_sum_pi_squared`` (else verl fails
    after the first rollout);
 4. in v1's ``separate_async`` mode, verl's rule ``train_batch_size = parameter_sync_step x ppo_mini_batch_size``
-   (:func:`~verl_traj.integration.async_modes.separate_async.settle_parameter_sync_step`: a null sync step derived from it); on v1's sync mode, exact
-   refills of failed groups (:func:`~verl_traj.integration.async_modes.v1_failures.settle_failed_groups`: ``traj.failed_groups`` replaces them);
-   ``traj.max_staleness`` only on v1, said where it cannot act (:func:`~verl_traj.integration.async_modes.v1_staleness.settle_staleness`);
-5. the cross-checks of ``traj:`` against verl's sections (:func:`~verl_traj.integration.startup.verl_checks.validate_against_verl`), and
-   ``traj.prefix_tree`` only where the tree is built and tested (:mod:`verl_traj.integration.startup.tree_checks`: on CPU it selects
-   ``cpu_varlen`` for the actor's model);
+   (:func:`~verl_traj.integration.async_modes.separate_async.settle_parameter_sync_step`: a null sync step derived from
+   it); on v1's sync mode, exact refills of failed groups
+   (:func:`~verl_traj.integration.async_modes.v1_failures.settle_failed_groups`: ``traj.failed_groups`` replaces them);
+   ``traj.max_staleness`` only on v1, said where it cannot act
+   (:func:`~verl_traj.integration.async_modes.v1_staleness.settle_staleness`);
+5. the cross-checks of ``traj:`` against verl's sections
+   (:func:`~verl_traj.integration.startup.verl_checks.validate_against_verl`), and ``traj.prefix_tree`` only where the
+   tree is built and tested (:mod:`verl_traj.integration.startup.tree_checks`: on CPU it selects ``cpu_varlen`` for the
+   actor's model);
 6. with ``traj.enable=true``: the model directories, the critic's value head, equal actor / critic DP sizes
    (:func:`check_models`);
 7. Ulysses only with remove-padding (:func:`check_sequence_parallel`; verl's engine refuses it when the workers

@@ -1,7 +1,7 @@
 """``traj.prefix_tree`` settled at start-up (:func:`settle_prefix_tree`, from
-:func:`~verl_traj.integration.startup.checks.check_startup`): ``auto`` (the default) becomes ``true`` where the tree is exact
-and served, ``false`` elsewhere, written into the config and said once with the reason; ``true`` refuses, naming the
-field, the value and the fix, what cannot serve it.
+:func:`~verl_traj.integration.startup.checks.check_startup`): ``auto`` (the default) becomes ``true`` where the tree is
+exact and served, ``false`` elsewhere, written into the config and said once with the reason; ``true`` refuses, naming
+the field, the value and the fix, what cannot serve it.
 
 The tree runs where it is built and tested (docs/prefix_tree.md): verl_traj's planner and workers
 (``traj.enable=true``) on either trainer, the actor, reference and (when on) critic models on verl's FSDP engine, on its

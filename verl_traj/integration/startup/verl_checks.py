@@ -2,8 +2,9 @@
 
 :func:`validate_against_verl` cross-checks a parsed :class:`~verl_traj.config.TrajConfig` with verl's config (an
 OmegaConf node or a plain mapping; sections may be missing). It runs once per job, on the driver, from
-:func:`verl_traj.integration.startup.checks.check_startup`; the trainer's :func:`~verl_traj.integration.config.verl_config.prepare_config` only adapts.
-It reads verl's config through :mod:`verl_traj.integration.config.access`, as the adapters do. Each refusal is a
+:func:`verl_traj.integration.startup.checks.check_startup`; the trainer's
+:func:`~verl_traj.integration.config.verl_config.prepare_config` only adapts. It reads verl's config through
+:mod:`verl_traj.integration.config.access`, as the adapters do. Each refusal is a
 :class:`~verl_traj.config.TrajConfigError` naming the field, the value and the fix; a verl value of the wrong type
 where a check reads it (``data.train_batch_size=abc``) is refused the same way instead of crashing the check.
 """

@@ -1,5 +1,6 @@
 """The plan's prefix-tree facts (issue 40, item 3): built by the trainer where the token ids are on the host, shipped
-with the plan as per-row fields, read by the workers' tree forward (:mod:`verl_traj.integration.tree.tree_forward`) in every pass and epoch.
+with the plan as per-row fields, read by the workers' tree forward (:mod:`verl_traj.integration.tree.tree_forward`) in
+every pass and epoch.
 
 Fields (written with the plan's ids, next to ``mini_batch_id`` / ``micro_batch_id``):
 
@@ -9,10 +10,12 @@ Fields (written with the plan's ids, next to ``mini_batch_id`` / ``micro_batch_i
 * :data:`~verl_traj.core.keys.TREE_SIZE` -- ``[B]`` int64, the tree tokens ``N`` of the row's micro-batch.
 
 A micro-batch is the rows of one rank's block with one (``mini_batch_id``, ``micro_batch_id``): exactly the rows
-the workers' planned micro-batches hold (:mod:`verl_traj.integration.workers.planned_update`). The worker reads ``N`` from the micro-batch's host
-copy while cutting it (:func:`~verl_traj.integration.tree.tree_passes.micro_batch_tree_sizes`) and carries it as the micro-batch's non-tensor
-:data:`~verl_traj.core.keys.TREE_SIZE_KEY`; the tree itself is built on the device (:func:`~verl_traj.core.tree_facts.tree_from_facts`).
-A marked pass without these fields raises (:func:`~verl_traj.integration.tree.tree_passes.require_tree_facts`).
+the workers' planned micro-batches hold (:mod:`verl_traj.integration.workers.planned_update`). The worker reads ``N``
+from the micro-batch's host copy while cutting it
+(:func:`~verl_traj.integration.tree.tree_passes.micro_batch_tree_sizes`) and carries it as the micro-batch's non-tensor
+:data:`~verl_traj.core.keys.TREE_SIZE_KEY`; the tree itself is built on the device
+(:func:`~verl_traj.core.tree_facts.tree_from_facts`). A marked pass without these fields raises
+(:func:`~verl_traj.integration.tree.tree_passes.require_tree_facts`).
 """
 
 from __future__ import annotations

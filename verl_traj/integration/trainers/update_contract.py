@@ -2,9 +2,10 @@
 
 An update call (the actor's or the critic's) carries
 
-* per-row fields: ``loss_weight`` (``[B]`` float32: the role's :class:`~verl_traj.integration.config.update_spec.LossSpec`
-  over the plan's optimizer steps) and, for GSPO at ``traj.ratio_scope=trajectory`` where some trajectory has several
-  rows, ``ratio_group`` (``[B]`` int64: each row's trajectory);
+* per-row fields: ``loss_weight`` (``[B]`` float32: the role's
+  :class:`~verl_traj.integration.config.update_spec.LossSpec` over the plan's optimizer steps) and, for GSPO at
+  ``traj.ratio_scope=trajectory`` where some trajectory has several rows, ``ratio_group`` (``[B]`` int64: each row's
+  trajectory);
 * the call's non-tensor data (:attr:`UpdateContract.markers`): the planned field names the worker must receive
   (:data:`~verl_traj.core.keys.PLANNED_FIELDS`), whether the old log-probs came from the update's starting
   parameters (:data:`~verl_traj.core.keys.OLD_LOG_PROBS_AT_START`), the critic's mini-batch union

@@ -15,8 +15,9 @@ With ``traj.enable=true``:
 * During ``fit`` verl's advantage, KL-in-reward and metric functions see real rows only
   (:func:`verl_traj.integration.patches.scoped.fit_patches`; restored when ``fit`` returns or raises).
 * With ``traj.prefix_tree``, :func:`plan_batch_in_place` also builds every planned micro-batch's tree here, where
-  the token ids are on the host, and ships what the workers need with the plan (:mod:`verl_traj.integration.trainers.tree_plan_facts`): every
-  later pass of the step rebuilds the trees on the device from those facts.
+  the token ids are on the host, and ships what the workers need with the plan
+  (:mod:`verl_traj.integration.trainers.tree_plan_facts`): every later pass of the step rebuilds the trees on the device
+  from those facts.
 * Start-up: :func:`verl_traj.integration.config.verl_config.prepare_config`.
 * Debug: ``VERL_TRAJ_DEBUG_DUMP=<dir>`` appends one JSON line per step to ``<dir>/plan.jsonl`` with every
   row's uid, traj_id, mini_batch_id, is_padding and lengths (used by the e2e tests).

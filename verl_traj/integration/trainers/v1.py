@@ -5,30 +5,32 @@ v1 keeps a batch in TransferQueue (TQ): the trainer holds a ``KVBatchMeta`` (row
 workers pull the stored fields the meta names. A row key is ``{uid}_{session}_{index}``: ``uid`` is the prompt (the
 GRPO group), ``{uid}_{session}`` one trajectory (``rollout.n`` sessions per prompt), ``index`` the row's step among
 the session's agent-loop outputs (several outputs per session come from verl_traj's step-wise rows,
-:mod:`~verl_traj.integration.agent_loops.v1_agent_loop`, or from any v1 agent loop that returns ``list[AgentLoopOutput]``).
+:mod:`~verl_traj.integration.agent_loops.v1_agent_loop`, or from any v1 agent loop that returns
+``list[AgentLoopOutput]``).
 
 With ``traj.enable=true`` every mode's trainer (``sync``, ``colocate_async``, ``separate_async`` and any mode
 registered later) runs as ``Traj<Class>(TrajV1Mixin, Class)`` (:func:`traj_trainer_class`, installed by the task
-runner for its lifetime). The mixin overrides only what differs from verl; each override names the module that
-does the work:
+runner for its lifetime). The mixin overrides only what differs from verl; each override names the module of this
+folder (``verl_traj.integration.trainers``) or another that does the work:
 
 ==========================  ==================================================================================
 method                      what changes (module)
 ==========================  ==================================================================================
 ``_balance_batch``          verl's LCM upsampling + Karmarkar-Karp replaced by the core's plan: layout from keys,
                             tags and one count of loss tokens, padding rows written, meta in dispatch order,
-                            ``mini_batch_id`` / ``micro_batch_id`` stored (:mod:`verl_traj.integration.trainers.v1_planning`,
-                            :mod:`verl_traj.integration.trainers.v1_padding`); the plan's other facts kept here (:mod:`verl_traj.integration.trainers.v1_plan_facts`)
-``_compute_advantage``      verl's own, with its advantage call being :func:`~verl_traj.integration.trainers.v1_advantage.planned_advantage`
-                            (:mod:`verl_traj.integration.trainers.v1_advantage`: real rows; one outcome per trajectory, or a temporal estimator
-                            on its timeline of rows)
-``_update_critic`` /        verl's own, with the planned update's fields stored and named for the workers
-``_update_actor``           (:mod:`verl_traj.integration.trainers.v1_updates`: ``loss_weight`` from each row's loss-token count)
-``_compute_old_log_prob``,  verl's own; with ``traj.prefix_tree`` the call is marked, so the workers forward the plan's
-``_compute_ref_log_prob``,  micro-batches as prefix trees (:mod:`verl_traj.integration.tree.tree_passes`; the updates are marked likewise)
-``_compute_values``
-``_compute_metrics``        per-trajectory metrics; verl's timing and throughput on real rows (:mod:`verl_traj.integration.trainers.v1_metrics`)
-set-up                      verl_traj's worker classes (:mod:`verl_traj.integration.workers.engine_workers`), the critic's loss (:mod:`verl_traj.integration.workers.losses`),
+                            ``mini_batch_id`` / ``micro_batch_id`` stored (``v1_planning``, ``v1_padding``); the
+                            plan's other facts kept here (``v1_plan_facts``)
+``_compute_advantage``      verl's own, with its advantage call being ``v1_advantage.planned_advantage`` (real
+                            rows; one outcome per trajectory, or a temporal estimator on its timeline of rows)
+``_update_critic`` /        verl's own, with the update's contract (``update_contract``) stored and named for the
+``_update_actor``           workers (``v1_updates``: ``loss_weight`` from each row's loss-token count)
+``_compute_old_log_prob``,  verl's own; with ``traj.prefix_tree`` the call is marked, so the workers forward the
+``_compute_ref_log_prob``,  plan's micro-batches as prefix trees (``integration.tree.tree_passes``; the updates are
+``_compute_values``         marked likewise)
+``_compute_metrics``        per-trajectory metrics (``v1_metrics``); verl's own handed the step's real rows
+``_build_replay_buffer``,   verl's own, building the buffer and the agent loops' client as verl_traj's subclasses
+``get_llm_client``          (``integration.async_modes``: failed and stale groups, each token's policy version)
+set-up                      the worker class of each role from the entry (``workers.engine_workers.traj_role_worker``),
                             seeded prompt uids
 ==========================  ==================================================================================
 
@@ -210,8 +212,8 @@ class TrajV1Mixin(CompleteCheckpoints):
 
     def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
         """verl's ``_compute_advantage`` (fetch, KL-in-reward, rollout correction, advantage, write back) with its
-        advantage being :func:`~verl_traj.integration.trainers.v1_advantage.planned_advantage` of this batch's plan facts,
-        and for step rows at ``traj.ratio_scope=trajectory`` its rollout correction per trajectory."""
+        advantage being :func:`~verl_traj.integration.trainers.v1_advantage.planned_advantage` of this batch's plan
+        facts, and for step rows at ``traj.ratio_scope=trajectory`` its rollout correction per trajectory."""
         if not self.traj_config.enable:
             return super()._compute_advantage(batch, metrics)
         facts = self._facts_of(batch)

@@ -71,8 +71,9 @@ def corrected_per_trajectory(facts: PlanFacts, verl_add_to_batch: Callable, data
                              rollout_corr_config: Any) -> tuple[Any, dict]:
     """v1's ``compute_rollout_correction_and_add_to_batch(data, rollout_corr_config)`` for a planned batch
     (``facts`` and verl's function bound first): the facts attached (v1 corrects before it computes advantages),
-    then verl's correction per trajectory (:func:`~verl_traj.integration.rows.stepwise_rows.trajectory_scoped_correction`).
-    Returns ``(data, metrics)`` as verl's does."""
+    then verl's correction per trajectory
+    (:func:`~verl_traj.integration.rows.stepwise_rows.trajectory_scoped_correction`). Returns ``(data, metrics)`` as
+    verl's does."""
     facts.attach(data, list(facts.keys))
     return trajectory_scoped_correction(verl_add_to_batch, step_index_key=STEP_INDEX)(data, rollout_corr_config)
 

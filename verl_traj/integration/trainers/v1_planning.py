@@ -3,11 +3,12 @@ loss tokens; the planned batch meta in dispatch order; the plan's ids stored as 
 
 A row key is ``{uid}_{session}_{index}`` (:mod:`verl_traj.core.row_key`): ``uid`` is the prompt (the GRPO group),
 ``{uid}_{session}`` one trajectory, ``index`` its step. The planner itself is the core's
-(:func:`~verl_traj.integration.trainers.step_plan.plan_layout`); these functions move its input out of TransferQueue and its
-output back in. The only ``[B, R]`` reads are :func:`read_layout`'s fetch of ``response_mask``, counted to ``[B]``, and
-with ``traj.prefix_tree`` :func:`read_rows`' fetch of ``input_ids`` (the tree planner's costs), which
+(:func:`~verl_traj.integration.trainers.step_plan.plan_layout`); these functions move its input out of TransferQueue and
+its output back in. The only ``[B, R]`` reads are :func:`read_layout`'s fetch of ``response_mask``, counted to ``[B]``,
+and with ``traj.prefix_tree`` :func:`read_rows`' fetch of ``input_ids`` (the tree planner's costs), which
 :func:`store_plan_ids` reuses, fetching only the padding rows, to build each planned micro-batch's tree once per step
-(the tree facts the workers rebuild them from on the device in every pass, :mod:`verl_traj.integration.trainers.tree_plan_facts`).
+(the tree facts the workers rebuild them from on the device in every pass,
+:mod:`verl_traj.integration.trainers.tree_plan_facts`).
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def store_plan_ids(batch: KVBatchMeta, plan: MiniBatchPlan, rows: Optional[Token
 
 
 def debug_rows(batch: KVBatchMeta, plan: MiniBatchPlan, layout: BatchLayout) -> dict[str, list]:
-    """The per-row lists of the debug dump (:func:`~verl_traj.integration.trainers.step_plan.debug_dump`), dispatch order."""
+    """The per-row lists of the debug dump (:func:`~verl_traj.integration.trainers.step_plan.debug_dump`), dispatch
+    order."""
     src = plan.order.clamp(min=0)
     keys = parse_row_keys(batch.keys)
     return {"uid": keys.uid.tolist(), "traj_id": keys.traj_id.tolist(),

@@ -33,9 +33,10 @@ def name_fields(batch: Any, fields: tuple[str, ...]) -> None:
 
 
 def put_update_fields(batch: Any, facts: PlanFacts, spec: UpdateSpec, role: str, local_step: int = 0) -> UpdateContract:
-    """Store the ``role`` update's per-row fields (:func:`~verl_traj.integration.trainers.update_contract.update_contract`:
-    ``loss_weight`` from each row's final loss-token count, ``ratio_group`` where GSPO needs it) for every row of
-    ``batch`` (checked to be the planned rows) and name every planned field in the meta; returns the contract."""
+    """Store the ``role`` update's per-row fields
+    (:func:`~verl_traj.integration.trainers.update_contract.update_contract`: ``loss_weight`` from each row's final
+    loss-token count, ``ratio_group`` where GSPO needs it) for every row of ``batch`` (checked to be the planned rows)
+    and name every planned field in the meta; returns the contract."""
     facts.check(batch.keys)
     weights = loss_of(spec, role).weights_from_counts(facts.loss_tokens, facts.mini_batch_id, facts.traj_index,
                                                        facts.is_padding)

@@ -6,8 +6,8 @@ a torch build flash-attn has no wheel for) cannot load the model that way. verl_
 name :data:`TORCH_VARLEN` (``actor_rollout_ref.model.override_config.attn_implementation=torch_varlen``, and the
 critic's): transformers' own flash-attention function and mask under that name, with the torch variable-length kernel
 (:func:`verl_traj.cpu.attention.varlen_attention`, the CPU platform's ``cpu_varlen``) where verl's wrapper calls
-flash-attn; tree micro-batches never reach it (the tree attention replaces the kernel). verl's engine log-probs fall back
-without flash-attn to a Python loop over the tokens; :func:`fused_logprobs` (one fp32 ``cross_entropy``: the same
+flash-attn; tree micro-batches never reach it (the tree attention replaces the kernel). verl's engine log-probs fall
+back without flash-attn to a Python loop over the tokens; :func:`fused_logprobs` (one fp32 ``cross_entropy``: the same
 numbers) replaces it.
 
 :func:`wanted` says where: ``VERL_TRAJ_TORCH_VARLEN=1`` / ``0`` forces it on / off; by default a CUDA process without
@@ -44,8 +44,8 @@ def wanted() -> bool:
 
 
 def fused_logprobs(logits: Any, labels: Any, inplace_backward: bool = True) -> Any:
-    """``[..., V]`` logits, ``[...]`` labels -> ``[...]`` fp32 log-probs of the labels, one ``cross_entropy`` (flash-attn's
-    fused kernel's numbers, without flash-attn)."""
+    """``[..., V]`` logits, ``[...]`` labels -> ``[...]`` fp32 log-probs of the labels, one ``cross_entropy``
+    (flash-attn's fused kernel's numbers, without flash-attn)."""
     import torch.nn.functional as F
 
     flat = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")

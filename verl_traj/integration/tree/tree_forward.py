@@ -1,8 +1,8 @@
 """One micro-batch forwarded as a prefix tree through verl's FSDP engine (remove-padding path), exactly (issue 29).
 
-Nothing changes until a worker process enters :func:`~verl_traj.integration.tree.tree_passes.tree_forward` on its engine, and then
-only micro-batches whose batch carries the non-tensor key ``prefix_tree=True`` (:data:`TREE_KEY`) are forwarded as a
-tree; every other micro-batch runs verl's code unchanged.
+Nothing changes until a worker process enters :func:`~verl_traj.integration.tree.tree_passes.tree_forward` on its
+engine, and then only micro-batches whose batch carries the non-tensor key ``prefix_tree=True`` (:data:`TREE_KEY`) are
+forwarded as a tree; every other micro-batch runs verl's code unchanged.
 
 Hook points (each declared, with how it is undone):
 
@@ -12,15 +12,16 @@ Hook points (each declared, with how it is undone):
    carrying the tree (model keyword :data:`TREE_KWARG`, which transformers hands down to every attention call, also
    when gradient checkpointing recomputes a layer) runs :func:`~verl_traj.core.tree_attention.tree_attention`; any
    other call runs the wrapped kernel after :func:`~verl_traj.core.tree_attention.refuse_tree_in_plain_attention`.
-   Installed on the first :func:`~verl_traj.integration.tree.tree_passes.tree_forward`, never restored (idempotent; a non-tree call computes as before).
+   Installed on the first :func:`~verl_traj.integration.tree.tree_passes.tree_forward`, never restored (idempotent; a
+   non-tree call computes as before).
 2. the engine *instance*'s ``prepare_model_inputs`` / ``prepare_model_outputs`` (:func:`tree_forward_patches`,
-   installed by :func:`~verl_traj.integration.patches.scoped.patched`; on exit the instance attributes are removed and the
-   class's methods show through again):
+   installed by :func:`~verl_traj.integration.patches.scoped.patched`; on exit the instance attributes are removed and
+   the class's methods show through again):
 
    * inputs: the micro-batch's tree is built on its device from its rows and the plan's facts
      (:func:`~verl_traj.core.tree_facts.tree_from_facts`: each row token's tree index, shipped by the trainer, and
-     the tree's size, a host int the planned micro-batch carries; :mod:`verl_traj.integration.trainers.tree_plan_facts`), no host copy of token
-     ids; verl's own
+     the tree's size, a host int the planned micro-batch carries;
+     :mod:`verl_traj.integration.trainers.tree_plan_facts`), no host copy of token ids; verl's own
      ``prepare_model_inputs`` gets a one-row micro-batch holding the tree tokens and their depths, so verl packs,
      rolls the labels (the next serialised token is each tree token's child wherever it has one: branch copies),
      and pads exactly as for rows; the tree's ``subtree_end`` (verl's tail padding appended as one chain) rides
@@ -34,8 +35,8 @@ Exact because every row token's tree instance has exactly the row's tokens as an
 = the row's own position ids): logits, log-probs at the rolled label and entropy equal the per-row forward's, and the
 backward through the gather sums each shared token's gradient over its rows. The facts are checked against the rows
 on the device (:attr:`~verl_traj.core.tree_facts.DeviceTree.checks`, with the rows' temperatures); the counts are
-read once when the pass ends (:meth:`~verl_traj.integration.tree.tree_passes.TreeForwardLog.settle`, the pass's one device-to-host read), never per
-micro-batch, and a mismatch raises there.
+read once when the pass ends (:meth:`~verl_traj.integration.tree.tree_passes.TreeForwardLog.settle`, the pass's one
+device-to-host read), never per micro-batch, and a mismatch raises there.
 
 Refused (a :class:`~verl_traj.core.tree_attention.TreeAttentionError` naming the fix): no remove-padding,
 fused kernels, distillation, multi-modal inputs, 3-D position ids, an attention implementation other than the
@@ -87,7 +88,8 @@ class TreeAttentionInput:
     """One micro-batch's tree for the attention: ``subtree_end`` ``[S]`` global over the sequence the attention sees
     (``N`` tree tokens, then verl's tail padding as one chain), built once and shared by every layer: on CUDA the
     compiled flex kernel's tree (``flex``, :mod:`verl_traj.core.tree_flex`), elsewhere the blocked kernel's key sets
-    per query block (``blocks``); ``calls`` (attention calls served). A plain class: FSDP passes it through unchanged."""
+    per query block (``blocks``); ``calls`` (attention calls served). A plain class: FSDP passes it through
+    unchanged."""
 
     __slots__ = ("subtree_end", "blocks", "flex", "calls")
 

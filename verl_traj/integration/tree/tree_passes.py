@@ -4,7 +4,8 @@ worker does with a batch the trainer marked ``prefix_tree``.
 The trainer marks each pass of a planned batch (the non-tensor :data:`~verl_traj.core.keys.TREE_KEY`:
 v1 puts it in the call's ``extra_info``, since verl rebuilds the meta between passes; v0 in the batch's
 ``meta_info``, which every pass carries). A verl_traj worker that receives a marked batch runs the pass inside
-:func:`tree_forward` on its engine (the hooks of :mod:`~verl_traj.integration.tree.tree_forward`), on the plan's micro-batches:
+:func:`tree_forward` on its engine (the hooks of :mod:`~verl_traj.integration.tree.tree_forward`), on the plan's
+micro-batches:
 
 * the updates (``train_mini_batch``, actor and critic): the plan's mini-batches and micro-batches as for every
   planned update (:mod:`verl_traj.integration.workers.engine_workers`), each micro-batch forwarded as one tree;
@@ -13,13 +14,14 @@ v1 puts it in the call's ``extra_info``, since verl rebuilds the meta between pa
   the same kernels), and a group's rows share their prompt here too.
 
 A marked pass is a contract like the planned update: a marked batch without the plan's ids or its tree facts
-(:mod:`verl_traj.integration.trainers.tree_plan_facts`: the trees are planned once per step on the driver, shipped with the plan and rebuilt on the
-device in each pass) raises, and after the pass every micro-batch that ran must have been forwarded as a tree
-(:func:`check_all_tree`), else it raises -- a tree pass never falls back to the per-row forward in silence.
+(:mod:`verl_traj.integration.trainers.tree_plan_facts`: the trees are planned once per step on the driver, shipped with
+the plan and rebuilt on the device in each pass) raises, and after the pass every micro-batch that ran must have been
+forwarded as a tree (:func:`check_all_tree`), else it raises -- a tree pass never falls back to the per-row forward in
+silence.
 
-What the passes record (issue 40, item 4) is bounded: a pass's log lives as long as the pass (an update's until its metrics are read);
-the inference passes add to the worker's :class:`TreeTotals` (two numbers), which its next update reports
-and resets on every rank.
+What the passes record (issue 40, item 4) is bounded: a pass's log lives as long as the pass (an update's until its
+metrics are read); the inference passes add to the worker's :class:`TreeTotals` (two numbers), which its next update
+reports and resets on every rank.
 """
 
 from __future__ import annotations
@@ -179,10 +181,10 @@ def check_all_tree(log: TreeForwardLog, micro_batches_run: int, what: str) -> No
 @contextlib.contextmanager
 def tree_pass(engine: Any, data: TensorDict, counts: Callable[[], int], what: str,
               into: Optional[TreeTotals] = None) -> Iterator[TreeForwardLog]:
-    """Within: ``engine`` forwards every micro-batch of the marked ``data`` (checked: :func:`check_marked`) as a tree; on exit (no error) the pass's log is settled (its one
-    device read: :meth:`TreeForwardLog.settle`) and ``counts()`` micro-batches (the planned ones the pass
-    ran) must all have been trees (:func:`check_all_tree`). ``into``: totals the pass is added to (a worker's
-    log-prob / value passes, which its next update reports)."""
+    """Within: ``engine`` forwards every micro-batch of the marked ``data`` (checked: :func:`check_marked`) as a tree;
+    on exit (no error) the pass's log is settled (its one device read: :meth:`TreeForwardLog.settle`) and ``counts()``
+    micro-batches (the planned ones the pass ran) must all have been trees (:func:`check_all_tree`). ``into``: totals
+    the pass is added to (a worker's log-prob / value passes, which its next update reports)."""
     check_marked(data)
     with tree_forward(engine) as log:
         yield log

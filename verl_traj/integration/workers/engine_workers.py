@@ -23,8 +23,9 @@ counts happen to agree).
 
 The loss: ``TrajActorRolloutRefWorker.init_model`` installs ``traj_ppo_loss``; the critic's ``traj_value_loss`` is
 set by the trainer through ``set_loss_fn``, as verl does for ``value_loss``. Both require ``loss_weight``. What they
-add to verl's loss goes to the update's :class:`~verl_traj.integration.workers.planned_update.LossSink`, read once when the update ends on every rank
-(its metrics reported, a non-finite count raised), so no micro-batch waits on the device beyond verl's own reads.
+add to verl's loss goes to the update's :class:`~verl_traj.integration.workers.planned_update.LossSink`, read once when
+the update ends on every rank (its metrics reported, a non-finite count raised), so no micro-batch waits on the device
+beyond verl's own reads.
 """
 
 from __future__ import annotations
@@ -110,9 +111,10 @@ class TrajTrainingWorker(TrainingWorker):
     _infer_trees: Optional[TreeTotals] = None  # the trees of this worker's inference passes since its last update
 
     def _trees(self, data: TensorDict, counts: Callable[[], int], what: str, infer: bool = False) -> Any:
-        """:func:`~verl_traj.integration.tree.tree_passes.tree_pass` for a batch marked ``prefix_tree``, else a context yielding ``None``;
-        ``infer``: an inference pass, whose trees this worker's next update reports (:class:`~verl_traj.integration.tree.tree_passes.TreeTotals`:
-        two numbers, so a reference worker, which never updates, holds no growing log)."""
+        """:func:`~verl_traj.integration.tree.tree_passes.tree_pass` for a batch marked ``prefix_tree``, else a context
+        yielding ``None``; ``infer``: an inference pass, whose trees this worker's next update reports
+        (:class:`~verl_traj.integration.tree.tree_passes.TreeTotals`: two numbers, so a reference worker, which never
+        updates, holds no growing log)."""
         if not tree_marked(data):
             return contextlib.nullcontext()
         if infer and self._infer_trees is None:
@@ -140,9 +142,9 @@ class TrajActorTrainingWorker(TrajTrainingWorker):
     the loss each row's ``seq_ratio_shift`` (:mod:`verl_traj.stepwise.ratios`): GSPO's sequence ratio over the whole
     trajectory, wherever its rows sit. The first optimizer step of an update skips it where the trainer says the old
     log-probs came from the update's starting parameters and the forward is deterministic (every log-ratio is
-    rounding there). The engine's
-    ``forward_backward_batch`` is wrapped on the instance for the update (:func:`~verl_traj.integration.patches.scoped.
-    gspo_prepass_patches`), because only there does verl's data carry the engine settings ``train_batch`` injects."""
+    rounding there). The engine's ``forward_backward_batch`` is wrapped on the instance for the update
+    (:func:`~verl_traj.integration.patches.scoped.gspo_prepass_patches`), because only there does verl's data carry
+    the engine settings ``train_batch`` injects."""
 
     def _update_patches(self, run: PlannedUpdate) -> list:
         patches = super()._update_patches(run)
@@ -170,8 +172,9 @@ class TrajActorTrainingWorker(TrajTrainingWorker):
     def _sequence_ratio_shift(self, run: PlannedUpdate, verl_forward_backward: Callable,
                               batch: TensorDict) -> torch.Tensor:
         """``[b]`` shift of each row's old log-probs (on the device) from a pre-pass in the training forward's mode,
-        its random numbers replayed for the training forward (:func:`~verl_traj.integration.workers.actor_sequence_ratios.trajectory_ratio_shift`);
-        its non-finite counts go to the update's sink."""
+        its random numbers replayed for the training forward
+        (:func:`~verl_traj.integration.workers.actor_sequence_ratios.trajectory_ratio_shift`); its non-finite counts go
+        to the update's sink."""
         run.in_prepass = True
         try:
             with torch.profiler.record_function("traj_gspo_prepass"):  # named in traces, apart from the update's

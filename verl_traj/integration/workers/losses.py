@@ -21,8 +21,8 @@ Both require ``loss_weight`` (:func:`require_loss_weight`): they are installed o
 planned updates only; a micro-batch without it raises, naming the field (it never falls back to verl's loss).
 
 No device-to-host sync beyond verl's own loss: what verl_traj adds (``*/loss_weight_mass``, GSPO's trajectory-ratio
-shift and its non-finite check) goes to the update's :class:`~verl_traj.integration.workers.planned_update.LossSink`, read once
-when the update ends, and GSPO's in-loss trajectory ratio is computed without a host read
+shift and its non-finite check) goes to the update's :class:`~verl_traj.integration.workers.planned_update.LossSink`,
+read once when the update ends, and GSPO's in-loss trajectory ratio is computed without a host read
 (:func:`~verl_traj.stepwise.ratios.micro_batch_ratio_shift`).
 """
 

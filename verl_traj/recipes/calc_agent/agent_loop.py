@@ -1,5 +1,5 @@
-"""The calculator agent's loops. With turn rewards: verl's tool agent loop, recording every LLM call (step rows), that also
-gives each call a small reward of its own when it makes a calculator call that evaluates (a well-formed expression
+"""The calculator agent's loops. With turn rewards: verl's tool agent loop, recording every LLM call (step rows), that
+also gives each call a small reward of its own when it makes a calculator call that evaluates (a well-formed expression
 the tool can compute), on top of the trajectory's outcome reward (``task.compute_score``).
 
 Switched on by pointing verl's ``tool_agent`` name at it (``configs/agent_loops/calc_turn_rewards.yaml``), with

@@ -6,9 +6,9 @@ Plays each episode the way verl_traj's step-wise ``tool_agent`` loop does, with 
 ``ToolParser``, the calculator loaded by ``load_function_tools_from_path`` and run with the loop's
 error texts, the result fed back as a tool message, at most ``--max-turns`` assistant turns; and scores it with the
 recipe's ``compute_score``. Tool calls the model wrote malformed (the parser cannot decode them, or the calculator
-cannot take their arguments) are counted as in training (:func:`~verl_traj.integration.agent_loops.stepwise_agent_loop.
-counting_tool_parser`, :func:`~verl_traj.integration.agent_loops.tool_call_checks.check_tool_call`), not logged. Prints one JSON
-line: accuracy, mean reward, mean tool calls per episode, the malformed calls, and the start of one response.
+cannot take their arguments) are counted as in training
+(:func:`~verl_traj.integration.agent_loops.stepwise_agent_loop.counting_tool_parser`,
+:func:`~verl_traj.integration.agent_loops.tool_call_checks.check_tool_call`), not logged. Prints one JSON line: accuracy, mean reward, mean tool calls per episode, the malformed calls, and the start of one response.
 Used to size the warm start (greedy and temperature-1 accuracy of the prepared model) and to
 check a trained model outside the trainer.
 """
@@ -32,8 +32,8 @@ HERE = Path(__file__).resolve().parent
 async def call_tool(tools: dict, call) -> str:
     """One parsed call run as the step-wise loop runs a function tool: a call no tool can run (unknown name, arguments
     the tool's schema refuses) answered with what is wrong and counted malformed in the session
-    (:func:`~verl_traj.integration.agent_loops.tool_call_checks.check_tool_call`), the others by verl's ``_call_tool``, with its
-    error text for a tool that raises."""
+    (:func:`~verl_traj.integration.agent_loops.tool_call_checks.check_tool_call`), the others by verl's ``_call_tool``,
+    with its error text for a tool that raises."""
     from verl.tools.function_tool import normalize_function_tool_return
 
     problem = check_tool_call(call, tools)
