@@ -21,7 +21,7 @@ from uuid import uuid4
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput
 
-from verl_traj.integration.agent_loops.stepwise_agent_loop import StepRecordingMixin
+from verl_traj.agent_loops import StepRecordingMixin
 
 MAX_GUESSES = 3
 TOKENS_PER_GUESS = 8  # each call is a short guess; the trajectory's whole budget is rollout.response_length

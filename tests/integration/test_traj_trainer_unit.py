@@ -219,6 +219,25 @@ def test_loss_weights_through_trainer():
         assert float((w[sel].double() * tok[sel]).sum()) == pytest.approx(1.0, rel=1e-6)
 
 
+def test_v0_carries_the_plans_atomic_fact_to_gspos_ratio_in_loss():
+    """v0's plan travels in the batch: ``plan_and_apply`` records whether every trajectory sits in one micro-batch
+    (``PLAN_ATOMIC``), and the actor's update contract reads it back for GSPO's ratio (``RATIO_IN_LOSS``) -- no
+    state on the trainer between the two calls."""
+    from verl_traj.core.keys import PLAN_ATOMIC, RATIO_GROUP, RATIO_IN_LOSS
+
+    batch = make_batch(step_wise=True)
+    tr = fake_trainer({"group_by": "group"})
+    plan = tr.plan_and_apply(batch, dp_size=2)
+    assert batch.meta_info[PLAN_ATOMIC] is plan.all_trajectories_atomic
+    tr.spec = dataclasses.replace(tr.spec, ratio_groups=True)  # GSPO at trajectory scope on step rows
+    for atomic in (False, True):
+        batch.meta_info[PLAN_ATOMIC] = atomic
+        with tr._planned_update(batch, ACTOR):
+            assert RATIO_GROUP in batch.batch.keys()
+            assert batch.meta_info.get(RATIO_IN_LOSS, False) is atomic
+        assert RATIO_IN_LOSS not in batch.meta_info and RATIO_GROUP not in batch.batch.keys()
+
+
 def _verl_config(**over):
     cfg = OmegaConf.create(
         {

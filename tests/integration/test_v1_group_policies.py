@@ -161,6 +161,11 @@ def test_verl_builds_the_buffer_and_the_client_as_verl_trajs_classes_and_its_nam
     assert isinstance(tr.replay_buffer, FailedGroupPolicy)
     assert isinstance(tr.replay_buffer, StaleGroupPolicy) == (mode != "sync")
     assert {n: getattr(trainer_base, n) for n in names} == names
+    stock = ray_less_trainer({"trainer": {"v1": {"trainer_mode": mode}}}, TrajConfig(enable=False), v1_class=cls)
+    built_with = ("train_batch_size", "gen_batch_size", "max_inflight_gen_batches", "filter_groups_metric",
+                  "sync_refill_failed_groups", "max_off_policy_threshold")  # verl's arguments (its sync branch too)
+    assert {k: getattr(tr.replay_buffer, k) for k in built_with} == {k: getattr(stock.replay_buffer, k) for k in built_with}
+    assert type(stock.replay_buffer) is (trainer_base.ReplayBuffer if mode == "sync" else trainer_base.ReplayBufferAsync)
 
     class Manager:  # verl's LLMServerManager.get_client, as the trainer calls it
         def get_client(self, client_cls=None, **kwargs):
@@ -170,6 +175,22 @@ def test_verl_builds_the_buffer_and_the_client_as_verl_trajs_classes_and_its_nam
     built = tr.get_llm_client()
     assert built is (TrajLLMServerClient if mode == "sync" else TrajFullyAsyncLLMServerClient)
     assert "get_client" not in vars(tr.llm_server_manager)
+
+
+def test_separate_async_builds_its_standalone_pools_client_as_the_recording_class():
+    """``separate_async`` asks its standalone rollout pool's manager for the client (verl's ``get_llm_client``)."""
+    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+
+    from verl_traj.integration.trainers.v1 import traj_trainer_class
+
+    class Manager:
+        def get_client(self, client_cls=None, **kwargs):
+            return client_cls or LLMServerClient
+
+    tr = object.__new__(traj_trainer_class(PPOTrainerSeparateAsync))
+    tr.traj_config, tr.standalone_server_manager = TrajConfig(), Manager()
+    assert tr.get_llm_client() is TrajFullyAsyncLLMServerClient
+    assert "get_client" not in vars(tr.standalone_server_manager)
 
 
 def test_a_slow_poll_waits_longer():

@@ -323,6 +323,10 @@ def test_the_actor_update_says_whether_its_old_log_probs_came_from_its_starting_
     tr.actor_rollout_wg = worker
     tr._update_actor(meta, {})
     assert bool(worker.received[0][OLD_LOG_PROBS_AT_START]) and OLD_LOG_PROBS_AT_START not in meta.extra_info
+    # a reusing mode's later local step, through the trainer's own path (the same planned rows, updated again)
+    tr.spec, tr.local_trigger_step = reusing, 1
+    tr._update_actor(meta, {})
+    assert not bool(worker.received[-1][OLD_LOG_PROBS_AT_START])
 
 
 def test_read_rows_gives_each_rows_ids_in_the_asked_order(tq):

@@ -102,6 +102,8 @@ class TrajV1Mixin(CompleteCheckpoints):
     but for the ``stock_plan/*`` observer metrics and what pairs a stock run with a verl_traj run of the same seed:
     seeded prompt uids and one request priority per session (neither changes what is trained)."""
 
+    _traj_role_worker: Optional[RoleWorker] = None  # set by traj_trainer_class
+
     def __init__(self, config: Any):
         self.traj_config = settled_traj_config(config)
         self.spec = (dataclasses.replace(UpdateSpec.prepare(config, self.traj_config),

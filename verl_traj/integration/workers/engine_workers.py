@@ -21,8 +21,8 @@ learning-rate schedule steps on its last fixed-size iteration; the planned updat
 so :class:`PlannedUpdate` steps it once after the last optimizer step instead (verl's own step when the
 counts happen to agree).
 
-The loss: ``TrajActorRolloutRefWorker.init_model`` installs ``traj_ppo_loss``; the critic's ``traj_value_loss`` is
-set by the trainer through ``set_loss_fn``, as verl does for ``value_loss``. Both require ``loss_weight``. What they
+The loss: ``TrajActorRolloutRefWorker.init_model`` installs ``traj_ppo_loss``; ``TrajCriticWorker.set_loss_fn`` installs
+``traj_value_loss`` where verl's trainers set ``value_loss``, with the same config. Both require ``loss_weight``. What they
 add to verl's loss goes to the update's :class:`~verl_traj.integration.workers.planned_update.LossSink`, read once when
 the update ends on every rank (its metrics reported, a non-finite count raised), so no micro-batch waits on the device
 beyond verl's own reads.

@@ -28,7 +28,6 @@ read once when the update ends, and GSPO's in-loss trajectory ratio is computed 
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional
 
 import torch
@@ -37,7 +36,6 @@ from tensordict import TensorDict
 from verl.trainer.ppo.core_algos import agg_loss, compute_value_loss, get_policy_loss_fn, kl_penalty
 from verl.utils.metric import AggregationType, Metric
 from verl.utils import tensordict_utils as tu
-from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.torch_functional import masked_mean
 from verl.workers.utils.padding import no_padding_2_padding
 
@@ -214,7 +212,6 @@ def traj_value_loss(config: Any, model_output, data: TensorDict, dp_group=None):
 
 
 __all__ = [
-    "install_value_loss",
     "require_loss_weight",
     "traj_ppo_loss",
     "traj_value_loss",
@@ -222,8 +219,3 @@ __all__ = [
     "weighted_value_loss",
 ]
 
-
-def install_value_loss(critic_wg: Any, critic_section: Any) -> None:
-    """Give a critic worker group ``traj_value_loss`` with its config (as verl sets ``value_loss``); both trainers
-    call this once their workers exist."""
-    critic_wg.set_loss_fn(functools.partial(traj_value_loss, config=omega_conf_to_dataclass(critic_section)))
