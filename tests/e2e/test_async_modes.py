@@ -91,6 +91,7 @@ def _assert_token_staleness_within(steps: list[dict], bound: float) -> None:
         assert m["traj_version/token_staleness_max"] <= m["traj_version/staleness_max"]
         assert m["traj_version/token_staleness_mean"] <= m["traj_version/token_staleness_max"]
         assert {"traj_staleness/groups_dropped_total", "traj_staleness/groups_deferred_total"} <= set(m)
+        assert 0.0 <= m["traj_bias/tokens_ks"] <= 1.0 and m["traj_bias/tokens_mean_ratio"] > 0  # issue 43: every step
     assert steps[0]["traj_version/current_policy_token_share"] == 1.0  # step 1: all from the initial policy
     assert any(m["traj_version/current_policy_token_share"] < 1.0 for m in steps[1:])
 

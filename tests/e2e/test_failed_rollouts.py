@@ -45,7 +45,10 @@ def _failed_sessions(uid: str) -> int:
 def _logged_every_step(steps, reason: str) -> None:
     for m in steps:
         assert m["traj_failure/trajectories_failed_total"] == m[f"traj_failure/reason_total/{reason}"] > 0
+        assert 0.0 <= m["traj_bias/tokens_ks"] <= 1.0 and m["traj_bias/trajectories_trained"] > 0  # issue 43
     assert sum(m["traj_failure/groups_dropped_total"] for m in steps) > 0
+    cause = "timeout" if reason == "timeout" else "failed"  # the length bias counts what the failures cut
+    assert sum(m.get(f"traj_bias/{cause}_share", 0.0) for m in steps) > 0
 
 
 def test_sync_drops_each_failed_group_whole_and_refills_the_batch(run_training, tmp_path):

@@ -501,3 +501,23 @@ def test_v1_trajectory_ratios_equal_v0s():
     torch.testing.assert_close(v1.batch["rollout_is_weights"][real], v0.batch["rollout_is_weights"][real])
     assert torch.equal(v1.batch["response_mask"][real], v0.batch["response_mask"][real])
     assert v1_metrics == pytest.approx(v0_metrics)
+
+
+def test_a_steps_length_bias_reads_each_trained_trajectorys_last_row_and_the_cut_ones():
+    """traj_bias/* on v1: the trained trajectories' lengths from their last rows' tags (padding rows and earlier rows
+    ignored), against what the replay buffer let go, by cause."""
+    from transfer_queue import KVBatchMeta
+
+    from verl_traj.core.length_bias import Lengths
+    from verl_traj.core.session_ledger import LENGTH_TAG
+    from verl_traj.integration.trainers.v1_metrics import length_bias_metrics
+
+    keys = ["u1_0_0", "u1_0_1", "u1_1_0", "u2_0_0", "pad_0_0"]
+    tags = [{}, {LENGTH_TAG: [100, 4]}, {LENGTH_TAG: [60, 2]}, {LENGTH_TAG: [20, 1]}, {"is_padding": True}]
+    meta = KVBatchMeta(keys=keys, tags=tags, partition_id="train")
+    out = length_bias_metrics(meta, {"stale": Lengths.of([300], [12])})
+    assert out["traj_bias/trajectories_trained"] == 3 and out["traj_bias/trajectories_cut"] == 1
+    assert out["traj_bias/tokens_mean_ratio"] == pytest.approx(60 / 120)  # trained 100, 60, 20; all + 300
+    assert out["traj_bias/turns_mean_ratio"] == pytest.approx((7 / 3) / (19 / 4))
+    assert out["traj_bias/stale_share"] == 0.25 and out["traj_bias/stale_tokens_mean_ratio"] == pytest.approx(2.5)
+    assert length_bias_metrics(meta, {})["traj_bias/tokens_mean_ratio"] == 1.0  # nothing let go: no bias

@@ -25,7 +25,7 @@ from verl.workers.rollout.replica import TokenOutput
 
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.session_ledger import VERSION_TOKENS_TAG, session_ledger
+from verl_traj.core.session_ledger import LENGTH_TAG, VERSION_TOKENS_TAG, session_ledger
 from verl_traj.integration.async_modes.v1_failures import (POLL_COST_SHARE, FailedGroupPolicy, group_policy_class,
                                                            poll_interval, with_group_policies)
 from verl_traj.integration.async_modes.v1_staleness import (StaleGroupPolicy, TrajFullyAsyncLLMServerClient,
@@ -81,7 +81,8 @@ def test_each_attempt_of_a_resumed_partial_rollout_is_recorded_with_its_version(
     out, versions = asyncio.run(session())
     assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]) == (3, 4)  # verl's own tags
     assert len(out.token_ids) == 12
-    assert versions == {VERSION_TOKENS_TAG: [[3, 5], [4, 7]]}  # what verl's min/max cannot say: 5 old, 7 new
+    assert versions[VERSION_TOKENS_TAG] == [[3, 5], [4, 7]]  # what verl's min/max cannot say: 5 old, 7 new
+    assert versions[LENGTH_TAG] == [12, 1]  # one call of two attempts (traj_bias/*)
     assert type(client).__mro__.index(FullyAsyncLLMServerClient) < [c.__name__ for c in type(client).__mro__].index(
         "AttemptRecorder")  # below verl's resume loop, so each attempt passes through it
 
@@ -103,16 +104,18 @@ def test_verls_plain_client_of_the_sync_mode_records_its_one_attempt_per_call():
             await client.generate("req", prompt_ids=[1], sampling_params={})
             return ledger.tags()
 
-    assert asyncio.run(session()) == {VERSION_TOKENS_TAG: [[2, 6]]}
+    assert asyncio.run(session()) == {VERSION_TOKENS_TAG: [[2, 6]], LENGTH_TAG: [6, 1]}
 
 
 # ---- the replay buffer over a real TransferQueue -------------------------------------------------------------------
 
 def _put_group(tq, uid: str, dispatched: int, ledgers: list, status: str = "finished") -> None:
-    """A prompt key as verl's agent-loop worker leaves it, and one row per session with its version tokens."""
+    """A prompt key as verl's agent-loop worker leaves it, and one row per session with its version tokens and its
+    length (tokens, one call per version)."""
     for session, ledger in enumerate(ledgers):
         tq.kv_put(key=f"{uid}_{session}_0", partition_id="train",
-                  tag={"status": "success", "global_steps": dispatched, VERSION_TOKENS_TAG: ledger})
+                  tag={"status": "success", "global_steps": dispatched, VERSION_TOKENS_TAG: ledger,
+                       LENGTH_TAG: [sum(n for _, n in ledger), len(ledger)]})
     tq.kv_put(key=uid, partition_id="train", tag={"is_prompt": True, "status": status, "global_steps": dispatched})
 
 
@@ -230,6 +233,9 @@ def test_drop_evicts_the_whole_group_over_the_bound_and_verl_refills_it(tq):  # 
     left = (tq.kv_list(partition_id="train") or {}).get("train", {})
     assert not any(key.startswith("stale") for key in left)  # both sessions gone, never half the group
     assert metrics["traj_staleness/groups_deferred_total"] == 0.0
+    cut = buffer.cut_lengths.take()  # traj_bias/*: the dropped group's two trajectories, as long as they were
+    assert sorted(cut["stale"].tokens.tolist()) == [8, 20] and sorted(cut["stale"].turns.tolist()) == [1, 2]
+    assert buffer.cut_lengths.take() == {}
 
 
 def test_a_failed_group_kept_for_its_survivors_is_still_bounded(tq):  # noqa: F811
@@ -240,11 +246,14 @@ def test_a_failed_group_kept_for_its_survivors_is_still_bounded(tq):  # noqa: F8
     _clear(tq)
     _put_group(tq, "fresh", 5, [[[5, 8]]])
     _put_group(tq, "survivor", 3, [[[3, 10]]], status="failure")  # session 0: 2 versions behind
-    tq.kv_put(key="survivor", partition_id="train", tag=failure_tag(1, RuntimeError("sandbox died")))
+    tq.kv_put(key="survivor", partition_id="train", tag=failure_tag(1, RuntimeError("sandbox died"), [37, 3]))
     buffer = _buffer(tq, "drop", lambda k: _put_group(tq, "refill", 6, [[[5, 6]]]), failed_groups="keep_survivors")
     batch, metrics = buffer.sample(global_steps=6, partition_id="train", batch_size=2)
     assert sorted({key.split("_")[0] for key in batch.keys}) == ["fresh", "refill"]
     assert metrics["traj_staleness/groups_dropped_total"] == 1.0
+    cut = buffer.cut_lengths.take()  # the finished session as stale, the failed one with its length when it failed
+    assert cut["stale"].tokens.tolist() == [10] and cut["failed"].tokens.tolist() == [37]
+    assert cut["failed"].turns.tolist() == [3]
     _clear(tq)
 
 
@@ -285,4 +294,31 @@ def test_a_verl_traj_refusal_in_a_rollout_stops_training_with_its_message_instea
     with pytest.raises(TrajInputError, match=r"group 'broken'.*StepExpansionError.*2 rewards for 3 LLM calls"):
         buffer.sample(global_steps=6, partition_id="train", batch_size=1)
     assert refills == []
+    _clear(tq)
+
+
+def test_a_failed_session_leaves_its_length_on_its_prompt_key(tq):  # noqa: F811
+    """run_session: a session that raises tags its group with why and with how long it had run (tokens generated,
+    LLM calls), so dropping it is counted in traj_bias/* with its length."""
+    from verl_traj.core.failures import CUT_LENGTH_PREFIX, FAILURE_TAG_PREFIX
+    from verl_traj.core.session_ledger import current_ledger
+    from verl_traj.integration.async_modes.v1_failures import run_session
+
+    _clear(tq)
+    tq.kv_put(key="cut", partition_id="train", tag={"is_prompt": True, "status": "running", "global_steps": 1})
+
+    async def session():
+        ledger = current_ledger()
+        ledger.attempts += [(1, 30), (2, 12)]
+        ledger.calls += 2
+        await asyncio.sleep(10)
+
+    async def run():
+        with session_ledger():
+            await run_session(session(), 0.05, "cut", 3)
+
+    with pytest.raises((asyncio.TimeoutError, TimeoutError)):
+        asyncio.run(run())
+    tag = (tq.kv_list(partition_id="train") or {}).get("train", {})["cut"]
+    assert tag[f"{FAILURE_TAG_PREFIX}3"] == "timeout" and tag[f"{CUT_LENGTH_PREFIX}3"] == [42, 2]
     _clear(tq)

@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Optional
 
 from verl_traj.core.errors import TrajInputError
 
-__all__ = ["FAILED_GROUP_POLICIES", "FAILURE_TAG_PREFIX", "FATAL_TAG", "failed_groups_to_evict", "fatal_failure",
+__all__ = ["CUT_LENGTH_PREFIX", "FAILED_GROUP_POLICIES", "FAILURE_TAG_PREFIX", "FATAL_TAG", "failed_groups_to_evict", "fatal_failure",
            "failure_metrics",
            "failure_reason", "failure_tag"]
 
 FAILED_GROUP_POLICIES = ("drop", "keep_survivors")
 FATAL_TAG = "traj_fatal"  # a failed session's verl_traj refusal (message): stops training
 FAILURE_TAG_PREFIX = "traj_failure_"  # + session id: the tag of a group's prompt key naming why that session failed
+CUT_LENGTH_PREFIX = "traj_cut_length_"  # + session id: a failed session's [generated tokens, LLM calls] so far
 
 
 def failure_reason(error: BaseException) -> str:
@@ -42,13 +43,16 @@ def failure_reason(error: BaseException) -> str:
     return type(error).__name__
 
 
-def failure_tag(session_id: int, error: BaseException) -> dict[str, str]:
+def failure_tag(session_id: int, error: BaseException, length: Optional[list] = None) -> dict:
     """The tag a failed session adds to its group's prompt key (one field per session: concurrent sessions of a group
     write different fields, and TransferQueue merges a key's tags). A verl_traj refusal of the loop's contract
     (a :class:`TrajInputError` raised with ``every_rollout=True``: every rollout would break it the same way) also
     carries its message under :data:`FATAL_TAG`: dropping and refilling would only repeat it. A refusal of one
-    rollout's data (a NaN log-prob) fails that group only."""
+    rollout's data (a NaN log-prob) fails that group only. ``length``: the session's ``[generated tokens, LLM calls]``
+    when it failed (:data:`CUT_LENGTH_PREFIX`: the length bias of dropping it, ``traj_bias/*``)."""
     tag = {f"{FAILURE_TAG_PREFIX}{int(session_id)}": failure_reason(error)}
+    if length is not None:
+        tag[f"{CUT_LENGTH_PREFIX}{int(session_id)}"] = [int(x) for x in length]
     if isinstance(error, TrajInputError) and error.every_rollout:
         tag[FATAL_TAG] = f"{type(error).__name__}: {error}"
     return tag

@@ -16,19 +16,21 @@ from typing import Iterator, Optional
 
 from verl_traj.core.staleness import version_tokens
 
-__all__ = ["SessionLedger", "TOOL_CALLS_TAG", "VERSION_TOKENS_TAG", "current_ledger", "session_ledger"]
+__all__ = ["LENGTH_TAG", "SessionLedger", "TOOL_CALLS_TAG", "VERSION_TOKENS_TAG", "current_ledger", "session_ledger"]
 
 VERSION_TOKENS_TAG = "traj_version_tokens"  # [[version, tokens], ...]: the session's generated tokens per version
 TOOL_CALLS_TAG = "traj_tool_calls"  # [parsed, malformed]: the session's tool calls
+LENGTH_TAG = "traj_length"  # [generated tokens, LLM calls]: the session's length (traj_bias/*)
 
 
 @dataclass
 class SessionLedger:
-    """One session's agent loop (its registered name, for messages), generate attempts ``(version, tokens)`` and
-    tool-call counts."""
+    """One session's agent loop (its registered name, for messages), generate attempts ``(version, tokens)``, LLM
+    calls (an aborted call resumed under new weights is one call of several attempts) and tool-call counts."""
 
     agent_name: Optional[str] = None
     attempts: list = field(default_factory=list)
+    calls: int = 0
     tool_calls: int = 0
     malformed_tool_calls: int = 0
 
@@ -40,7 +42,13 @@ class SessionLedger:
         out = {VERSION_TOKENS_TAG: version_tokens(self.attempts)} if known else {}
         if self.tool_calls or self.malformed_tool_calls:
             out[TOOL_CALLS_TAG] = [self.tool_calls, self.malformed_tool_calls]
+        if self.calls:
+            out[LENGTH_TAG] = self.length()
         return out
+
+    def length(self) -> list[int]:
+        """``[generated tokens, LLM calls]`` so far (:data:`LENGTH_TAG`)."""
+        return [sum(int(n) for _, n in self.attempts if n > 0), int(self.calls)]
 
     def fill_version_fields(self, extra_fields: dict) -> None:
         """verl's v1 trainer reads every row's ``min_global_steps`` / ``max_global_steps`` (the first and last policy

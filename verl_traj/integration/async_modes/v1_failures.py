@@ -32,6 +32,8 @@ from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.failures import (FAILURE_TAG_PREFIX, failed_groups_to_evict, failure_metrics, failure_tag,
                                      fatal_failure)
 from verl_traj.core.row_key import session_key_prefix
+from verl_traj.core.session_ledger import current_ledger
+from verl_traj.integration.async_modes.cut_lengths import CutLengths, failed_lengths, finished_lengths
 from verl_traj.integration.async_modes.v1_staleness import StaleGroupPolicy
 
 __all__ = ["FailedGroupPolicy", "POLL_COST_SHARE", "REFILL", "group_policy_class", "poll_interval", "run_session",
@@ -80,8 +82,10 @@ async def run_session(session: Awaitable, timeout_s: Optional[float], uid: str, 
     try:
         return await (asyncio.wait_for(session, timeout_s) if timeout_s else session)
     except Exception as error:
+        ledger = current_ledger()  # its length so far: the length bias of losing it (traj_bias/*)
+        tag = failure_tag(session_id, error, ledger.length() if ledger is not None else None)
         async with _tag_lock():  # concurrent tag writes to one key lose fields in TransferQueue: one at a time
-            await tq.async_kv_put(key=uid, partition_id=partition_id, tag=failure_tag(session_id, error))
+            await tq.async_kv_put(key=uid, partition_id=partition_id, tag=tag)
         prefix = session_key_prefix(uid, session_id)
         stored = [key for key in (tq.kv_list(partition_id=partition_id) or {}).get(partition_id, {})
                   if key.startswith(prefix)]
@@ -121,12 +125,24 @@ class FailedGroupPolicy:
                                                    self.failed_group_policy), counts
 
     def _evict_terminal_groups(self, global_steps: int, partition_id: str, eviction_reasons: tuple) -> tuple:
-        failed = eviction_reasons[2]
-        if failed and partition_id != "val":
-            tags = self._prompt_tags(partition_id)
-            fatal_failure(tags)  # a verl_traj refusal: every refill would fail the same way
-            self._log(failure_metrics(tags, failed, ()))
+        stale, filtered, failed = eviction_reasons[:3]
+        if partition_id != "val" and (stale or filtered or failed):
+            # failed sessions sit in failed groups, and under keep_survivors in any group (one TransferQueue read)
+            tags = self._prompt_tags(partition_id) if failed or self.failed_group_policy != "drop" else {}
+            if failed:
+                fatal_failure(tags)  # a verl_traj refusal: every refill would fail the same way
+                self._log(failure_metrics(tags, failed, ()))
+            rows = self.partitions[partition_id]
+            for cause, groups in (("stale", stale), ("filtered", filtered), ("failed_group", failed)):
+                self.cut_lengths.add(cause, finished_lengths(rows, groups))
+            for cause, lengths in failed_lengths(tags, set(stale) | set(filtered) | set(failed)).items():
+                self.cut_lengths.add(cause, lengths)
         return super()._evict_terminal_groups(global_steps, partition_id, eviction_reasons)
+
+    @property
+    def cut_lengths(self) -> CutLengths:
+        """The trajectories let go since the trainer last took them (``traj_bias/*``)."""
+        return self.__dict__.setdefault("_cut_lengths", CutLengths())
 
     def _materialize_batch(self, partition_id: str, selected_prompt_uids: list[str], partition_snapshot: dict) -> Any:
         kept = set(selected_prompt_uids) & self.failure_keys[partition_id]
@@ -134,6 +150,8 @@ class FailedGroupPolicy:
             tags = self._prompt_tags(partition_id)
             fatal_failure(tags)
             self._log(failure_metrics(tags, (), kept))
+            for cause, lengths in failed_lengths(tags, kept).items():  # the failed sessions of the kept groups
+                self.cut_lengths.add(cause, lengths)
         return super()._materialize_batch(partition_id, selected_prompt_uids, partition_snapshot)
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple:

@@ -68,12 +68,23 @@ def settle_staleness(config: Any, traj_config: TrajConfig) -> Optional[str]:
     return None
 
 
-class TrajLLMServerClient(AttemptRecorder):
+class CallCounter:
+    """First in a recording client's MRO: counts each LLM call once in the running session's ledger (however many
+    attempts a resuming client makes of it)."""
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        ledger = current_ledger()
+        if ledger is not None:
+            ledger.calls += 1
+        return await super().generate(*args, **kwargs)
+
+
+class TrajLLMServerClient(CallCounter, AttemptRecorder):
     """verl's plain client (the sync mode's), recording each call."""
 
 
-class TrajFullyAsyncLLMServerClient(FullyAsyncLLMServerClient, AttemptRecorder):
-    """verl's resuming client (the async modes'), recording each attempt of its resume loop."""
+class TrajFullyAsyncLLMServerClient(CallCounter, FullyAsyncLLMServerClient, AttemptRecorder):
+    """verl's resuming client (the async modes'), recording each call and each attempt of its resume loop."""
 
 
 _CLIENTS: dict[type, type] = {LLMServerClient: TrajLLMServerClient,
@@ -94,7 +105,7 @@ def recording_client_class(cls: Optional[type]) -> type:
     if issubclass(cls, AttemptRecorder):
         return cls
     if cls not in _CLIENTS:
-        _CLIENTS[cls] = type(f"Traj{cls.__name__}", (cls, AttemptRecorder), {"__module__": __name__})
+        _CLIENTS[cls] = type(f"Traj{cls.__name__}", (CallCounter, cls, AttemptRecorder), {"__module__": __name__})
     return _CLIENTS[cls]
 
 

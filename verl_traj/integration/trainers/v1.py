@@ -56,7 +56,7 @@ from verl.utils import tensordict_utils as tu
 from verl_traj.core import BatchLayout, MiniBatchPlan
 from verl_traj.core.row_key import parse_row_keys
 from verl_traj.core.token_rows import TokenRows
-from verl_traj.integration.async_modes.v1_failures import group_policy_class, with_group_policies
+from verl_traj.integration.async_modes.v1_failures import FailedGroupPolicy, group_policy_class, with_group_policies
 from verl_traj.integration.async_modes.v1_staleness import recording_client_class
 from verl_traj.integration.config.update_spec import UpdateSpec
 from verl_traj.integration.config.verl_config import prepare_v1_agent_loop
@@ -69,8 +69,8 @@ from verl_traj.integration.trainers.step_plan import (check_same_dp_size, debug_
 from verl_traj.integration.trainers.update_contract import ACTOR, CRITIC, pass_markers
 from verl_traj.integration.trainers.v1_advantage import (corrected_per_trajectory, kl_penalty_on_planned_rows,
                                                          planned_advantage)
-from verl_traj.integration.trainers.v1_metrics import (RolloutBusy, StepPadding, current_policy_gap, stepwise_metrics,
-                                                       trajectory_metrics)
+from verl_traj.integration.trainers.v1_metrics import (RolloutBusy, StepPadding, current_policy_gap,
+                                                       length_bias_metrics, stepwise_metrics, trajectory_metrics)
 from verl_traj.integration.trainers.v1_padding import write_padding_rows
 from verl_traj.integration.trainers.v1_plan_facts import PlanFacts, plan_facts
 from verl_traj.integration.trainers.v1_planning import (debug_rows, dispatch_dp_size, in_key_order, ordered_batch,
@@ -269,6 +269,8 @@ class TrajV1Mixin(CompleteCheckpoints):
                                                    for name, manager in ROLLOUT_POOLS}))
         if not self.traj_config.enable:
             return super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
+        cut = self.replay_buffer.cut_lengths.take() if isinstance(self.replay_buffer, FailedGroupPolicy) else {}
+        metrics.update(length_bias_metrics(batch, cut))  # traj_bias/*: what trains against what was let go
         # verl's metrics of the step's real rows: verl drops rows tagged is_padding from most of them, but its timing
         # and throughput count every row it is handed, so it is handed the real ones
         real = self._step_padding.real_rows(batch.keys)

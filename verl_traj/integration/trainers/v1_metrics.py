@@ -16,13 +16,14 @@ import numpy as np
 import ray
 import transfer_queue as tq
 
+from verl_traj.core.length_bias import Lengths, bias_metrics
 from verl_traj.core.row_key import parse_row_keys
 from verl_traj.core.row_tags import MERGE_TAG, turn_reward_entries
-from verl_traj.core.session_ledger import TOOL_CALLS_TAG, VERSION_TOKENS_TAG
+from verl_traj.core.session_ledger import LENGTH_TAG, TOOL_CALLS_TAG, VERSION_TOKENS_TAG
 from verl_traj.core.staleness import token_staleness_metrics
 from verl_traj.stepwise.prefix_merge import MergeStats
 
-__all__ = ["RolloutBusy", "StepPadding", "current_policy_gap", "last_rows_of_trajectories", "stepwise_metrics",
+__all__ = ["RolloutBusy", "StepPadding", "current_policy_gap", "last_rows_of_trajectories", "length_bias_metrics", "stepwise_metrics",
            "tool_call_metrics", "trajectory_metrics"]
 
 
@@ -48,6 +49,17 @@ def last_rows_of_trajectories(keys: list[str], is_padding: np.ndarray) -> np.nda
     last_step = np.full(code.max() + 1 if code.size else 0, -1, dtype=np.int64)
     np.maximum.at(last_step, code[~is_padding], parsed.step[~is_padding])
     return np.flatnonzero(~is_padding & (parsed.step == last_step[code]))
+
+
+def length_bias_metrics(batch: Any, cut: dict[str, Lengths]) -> dict[str, float]:
+    """``traj_bias/*`` of a step (:func:`~verl_traj.core.length_bias.bias_metrics`): the trajectories it trains (each
+    one's :data:`~verl_traj.core.session_ledger.LENGTH_TAG` on its last row) against those ``cut`` (by cause: what the
+    replay buffer let go since the last step, :class:`~verl_traj.integration.async_modes.cut_lengths.CutLengths`)."""
+    pad = np.array([bool(t.get("is_padding", False)) for t in batch.tags], dtype=bool)
+    lengths = [batch.tags[i][LENGTH_TAG] for i in last_rows_of_trajectories(batch.keys, pad)
+               if LENGTH_TAG in batch.tags[i]]
+    trained = Lengths.of([t for t, _ in lengths], [c for _, c in lengths])
+    return bias_metrics(trained, cut) if len(trained) else {}
 
 
 def _version_metrics(tags: list[dict], global_steps: int) -> dict[str, float]:
