@@ -20,11 +20,17 @@ from verl_traj.core.session_ledger import LENGTH_TAG
 __all__ = ["CutLengths", "finished_lengths", "failed_lengths"]
 
 
-def finished_lengths(rows: Mapping[str, Mapping], uids: Iterable[str]) -> list[list[int]]:
-    """``[[tokens, calls], ...]`` of the finished sessions of groups ``uids`` (``rows``: row key -> tag, the stored
-    rows of a partition; a session's last row carries its length)."""
-    groups = set(uids)
-    return [list(tag[LENGTH_TAG]) for key, tag in rows.items() if key.split("_")[0] in groups and LENGTH_TAG in tag]
+def finished_lengths(rows: Mapping[str, Mapping], groups_by_cause: Mapping[str, Iterable[str]]) -> dict[str, list]:
+    """Per cause, ``[[tokens, calls], ...]`` of the finished sessions of its groups (``rows``: row key -> tag, the
+    stored rows of a partition; a session's last row carries its length). One pass over the rows for every cause."""
+    cause_of = {uid: cause for cause, uids in groups_by_cause.items() for uid in uids}
+    out: dict[str, list] = defaultdict(list)
+    if cause_of:
+        for key, tag in rows.items():
+            cause = cause_of.get(key.split("_")[0])
+            if cause is not None and LENGTH_TAG in tag:
+                out[cause].append(list(tag[LENGTH_TAG]))
+    return dict(out)
 
 
 def failed_lengths(prompt_tags: Mapping[str, Mapping], uids: Iterable[str]) -> dict[str, list[list[int]]]:

@@ -132,9 +132,10 @@ class FailedGroupPolicy:
             if failed:
                 fatal_failure(tags)  # a verl_traj refusal: every refill would fail the same way
                 self._log(failure_metrics(tags, failed, ()))
-            rows = self.partitions[partition_id]
-            for cause, groups in (("stale", stale), ("filtered", filtered), ("failed_group", failed)):
-                self.cut_lengths.add(cause, finished_lengths(rows, groups))
+            finished = finished_lengths(self.partitions[partition_id],
+                                        {"stale": stale, "filtered": filtered, "failed_group": failed})
+            for cause, lengths in finished.items():
+                self.cut_lengths.add(cause, lengths)
             for cause, lengths in failed_lengths(tags, set(stale) | set(filtered) | set(failed)).items():
                 self.cut_lengths.add(cause, lengths)
         return super()._evict_terminal_groups(global_steps, partition_id, eviction_reasons)
