@@ -17,6 +17,14 @@ by how much, every step:
 
 With nothing cut every ratio is 1 and every distance 0, exactly, so the metrics are logged every step (zeros and ones
 mean "no bias", not "not measured").
+
+A failed or timed-out trajectory (:data:`CENSORED`) stopped before its end: its length is a lower bound of what it
+would have been (right-censored). Counting it at its cut length makes "all" look shorter than the agent's trajectories
+are, and a policy that loses the long ones to failures can look biased toward *long* (scripts/bench_async_bias.py:
+1.15 for a true 0.88). So "all" is the Kaplan-Meier estimate of the length distribution from the complete lengths
+(trained, and every other cause: stale and filtered trajectories finished) and the censored ones: the ratio's
+denominator its restricted mean, the distance against its distribution function. Without a censored one it is the
+empirical distribution, exactly.
 """
 
 from __future__ import annotations
@@ -28,9 +36,10 @@ import numpy as np
 
 from verl_traj.core.errors import TrajInputError
 
-__all__ = ["Lengths", "bias_metrics", "ks_distance", "mean_ratio"]
+__all__ = ["CENSORED", "Lengths", "bias_metrics", "kaplan_meier", "ks_distance", "km_ks_distance", "mean_ratio"]
 
 PREFIX = "traj_bias"
+CENSORED = frozenset({"failed", "timeout"})  # causes whose length is where the trajectory stopped, not its end
 
 
 @dataclass(frozen=True)
@@ -81,17 +90,65 @@ def ks_distance(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(fa - fb).max())
 
 
+def kaplan_meier(values: np.ndarray, complete: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(x [k], survival [k])``: the Kaplan-Meier estimate of ``P(length > x)`` at each distinct value ``x``
+    (ascending) of ``values`` ``[n]``, where ``complete`` ``[n]`` (bool) marks the lengths observed to their end and
+    the rest are right-censored (the length is at least that). At a tie a censored length is at risk at the ended
+    ones' value (the usual convention). All complete: ``1 - ECDF``."""
+    x, index = np.unique(values, return_inverse=True)
+    ended = np.bincount(index, weights=complete.astype(np.float64), minlength=x.size)
+    gone = np.bincount(index, minlength=x.size).astype(np.float64)
+    at_risk = values.size - np.concatenate([[0.0], np.cumsum(gone)[:-1]])
+    return x, np.cumprod(1.0 - ended / at_risk)
+
+
+def _restricted_mean(x: np.ndarray, survival: np.ndarray) -> float:
+    """``integral_0^max(x) S(t) dt`` of the step function ``S`` (1 below ``x[0]``, ``survival[j]`` on
+    ``[x[j], x[j+1])``): the mean where the last length is complete."""
+    return float(x[0] + (survival[:-1] * np.diff(x)).sum()) if x.size else 0.0
+
+
+def km_ks_distance(sample: np.ndarray, x: np.ndarray, survival: np.ndarray) -> float:
+    """``sup_t |F_sample(t) - (1 - S(t))|`` of an empirical distribution and a Kaplan-Meier one (both
+    right-continuous steps: the supremum is at a jump of either); 0.0 for an empty sample or estimate."""
+    if sample.size == 0 or x.size == 0:
+        return 0.0
+    sample = np.sort(sample)
+    points = np.concatenate([sample, x])
+    at = np.searchsorted(x, points, side="right") - 1  # the last estimate step at or below each point
+    cdf = np.where(at >= 0, 1.0 - survival[np.maximum(at, 0)], 0.0)
+    return float(np.abs(np.searchsorted(sample, points, side="right") / sample.size - cdf).max())
+
+
+def _versus_all(mine: np.ndarray, values: np.ndarray, complete: np.ndarray) -> tuple[float, float]:
+    """``(mean ratio, distance)`` of ``mine`` against every length (``complete`` as in :func:`kaplan_meier`): the
+    empirical ones where nothing is censored, the Kaplan-Meier ones where something is."""
+    if complete.all():
+        return mean_ratio(mine, values), ks_distance(mine, values)
+    x, survival = kaplan_meier(values, complete)
+    mean = _restricted_mean(x, survival)
+    ratio = float(mine.mean()) / mean if mine.size and mean > 0 else 1.0
+    return ratio, km_ks_distance(mine, x, survival)
+
+
 def bias_metrics(trained: Lengths, cut: Mapping[str, Lengths], prefix: str = PREFIX) -> dict[str, float]:
     """The step's length-bias metrics (module docstring): ``trained`` the trajectories the step trains, ``cut`` per
-    cause those that finished or were cut this step and do not train (a cause with none may be given, empty)."""
-    everyone = Lengths.concat([trained, *cut.values()])
+    cause those that finished or were cut this step and do not train (a cause with none may be given, empty); the
+    lengths of :data:`CENSORED` causes are where the trajectory stopped."""
+    causes = sorted(cut)
+    everyone = Lengths.concat([trained, *(cut[c] for c in causes)])
+    complete = np.concatenate([np.ones(len(trained), bool)] + [np.full(len(cut[c]), c not in CENSORED, bool)
+                                                             for c in causes])
     out: dict[str, float] = {f"{prefix}/trajectories_trained": float(len(trained)),
                              f"{prefix}/trajectories_cut": float(len(everyone) - len(trained))}
     for measure in ("tokens", "turns"):
-        mine, all_ = getattr(trained, measure), getattr(everyone, measure)
-        out[f"{prefix}/{measure}_mean_ratio"] = mean_ratio(mine, all_)
-        out[f"{prefix}/{measure}_ks"] = ks_distance(mine, all_)
-    for cause, lengths in sorted(cut.items()):
+        ratio, distance = _versus_all(getattr(trained, measure), getattr(everyone, measure), complete)
+        out[f"{prefix}/{measure}_mean_ratio"], out[f"{prefix}/{measure}_ks"] = ratio, distance
+    all_mean = (_restricted_mean(*kaplan_meier(everyone.tokens, complete)) if not complete.all()
+                else float(everyone.tokens.mean()) if len(everyone) else 0.0)
+    for cause in causes:
+        lengths = cut[cause]
         out[f"{prefix}/{cause}_share"] = len(lengths) / len(everyone) if len(everyone) else 0.0
-        out[f"{prefix}/{cause}_tokens_mean_ratio"] = mean_ratio(lengths.tokens, everyone.tokens)
+        out[f"{prefix}/{cause}_tokens_mean_ratio"] = (float(lengths.tokens.mean()) / all_mean
+                                                      if len(lengths) and all_mean > 0 else 1.0)
     return out
