@@ -9,23 +9,26 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from verl_traj.core.failures import (FAILURE_TAG_PREFIX, failed_groups_to_evict, failure_metrics, failure_reason,
-                                     failure_tag)
+                                     failure_tag, min_survivors)
 
 UIDS = st.sets(st.sampled_from([f"u{i}" for i in range(12)]))
 
 
-@given(failed=UIDS, survivors=UIDS)
-def test_drop_evicts_every_failed_group_and_keep_survivors_only_the_empty_ones(failed, survivors):
-    dropped = failed_groups_to_evict(failed, survivors, "drop")
-    kept_policy = failed_groups_to_evict(failed, survivors, "keep_survivors")
+@given(failed=UIDS, survivors=st.dictionaries(st.sampled_from([f"u{i}" for i in range(12)]), st.integers(1, 8)),
+       group_size=st.integers(1, 8))
+def test_drop_evicts_every_failed_group_and_keep_survivors_those_without_a_baseline(failed, survivors, group_size):
+    least = min_survivors(group_size)
+    dropped = failed_groups_to_evict(failed, survivors, "drop", least)
+    kept_policy = failed_groups_to_evict(failed, survivors, "keep_survivors", least)
     assert dropped == failed  # never a group that lost a member in the baseline
-    assert kept_policy == failed - survivors  # a group with no finished session cannot train
-    assert kept_policy <= dropped and not (kept_policy & survivors)
+    # a group with no finished session cannot train; with one of n > 1, its baseline would be itself
+    assert kept_policy == {u for u in failed if survivors.get(u, 0) < (2 if group_size > 1 else 1)}
+    assert kept_policy <= dropped
 
 
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="keep_survivors"):
-        failed_groups_to_evict({"u"}, set(), "retry")
+        failed_groups_to_evict({"u"}, {}, "retry")
 
 
 @given(st.dictionaries(st.sampled_from(["g0", "g1", "g2", "g3"]),

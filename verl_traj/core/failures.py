@@ -10,9 +10,12 @@ its siblings did. Policies:
 * ``drop`` (default): the whole group leaves the batch and a fresh prompt replaces it. The advantage baseline is
   never computed over a group that lost members, and a failure that correlates with the task (a hard task times out)
   cannot bias the batch toward the survivors' outcomes.
-* ``keep_survivors``: a group with at least one finished session trains on the survivors, its baseline over them
-  (GRPO with a smaller n); a group with none is dropped and replaced. Logged apart, so a shrunken group is never
-  silent.
+* ``keep_survivors``: a group with at least two finished sessions trains on the survivors, its baseline over them
+  (GRPO with a smaller n: verl's estimators group by ``uid``, so a group of ``k`` survivors gets exactly the
+  advantages of a group sampled with ``n = k``); a group with fewer is dropped and replaced: one survivor has no
+  baseline but itself (verl would hand it its raw score as its advantage: mean 0, std 1, the ``n = 1`` rule), so it
+  carries no group-relative signal. Groups sampled with ``n = 1`` keep their one. Logged apart, so a shrunken group
+  is never silent.
 
 verl 0.9.1's own behaviour, for comparison: the sync trainer keeps every failed group's survivors (the baseline over
 them, unlogged); its async trainers drop every failed group.
@@ -27,7 +30,7 @@ from typing import Iterable, Mapping, Optional
 from verl_traj.core.errors import TrajInputError
 
 __all__ = ["CUT_LENGTH_PREFIX", "FAILED_GROUP_POLICIES", "FAILURE_TAG_PREFIX", "FATAL_TAG", "failed_groups_to_evict", "fatal_failure",
-           "failure_metrics",
+           "failure_metrics", "min_survivors",
            "failure_reason", "failure_tag"]
 
 FAILED_GROUP_POLICIES = ("drop", "keep_survivors")
@@ -67,13 +70,20 @@ def fatal_failure(prompt_tags: Mapping[str, Mapping]) -> None:
                                  f"{tag[FATAL_TAG]}", field="agent loop")
 
 
-def failed_groups_to_evict(failed: set[str], with_survivors: set[str], policy: str) -> set[str]:
-    """The failed groups (``uid``) that leave the batch: all of them (``drop``), or those without a finished session
-    (``keep_survivors``). ``with_survivors``: groups that have at least one stored row."""
+def min_survivors(group_size: int) -> int:
+    """The fewest finished sessions a failed group trains on under ``keep_survivors``: 2 for groups sampled with
+    ``n > 1`` (a baseline over the survivors needs another), 1 for ``n = 1``."""
+    return 2 if group_size > 1 else 1
+
+
+def failed_groups_to_evict(failed: set[str], survivors: Mapping[str, int], policy: str, least: int = 1) -> set[str]:
+    """The failed groups (``uid``) that leave the batch: all of them (``drop``), or those with fewer than ``least``
+    finished sessions (``keep_survivors``, :func:`min_survivors`). ``survivors``: finished sessions per group (a
+    group absent has none)."""
     if policy == "drop":
         return set(failed)
     if policy == "keep_survivors":
-        return set(failed) - set(with_survivors)
+        return {uid for uid in failed if survivors.get(uid, 0) < least}
     raise ValueError(f"unknown failed-group policy {policy!r}; expected one of {FAILED_GROUP_POLICIES}")
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from typing import Any, Awaitable, Optional
 
 import transfer_queue as tq
@@ -30,7 +31,7 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.failures import (FAILURE_TAG_PREFIX, failed_groups_to_evict, failure_metrics, failure_tag,
-                                     fatal_failure)
+                                     fatal_failure, min_survivors)
 from verl_traj.core.row_key import session_key_prefix
 from verl_traj.core.session_ledger import current_ledger
 from verl_traj.integration.async_modes.cut_lengths import CutLengths, failed_lengths, finished_lengths
@@ -109,6 +110,7 @@ class FailedGroupPolicy:
     metadata read sets the wait before the next (:func:`poll_interval`)."""
 
     failed_group_policy = "drop"
+    min_survivors = 2  # keep_survivors: the fewest finished sessions a failed group trains on (with_group_policies)
     replay_poll_s = 2.0  # traj.replay_poll_s (with_group_policies sets it)
 
     def _sync_metadata_from_transfer_queue(self) -> None:
@@ -120,9 +122,10 @@ class FailedGroupPolicy:
         stale, dapo, failed, counts = super()._terminal_eviction_reasons(global_steps, partition_id)
         if partition_id == "val":
             return stale, dapo, failed, counts
-        survivors = {key.split("_")[0] for key in self.partitions[partition_id]}
+        sessions = {key.rsplit("_", 1)[0] for key in self.partitions[partition_id]}  # uid_session of stored rows
+        survivors = Counter(session.split("_")[0] for session in sessions)
         return stale, dapo, failed_groups_to_evict(self.failure_keys[partition_id], survivors,
-                                                   self.failed_group_policy), counts
+                                                   self.failed_group_policy, self.min_survivors), counts
 
     def _evict_terminal_groups(self, global_steps: int, partition_id: str, eviction_reasons: tuple) -> tuple:
         stale, filtered, failed = eviction_reasons[:3]
@@ -197,9 +200,10 @@ def group_policy_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def with_group_policies(buffer: Any, traj_config: TrajConfig) -> Any:
-    """``buffer`` (built as :func:`group_policy_class` of verl's choice) set to ``traj:``'s policies; it polls every
-    ``traj.replay_poll_s`` seconds, or less often where a poll is slow (:func:`poll_interval`)."""
+def with_group_policies(buffer: Any, traj_config: TrajConfig, group_size: int) -> Any:
+    """``buffer`` (built as :func:`group_policy_class` of verl's choice) set to ``traj:``'s policies for groups of
+    ``group_size`` sessions (``actor_rollout_ref.rollout.n``); it polls every ``traj.replay_poll_s`` seconds, or less
+    often where a poll is slow (:func:`poll_interval`)."""
     if not isinstance(buffer, FailedGroupPolicy):
         raise RuntimeError(f"the replay buffer is a {type(buffer).__name__}, not built as group_policy_class(...) of "
                            "verl's: failed and stale groups would follow verl's rules. Build it inside "
@@ -213,5 +217,6 @@ def with_group_policies(buffer: Any, traj_config: TrajConfig) -> Any:
             "ReplayBufferAsync, or unset traj.max_staleness.", field="traj.max_staleness")
     buffer.poll_interval = buffer.replay_poll_s = traj_config.replay_poll_s  # verl's 2.0 s is not in its config
     buffer.failed_group_policy = traj_config.failed_groups
+    buffer.min_survivors = min_survivors(group_size)
     buffer.max_staleness, buffer.stale_group_policy = traj_config.max_staleness, traj_config.stale_groups
     return buffer

@@ -141,7 +141,7 @@ class TrajV1Mixin(CompleteCheckpoints):
             return super()._build_replay_buffer()
         with patched(replay_buffer_patches(group_policy_class)):
             buffer = super()._build_replay_buffer()
-        return with_group_policies(buffer, self.traj_config)
+        return with_group_policies(buffer, self.traj_config, int(self.config.actor_rollout_ref.rollout.n))
 
     def get_llm_client(self):
         """verl's, built as verl_traj's subclass of the class the mode asks for: each generate attempt's policy
