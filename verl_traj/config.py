@@ -108,8 +108,9 @@ class TrajConfig:
             token-weighted mean of how many policy versions each generated token is behind the trained policy);
             ``None``: no bound. :mod:`verl_traj.core.staleness`.
         stale_groups: what the bound does with a group that has a trajectory over it: ``"drop"`` (default: the whole
-            group leaves, a fresh prompt replaces it) or ``"defer"`` (the trainer waits for running groups that would
-            pass it at the next step; a finished group over it anyway is dropped).
+            group leaves, a fresh prompt replaces it), ``"defer"`` (the trainer waits for running groups that would
+            pass it at the next step; a finished group over it anyway is dropped) or ``"correct"`` (it trains, its
+            stale tokens under verl's rollout correction, which start-up requires: no length bias, no wait).
         step_advantage_weight: ``algorithm.adv_estimator=gigpo``: GiGPO's omega, the weight of the step-level advantage
             added to the episode-level one (``>= 0``; 0 is GRPO on step rows). :mod:`verl_traj.stepwise.step_groups`.
         step_group_baseline: ``gigpo``: the baseline of a step group: ``"gigpo"`` (default: the paper's mean and std
@@ -174,7 +175,7 @@ class TrajConfig:
                 field="traj.step_advantage_weight")
         if self.stale_groups != "drop" and self.max_staleness is None:
             raise TrajConfigError(
-                f"traj.stale_groups={self.stale_groups!r} without traj.max_staleness: there is no bound to defer for. "
+                f"traj.stale_groups={self.stale_groups!r} without traj.max_staleness: there is no bound to apply it at. "
                 "Fix: set traj.max_staleness (a number >= 1), or remove traj.stale_groups.", field="traj.stale_groups")
         self._check_times()
         for name in ("loss_agg_mode", "critic_loss_agg_mode"):

@@ -60,13 +60,19 @@ def test_sync_drops_each_failed_group_whole_and_refills_the_batch(run_training, 
 
 
 def test_colocate_async_keeps_survivors_when_asked_and_never_an_empty_group(run_training, tmp_path):
+    """Also issue 43's bias-free pair: ``keep_survivors`` (at least two survivors, the baseline over them) and
+    ``traj.stale_groups=correct`` (nothing dropped for staleness; stale tokens under verl's token IS weights)."""
     steps, rows = _run(run_training, tmp_path, "raise",
-                       ["trainer.v1.trainer_mode=colocate_async", "traj.failed_groups=keep_survivors"])
+                       ["trainer.v1.trainer_mode=colocate_async", "traj.failed_groups=keep_survivors",
+                        "traj.max_staleness=1", "traj.stale_groups=correct", "algorithm.rollout_correction.rollout_is=token"])
     _logged_every_step(steps, "InjectedToolCrash")
     assert sum(m["traj_failure/groups_kept_total"] for m in steps) > 0
     assert all(m["actor/num_optimizer_steps"] == 2 for m in steps)
-    assert all(n == N - _failed_sessions(uid) > 0 for uid, n in rows.items())  # the survivors, all of them
+    assert all(n == N - _failed_sessions(uid) >= 2 for uid, n in rows.items())  # the survivors, all of them
     assert any(n < N for n in rows.values())  # some group trained on its survivors
+    for m in steps:  # correct: counted every step, never a drop, verl's importance weights applied
+        assert m["traj_staleness/groups_dropped_total"] == 0 and "traj_staleness/groups_corrected_total" in m
+        assert any(key.startswith("rollout_corr/") for key in m), sorted(m)
 
 
 def test_separate_async_times_out_hanging_sessions_and_drops_their_groups(run_training, tmp_path):

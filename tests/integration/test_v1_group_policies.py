@@ -119,12 +119,12 @@ def _put_group(tq, uid: str, dispatched: int, ledgers: list, status: str = "fini
     tq.kv_put(key=uid, partition_id="train", tag={"is_prompt": True, "status": status, "global_steps": dispatched})
 
 
-def _buffer(tq, policy: str, refill, failed_groups: str = "drop"):
+def _buffer(tq, policy: str, refill, failed_groups: str = "drop", group_size: int = 4):
     buffer = group_policy_class(ReplayBufferAsync)(trainer_mode="colocate_async", trainer_config=OmegaConf.create({}),
                                max_off_policy_threshold=None, max_off_policy_strategy="drop",
                                sampler_kwargs=OmegaConf.create({}), refill_fn=refill)
     return with_group_policies(buffer, TrajConfig(max_staleness=1.0, stale_groups=policy, failed_groups=failed_groups,
-                                                  replay_poll_s=0.05))
+                                                  replay_poll_s=0.05), group_size)
 
 
 def test_the_buffer_polls_at_traj_replay_poll_s():
@@ -141,10 +141,10 @@ def test_the_buffer_polls_at_traj_replay_poll_s():
             max_off_policy_strategy="drop", sampler_kwargs=OmegaConf.create({}))
 
     assert verls().poll_interval == 2.0
-    assert with_group_policies(ours(), TrajConfig()).poll_interval == TrajConfig.replay_poll_s == 2.0
-    assert with_group_policies(ours(), TrajConfig(replay_poll_s=0.05)).poll_interval == 0.05
+    assert with_group_policies(ours(), TrajConfig(), 4).poll_interval == TrajConfig.replay_poll_s == 2.0
+    assert with_group_policies(ours(), TrajConfig(replay_poll_s=0.05), 4).poll_interval == 0.05
     with pytest.raises(RuntimeError, match="group_policy_class"):  # verl's buffer is never retyped
-        with_group_policies(verls(), TrajConfig())
+        with_group_policies(verls(), TrajConfig(), 4)
 
 
 @pytest.mark.parametrize("mode", ["sync", "colocate_async"])
@@ -238,6 +238,21 @@ def test_drop_evicts_the_whole_group_over_the_bound_and_verl_refills_it(tq):  # 
     assert buffer.cut_lengths.take() == {}
 
 
+def test_correct_trains_the_group_over_the_bound_and_counts_it(tq):  # noqa: F811
+    """traj.stale_groups=correct: the group ``drop`` evicts (one trajectory 1.5 versions behind) trains, whole,
+    without a refill or a wait, and is counted; nothing is cut, so there is no length bias to report."""
+    _clear(tq)
+    _put_group(tq, "fresh", 5, [[[4, 10], [5, 10]], [[5, 8]]])
+    _put_group(tq, "stale", 4, [[[3, 10], [4, 10]], [[5, 8]]])
+    buffer = _buffer(tq, "correct", lambda k: pytest.fail(f"refilled {k}: correct drops nothing"))
+    batch, metrics = buffer.sample(global_steps=6, partition_id="train", batch_size=2)
+    assert sorted(batch.keys) == ["fresh_0_0", "fresh_1_0", "stale_0_0", "stale_1_0"]
+    assert metrics["traj_staleness/groups_corrected_total"] == 1.0
+    assert metrics["traj_staleness/groups_dropped_total"] == 0.0 and metrics["traj_staleness/groups_deferred_total"] == 0
+    assert buffer.cut_lengths.take() == {}
+    _clear(tq)
+
+
 def test_a_failed_group_kept_for_its_survivors_is_still_bounded(tq):  # noqa: F811
     """traj.failed_groups=keep_survivors keeps a failed group that has finished sessions; a stale one is dropped all
     the same (the bound holds for every group that could train)."""
@@ -245,15 +260,39 @@ def test_a_failed_group_kept_for_its_survivors_is_still_bounded(tq):  # noqa: F8
 
     _clear(tq)
     _put_group(tq, "fresh", 5, [[[5, 8]]])
-    _put_group(tq, "survivor", 3, [[[3, 10]]], status="failure")  # session 0: 2 versions behind
-    tq.kv_put(key="survivor", partition_id="train", tag=failure_tag(1, RuntimeError("sandbox died"), [37, 3]))
+    _put_group(tq, "survivor", 3, [[[3, 10]], [[4, 10]]], status="failure")  # session 0: 2 versions behind
+    tq.kv_put(key="survivor", partition_id="train", tag=failure_tag(2, RuntimeError("sandbox died"), [37, 3]))
     buffer = _buffer(tq, "drop", lambda k: _put_group(tq, "refill", 6, [[[5, 6]]]), failed_groups="keep_survivors")
     batch, metrics = buffer.sample(global_steps=6, partition_id="train", batch_size=2)
     assert sorted({key.split("_")[0] for key in batch.keys}) == ["fresh", "refill"]
     assert metrics["traj_staleness/groups_dropped_total"] == 1.0
-    cut = buffer.cut_lengths.take()  # the finished session as stale, the failed one with its length when it failed
-    assert cut["stale"].tokens.tolist() == [10] and cut["failed"].tokens.tolist() == [37]
+    cut = buffer.cut_lengths.take()  # the finished sessions as stale, the failed one with its length when it failed
+    assert cut["stale"].tokens.tolist() == [10, 10] and cut["failed"].tokens.tolist() == [37]
     assert cut["failed"].turns.tolist() == [3]
+    _clear(tq)
+
+
+@pytest.mark.parametrize("finished, group_size, kept", [(1, 4, False), (2, 4, True), (3, 4, True), (1, 2, False)])
+def test_keep_survivors_trains_a_failed_group_on_two_or_more_survivors(tq, finished, group_size, kept):  # noqa: F811
+    """One survivor has no baseline but itself (verl's estimators would give it its raw score as its advantage): its
+    group is dropped and refilled like a group with none; two or more train, exactly the finished sessions."""
+    from verl_traj.core.failures import failure_tag
+
+    _clear(tq)
+    _put_group(tq, "ragged", 5, [[[5, 4 + i]] for i in range(finished)], status="failure")
+    for session in range(finished, group_size):
+        tq.kv_put(key="ragged", partition_id="train", tag=failure_tag(session, RuntimeError("tool crashed"), [9, 2]))
+    refills = []
+    buffer = _buffer(tq, "drop", lambda k: (refills.append(k), _put_group(tq, "refill", 6, [[[5, 6]]] * group_size)),
+                     failed_groups="keep_survivors", group_size=group_size)
+    batch, metrics = buffer.sample(global_steps=6, partition_id="train", batch_size=1)
+    assert sorted(batch.keys) == ([f"ragged_{i}_0" for i in range(finished)] if kept
+                                  else [f"refill_{i}_0" for i in range(group_size)])
+    assert metrics["traj_failure/groups_kept_total" if kept else "traj_failure/groups_dropped_total"] == 1.0
+    assert refills == ([] if kept else [1])
+    cut = buffer.cut_lengths.take()  # traj_bias/*: the failed sessions, and a dropped group's survivor
+    assert cut["failed"].tokens.tolist() == [9] * (group_size - finished)
+    assert ("failed_group" in cut) == (not kept)
     _clear(tq)
 
 

@@ -484,6 +484,30 @@ def test_a_staleness_bound_that_cannot_act_is_said_at_start_up(started, caplog, 
     assert (said and says in said[0]) if says else not said, said
 
 
+CORRECT = SEPARATE + ["traj.max_staleness=1", "traj.stale_groups=correct"]
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (CORRECT, "algorithm.rollout_correction.rollout_is"),
+    (CORRECT + ["algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.rollout.calculate_log_probs=false"],
+     "actor_rollout_ref.rollout.calculate_log_probs")])
+def test_correct_is_refused_without_the_rollout_correction_it_trains_stale_tokens_under(started, overrides, field):
+    from verl_traj.config import TrajConfigError
+
+    with pytest.raises(TrajConfigError, match=r"traj.stale_groups=correct.*Fix: set") as err:
+        started(overrides)
+    assert err.value.field == field
+
+
+def test_correct_turns_verls_own_drop_off_and_says_so(started, caplog):
+    """verl's default bound (8 versions, drop) would cut the longest trajectories that ``correct`` keeps."""
+    with caplog.at_level(logging.WARNING, logger="verl_traj.integration.startup.checks"):
+        config = started(CORRECT + ["algorithm.rollout_correction.rollout_is=token"])
+    assert config.trainer.v1.sampler.max_off_policy_threshold is None and config.traj.stale_groups == "correct"
+    said = [r.getMessage() for r in caplog.records if "max_off_policy_threshold" in r.getMessage()]
+    assert said and "max_off_policy_threshold=8 -> null" in said[0], said
+
+
 def test_a_staleness_bound_below_one_version_is_refused_with_the_fix(started):
     from verl_traj.config import TrajConfigError
 

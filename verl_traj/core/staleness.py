@@ -23,6 +23,11 @@ The bound (``traj.max_staleness``, ``None`` = none) holds per trajectory and act
   they would be ``g - d + 1`` behind); the group finishes first and trains within the bound. A finished group over the
   bound anyway (a backlog the trainer had no room for, or a rollout pool lagging more than one version) is dropped:
   the bound holds under both policies, ``defer`` only trades waiting for dropping.
+* ``correct``: nothing is dropped or waited for: a group over the bound trains, its stale tokens weighted by verl's
+  rollout correction (``algorithm.rollout_correction.rollout_is``: the importance weight of the trained policy's
+  old log-probs against the rollout's, truncated at ``rollout_is_threshold``), which start-up requires. Neither
+  dropping nor waiting is correlated with length, so what trains has the length distribution the agent produced
+  (``scripts/bench_async_bias.py``); the bound is where the correction takes over, and past it each group is counted.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from verl_traj.core.errors import TrajInputError
 __all__ = ["STALE_GROUP_POLICIES", "VersionTokens", "check_bound", "groups_over_bound", "groups_to_defer", "token_staleness",
            "token_staleness_metrics", "version_tokens"]
 
-STALE_GROUP_POLICIES = ("drop", "defer")
+STALE_GROUP_POLICIES = ("drop", "defer", "correct")
 VersionTokens = Sequence[Sequence[int]]  # [[version, tokens], ...]: one trajectory's generated tokens per version
 
 
