@@ -1,0 +1,204 @@
+#!/usr/bin/env python
+"""Length bias against throughput of every staleness and failure policy, in each v1 trainer mode (issue 43).
+
+An agent whose long trajectories are the ones that succeed (reward probability 0.1 + 0.8 x the trajectory's turn-count
+percentile) and take longest to generate. Two workloads, the range users run:
+
+* ``swebench``: each prompt one of the 500 real SWE-bench trajectories in ``../shared/data/swebench_steps.jsonl``
+  (22-145 LLM calls, 3.7k-71k generated tokens); each of its ``n`` sessions scales the call count and each call's
+  tokens by a log-normal draw (sigma 0.35 and 0.2), the trained context with it;
+* ``calc``: the calculator agent's shape, problems of 1-12 operations, one call per operation and one to answer,
+  40-160 tokens a call.
+
+The replay buffer and its policies are verl_traj's and verl's own classes; the clock is modelled
+(``scripts/async_sim.py``: rollout pool, tool calls, update time). Per run, over the steady steps (after the first
+third):
+
+* ``s/step``, ``traj/h`` (trajectories trained per hour), ``pool busy`` (the rollout pool's served sequences over its
+  capacity, all run), ``trainer waits`` (its share of wall time blocked in ``sample``);
+* ``tokens ratio`` / ``turns ratio``: the mean length of what trained over the mean length of every trajectory the
+  agent was asked for (the truth the simulation knows, whatever was cut), and ``traj_bias``: the median of the
+  shipped per-step metric ``traj_bias/tokens_mean_ratio`` (what a user sees);
+* ``reward ratio``: the mean reward of what trained over the mean reward of all (what the policy gradient sees);
+* ``staleness max`` (token staleness of what trained) and ``dropped`` (groups dropped for staleness or failure).
+
+    python scripts/bench_async_bias.py [--workload swebench|calc|both] [--steps 24] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from async_sim import Knobs, Simulation  # noqa: E402
+
+from verl_traj.config import TrajConfig  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "swebench_steps.jsonl"
+
+
+@dataclass
+class Workload:
+    """Prompts as lists of calls: ``calls[i]`` the tokens of prompt ``i``'s calls, ``context[i]`` its final context."""
+
+    name: str
+    calls: list
+    context: np.ndarray
+    scale_sigma: float
+    knobs: Knobs
+
+    def __post_init__(self) -> None:
+        self.turn_cdf = np.sort(np.array([len(c) for c in self.calls], dtype=float))
+
+    def group(self, rng: np.random.Generator, n: int) -> list:
+        i = int(rng.integers(len(self.calls)))
+        base = np.asarray(self.calls[i], dtype=float)
+        out = []
+        for _ in range(n):
+            turns = max(1, int(round(len(base) * rng.lognormal(0.0, self.scale_sigma))))
+            tokens = np.maximum(1.0, np.resize(base, turns) * rng.lognormal(0.0, 0.2, turns)).round()
+            rank = np.searchsorted(self.turn_cdf, turns, side="right") / len(self.turn_cdf)
+            reward = float(rng.random() < 0.1 + 0.8 * min(rank, 1.0))
+            out.append((tokens, float(self.context[i]) * turns / len(base), reward))
+        return out
+
+
+def swebench() -> Workload:
+    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+    calls = [[resp for _, resp in r["steps"]] for r in rows]
+    context = np.array([r["steps"][-1][0] + r["steps"][-1][1] for r in rows], dtype=float)
+    return Workload("swebench", calls, context, 0.35,
+                    Knobs(decode_tps=30.0, capacity=192, tool_s=2.0, train_tps=10000.0, train_fixed_s=10.0, dt=1.0))
+
+
+def calc(seed: int = 0) -> Workload:
+    rng = np.random.default_rng(seed)
+    ops = rng.integers(1, 13, 500)
+    calls = [list(rng.integers(40, 161, k + 1)) for k in ops]
+    context = np.array([300 + sum(c) + 30 * len(c) for c in calls], dtype=float)
+    return Workload("calc", calls, context, 0.15,
+                    Knobs(decode_tps=30.0, capacity=192, tool_s=0.2, train_tps=10000.0, train_fixed_s=2.0, dt=0.25))
+
+
+# name -> (traj: overrides, verl's max_off_policy_threshold, verl's strategy)
+STALENESS = {
+    "none": ({}, None, "drop"),
+    "verl default (drop, 8 versions)": ({}, 8, "drop"),
+    "verl drop (2 versions)": ({}, 2, "drop"),
+    "verl wait (2 versions)": ({}, 2, "wait"),
+    "traj drop (1.0)": ({"max_staleness": 1.0}, None, "drop"),
+    "traj defer (1.0)": ({"max_staleness": 1.0, "stale_groups": "defer"}, None, "drop"),
+    "traj correct (1.0)": ({"max_staleness": 1.0, "stale_groups": "correct"}, None, "drop"),
+}
+FAILURES = {
+    "drop": {"failed_groups": "drop"},
+    "keep_survivors": {"failed_groups": "keep_survivors"},
+}
+MODES = ("sync", "colocate_async", "separate_async")
+
+
+def run(workload: Workload, mode: str, staleness: str, failures: str, args, fail_per_call: float = 0.0) -> dict:
+    traj_kw, threshold, strategy = STALENESS[staleness]
+    if mode == "sync":
+        traj_kw, threshold = {}, None
+    traj = TrajConfig(**traj_kw, **FAILURES[failures])
+    knobs = Knobs(**{**workload.knobs.__dict__, "fail_per_call": fail_per_call})
+    sim = Simulation(mode, traj, workload, knobs, args.batch, args.n, args.seed, verl_threshold=threshold,
+                     verl_strategy=strategy)
+    steps = [sim.run_step() for _ in range(args.steps)]
+    return summarise(sim, steps[args.steps // 4:], (args.steps // 4, args.steps // 2))
+
+
+def summarise(sim: Simulation, steady: list, cohort: tuple[int, int]) -> dict:
+    """The run's figures (module docstring): time over the ``steady`` steps, bias over the ``cohort`` of groups
+    dispatched in steps ``(cohort[0], cohort[1]]``, trained whenever (the run goes on long enough for them)."""
+    wall = sum(s["step_s"] for s in steady)
+    group = [x for x in sim.dispatched if cohort[0] < x.dispatch_step <= cohort[1]]
+    trained = [x for x in group if f"{x.uid}_{x.sid}_0" in sim.trained]
+    if not trained:
+        raise SystemExit(f"no trajectory of the cohort trained in {sim.mode}; run more --steps")
+
+    def ratio(measure) -> float:
+        return float(np.mean([measure(x) for x in trained]) / np.mean([measure(x) for x in group]))
+
+    bias = [s["metrics"]["traj_bias/tokens_mean_ratio"] for s in steady if "traj_bias/tokens_mean_ratio" in s["metrics"]]
+    stale = [s["metrics"].get("traj_version/token_staleness_max", 0.0) for s in steady]
+    dropped = sum(s["metrics"].get("training/off_policy/evicted_samples", 0.0)  # traj's drops among them
+                  + s["metrics"].get("traj_failure/groups_dropped_total", 0.0) for s in steady)
+    return {"s/step": statistics.median(s["step_s"] for s in steady),
+            "traj/h": sum(s["trained"] for s in steady) / wall * 3600,
+            "pool busy": sim.busy_seq_s / (sim.knobs.capacity * sim.now),
+            "trainer waits": sum(s["wait_s"] for s in steady) / wall,
+            "tokens ratio": ratio(lambda x: x.tokens.sum()), "turns ratio": ratio(lambda x: len(x.tokens)),
+            "traj_bias": statistics.median(bias) if bias else 1.0,
+            "reward ratio": ratio(lambda x: x.reward),
+            "staleness max": max(stale), "dropped": dropped,
+            "corrected": sum(s["metrics"].get("traj_staleness/groups_corrected_total", 0.0) for s in steady)
+            / max(1.0, sum(s["trained"] for s in steady) / sim.n), "cohort": len(group), "untrained": len(group) - len(trained)}
+
+COLUMNS = ("s/step", "traj/h", "pool busy", "trainer waits", "tokens ratio", "turns ratio", "traj_bias", "reward ratio",
+           "staleness max", "dropped", "corrected")
+PERCENT = {"pool busy", "trainer waits", "corrected"}
+
+
+def grid(args) -> list[tuple[str, str, str, float]]:
+    """(mode, staleness policy, failure policy, crash probability per call): every staleness policy without
+    failures, then every failure policy with crashes, each in every mode."""
+    out = [(m, s, "drop", 0.0) for m in args.modes for s in STALENESS if m != "sync" or s == "none"]
+    out += [(m, "none", f, args.fail_per_call) for m in args.modes for f in FAILURES]
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    head = ["workload", "mode", "staleness", "failures", *COLUMNS]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r in rows:
+        cells = [f"{r[c]:.0%}" if c in PERCENT else f"{r[c]:.0f}" if c in ("traj/h", "dropped")
+                 else f"{r[c]:.3f}" if "ratio" in c or c == "traj_bias" else f"{r[c]:.2f}" for c in COLUMNS]
+        lines.append("| " + " | ".join([r["workload"], r["mode"], r["staleness"], r["failures"], *cells]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=("swebench", "calc", "both"), default="both")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--batch", type=int, default=32, help="prompts a step")
+    ap.add_argument("--n", type=int, default=4, help="sessions a prompt (the GRPO group)")
+    ap.add_argument("--fail-per-call", type=float, default=0.01, help="a tool crash's probability per LLM call")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.steps < 6:
+        ap.error("--steps must be at least 6 (the first third is warm-up)")
+    workloads = [swebench(), calc(args.seed)] if args.workload == "both" else [
+        swebench() if args.workload == "swebench" else calc(args.seed)]
+    rows = []
+    for workload in workloads:
+        for mode, staleness, failures, crash in grid(args):
+            t0 = time.time()
+            res = run(workload, mode, staleness, failures, args, crash)
+            rows.append({"workload": workload.name, "mode": mode, "staleness": staleness,
+                         "failures": f"{failures} (crash {crash:g}/call)" if crash else "-", **res})
+            print(f"[bench_async_bias] {workload.name} {mode} {staleness} {failures}: {time.time() - t0:.1f} s",
+                  file=sys.stderr)
+    if args.json:
+        print(json.dumps({"args": vars(args), "results": rows}, indent=2))
+    else:
+        print(f"{args.steps} steps, {args.batch} prompts x {args.n} sessions a step; steady steps "
+              f"{args.steps // 3 + 1}..{args.steps}")
+        print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
