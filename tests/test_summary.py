@@ -45,3 +45,15 @@ def test_the_plot_and_the_summary_report_the_same_reward(tmp_path, monkeypatch):
     monkeypatch.setattr(plots, "moving_average", lambda values, window: plotted.append(values) or values)
     plots.plot_run(rows, tmp_path / "run.png")
     assert plotted == [[0.1 * i for i in range(6)]] and (tmp_path / "run.png").exists()
+
+
+def test_the_length_bias_is_reported_over_the_run_with_what_each_cause_let_go():
+    """Issue 43: the per-step ratio weighted by the trajectories each step trained; counts per cause from shares."""
+    text = summarize([_row(**{"traj_bias/tokens_mean_ratio": 1.0, "traj_bias/trajectories_trained": 6.0,
+                              "traj_bias/trajectories_cut": 0.0}),
+                      _row(**{"traj_bias/tokens_mean_ratio": 0.8, "traj_bias/trajectories_trained": 2.0,
+                              "traj_bias/trajectories_cut": 2.0, "traj_bias/stale_share": 0.25,
+                              "traj_bias/failed_share": 0.25})])
+    assert ("- length bias: what trained had 0.950x the mean length (tokens) of all that finished or was let go "
+            "(1.0: none; lowest step 0.800); 8 trajectories trained, let go: failed 1, stale 1") in text
+    assert "length bias" not in summarize([_row()])

@@ -22,6 +22,7 @@ PANELS = [
     ("units", ["traj_plan/split_groups", "traj_plan/split_trajectories", "traj_plan/padding_rows",
                "actor/num_optimizer_steps"], "count per step"),
     ("micro", ["traj_plan/micro_batches", "traj_plan/micro_batches_lower_bound"], "micro-batches per step"),
+    ("bias", ["traj_bias/tokens_mean_ratio", "traj_bias/turns_mean_ratio"], "length: trained / all (1 = no bias)"),
 ]
 
 

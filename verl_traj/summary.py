@@ -77,6 +77,28 @@ def _line_tool_calls(rows: list[dict]) -> Optional[str]:
             f"(per step: {per_step})")
 
 
+def _line_length_bias(rows: list[dict]) -> Optional[str]:
+    """``traj_bias/*`` over the run: the per-step ratio of mean lengths (what trained / all that finished or was let
+    go), weighted by the trajectories each step trained, and how many were let go for each cause."""
+    steps = [r for r in rows if "traj_bias/tokens_mean_ratio" in r and r.get("traj_bias/trajectories_trained")]
+    if not steps:
+        return None
+    trained = sum(float(r["traj_bias/trajectories_trained"]) for r in steps)
+    ratio = sum(float(r["traj_bias/tokens_mean_ratio"]) * float(r["traj_bias/trajectories_trained"])
+                for r in steps) / trained
+    lows = min(float(r["traj_bias/tokens_mean_ratio"]) for r in steps)
+    causes: dict[str, float] = {}
+    for r in steps:
+        everyone = float(r["traj_bias/trajectories_trained"]) + float(r.get("traj_bias/trajectories_cut", 0.0))
+        for key, share in r.items():
+            if key.startswith("traj_bias/") and key.endswith("_share"):
+                cause = key[len("traj_bias/"):-len("_share")]
+                causes[cause] = causes.get(cause, 0.0) + float(share) * everyone
+    cut = ", ".join(f"{cause} {n:.0f}" for cause, n in sorted(causes.items()) if round(n)) or "none"
+    return (f"- length bias: what trained had {ratio:.3f}x the mean length (tokens) of all that finished or was let go "
+            f"(1.0: none; lowest step {lows:.3f}); {trained:.0f} trajectories trained, let go: {cut}")
+
+
 def summarize(rows: list[dict], metrics_path: str = "", plot_path: str = "") -> str:
     """A short human-readable account of the run (see the module docstring)."""
     if not rows:
@@ -84,9 +106,7 @@ def summarize(rows: list[dict], metrics_path: str = "", plot_path: str = "") -> 
     lines = [f"verl_traj summary: {len(rows)} training steps"]
     lines += [line for line in (_line_reward(rows), _line_tool_calls(rows)) if line]
     lines += [_line_units(rows), _line_steps(rows)]
-    merge = _line_merge(rows)
-    if merge:
-        lines.append(merge)
+    lines += [line for line in (_line_merge(rows), _line_length_bias(rows)) if line]
     worst = max(_values(rows, "traj_plan/balance_ratio_worst") or [float("nan")])
     lines.append(f"- padding rows added: {_total(rows, 'traj_plan/padding_rows'):.0f}; DP balance (slowest rank / "
                  f"lower bound, worst mini-batch): {worst:.3f}")
