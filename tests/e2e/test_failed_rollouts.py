@@ -42,6 +42,17 @@ def _failed_sessions(uid: str) -> int:
     return sum(injected_failure(uid, s) for s in range(N))
 
 
+CORRECT = ["traj.max_staleness=1", "traj.stale_groups=correct", "algorithm.rollout_correction.rollout_is=token"]
+
+
+def _corrected_every_step(steps) -> None:
+    """``traj.stale_groups=correct``: counted every step, never a staleness drop, verl's importance weights on."""
+    for m in steps:
+        assert m["traj_staleness/groups_dropped_total"] == 0 and "traj_staleness/groups_corrected_total" in m
+        assert m.get("training/off_policy/evicted_samples", 0) == 0  # verl's own drop turned off
+        assert any(key.startswith("rollout_corr/") for key in m), sorted(m)
+
+
 def _logged_every_step(steps, reason: str) -> None:
     for m in steps:
         assert m["traj_failure/trajectories_failed_total"] == m[f"traj_failure/reason_total/{reason}"] > 0
@@ -63,20 +74,19 @@ def test_colocate_async_keeps_survivors_when_asked_and_never_an_empty_group(run_
     """Also issue 43's bias-free pair: ``keep_survivors`` (at least two survivors, the baseline over them) and
     ``traj.stale_groups=correct`` (nothing dropped for staleness; stale tokens under verl's token IS weights)."""
     steps, rows = _run(run_training, tmp_path, "raise",
-                       ["trainer.v1.trainer_mode=colocate_async", "traj.failed_groups=keep_survivors",
-                        "traj.max_staleness=1", "traj.stale_groups=correct", "algorithm.rollout_correction.rollout_is=token"])
+                       ["trainer.v1.trainer_mode=colocate_async", "traj.failed_groups=keep_survivors", *CORRECT])
     _logged_every_step(steps, "InjectedToolCrash")
     assert sum(m["traj_failure/groups_kept_total"] for m in steps) > 0
     assert all(m["actor/num_optimizer_steps"] == 2 for m in steps)
     assert all(n == N - _failed_sessions(uid) >= 2 for uid, n in rows.items())  # the survivors, all of them
     assert any(n < N for n in rows.values())  # some group trained on its survivors
-    for m in steps:  # correct: counted every step, never a drop, verl's importance weights applied
-        assert m["traj_staleness/groups_dropped_total"] == 0 and "traj_staleness/groups_corrected_total" in m
-        assert any(key.startswith("rollout_corr/") for key in m), sorted(m)
+    _corrected_every_step(steps)
 
 
 def test_separate_async_times_out_hanging_sessions_and_drops_their_groups(run_training, tmp_path):
+    """With ``traj.stale_groups=correct`` too (issue 43): the failed groups drop, the stale ones train."""
     steps, rows = _run(run_training, tmp_path, "hang",
-                       ["trainer.v1.trainer_mode=separate_async", "traj.trajectory_timeout_s=4"])
+                       ["trainer.v1.trainer_mode=separate_async", "traj.trajectory_timeout_s=4", *CORRECT])
     _logged_every_step(steps, "timeout")
+    _corrected_every_step(steps)
     assert rows and all(n == N and _failed_sessions(uid) == 0 for uid, n in rows.items())
