@@ -16,6 +16,7 @@ from verl.workers.rollout.llm_server import LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
 
 from verl_traj.integration.agent_loops.v1_agent_loop import TrajAgentLoopWorkerTQ, _actor_base
+from verl_traj.integration.async_modes.v1_staleness import recording_client_class
 from verl_traj.recipes.calc_agent.prepare import write_data
 from verl_traj.testing.engine import compose_config
 
@@ -98,7 +99,8 @@ def make_worker(variant: str, config: Any, turns: int) -> tuple[Any, dict]:
     handles), and the agent-loop registry entry its ``tool_agent`` resolves to (the registry is one per process)."""
     cls = _actor_base(AgentLoopWorkerTQ) if variant == "verl" else TrajAgentLoopWorkerTQ
     _agent_loop_registry[AGENT_NAME] = STOCK_ENTRY  # the worker registers its config's loops over verl's
-    client = LLMServerClient(config, load_balancer_handle=None)
+    # as the trainers build it: verl_traj's records each call (the lengths and versions traj_bias/* need)
+    client = (LLMServerClient if variant == "verl" else recording_client_class(None))(config, load_balancer_handle=None)
     worker = cls(config, client, None, [StubReward()])
     client._load_balancer = StubBalancer(StubServer(worker.tokenizer, turns))
     entry = _agent_loop_registry[AGENT_NAME]

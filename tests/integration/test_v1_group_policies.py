@@ -93,9 +93,14 @@ def test_verls_plain_client_of_the_sync_mode_records_its_one_attempt_per_call():
     server.script = [(6, "completed", 2)]
     client = recording_client_class(None)(config, load_balancer_handle=_Balancer(server))
     assert type(client) is TrajLLMServerClient and recording_client_class(TrajLLMServerClient) is TrajLLMServerClient
-    check_recording(client, required=True)
-    with pytest.raises(TrajConfigError, match="traj.max_staleness"):  # a client verl_traj's trainer did not build
-        check_recording(LLMServerClient(config, load_balancer_handle=_Balancer(server)), required=True)
+    check_recording(client, 1.0)
+    plain = LLMServerClient(config, load_balancer_handle=_Balancer(server))  # a client verl_traj's trainer did not build
+    with pytest.raises(TrajConfigError, match="traj.max_staleness and the traj_bias") as err:
+        check_recording(plain, 1.0)
+    assert err.value.field == "traj.max_staleness"
+    with pytest.raises(TrajConfigError, match=r"traj_bias/\* and traj_version.*Fix: let the trainer") as err:
+        check_recording(plain, None)  # no bound: the metrics every step need it all the same
+    assert err.value.field == "get_llm_client"
     with pytest.raises(TrajConfigError, match="LLMServerClient"):
         recording_client_class(dict)
 

@@ -174,7 +174,7 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
         self.session_counts = ((int(rollout.n), int(rollout.val_kwargs.n)) if rollout.get("full_determinism", False)
                                else None)
         if traj_config.enable:  # the policy version of every token (traj_version/token_*, traj.max_staleness)
-            check_recording(self.llm_client, required=traj_config.max_staleness is not None)
+            check_recording(self.llm_client, traj_config.max_staleness)
 
     async def _run_agent_loop(self, sampling_params: dict, trajectory: dict, **kwargs: Any) -> Any:
         if self.session_counts is not None and "priority" not in kwargs:

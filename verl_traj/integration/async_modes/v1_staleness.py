@@ -20,7 +20,6 @@ The trainer logs ``traj_version/token_staleness_*`` of what each step trains
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -32,8 +31,6 @@ from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.session_ledger import VERSION_TOKENS_TAG, current_ledger
 from verl_traj.core.staleness import groups_over_bound, groups_to_defer
 from verl_traj.integration.config.access import flag_at, value_at
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["AttemptRecorder", "Deferral", "StaleGroupPolicy", "TrajFullyAsyncLLMServerClient", "TrajLLMServerClient",
            "check_recording", "recording_client_class", "settle_correction",
@@ -139,20 +136,20 @@ def recording_client_class(cls: Optional[type]) -> type:
     return _CLIENTS[cls]
 
 
-def check_recording(client: Any, required: bool) -> None:
+def check_recording(client: Any, bound: Optional[float]) -> None:
     """In the agent-loop worker: ``client`` records each attempt (verl built it with :func:`recording_client_class`,
-    :meth:`~verl_traj.integration.trainers.v1.TrajV1Mixin.get_llm_client`). Where not, refused where a staleness bound
-    needs the versions (``required``), else a warning (no ``traj_version/token_*`` metrics)."""
+    :meth:`~verl_traj.integration.trainers.v1.TrajV1Mixin.get_llm_client`). Refused where not: every step's
+    ``traj_bias/*`` and ``traj_version/token_*`` (and ``traj.max_staleness``, ``bound``, where set) need each session's
+    lengths and versions, and would be missing without a word."""
     if isinstance(client, AttemptRecorder):
         return
-    if required:
-        raise TrajConfigError(
-            f"the agent loops' LLM client is a {type(client).__name__}, not built by verl_traj's trainer: verl_traj "
-            "cannot record which policy version generated each token, which traj.max_staleness needs. Fix: let the "
-            "trainer's get_llm_client build it (verl_traj's TrajV1Mixin does), or unset traj.max_staleness.",
-            field="traj.max_staleness")
-    logger.warning("verl_traj: the agent loops' LLM client is a %s, not built by verl_traj's trainer: the policy "
-                   "version of each token is not recorded (no traj_version/token_* metrics)", type(client).__name__)
+    needs = "traj.max_staleness and the " if bound is not None else "the "
+    raise TrajConfigError(
+        f"the agent loops' LLM client is a {type(client).__name__}, not built by verl_traj's trainer: verl_traj cannot "
+        f"record each session's length and the policy version of each token, which {needs}traj_bias/* and "
+        "traj_version/token_* metrics need. Fix: let the trainer's get_llm_client build it (verl_traj's TrajV1Mixin "
+        "does; an override should call super().get_llm_client()), or set traj.enable=false.",
+        field="traj.max_staleness" if bound is not None else "get_llm_client")
 
 
 class StaleGroupPolicy:
