@@ -9,7 +9,8 @@ and steps (default: the calculator agent, ``calc_agent_cpu``), each with verl's 
 * **rollout pool busy**: ``rollout_pool/<pool>_busy_share`` (verl_traj, from the CPU rollout servers' generation
   seconds): the share of the step's wall time the pool's servers spent generating; ``hybrid`` = the replicas on the
   trainer's workers, ``standalone`` = ``separate_async``'s own pool. Idle = 1 - busy;
-* seconds per step and the mean trajectory staleness (``traj_version/staleness_mean``).
+* seconds per step, the mean trajectory staleness (``traj_version/staleness_mean``) and the length bias of what
+  trained (``traj_bias/tokens_mean_ratio``; on a long-tailed agent, per policy: ``scripts/bench_async_bias.py``).
 
 Every figure is the median over the steps after the first (the first includes warm-up). The runs are sequential on
 the same machine; compare modes as ratios within one invocation.
@@ -33,7 +34,8 @@ MODES = ("sync", "colocate_async", "separate_async")
 COLUMNS = (("s/step", "timing_s/step"), ("trainer waiting for rollouts", None),
            ("hybrid pool busy", "rollout_pool/hybrid_busy_share"),
            ("standalone pool busy", "rollout_pool/standalone_busy_share"),
-           ("staleness (versions, mean)", "traj_version/staleness_mean"))
+           ("staleness (versions, mean)", "traj_version/staleness_mean"),
+           ("length ratio (trained / all)", "traj_bias/tokens_mean_ratio"))
 
 
 def run_mode(mode: str, args, out: Path) -> list[dict]:
@@ -72,7 +74,7 @@ def table(report: dict[str, dict]) -> str:
         cells = []
         for name in names:
             value = res[name]
-            share = name != "s/step" and not name.startswith("staleness")
+            share = name != "s/step" and not name.startswith(("staleness", "length"))
             cells.append("-" if value is None else f"{value:.0%}" if share else f"{value:.2f}")
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
