@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ import numpy as np
 
 from verl_traj.core.keys import IS_PADDING, RATIO_GROUP
 from verl_traj.cpu.attention import CPU_VARLEN
+from verl_traj.cpu.build_tiny import build
 from verl_traj.testing import as_dataproto, rl_batch
 from verl_traj.testing.engine import actor_worker, cpu_config, free_port, init_rank, plan_for_update, rank_tensordict
 
@@ -118,6 +120,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     home = os.environ.get("VERL_TRAJ_HOME") or tempfile.mkdtemp()
+    build(str(Path(home) / "tiny"))  # the tiny model the presets read (kept where already built)
     ctx = mp.get_context("spawn")
     rows = []
     for name in CASES:  # a fresh process each: the process-lifetime patches of one case do not reach the next
