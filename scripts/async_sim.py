@@ -98,10 +98,10 @@ class Simulation:
         base = ReplayBuffer if mode == "sync" else ReplayBufferAsync
         cls = type("Sim" + group_policy_class(base).__name__, (group_policy_class(base),),
                    {"_wait_for_next_poll": lambda buf, partition_id, last: self._poll_wait(buf)})
-        self.buffer = with_group_policies(cls(trainer_mode=mode, trainer_config={}, max_off_policy_threshold=verl_threshold,
-                                              max_off_policy_strategy=verl_strategy, sampler_kwargs={},
-                                              refill_fn=self.dispatch, gen_batch_size=1,
-                                              sync_refill_failed_groups=mode == "sync"), traj, n)
+        buffer = cls(trainer_mode=mode, trainer_config={}, max_off_policy_threshold=verl_threshold,
+                     max_off_policy_strategy=verl_strategy, sampler_kwargs={}, refill_fn=self.dispatch,
+                     gen_batch_size=1, sync_refill_failed_groups=mode == "sync")
+        self.buffer = with_group_policies(buffer, traj, n)
         self.now = 0.0
         self.version = 0  # updates done: the policy the rollout samples from
         self.step = 0

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Who waits for whom, in each of verl's v1 trainer modes: the trainer for rollouts, the rollout pool for the trainer.
 
-Runs ``python -m verl_traj.main_ppo`` once per mode (``sync``, ``colocate_async``, ``separate_async``) on the same preset
+Runs ``python -m verl_traj.main_ppo`` once per mode (sync, ``colocate_async``, ``separate_async``) on the same preset
 and steps (default: the calculator agent, ``calc_agent_cpu``), each with verl's file logger, and reads per step:
 
 * **trainer waiting for rollouts**: verl's ``timing_s/gen`` (in sync the whole generation; in the async modes the

@@ -129,7 +129,8 @@ def summarise(sim: Simulation, steady: list, cohort: tuple[int, int]) -> dict:
     def ratio(measure) -> float:
         return float(np.mean([measure(x) for x in trained]) / np.mean([measure(x) for x in group]))
 
-    bias = [s["metrics"]["traj_bias/tokens_mean_ratio"] for s in steady if "traj_bias/tokens_mean_ratio" in s["metrics"]]
+    key = "traj_bias/tokens_mean_ratio"
+    bias = [s["metrics"][key] for s in steady if key in s["metrics"]]
     stale = [s["metrics"].get("traj_version/token_staleness_max", 0.0) for s in steady]
     dropped = sum(s["metrics"].get("training/off_policy/evicted_samples", 0.0)  # traj's drops among them
                   + s["metrics"].get("traj_failure/groups_dropped_total", 0.0) for s in steady)
@@ -142,7 +143,8 @@ def summarise(sim: Simulation, steady: list, cohort: tuple[int, int]) -> dict:
             "reward ratio": ratio(lambda x: x.reward),
             "staleness max": max(stale), "dropped": dropped,
             "corrected": sum(s["metrics"].get("traj_staleness/groups_corrected_total", 0.0) for s in steady)
-            / max(1.0, sum(s["trained"] for s in steady) / sim.n), "cohort": len(group), "untrained": len(group) - len(trained)}
+            / max(1.0, sum(s["trained"] for s in steady) / sim.n),
+            "cohort": len(group), "untrained": len(group) - len(trained)}
 
 COLUMNS = ("s/step", "traj/h", "pool busy", "trainer waits", "tokens ratio", "turns ratio", "traj_bias", "reward ratio",
            "staleness max", "dropped", "corrected")
