@@ -105,7 +105,6 @@ class Simulation:
         self.now = 0.0
         self.version = 0  # updates done: the policy the rollout samples from
         self.step = 0
-        self.sessions: list[Session] = []
         self.live: list[Session] = []
         self.groups: dict[str, list[Session]] = {}
         self.dispatched: list[Session] = []
@@ -117,6 +116,7 @@ class Simulation:
 
     # ----- rollout -----
     def dispatch(self, prompts: int) -> int:
+        """verl's ``refill_fn`` and ``prepare_step``: ``prompts`` new groups, running at once, tagged this step."""
         for _ in range(prompts):
             uid = f"p{self.uid_counter:07d}"
             self.uid_counter += 1
@@ -174,8 +174,10 @@ class Simulation:
             self.live = [s for s in self.live if not s.done]
 
     def _end(self, s: Session) -> None:
+        """A session ends: its row's tags (finished) or its group's failure tag (crashed, timed out), as production
+        writes them; the prompt key's status once the whole group has ended."""
         s.done = True
-        calls = s.turn + (0 if s.generating and s.left > 1e-9 else 0)
+        calls = s.turn + (1 if s.generating and s.left > 1e-9 else 0)  # a call cut mid-way counts, as in production
         length = [int(round(sum(s.ledger.values()))), int(calls)]
         if s.fail_turn is not None:
             error = TimeoutError() if s.fail_turn == -1 else RuntimeError("tool crashed")

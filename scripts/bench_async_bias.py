@@ -110,7 +110,8 @@ def run(workload: Workload, mode: str, staleness: str, failures: str, args, fail
     if mode == "sync":
         traj_kw, threshold = {}, None
     traj = TrajConfig(**traj_kw, **FAILURES[failures])
-    knobs = Knobs(**{**workload.knobs.__dict__, "fail_per_call": fail_per_call})
+    knobs = Knobs(**{**workload.knobs.__dict__, "fail_per_call": fail_per_call,
+                     "timeout_s": getattr(args, "timeout_s", None) if fail_per_call else None})
     sim = Simulation(mode, traj, workload, knobs, args.batch, args.n, args.seed, verl_threshold=threshold,
                      verl_strategy=strategy)
     steps = [sim.run_step() for _ in range(args.steps)]
@@ -177,6 +178,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32, help="prompts a step")
     ap.add_argument("--n", type=int, default=4, help="sessions a prompt (the GRPO group)")
     ap.add_argument("--fail-per-call", type=float, default=0.01, help="a tool crash's probability per LLM call")
+    ap.add_argument("--timeout-s", type=float, default=None,
+                    help="traj.trajectory_timeout_s in the failure runs (simulated seconds; default none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)

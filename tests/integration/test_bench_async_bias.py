@@ -50,6 +50,13 @@ def test_the_policies_rank_as_documented(bench):
     assert runs["traj correct (1.0)"]["corrected"] > 0 and runs["none"]["staleness max"] > 1.0
 
 
+def test_timeouts_cut_the_long_trajectories_and_the_logged_ratio_sees_it(bench):
+    """``--timeout-s``: the sessions still running at the deadline fail as ``timeout`` (censored in traj_bias)."""
+    args = type("Args", (), {"steps": 12, "batch": 16, "n": 4, "seed": 0, "timeout_s": 20.0})
+    run = bench.run(bench.calc(), "separate_async", "none", "keep_survivors", args, 1e-9)
+    assert run["dropped"] > 0 and run["tokens ratio"] < 0.95 and run["traj_bias"] < 0.97
+
+
 def test_json_output_carries_every_run(bench, capsys):
     assert bench.main(["--workload", "calc", "--modes", "sync", "--steps", "6", "--batch", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
