@@ -4,7 +4,7 @@
 An agent whose long trajectories are the ones that succeed (reward probability 0.1 + 0.8 x the trajectory's turn-count
 percentile) and take longest to generate. Two workloads, the range users run:
 
-* ``swebench``: each prompt one of the 500 real SWE-bench trajectories in ``../shared/data/swebench_steps.jsonl``
+* ``swebench``: each prompt one of the 500 real SWE-bench trajectories in ``shared/data/swebench_steps.jsonl``
   (22-145 LLM calls, 3.7k-71k generated tokens); each of its ``n`` sessions scales the call count and each call's
   tokens by a log-normal draw (sigma 0.35 and 0.2), the trained context with it;
 * ``calc``: the calculator agent's shape, problems of 1-12 operations, one call per operation and one to answer,
@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from async_sim import Knobs, Simulation  # noqa: E402
 
 from verl_traj.config import TrajConfig  # noqa: E402
+from verl_traj.testing.swebench import DATA_FILE, load_trajectories  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "swebench_steps.jsonl"
 
 
 @dataclass
@@ -72,7 +72,10 @@ class Workload:
 
 
 def swebench() -> Workload:
-    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+    if not DATA_FILE.exists():
+        raise SystemExit(f"{DATA_FILE} is missing: the SWE-bench lengths sit in shared/data beside the checkout. Fix: "
+                         "point VERL_TRAJ_SWEBENCH at swebench_steps.jsonl, or run --workload calc")
+    rows = load_trajectories(DATA_FILE)
     calls = [[resp for _, resp in r["steps"]] for r in rows]
     context = np.array([r["steps"][-1][0] + r["steps"][-1][1] for r in rows], dtype=float)
     return Workload("swebench", calls, context, 0.35,
