@@ -165,7 +165,8 @@ class Simulation:
                 s.left -= dt
                 if s.left <= 1e-9:
                     s.generating, s.left = True, float(s.tokens[s.turn])
-            if self.knobs.timeout_s and self.now + dt - s.start > self.knobs.timeout_s and s not in ended:
+            timed_out = self.knobs.timeout_s and self.now + dt - s.start > self.knobs.timeout_s
+            if timed_out and not (ended and ended[-1] is s):  # past the deadline and not ended just now
                 s.fail_turn = -1
                 ended.append(s)
         for s in ended:

@@ -120,15 +120,24 @@ def km_ks_distance(sample: np.ndarray, x: np.ndarray, survival: np.ndarray) -> f
     return float(np.abs(np.searchsorted(sample, points, side="right") / sample.size - cdf).max())
 
 
-def _versus_all(mine: np.ndarray, values: np.ndarray, complete: np.ndarray) -> tuple[float, float]:
-    """``(mean ratio, distance)`` of ``mine`` against every length (``complete`` as in :func:`kaplan_meier`): the
-    empirical ones where nothing is censored, the Kaplan-Meier ones where something is."""
-    if complete.all():
-        return mean_ratio(mine, values), ks_distance(mine, values)
+def _reference(values: np.ndarray, complete: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+    """``(mean, x, survival)`` of every length (``complete`` as in :func:`kaplan_meier`): the empirical
+    distribution where nothing is censored (``survival = 1 - ECDF``, the plain mean), the Kaplan-Meier one and its
+    restricted mean where something is. One estimate per measure, read by every ratio and distance of it."""
+    if complete.all():  # the exact path reads only the mean
+        return (float(values.mean()) if values.size else 0.0), values[:0], values[:0]
     x, survival = kaplan_meier(values, complete)
-    mean = _restricted_mean(x, survival)
-    ratio = float(mine.mean()) / mean if mine.size and mean > 0 else 1.0
-    return ratio, km_ks_distance(mine, x, survival)
+    return _restricted_mean(x, survival), x, survival
+
+
+def _versus(mine: np.ndarray, reference: tuple[float, np.ndarray, np.ndarray], exact: bool,
+            values: np.ndarray) -> tuple[float, float]:
+    """``(mean ratio, distance)`` of ``mine`` against the reference (:func:`_reference`); ``exact``: nothing
+    censored, so the plain two-sample functions (bit-for-bit the metrics without censoring)."""
+    if exact:
+        return mean_ratio(mine, values), ks_distance(mine, values)
+    mean, x, survival = reference
+    return (float(mine.mean()) / mean if mine.size and mean > 0 else 1.0), km_ks_distance(mine, x, survival)
 
 
 def bias_metrics(trained: Lengths, cut: Mapping[str, Lengths], prefix: str = PREFIX) -> dict[str, float]:
@@ -141,11 +150,12 @@ def bias_metrics(trained: Lengths, cut: Mapping[str, Lengths], prefix: str = PRE
                                                              for c in causes])
     out: dict[str, float] = {f"{prefix}/trajectories_trained": float(len(trained)),
                              f"{prefix}/trajectories_cut": float(len(everyone) - len(trained))}
-    for measure in ("tokens", "turns"):
-        ratio, distance = _versus_all(getattr(trained, measure), getattr(everyone, measure), complete)
+    exact = bool(complete.all())
+    references = {m: _reference(getattr(everyone, m), complete) for m in ("tokens", "turns")}
+    for measure, reference in references.items():
+        ratio, distance = _versus(getattr(trained, measure), reference, exact, getattr(everyone, measure))
         out[f"{prefix}/{measure}_mean_ratio"], out[f"{prefix}/{measure}_ks"] = ratio, distance
-    all_mean = (_restricted_mean(*kaplan_meier(everyone.tokens, complete)) if not complete.all()
-                else float(everyone.tokens.mean()) if len(everyone) else 0.0)
+    all_mean = references["tokens"][0]
     for cause in causes:
         lengths = cut[cause]
         out[f"{prefix}/{cause}_share"] = len(lengths) / len(everyone) if len(everyone) else 0.0

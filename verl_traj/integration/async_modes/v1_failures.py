@@ -122,10 +122,13 @@ class FailedGroupPolicy:
         stale, dapo, failed, counts = super()._terminal_eviction_reasons(global_steps, partition_id)
         if partition_id == "val":
             return stale, dapo, failed, counts
-        sessions = {key.rsplit("_", 1)[0] for key in self.partitions[partition_id]}  # uid_session of stored rows
-        survivors = Counter(session.split("_")[0] for session in sessions)
-        return stale, dapo, failed_groups_to_evict(self.failure_keys[partition_id], survivors,
-                                                   self.failed_group_policy, self.min_survivors), counts
+        failing = self.failure_keys[partition_id]
+        survivors: Counter = Counter()
+        if failing and self.failed_group_policy != "drop":  # the finished sessions of failed groups (one pass)
+            sessions = {key.rsplit("_", 1)[0] for key in self.partitions[partition_id] if key.split("_")[0] in failing}
+            survivors.update(session.split("_")[0] for session in sessions)
+        return stale, dapo, failed_groups_to_evict(failing, survivors, self.failed_group_policy,
+                                                   self.min_survivors), counts
 
     def _evict_terminal_groups(self, global_steps: int, partition_id: str, eviction_reasons: tuple) -> tuple:
         stale, filtered, failed = eviction_reasons[:3]
