@@ -1,12 +1,15 @@
 """How many verl_traj modules one planned update passes through on the worker, from ``train_mini_batch`` to the loss
-(issue 42, item 5), counted, not estimated: one real actor update on the tiny model (one rank, gloo, CPU), every
+(issue 42, item 5), counted, not estimated: real actor updates on the tiny model (one rank, gloo, CPU), every
 Python call traced (``sys.setprofile``).
 
-For each case it prints the verl_traj modules whose code runs during the update (the adapters', and the pure
-core's apart), and the verl_traj frames on the stack when the loss is entered (the path a reader follows).
+For each case it prints the verl_traj modules whose code runs during an update (the adapters', and the pure
+core's apart), and the verl_traj frames on the stack when the loss is entered (the path a reader follows). Each case
+runs two updates in a fresh process: the second is the path every training step takes; what only the first runs
+(a process's one-time set-up, such as installing the prefix tree's attention) is listed apart.
 
     python scripts/worker_hops.py            # the table
     python scripts/worker_hops.py --json     # the same as JSON
+    python scripts/worker_hops.py --cases gspo_trees
 
 Cases: rows (``traj.prefix_tree=false``), trees (the default on this preset), GSPO at trajectory scope on rows (its
 pre-pass) and on trees.
@@ -102,11 +105,12 @@ def measure(name: str, extra: tuple, trees: bool, ratio_groups: bool) -> dict[st
     plan_for_update(batch, cfg, 1, ratio_groups=ratio_groups, prefix_tree=trees)
     if ratio_groups:
         _ratio_groups(batch)
-    data = rank_tensordict(batch, 0, 1, len(batch) // 2)
-    ran, at_loss, longest = _trace(lambda: worker.train_mini_batch(data))
+    first = _trace(lambda: worker.train_mini_batch(rank_tensordict(batch, 0, 1, len(batch) // 2)))[0]
+    ran, at_loss, longest = _trace(lambda: worker.train_mini_batch(rank_tensordict(batch, 0, 1, len(batch) // 2)))
     return {"case": name, "adapter_modules": [m for m in ran if m.startswith(ADAPTERS)],
             "core_modules": [m for m in ran if m.startswith(CORE)], "stack_at_loss": at_loss,
-            "longest_chain": [m for m in longest if m.startswith(ADAPTERS)]}
+            "longest_chain": [m for m in longest if m.startswith(ADAPTERS)],
+            "first_update_only": [m for m in first if m.startswith(ADAPTERS) and m not in ran]}
 
 
 def _one(name: str, home: str, queue: Any) -> None:
@@ -118,12 +122,13 @@ def _one(name: str, home: str, queue: Any) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), help="the cases to run")
     args = parser.parse_args()
     home = os.environ.get("VERL_TRAJ_HOME") or tempfile.mkdtemp()
     build(str(Path(home) / "tiny"))  # the tiny model the presets read (kept where already built)
     ctx = mp.get_context("spawn")
     rows = []
-    for name in CASES:  # a fresh process each: the process-lifetime patches of one case do not reach the next
+    for name in args.cases:  # a fresh process each: the process-lifetime patches of one case do not reach the next
         queue = ctx.Queue()
         proc = ctx.Process(target=_one, args=(name, home, queue))
         proc.start()
@@ -132,11 +137,14 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"{'case':<11} {'ran':>4} {'chain':>5}  adapter modules that ran (longest chain of them on the stack)")
+    print(f"{'case':<11} {'ran':>4} {'chain':>5}  adapter modules that ran (longest chain of them on the stack)"
+          "  [+ a process's first update only]")
     for r in rows:
         short = [m.removeprefix(ADAPTERS) for m in r["adapter_modules"]]
         chain = " -> ".join(m.removeprefix(ADAPTERS) for m in r["longest_chain"])
-        print(f"{r['case']:<11} {len(short):>4} {len(r['longest_chain']):>5}  {', '.join(short)}  ({chain})")
+        once = ", ".join(m.removeprefix(ADAPTERS) for m in r["first_update_only"])
+        print(f"{r['case']:<11} {len(short):>4} {len(r['longest_chain']):>5}  {', '.join(short)}  ({chain})"
+              + (f"  [+ {once}]" if once else ""))
 
 
 if __name__ == "__main__":

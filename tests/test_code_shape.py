@@ -451,7 +451,7 @@ MAX_FOLDER_MODULES = 12
 DRIVER_FOLDERS = ("config", "rows", "startup", "trainers")
 # modules that run only in worker or agent-loop processes (tree/torch_flash names the attention start-up settles, so it
 # stays importable on the driver)
-WORKER_SIDE = ("workers.", "agent_loops.", "tree.tree_forward", "tree.tree_passes")
+WORKER_SIDE = ("workers.", "agent_loops.", "tree.tree_forward")
 
 
 def _folders() -> dict[str, Path]:

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from verl_traj.core import tree_kernel
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import TREE_INDEX, TREE_SIZE_KEY
 from verl_traj.core.prefix_tree import build_prefix_tree, gather_flat
@@ -29,8 +30,8 @@ from verl_traj.core.tree_attention import TreeAttentionError, per_row_causal_att
 from verl_traj.core.tree_facts import micro_batch_tree_facts
 from verl_traj.cpu.attention import CPU_VARLEN, varlen_attention
 from verl_traj.integration.tree import tree_forward as tree_forward_module
-from verl_traj.integration.tree.tree_forward import TREE_KWARG, TreeAttentionInput, tree_aware_attention
-from verl_traj.integration.tree.tree_passes import TreeForwardLog
+from verl_traj.core.tree_kernel import TREE_KWARG, TreeAttentionInput, tree_aware_attention
+from verl_traj.core.tree_pass import TreeForwardLog
 from verl_traj.testing.engine import free_port
 
 
@@ -85,7 +86,7 @@ def test_a_model_on_the_flash_path_forwards_a_tree_exactly():
         got = model(input_ids=tree.input_ids[None], position_ids=tree.position_ids[None], use_cache=False,
                     **{TREE_KWARG: TreeAttentionInput(tree.subtree_end)}).logits[0]
         checks = []
-        with mock.patch.object(tree_forward_module, "refuse_tree_in_plain_attention",
+        with mock.patch.object(tree_kernel, "refuse_tree_in_plain_attention",
                                lambda *a, **k: checks.append(refuse_tree_in_plain_attention(*a, **k))):
             ref = model(input_ids=torch.cat(rows)[None], use_cache=False,
                         position_ids=torch.cat([torch.arange(len(r)) for r in rows])[None]).logits[0]
@@ -221,7 +222,7 @@ def _trees(engine):
     """What a verl_traj worker does in a marked pass: the plan's micro-batches, each forwarded as its tree."""
     from verl_traj.integration.patches.scoped import micro_batch_patches, patched
     from verl_traj.integration.workers.planned_update import PlannedUpdate
-    from verl_traj.integration.tree.tree_passes import tree_forward
+    from verl_traj.integration.tree.tree_forward import tree_forward
 
     with patched(micro_batch_patches(PlannedUpdate(seed=0, fields=()).prepare_micro_batches)), \
             tree_forward(engine) as log:
@@ -289,7 +290,7 @@ def _compare(worker, batch, rank, world) -> dict:
     g_ref = _grad(worker, batch, rank, world, tree=False)
     with _trees(worker.engine) as log:
         tlp, tent = _infer(worker, batch, rank, world, tree=True)
-        with mock.patch.object(tree_forward_module, "tree_attention", wraps=tree_forward_module.tree_attention) as spy:
+        with mock.patch.object(tree_kernel, "tree_attention", wraps=tree_kernel.tree_attention) as spy:
             g_tree = _grad(worker, batch, rank, world, tree=True)
     resp = no_padding_2_padding(lp, td) - no_padding_2_padding(tlp, td)
     return {"log_probs": _diffs(lp, tlp, _not_last(lp)), "entropy": _diffs(ent, tent, torch.ones_like(_not_last(ent))),

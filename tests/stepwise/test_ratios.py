@@ -17,7 +17,9 @@ from hypothesis import given, settings, strategies as st
 
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask as verl_correction
 
-from verl_traj.stepwise.ratios import trajectory_ratio_metrics, trajectory_rollout_correction
+from verl_traj.core.errors import TrajInputError
+from verl_traj.stepwise.ratios import (check_ratio_groups, ratio_group_bound, stochastic_in_training,
+                                       trajectory_ratio_metrics, trajectory_rollout_correction)
 from verl_traj.stepwise.timeline import Timeline
 
 MODES = [  # (rollout_is, rollout_rs, rollout_rs_threshold)
@@ -212,3 +214,33 @@ def test_gspo_on_shifted_step_rows_is_gspo_on_the_merged_row(seed, monkeypatch):
     for key, grad in results["merged"][1].items():
         assert results["steps"][1][key] == pytest.approx(grad, rel=1e-4, abs=1e-7), key
     assert results["row scope"][1] != pytest.approx(results["merged"][1], rel=1e-3)
+
+
+class _Configured(torch.nn.Module):
+    """A module with an HF-style config (``to_dict``) and no dropout layer."""
+
+    def __init__(self, **config) -> None:
+        super().__init__()
+        self.config = type("Config", (), {"to_dict": lambda _self: dict(config)})()
+        self.proj = torch.nn.Linear(2, 2)
+
+
+@pytest.mark.parametrize("module, stochastic", [
+    (torch.nn.Linear(2, 2), False),
+    (torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0)), False),
+    (torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1)), True),
+    (_Configured(attention_dropout=0.0, hidden_size=8), False),
+    (_Configured(attention_dropout=0.1), True),  # HF attention applies it functionally: no Dropout layer
+    (_Configured(router_jitter_noise=0.01), True),
+    (None, True),  # unknown: assume it draws, so the GSPO pre-pass runs
+])
+def test_a_training_forward_is_stochastic_exactly_when_something_draws_random_numbers(module, stochastic):
+    assert stochastic_in_training(module) is stochastic
+
+
+def test_the_pre_pass_table_bound_covers_every_row_and_out_of_range_groups_are_refused_by_row():
+    assert ratio_group_bound(6, 2) == 12 and ratio_group_bound(0, 4) == 1
+    check_ratio_groups(torch.tensor([0, 11, -1, 3]), 12)
+    with pytest.raises(TrajInputError) as err:
+        check_ratio_groups(torch.tensor([0, 12, -1]), 12)
+    assert err.value.field == "ratio_group[1]"

@@ -27,7 +27,10 @@ Inside the update these run on the device every optimizer step or micro-batch, s
 :func:`row_log_ratio_sums`, :func:`bounded_group_sums` (the pre-pass: a static bound on the number of
 trajectories), :func:`presummed_ratio_shift` and :func:`micro_batch_ratio_shift` (every trajectory's rows in one
 micro-batch: the ratio from the loss's own log-probs); the callers count the rows with a non-finite log-prob on the
-device (:func:`nonfinite_rows`) instead of raising on the spot.
+device (:func:`nonfinite_rows`) instead of raising on the spot. The pre-pass's table has a static size every rank
+knows (:func:`ratio_group_bound`; the groups are checked against it once per update, :func:`check_ratio_groups`), and
+:func:`stochastic_in_training` says whether a training forward draws random numbers at all (where it does not, the
+first optimizer step of an update, whose parameters computed the old log-probs, needs no pre-pass).
 
 Pure module (torch only); verl's function is passed in as a callable.
 """
@@ -40,11 +43,13 @@ from typing import Any, Callable, Optional
 import torch
 
 from verl_traj.core.errors import TrajInputError, check_finite, check_index, check_int, check_shape
+from verl_traj.core.keys import RATIO_GROUP
 from verl_traj.stepwise.timeline import Timeline
 
-__all__ = ["RATIO_SCOPES", "TrajectoryCorrection", "bounded_group_sums", "group_log_ratio_sums",
+__all__ = ["RATIO_SCOPES", "TrajectoryCorrection", "bounded_group_sums", "check_ratio_groups", "group_log_ratio_sums",
            "micro_batch_ratio_shift", "nonfinite_rows", "presummed_ratio_shift", "row_log_ratio_sums",
-           "sequence_ratio_shift", "trajectory_ratio_metrics", "trajectory_rollout_correction"]
+           "ratio_group_bound", "sequence_ratio_shift", "stochastic_in_training", "trajectory_ratio_metrics",
+           "trajectory_rollout_correction"]
 
 RATIO_SCOPES = ("row", "trajectory")
 SAFETY_BOUND = 20.0  # verl's clamp of a log-ratio sum before exp (rollout_corr_helper.SAFETY_BOUND)
@@ -229,3 +234,33 @@ def micro_batch_ratio_shift(log_prob: torch.Tensor, old_log_prob: torch.Tensor, 
     first = ((group[:, None] == group[None, :]) & real[:, None]).long().argmax(-1)  # [b] first row of its trajectory
     sums = bounded_group_sums(per_row, torch.where(real, first, -1), group.shape[0])
     return presummed_ratio_shift(per_row, first.where(real, -1), sums, old_log_prob.dtype)
+
+
+def ratio_group_bound(rows_per_rank: int, dp_size: int) -> int:
+    """An upper bound on the trajectories of an update every rank computes alike without communication: its rows
+    (``traj_index`` is dense over the batch's real rows, and every rank holds the same number of rows)."""
+    return max(int(rows_per_rank) * int(dp_size), 1)
+
+
+def check_ratio_groups(group: torch.Tensor, bound: int) -> None:
+    """Once per update, on the update's host copy: ``ratio_group`` ``[B]`` integers in ``[-1, bound)``, else a
+    :class:`~verl_traj.core.errors.TrajInputError` naming the row."""
+    check_index(RATIO_GROUP, group, f"pass each row's trajectory in [-1, {bound}) (-1: padding), as the trainer's "
+                "traj_index", low=-1, high=bound)
+
+
+def stochastic_in_training(module: Any) -> bool:
+    """Whether a training-mode forward of ``module`` draws random numbers: a dropout layer with ``p > 0`` (LoRA's
+    included) or a model config with a positive ``*dropout*`` / ``*jitter*`` setting (HF attention applies
+    ``attention_dropout`` functionally; MoE routers add jitter noise). Unknown modules count as stochastic."""
+    if not isinstance(module, torch.nn.Module):
+        return True
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0:
+            return True
+        config = getattr(sub, "config", None)
+        if hasattr(config, "to_dict"):
+            for key, value in config.to_dict().items():
+                if ("dropout" in key or "jitter" in key) and isinstance(value, (int, float)) and value > 0:
+                    return True
+    return False

@@ -258,7 +258,7 @@ def update_patches(make_iterator: Callable[[Any], Any], prepare_micro_batches: C
 
 def micro_batch_patches(prepare_micro_batches: Callable[[Any], Any]) -> list[Patch]:
     """``prepare_micro_batches`` of every loaded FSDP engine module <- the plan's micro-batches (an update's, or a
-    prefix-tree log-prob / reference pass's: :mod:`~verl_traj.integration.tree.tree_passes`)."""
+    prefix-tree log-prob / reference pass's: :mod:`~verl_traj.integration.tree.tree_forward`)."""
     return [Patch(name, "prepare_micro_batches", prepare_micro_batches, "run the plan's micro-batches")
             for name in ENGINE_MODULES if name in sys.modules]
 

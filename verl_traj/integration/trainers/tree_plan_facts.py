@@ -12,10 +12,10 @@ Fields (written with the plan's ids, next to ``mini_batch_id`` / ``micro_batch_i
 A micro-batch is the rows of one rank's block with one (``mini_batch_id``, ``micro_batch_id``): exactly the rows
 the workers' planned micro-batches hold (:mod:`verl_traj.integration.workers.planned_update`). The worker reads ``N``
 from the micro-batch's host copy while cutting it
-(:func:`~verl_traj.integration.tree.tree_passes.micro_batch_tree_sizes`) and carries it as the micro-batch's non-tensor
+(:func:`~verl_traj.core.tree_pass.micro_batch_tree_sizes`) and carries it as the micro-batch's non-tensor
 :data:`~verl_traj.core.keys.TREE_SIZE_KEY`; the tree itself is built on the device
 (:func:`~verl_traj.core.tree_facts.tree_from_facts`). A marked pass without these fields raises
-(:func:`~verl_traj.integration.tree.tree_passes.require_tree_facts`).
+(:func:`~verl_traj.core.tree_pass.require_tree_facts`).
 """
 
 from __future__ import annotations

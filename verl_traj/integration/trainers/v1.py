@@ -25,7 +25,7 @@ method                      what changes (module)
 ``_update_critic`` /        verl's own, with the update's contract (``update_contract``) stored and named for the
 ``_update_actor``           workers (``v1_updates``: ``loss_weight`` from each row's loss-token count)
 ``_compute_old_log_prob``,  verl's own; with ``traj.prefix_tree`` the call is marked, so the workers forward the
-``_compute_ref_log_prob``,  plan's micro-batches as prefix trees (``integration.tree.tree_passes``; the updates are
+``_compute_ref_log_prob``,  plan's micro-batches as prefix trees (``integration.tree.tree_forward``; the updates are
 ``_compute_values``         marked likewise)
 ``_compute_metrics``        per-trajectory metrics (``v1_metrics``); verl's own handed the step's real rows
 ``_build_replay_buffer``,   verl's own, building the buffer and the agent loops' client as verl_traj's subclasses

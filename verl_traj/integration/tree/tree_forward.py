@@ -1,57 +1,54 @@
-"""One micro-batch forwarded as a prefix tree through verl's FSDP engine (remove-padding path), exactly (issue 29).
+"""A worker's passes on prefix trees through verl's FSDP engine (remove-padding path), exactly (issue 29): the one
+step of the worker-side path that differs for trees.
 
-Nothing changes until a worker process enters :func:`~verl_traj.integration.tree.tree_passes.tree_forward` on its
-engine, and then only micro-batches whose batch carries the non-tensor key ``prefix_tree=True`` (:data:`TREE_KEY`) are
-forwarded as a tree; every other micro-batch runs verl's code unchanged.
+The trainer marks each pass of a planned batch (the non-tensor :data:`~verl_traj.core.keys.TREE_KEY`: v1 puts it in the
+call's ``extra_info``, since verl rebuilds the meta between passes; v0 in the batch's ``meta_info``). A verl_traj
+worker runs a marked pass inside :func:`tree_pass` on the plan's micro-batches -- an update's (``train_mini_batch``,
+actor and critic) and the old-log-prob, reference and value passes' (``infer_batch``), so both log-probs of the PPO
+ratio take one numeric path -- and every micro-batch is forwarded as one tree; nothing else changes. What a pass checks
+and records is the pure :mod:`verl_traj.core.tree_pass`; the attention's side of a tree is
+:mod:`verl_traj.core.tree_kernel`.
 
 Hook points (each declared, with how it is undone):
 
 1. process patch :func:`~verl_traj.integration.patches.process.prefix_tree_attention_patches`:
-   ``verl.models.transformers.monkey_patch._flash_attention_forward`` <- :func:`tree_aware_attention` (the kernel
-   verl's remove-padding path calls: the CPU platform's ``cpu_varlen`` attention on CPU, flash-attn on GPU). A call
-   carrying the tree (model keyword :data:`TREE_KWARG`, which transformers hands down to every attention call, also
-   when gradient checkpointing recomputes a layer) runs :func:`~verl_traj.core.tree_attention.tree_attention`; any
-   other call runs the wrapped kernel after :func:`~verl_traj.core.tree_attention.refuse_tree_in_plain_attention`.
-   Installed on the first :func:`~verl_traj.integration.tree.tree_passes.tree_forward`, never restored (idempotent; a
-   non-tree call computes as before).
+   ``verl.models.transformers.monkey_patch._flash_attention_forward`` <-
+   :func:`~verl_traj.core.tree_kernel.tree_aware_attention` (the kernel verl's remove-padding path calls: the CPU
+   platform's ``cpu_varlen`` attention on CPU, flash-attn on GPU). Installed by a process's first tree pass, never
+   restored (a non-tree call computes as before).
 2. the engine *instance*'s ``prepare_model_inputs`` / ``prepare_model_outputs`` (:func:`tree_forward_patches`,
-   installed by :func:`~verl_traj.integration.patches.scoped.patched`; on exit the instance attributes are removed and
-   the class's methods show through again):
+   installed by :func:`~verl_traj.integration.patches.scoped.patched` for the pass; on exit the instance attributes
+   are removed and the class's methods show through again):
 
    * inputs: the micro-batch's tree is built on its device from its rows and the plan's facts
-     (:func:`~verl_traj.core.tree_facts.tree_from_facts`: each row token's tree index, shipped by the trainer, and
-     the tree's size, a host int the planned micro-batch carries;
+     (:func:`~verl_traj.core.tree_facts.tree_from_facts`; the facts are planned on the driver,
      :mod:`verl_traj.integration.trainers.tree_plan_facts`), no host copy of token ids; verl's own
      ``prepare_model_inputs`` gets a one-row micro-batch holding the tree tokens and their depths, so verl packs,
      rolls the labels (the next serialised token is each tree token's child wherever it has one: branch copies),
-     and pads exactly as for rows; the tree's ``subtree_end`` (verl's tail padding appended as one chain) rides
-     along as the model keyword;
+     and pads exactly as for rows; the tree rides along as the model keyword
+     :data:`~verl_traj.core.tree_kernel.TREE_KWARG`;
    * outputs: verl's own ``prepare_model_outputs`` over that one-row micro-batch gives per-tree-token log-probs /
-     entropy; :func:`per_row_outputs` gathers them into the rows' packed order (``row_index``), so the loss and
-     verl's un-packing see per-row outputs. The log-prob at each row's last token is set to 0: its rolled label
-     crosses into the next packed row, and verl never reads it (``no_padding_2_padding`` drops it).
+     entropy; :func:`~verl_traj.core.tree_kernel.per_row_outputs` gathers them into the rows' packed order.
 
 Exact because every row token's tree instance has exactly the row's tokens as ancestors (same ids, positions = depth
 = the row's own position ids): logits, log-probs at the rolled label and entropy equal the per-row forward's, and the
 backward through the gather sums each shared token's gradient over its rows. The facts are checked against the rows
-on the device (:attr:`~verl_traj.core.tree_facts.DeviceTree.checks`, with the rows' temperatures); the counts are
-read once when the pass ends (:meth:`~verl_traj.integration.tree.tree_passes.TreeForwardLog.settle`, the pass's one
-device-to-host read), never per micro-batch, and a mismatch raises there.
+on the device; the counts are read once when the pass ends (:meth:`~verl_traj.core.tree_pass.TreeForwardLog.settle`),
+and a mismatch raises there, as does a pass in which some micro-batch ran without its tree.
 
 Refused (a :class:`~verl_traj.core.tree_attention.TreeAttentionError` naming the fix): no remove-padding,
 fused kernels, distillation, multi-modal inputs, 3-D position ids, an attention implementation other than the
-flash-attention path, attention dropout / sliding window / soft-capping; a micro-batch without the plan's tree facts
-(a :class:`~verl_traj.core.errors.TrajInputError`). Counted on the device and refused when the pass ends (a
-``TrajInputError`` naming the field): facts that do not reproduce the rows, non-``arange`` position ids, per-row
-temperatures that differ.
+flash-attention path, attention dropout / sliding window / soft-capping; a batch or micro-batch without the plan's ids
+or tree facts (a :class:`~verl_traj.core.errors.TrajInputError`). Counted on the device and refused when the pass ends:
+facts that do not reproduce the rows, non-``arange`` position ids, per-row temperatures that differ.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from tensordict import NonTensorData, TensorDict
@@ -59,45 +56,24 @@ from torch.profiler import record_function
 from transformers.integrations.flash_attention import flash_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id
 
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import TREE_INDEX, TREE_KEY, TREE_SIZE_KEY
-from verl_traj.core.tree_attention import (TreeAttentionError, refuse_tree_in_plain_attention, tree_attention,
-                                           tree_attention_blocks)
 from verl_traj.core.tree_facts import DeviceTree, tree_from_facts
-from verl_traj.core.tree_flex import FlexTree, tree_attention_flex
+from verl_traj.core.tree_kernel import (TREE_KWARG, TreeAttentionInput, padded_subtree_end, per_row_outputs,
+                                        refuse_tree, tree_aware_attention)
+from verl_traj.core.tree_pass import (TreeForwardLog, TreeTotals, check_all_tree, check_marked, tree_metric_totals,
+                                      tree_metrics_of)
 from verl_traj.integration.patches.process import install, prefix_tree_attention_patches
-from verl_traj.integration.patches.scoped import Patch
+from verl_traj.integration.patches.scoped import Patch, patched
 
-__all__ = ["TREE_KWARG", "TreeAttentionInput", "TreeRecorder", "tree_aware_attention", "install_tree_attention",
-           "tree_forward_patches", "per_row_outputs", "micro_batch_tree"]
+__all__ = ["install_tree_attention", "micro_batch_tree", "tree_forward", "tree_forward_patches", "tree_metrics",
+           "tree_pass"]
 
-TREE_KWARG = "prefix_tree_attention"  # model keyword carrying the tree to the attention
-LABELED_OUTPUTS = ("log_probs",)  # outputs that depend on the rolled label (the rest are per-token functions)
 _STATE = "prefix_tree_state"  # output_args key: the tree of this forward
 _ENGINE = "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead"
-
-
-class TreeRecorder(Protocol):
-    """What a tree micro-batch is recorded into (:class:`~verl_traj.integration.tree.tree_passes.TreeForwardLog`)."""
-
-    def add(self, tree: DeviceTree, forwarded: int, checks: dict) -> None: ...
-
-
-class TreeAttentionInput:
-    """One micro-batch's tree for the attention: ``subtree_end`` ``[S]`` global over the sequence the attention sees
-    (``N`` tree tokens, then verl's tail padding as one chain), built once and shared by every layer: on CUDA the
-    compiled flex kernel's tree (``flex``, :mod:`verl_traj.core.tree_flex`), elsewhere the blocked kernel's key sets
-    per query block (``blocks``); ``calls`` (attention calls served). A plain class: FSDP passes it through
-    unchanged."""
-
-    __slots__ = ("subtree_end", "blocks", "flex", "calls")
-
-    def __init__(self, subtree_end: torch.Tensor, block: int = 128) -> None:
-        self.subtree_end = subtree_end
-        self.flex = FlexTree(subtree_end, block) if subtree_end.is_cuda else None
-        self.blocks = None if self.flex is not None else tree_attention_blocks(subtree_end, block)
-        self.calls = 0
+_INSTALLED: list = []  # hook 1 installed in this process (its first tree pass installs it)
 
 
 @dataclass(frozen=True)
@@ -107,66 +83,15 @@ class _TreeState:
     attention: TreeAttentionInput
 
 
-def _refuse(what: str, fix: str) -> None:
-    raise TreeAttentionError(f"prefix-tree forward: {what}. Fix: {fix}.", field=TREE_KEY)
-
-
-def _tree_call(tree: TreeAttentionInput, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: Any, kwargs: dict) -> torch.Tensor:
-    """One attention call of a tree micro-batch: ``query`` ``[1, S, Hq, D]``, ``key`` / ``value`` ``[1, S, Hkv, D]``
-    -> ``[1, S, Hq, D]`` (flash-attention's layout)."""
-    extras = {k: kwargs.get(k) for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None}
-    if kwargs.get("dropout") or attention_mask is not None or not kwargs.get("is_causal", True):
-        extras.update(dropout=kwargs.get("dropout"), is_causal=kwargs.get("is_causal"),
-                      attention_mask=None if attention_mask is None else tuple(attention_mask.shape))
-    if extras:
-        _refuse(f"the tree attention has no {sorted(extras)} ({extras})", "forward these micro-batches without the "
-                "tree (attention dropout off, no sliding window / soft-capping)")
-    if query.shape[0] != 1 or query.shape[1] != tree.subtree_end.numel():
-        _refuse(f"the attention got query {tuple(query.shape)} for a tree of {tree.subtree_end.numel()} tokens (a "
-                "sequence-parallel layout other than verl's Ulysses all-to-all?)", "forward the tree with Ulysses or "
-                "without sequence parallelism")
-    with record_function("verl_traj.tree.attention"):
-        if tree.flex is not None:  # CUDA: compiled flex attention, one compile per tree-size bucket
-            out = tree_attention_flex(query[0], key[0], value[0], tree.flex, scale=kwargs.get("softmax_scale"))
-        else:
-            out = tree_attention(query[0], key[0], value[0], tree.subtree_end, scale=kwargs.get("softmax_scale"),
-                                 blocks=tree.blocks)
-    tree.calls += 1
-    return out.unsqueeze(0)
-
-
-def tree_aware_attention(kernel: Callable) -> Callable:
-    """``kernel`` (``_flash_attention_forward(query, key, value, attention_mask, query_length, ...)``) made
-    tree-aware (module docstring, hook 1); ``kernel`` itself when it already is."""
-    if getattr(kernel, "_prefix_tree_aware", False):
-        return kernel
-
-    checked: list = [None]  # a weak reference to the last position_ids checked (every layer gets the same tensor)
-
-    @functools.wraps(kernel)
-    def attention(query, key, value, attention_mask, query_length, *args, **kwargs):
-        tree = kwargs.pop(TREE_KWARG, None)
-        if tree is not None:
-            return _tree_call(tree, query, key, value, attention_mask, kwargs)
-        position_ids = kwargs.get("position_ids")
-        if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and (
-                checked[0] is None or checked[0]() is not position_ids):  # one check (one sync) a forward, not a layer
-            refuse_tree_in_plain_attention(position_ids, where=f"the plain attention {kernel.__name__}")
-            checked[0] = weakref.ref(position_ids)
-        return kernel(query, key, value, attention_mask, query_length, *args, **kwargs)
-
-    attention._prefix_tree_aware = True
-    return attention
-
-
 def _no_deferred_install(module_name: str, _callback: Callable) -> None:
     raise RuntimeError(f"the prefix-tree attention patch is installed now, not on import of {module_name}")
 
 
 def install_tree_attention() -> None:
     """Hook 1 (module docstring), in this process, once."""
-    install(prefix_tree_attention_patches(tree_aware_attention), _no_deferred_install)
+    if not _INSTALLED:
+        install(prefix_tree_attention_patches(tree_aware_attention), _no_deferred_install)
+        _INSTALLED.append(True)
 
 
 def _check_micro_batch(engine: Any, micro_batch: TensorDict) -> None:
@@ -175,13 +100,13 @@ def _check_micro_batch(engine: Any, micro_batch: TensorDict) -> None:
              for key in ("use_remove_padding", "use_fused_kernels", "distillation_use_topk", "distillation_only")}
     wrong = {key: value for key, value in flags.items() if value != (key == "use_remove_padding")}
     if wrong:
-        _refuse(f"{wrong}", "use remove-padding, no fused kernels and no distillation with a prefix tree")
+        refuse_tree(f"{wrong}", "use remove-padding, no fused kernels and no distillation with a prefix tree")
     mm = micro_batch.get("multi_modal_inputs", None)
     if mm is not None and any(bool(getattr(x, "data", x)) for x in mm):
-        _refuse("the micro-batch has multi-modal inputs", "forward multi-modal rows without the tree")
+        refuse_tree("the micro-batch has multi-modal inputs", "forward multi-modal rows without the tree")
     impl = getattr(getattr(engine.module, "config", None), "_attn_implementation", None)
     if ALL_ATTENTION_FUNCTIONS.get(impl) is not flash_attention_forward:
-        _refuse(f"the model's attention is {impl!r}, not the flash-attention path (sdpa / eager would read the tree "
+        refuse_tree(f"the model's attention is {impl!r}, not the flash-attention path (sdpa / eager would read the tree "
                 "as separate sequences)", "set override_config.attn_implementation=cpu_varlen (CPU) or "
                 "flash_attention_2")
 
@@ -198,7 +123,7 @@ def micro_batch_tree(micro_batch: TensorDict) -> DeviceTree:
                              "traj.prefix_tree=true.", field=missing)
     ids, pos, index = micro_batch["input_ids"], micro_batch["position_ids"], micro_batch[TREE_INDEX]
     if pos.dim() != 2:
-        _refuse(f"position_ids are {pos.dim()}-D (multi-dimensional rotary)", "forward these rows without the tree")
+        refuse_tree(f"position_ids are {pos.dim()}-D (multi-dimensional rotary)", "forward these rows without the tree")
     return tree_from_facts(ids.values(), pos.values(), ids.offsets(), index.values() if index.is_nested else index,
                            int(size))
 
@@ -220,13 +145,7 @@ def _tree_batch(micro_batch: TensorDict, tree: DeviceTree) -> tuple[TensorDict, 
     return tu.get_tensordict(tensors, settings), checks
 
 
-def _padded_subtree_end(subtree_end: torch.Tensor, length: int) -> torch.Tensor:
-    """``[N]`` -> ``[length]``: verl's tail padding (position ids restarting at 0) as one chain after the tree."""
-    n = subtree_end.numel()
-    return torch.cat([subtree_end, subtree_end.new_full((length - n,), length - 1)])
-
-
-def _prepare_inputs(verl_prepare: Callable, engine: Any, log: TreeRecorder, micro_batch: TensorDict):
+def _prepare_inputs(verl_prepare: Callable, engine: Any, log: TreeForwardLog, micro_batch: TensorDict):
     """``engine.prepare_model_inputs`` (module docstring, hook 2)."""
     if not tu.get_non_tensor_data(data=micro_batch, key=TREE_KEY, default=False):
         return verl_prepare(micro_batch=micro_batch)
@@ -240,26 +159,11 @@ def _prepare_inputs(verl_prepare: Callable, engine: Any, log: TreeRecorder, micr
     sp = int(getattr(engine, "ulysses_sequence_parallel_size", 1)) if getattr(engine, "use_ulysses_sp", False) else 1
     device, length = model_inputs["input_ids"].device, model_inputs["input_ids"].shape[-1] * sp
     with record_function("verl_traj.tree.mask"):
-        attention = TreeAttentionInput(_padded_subtree_end(tree.subtree_end, length).to(device))
+        attention = TreeAttentionInput(padded_subtree_end(tree.subtree_end, length).to(device))
     model_inputs[TREE_KWARG] = attention
     output_args[_STATE] = _TreeState(tree, batch, attention)
     log.add(tree, length, checks)
     return model_inputs, output_args
-
-
-def per_row_outputs(model_output: dict, tree: DeviceTree, offsets: torch.Tensor) -> dict:
-    """Nested ``[1, N]`` per-tree-token outputs -> nested ``[R, L_r]`` per row (``offsets`` ``[R + 1]``, the rows'
-    packed order); :data:`LABELED_OUTPUTS` get 0 at each row's last token (see module docstring)."""
-    out = dict(model_output)
-    for key, value in model_output.items():
-        if not (isinstance(value, torch.Tensor) and value.is_nested):
-            continue
-        values = value.values()
-        flat = values[tree.row_index.to(values.device)]
-        if key in LABELED_OUTPUTS:
-            flat = flat.index_fill(0, (tree.row_offsets[1:] - 1).to(values.device), 0.0)
-        out[key] = torch.nested.nested_tensor_from_jagged(flat, offsets)
-    return out
 
 
 def _prepare_outputs(verl_prepare: Callable, output: Any, output_args: dict, micro_batch: TensorDict,
@@ -270,7 +174,7 @@ def _prepare_outputs(verl_prepare: Callable, output: Any, output_args: dict, mic
         return verl_prepare(output=output, output_args=output_args, micro_batch=micro_batch,
                             logits_processor_func=logits_processor_func)
     if state.attention.calls == 0:
-        _refuse("the forward never reached the tree attention (another attention read the tree as separate "
+        refuse_tree("the forward never reached the tree attention (another attention read the tree as separate "
                 "sequences)", "run the model's attention through the flash-attention path with tree_forward entered")
     model_output = verl_prepare(output=output, output_args=output_args, micro_batch=state.batch,
                                 logits_processor_func=logits_processor_func)
@@ -278,7 +182,7 @@ def _prepare_outputs(verl_prepare: Callable, output: Any, output_args: dict, mic
         return per_row_outputs(model_output, state.tree, micro_batch["input_ids"].offsets())
 
 
-def tree_forward_patches(engine: Any, log: TreeRecorder) -> list[Patch]:
+def tree_forward_patches(engine: Any, log: TreeForwardLog) -> list[Patch]:
     """Hook 2 (module docstring): the engine instance's two methods, restored on exit of :func:`patched`."""
     return [
         Patch(_ENGINE, "prepare_model_inputs", lambda verl: functools.partial(_prepare_inputs, verl, engine, log),
@@ -286,3 +190,42 @@ def tree_forward_patches(engine: Any, log: TreeRecorder) -> list[Patch]:
         Patch(_ENGINE, "prepare_model_outputs", lambda verl: functools.partial(_prepare_outputs, verl),
               "gather a tree micro-batch's per-token outputs back into its rows", target=engine),
     ]
+
+
+@contextlib.contextmanager
+def tree_forward(engine: Any) -> Iterator[TreeForwardLog]:
+    """Within: ``engine`` forwards micro-batches marked ``prefix_tree=True`` as prefix trees (hooks 1 and 2).
+    Yields the log of the tree micro-batches run, settled on exit (its one device read; a mismatch raises)."""
+    install_tree_attention()
+    log = TreeForwardLog()
+    with patched(tree_forward_patches(engine, log)):
+        yield log
+    log.settle()
+
+
+@contextlib.contextmanager
+def tree_pass(engine: Any, data: TensorDict, counts: Callable[[], int], what: str,
+              into: Optional[TreeTotals] = None) -> Iterator[TreeForwardLog]:
+    """Within: ``engine`` forwards every micro-batch of the marked ``data`` (its ids and facts checked:
+    :func:`~verl_traj.core.tree_pass.check_marked`) as a tree; on exit (no error) the pass's log is settled and
+    ``counts()`` micro-batches (the planned ones the pass ran) must all have been trees
+    (:func:`~verl_traj.core.tree_pass.check_all_tree`). ``into``: totals the pass is added to (a worker's log-prob /
+    value passes, which its next update reports)."""
+    check_marked(data.keys())
+    with tree_forward(engine) as log:
+        yield log
+    check_all_tree(log, counts(), what)
+    if into is not None:
+        into.add(log)
+
+
+def tree_metrics(log: TreeForwardLog, infer: Optional[TreeTotals], dp_group: Any = None) -> dict[str, list]:
+    """The update's tree metrics (:func:`~verl_traj.core.tree_pass.tree_metrics_of`), summed over the data-parallel
+    ranks of ``dp_group`` (one all-reduce) and all epochs; ``infer``: this worker's inference passes since its last
+    update (``None``: none ran)."""
+    totals = torch.tensor(tree_metric_totals(log, infer), dtype=torch.float64, device=get_device_id())
+    ranks = 1
+    if dp_group is not None and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(totals, group=dp_group)
+        ranks = torch.distributed.get_world_size(dp_group)
+    return tree_metrics_of(totals.tolist(), ranks)

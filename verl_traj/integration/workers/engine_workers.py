@@ -40,15 +40,18 @@ from tensordict import TensorDict
 from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 from verl.utils import tensordict_utils as tu
 from verl.trainer.ppo.utils import Role
+from verl.utils.device import get_device_id, get_device_name
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+from verl.workers.utils.padding import no_padding_2_padding
 
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import (TREE_KEY, CRITIC_UNION_KEY, OLD_LOG_PROBS_AT_START, RATIO_GROUP, RATIO_IN_LOSS,
                                  SEQ_RATIO_SHIFT)
+from verl_traj.stepwise.ratios import (bounded_group_sums, check_ratio_groups, nonfinite_rows, presummed_ratio_shift,
+                                       ratio_group_bound, row_log_ratio_sums, stochastic_in_training)
 from verl_traj.integration.patches.scoped import gspo_prepass_patches, micro_batch_patches, patched, update_patches
-from verl_traj.integration.tree.tree_passes import TreeTotals, tree_metrics, tree_pass
-from verl_traj.integration.workers.actor_sequence_ratios import (check_ratio_groups, ratio_group_bound,
-                                                                 stochastic_in_training, trajectory_ratio_shift)
+from verl_traj.core.tree_pass import TreeTotals
+from verl_traj.integration.tree.tree_forward import tree_metrics, tree_pass
 from verl_traj.integration.workers.losses import traj_ppo_loss, traj_value_loss
 from verl_traj.integration.workers.planned_update import (LossSink, PlannedUpdate, check_planned_update,
                                                           mini_batch_slices)
@@ -68,7 +71,7 @@ def _fixed_size_arithmetic(data: TensorDict, dp_size: int) -> int:
 
 def tree_marked(data: TensorDict) -> bool:
     """Whether the trainer marked this pass for the prefix-tree forward (the marker only: the pass checks the rest,
-    :func:`~verl_traj.integration.tree.tree_passes.tree_pass`)."""
+    :func:`~verl_traj.integration.tree.tree_forward.tree_pass`)."""
     return bool(tu.get_non_tensor_data(data=data, key=TREE_KEY, default=False))
 
 
@@ -111,9 +114,9 @@ class TrajTrainingWorker(TrainingWorker):
     _infer_trees: Optional[TreeTotals] = None  # the trees of this worker's inference passes since its last update
 
     def _trees(self, data: TensorDict, counts: Callable[[], int], what: str, infer: bool = False) -> Any:
-        """:func:`~verl_traj.integration.tree.tree_passes.tree_pass` for a batch marked ``prefix_tree``, else a context
+        """:func:`~verl_traj.integration.tree.tree_forward.tree_pass` for a batch marked ``prefix_tree``, else a context
         yielding ``None``; ``infer``: an inference pass, whose trees this worker's next update reports
-        (:class:`~verl_traj.integration.tree.tree_passes.TreeTotals`: two numbers, so a reference worker, which never
+        (:class:`~verl_traj.core.tree_pass.TreeTotals`: two numbers, so a reference worker, which never
         updates, holds no growing log)."""
         if not tree_marked(data):
             return contextlib.nullcontext()
@@ -124,7 +127,7 @@ class TrajTrainingWorker(TrainingWorker):
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
     def infer_batch(self, data: TensorDict) -> TensorDict:
         """verl's; a batch marked ``prefix_tree`` runs the plan's micro-batches, each as one tree
-        (:mod:`verl_traj.integration.tree.tree_passes`)."""
+        (:mod:`verl_traj.integration.tree.tree_forward`)."""
         if not tree_marked(data):
             return super().infer_batch(data)
         run = PlannedUpdate(seed=0, fields=())
@@ -171,20 +174,31 @@ class TrajActorTrainingWorker(TrajTrainingWorker):
 
     def _sequence_ratio_shift(self, run: PlannedUpdate, verl_forward_backward: Callable,
                               batch: TensorDict) -> torch.Tensor:
-        """``[b]`` shift of each row's old log-probs (on the device) from a pre-pass in the training forward's mode,
-        its random numbers replayed for the training forward
-        (:func:`~verl_traj.integration.workers.actor_sequence_ratios.trajectory_ratio_shift`); its non-finite counts go
-        to the update's sink."""
+        """``[b]`` shift of each row's old log-probs, on the device (:func:`~verl_traj.stepwise.ratios.
+        presummed_ratio_shift`): verl's ``forward_backward_batch(batch, None, forward_only=True)`` under ``no_grad``
+        and a forked RNG (restored on exit, so the training forward draws the same numbers), then each trajectory's
+        log-ratio sums (``batch[RATIO_GROUP]`` in ``[-1, run.group_bound)``) over every data-parallel rank (one
+        all-reduce). Rows with a non-finite log-prob on a loss token are counted into the update's sink."""
+        device = get_device_name()  # the accelerator verl runs on ("cuda", "npu", ...), "cpu" without one
+        devices = [] if device == "cpu" else [get_device_id()]
         run.in_prepass = True
-        try:
-            with torch.profiler.record_function("traj_gspo_prepass"):  # named in traces, apart from the update's
-                shift, nonfinite = trajectory_ratio_shift(verl_forward_backward, batch,
-                                                          self.engine.get_data_parallel_group(), run.group_bound)
+        try:  # named in traces, apart from the update's
+            with torch.profiler.record_function("traj_gspo_prepass"), torch.no_grad(), \
+                    torch.random.fork_rng(devices=devices, device_type=device if devices else "cuda"):
+                output = verl_forward_backward(batch, None, forward_only=True)
         finally:
             run.in_prepass = False
-        for name, count in nonfinite.items():
-            run.sink.add("nonfinite", name, count)
-        return shift
+        log_prob = no_padding_2_padding(output["model_output"]["log_probs"], batch)
+        padded = batch.select("old_log_probs", "response_mask").to_padded_tensor()
+        old, mask = padded["old_log_probs"].to(log_prob.device), padded["response_mask"].to(log_prob.device)
+        group = batch[RATIO_GROUP].to(log_prob.device).long()
+        per_row = row_log_ratio_sums(log_prob, old, mask)
+        sums = bounded_group_sums(per_row, group, run.group_bound)
+        torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM,
+                                     group=self.engine.get_data_parallel_group())
+        run.sink.add("nonfinite", "old_log_probs", nonfinite_rows(old, mask, group))
+        run.sink.add("nonfinite", "log_probs", nonfinite_rows(log_prob, mask, group))
+        return presummed_ratio_shift(per_row, group, sums, old.dtype)
 
 
 class TrajCriticWorker(TrajTrainingWorker):

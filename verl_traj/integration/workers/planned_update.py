@@ -36,7 +36,7 @@ from verl_traj.core import mini_batch_order
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID, PLANNED_FIELDS, RATIO_GROUP
 from verl_traj.core.keys import TREE_SIZE, TREE_SIZE_KEY
-from verl_traj.integration.tree.tree_passes import micro_batch_tree_sizes
+from verl_traj.core.tree_pass import micro_batch_tree_sizes
 
 __all__ = ["LOSS_SINK", "LossSink", "PlannedUpdate", "check_planned_update", "mini_batch_slices", "record",
            "record_nonfinite"]
@@ -206,7 +206,8 @@ class PlannedUpdate:
             parts, inverse = _micro_batch_parts(data)
             micro_batches = [tu.index_select_tensor_dict(data, idx) for idx in parts]
             if TREE_SIZE in data.keys():  # prefix trees: each one's size, a host int (no device read in the pass)
-                sizes = micro_batch_tree_sizes(data, inverse, torch.stack([idx[0] for idx in parts]))
+                size = data[TREE_SIZE].cpu()  # a no-op: verl's workers hold a batch on the host until forward_step
+                sizes = micro_batch_tree_sizes(size, inverse, torch.stack([idx[0] for idx in parts]))
                 for micro_batch, size in zip(micro_batches, sizes):
                     tu.assign_non_tensor(micro_batch, **{TREE_SIZE_KEY: size})
             if self.in_prepass:

@@ -1,48 +1,32 @@
-"""The actor's, reference's and critic's passes on prefix trees (``traj.prefix_tree``, issue 29, item 3): what a
-worker does with a batch the trainer marked ``prefix_tree``.
+"""A worker's pass on prefix trees, what it checks and records (issue 29, item 3; issue 40, item 4): the pure part.
 
-The trainer marks each pass of a planned batch (the non-tensor :data:`~verl_traj.core.keys.TREE_KEY`:
-v1 puts it in the call's ``extra_info``, since verl rebuilds the meta between passes; v0 in the batch's
-``meta_info``, which every pass carries). A verl_traj worker that receives a marked batch runs the pass inside
-:func:`tree_forward` on its engine (the hooks of :mod:`~verl_traj.integration.tree.tree_forward`), on the plan's
-micro-batches:
+The trainer marks each pass of a planned batch (the non-tensor :data:`~verl_traj.core.keys.TREE_KEY`); a verl_traj
+worker forwards every planned micro-batch of a marked pass as one tree
+(:mod:`verl_traj.integration.tree.tree_forward`). A marked pass is a contract like the planned update: a batch without
+the plan's ids or its tree facts (:func:`check_marked`), micro-batches whose rows disagree on their tree's size
+(:func:`micro_batch_tree_sizes`), or a pass in which some micro-batch ran without its tree (:func:`check_all_tree`)
+raises, naming the field -- a tree pass never falls back to the per-row forward in silence.
 
-* the updates (``train_mini_batch``, actor and critic): the plan's mini-batches and micro-batches as for every
-  planned update (:mod:`verl_traj.integration.workers.engine_workers`), each micro-batch forwarded as one tree;
-* the old-log-prob, reference and value passes (``infer_batch``): the same planned micro-batches (``mini_batch_id``,
-  ``micro_batch_id``), not verl's own cut, so both log-probs of the PPO ratio take one numeric path (the same trees,
-  the same kernels), and a group's rows share their prompt here too.
+What a pass records is bounded: :class:`TreeForwardLog` lives as long as the pass (an update's until its metrics are
+read); the inference passes add to the worker's :class:`TreeTotals` (two numbers), which its next update reports.
+Every device count of a pass is read once, when it ends (:meth:`TreeForwardLog.settle`), never per micro-batch.
 
-A marked pass is a contract like the planned update: a marked batch without the plan's ids or its tree facts
-(:mod:`verl_traj.integration.trainers.tree_plan_facts`: the trees are planned once per step on the driver, shipped with
-the plan and rebuilt on the device in each pass) raises, and after the pass every micro-batch that ran must have been
-forwarded as a tree (:func:`check_all_tree`), else it raises -- a tree pass never falls back to the per-row forward in
-silence.
-
-What the passes record (issue 40, item 4) is bounded: a pass's log lives as long as the pass (an update's until its
-metrics are read); the inference passes add to the worker's :class:`TreeTotals` (two numbers), which its next update
-reports and resets on every rank.
+Pure module (torch).
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 import torch
-from tensordict import TensorDict
-from verl.utils.device import get_device_id
 
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID, TREE_INDEX, TREE_KEY, TREE_SIZE
 from verl_traj.core.tree_facts import DeviceTree
-from verl_traj.integration.patches.scoped import patched
-from verl_traj.integration.tree.tree_forward import install_tree_attention, tree_forward_patches
 
-__all__ = ["TreeForwardLog", "TreeTotals", "check_all_tree", "micro_batch_tree_sizes", "require_tree_facts", "tree_forward",
-           "check_marked", "tree_metrics", "tree_pass"]
-
+__all__ = ["TreeForwardLog", "TreeTotals", "check_all_tree", "check_marked", "micro_batch_tree_sizes",
+           "require_tree_facts", "tree_metric_totals", "tree_metrics_of"]
 
 _COUNTED = ("branch_copies", "attention_pairs", "row_attention_pairs")  # device counts, host ints once settled
 _CHECK_FIX = {"tree_index": (TREE_INDEX, "the plan's tree facts do not reproduce these rows (the batch was changed or "
@@ -67,7 +51,7 @@ class TreeForwardLog:
     forwarded_tokens: list = field(default_factory=list)
     attention_pairs: list = field(default_factory=list)
     row_attention_pairs: list = field(default_factory=list)
-    checks: list = field(default_factory=list)  # [(first unsettled micro-batch, {name: 0-d device count})]
+    checks: list = field(default_factory=list)  # [{name: 0-d device count}] per unsettled micro-batch
 
     def add(self, tree: DeviceTree, forwarded: int, checks: dict) -> None:
         self.rows.append(tree.num_rows)
@@ -121,17 +105,6 @@ class TreeTotals:
         return out
 
 
-@contextlib.contextmanager
-def tree_forward(engine: Any) -> Iterator[TreeForwardLog]:
-    """Within: ``engine`` forwards micro-batches marked ``prefix_tree=True`` as prefix trees (hooks 1 and 2).
-    Yields the log of the tree micro-batches run, settled on exit (its one device read; a mismatch raises)."""
-    install_tree_attention()
-    log = TreeForwardLog()
-    with patched(tree_forward_patches(engine, log)):
-        yield log
-    log.settle()
-
-
 def require_tree_facts(keys: Any) -> None:
     """Raise :class:`TrajInputError` naming the first tree fact a marked pass's batch lacks."""
     missing = [k for k in (TREE_INDEX, TREE_SIZE) if k not in set(keys)]
@@ -144,11 +117,23 @@ def require_tree_facts(keys: Any) -> None:
             field=missing[0])
 
 
-def micro_batch_tree_sizes(data: TensorDict, inverse: torch.Tensor, firsts: torch.Tensor) -> list[int]:
-    """Each planned micro-batch's tree tokens from the batch's host copy: ``inverse`` ``[b]`` micro-batch of each
-    row, ``firsts`` ``[k]`` a row of each. Raises :class:`TrajInputError` (field ``TREE_SIZE``) when the rows of a
-    micro-batch disagree (the batch was cut or reordered after planning)."""
-    size = data[TREE_SIZE].cpu()  # a no-op: verl's workers hold a batch on the host until forward_step moves it
+def check_marked(keys: Any) -> None:
+    """A batch marked for the prefix-tree forward (its field names ``keys``) must carry the plan's ids and tree facts;
+    raise naming the first one missing."""
+    keys = set(keys)
+    missing = [k for k in (MINI_BATCH_ID, MICRO_BATCH_ID) if k not in keys]
+    if missing:
+        raise TrajInputError(
+            f"a batch marked {TREE_KEY!r} lacks the plan's {missing[0]!r}: its trees are the plan's micro-batches "
+            f"(received: {sorted(keys)}). Fix: name the plan's ids in the batch meta's fields (verl_traj's "
+            "trainer does in _balance_batch; a subclass that rebuilds the meta must keep them).", field=missing[0])
+    require_tree_facts(keys)
+
+
+def micro_batch_tree_sizes(size: torch.Tensor, inverse: torch.Tensor, firsts: torch.Tensor) -> list[int]:
+    """Each planned micro-batch's tree tokens from the rows' host ``size`` ``[b]`` (:data:`TREE_SIZE`): ``inverse``
+    ``[b]`` micro-batch of each row, ``firsts`` ``[k]`` a row of each. Raises :class:`TrajInputError` (field
+    ``TREE_SIZE``) when the rows of a micro-batch disagree (the batch was cut or reordered after planning)."""
     sizes = size[firsts]
     if not torch.equal(sizes[inverse], size):
         raise TrajInputError(
@@ -156,17 +141,6 @@ def micro_batch_tree_sizes(data: TensorDict, inverse: torch.Tensor, firsts: torc
             f"{inverse.tolist()[:16]}): the batch was re-cut or reordered after the trainer planned its trees. Fix: "
             "hand the workers the planned batch unmodified.", field=TREE_SIZE)
     return sizes.tolist()
-
-def check_marked(data: TensorDict) -> None:
-    """A batch marked for the prefix-tree forward must carry the plan's ids and tree facts; raise naming the first
-    one missing."""
-    missing = [k for k in (MINI_BATCH_ID, MICRO_BATCH_ID) if k not in data.keys()]
-    if missing:
-        raise TrajInputError(
-            f"a batch marked {TREE_KEY!r} lacks the plan's {missing[0]!r}: its trees are the plan's micro-batches "
-            f"(received: {sorted(data.keys())}). Fix: name the plan's ids in the batch meta's fields (verl_traj's "
-            "trainer does in _balance_batch; a subclass that rebuilds the meta must keep them).", field=missing[0])
-    require_tree_facts(data.keys())
 
 
 def check_all_tree(log: TreeForwardLog, micro_batches_run: int, what: str) -> None:
@@ -178,36 +152,20 @@ def check_all_tree(log: TreeForwardLog, micro_batches_run: int, what: str) -> No
             "traj.prefix_tree needs verl's FSDP engine; set traj.prefix_tree=false for this engine.")
 
 
-@contextlib.contextmanager
-def tree_pass(engine: Any, data: TensorDict, counts: Callable[[], int], what: str,
-              into: Optional[TreeTotals] = None) -> Iterator[TreeForwardLog]:
-    """Within: ``engine`` forwards every micro-batch of the marked ``data`` (checked: :func:`check_marked`) as a tree;
-    on exit (no error) the pass's log is settled (its one device read: :meth:`TreeForwardLog.settle`) and ``counts()``
-    micro-batches (the planned ones the pass ran) must all have been trees (:func:`check_all_tree`). ``into``: totals
-    the pass is added to (a worker's log-prob / value passes, which its next update reports)."""
-    check_marked(data)
-    with tree_forward(engine) as log:
-        yield log
-    check_all_tree(log, counts(), what)
-    if into is not None:
-        into.add(log)
-
-
-def tree_metrics(log: TreeForwardLog, infer: Optional[TreeTotals], dp_group: Any = None) -> dict[str, list]:
-    """Per update, summed over the data-parallel ranks (one all-reduce) and all epochs: row tokens, tree tokens (what
-    the model forwarded, verl's tail padding aside), branch copies, tree micro-batches (per rank: their mean), row
-    tokens per tree token, the (query, key) pairs of the trees' attention and of the per-row attention over the same
-    rows; and the micro-batches and tree tokens of this worker's inference passes (``infer``, taken from its totals:
-    the actor's old log-probs, the critic's values; ``None``: none ran) since its last update."""
+def tree_metric_totals(log: TreeForwardLog, infer: Optional[TreeTotals]) -> list[float]:
+    """``[8]`` this rank's sums, in :func:`tree_metrics_of`'s order, of a settled update ``log`` and the inference
+    passes ``infer`` (``None``: none ran) since the worker's last update."""
     infer = infer or TreeTotals()
-    local = [sum(log.row_tokens), sum(log.tree_tokens), sum(log.branch_copies), len(log.tree_tokens),
-             infer.micro_batches, infer.tree_tokens, sum(log.attention_pairs), sum(log.row_attention_pairs)]
-    totals = torch.tensor(local, dtype=torch.float64, device=get_device_id())
-    ranks = 1
-    if dp_group is not None and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(totals, group=dp_group)
-        ranks = torch.distributed.get_world_size(dp_group)
-    rows, tree, copies, micro, infer_micro, infer_tree, pairs, row_pairs = totals.tolist()
+    return [sum(log.row_tokens), sum(log.tree_tokens), sum(log.branch_copies), len(log.tree_tokens),
+            infer.micro_batches, infer.tree_tokens, sum(log.attention_pairs), sum(log.row_attention_pairs)]
+
+
+def tree_metrics_of(totals: list[float], ranks: int) -> dict[str, list]:
+    """The update's tree metrics from :func:`tree_metric_totals` summed over ``ranks`` data-parallel ranks: row
+    tokens, tree tokens (what the model forwarded, verl's tail padding aside), branch copies, tree micro-batches (per
+    rank: their mean), row tokens per tree token, the (query, key) pairs of the trees' attention and of the per-row
+    attention over the same rows, and the inference passes' micro-batches and tree tokens."""
+    rows, tree, copies, micro, infer_micro, infer_tree, pairs, row_pairs = totals
     return {"tree_row_tokens": [rows], "tree_tokens": [tree], "tree_branch_copies": [copies],
             "tree_attention_pairs": [pairs], "tree_row_attention_pairs": [row_pairs],
             "tree_micro_batches": [micro / ranks], "tree_row_tokens_per_tree_token": [rows / max(tree, 1.0)],
