@@ -274,7 +274,8 @@ def prepare(case: dict, variant: str, options: Optional[dict], cfg, vocab: int, 
         n_pad = int(plan.stats.padding_rows.sum())
         if plan.stats.atomic_trajectories is not None:
             atomic = int(plan.stats.atomic_trajectories.sum()) / max(int(plan.stats.trajectories.sum()), 1)
-        if ratio_groups:  # as TrajRayPPOTrainer._planned_update attaches them
+        if ratio_groups:  # staged by hand, as trainers/update_contract.py writes them for step rows at trajectory
+            # scope: the benchmark stages the worker's update without the trainer, so it attaches the markers itself
             batch.batch[RATIO_GROUP] = batch.batch[TRAJ_INDEX].clone()
             batch.meta_info[RATIO_IN_LOSS] = plan.all_trajectories_atomic
             batch.meta_info[OLD_LOG_PROBS_AT_START] = True  # the trainer's word: old log-probs just recomputed
@@ -350,11 +351,11 @@ def _install_fused_logprobs() -> None:
     else ``logprobs_from_logits_v2``, a Python loop over the tokens (one log-softmax each): on a GPU without flash-attn
     that loop, not the model, would set the time. In this process the engine gets one vectorised fp32 log-softmax
     (``cross_entropy``: the fused kernel's numbers) instead, for rows and trees alike (what the plugin gives every CUDA
-    process without flash-attn: :mod:`verl_traj.integration.tree.torch_flash`)."""
+    process without flash-attn: :mod:`verl_traj.cpu.torch_flash`)."""
     import verl.workers.engine.fsdp.transformer_impl  # noqa: F401  (installed now: the module must be loaded)
 
     from verl_traj.integration.patches.process import fused_logprobs_patches, install
-    from verl_traj.integration.tree.torch_flash import fused_logprobs
+    from verl_traj.cpu.torch_flash import fused_logprobs
 
     install(fused_logprobs_patches(lambda _verl: fused_logprobs), on_import=None)
 

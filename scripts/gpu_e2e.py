@@ -6,7 +6,7 @@ What runs: the calculator recipe's data (``verl_traj.recipes.calc_agent.prepare 
 Qwen2 made on the spot (:data:`SHAPES`; the recipe's tokenizer), the project's torch rollout server (rollout name
 ``cpu``, generating on the GPU where the CPU platform is off: ``verl_traj/cpu/rollout.py``), verl's FSDP2 engine with
 NCCL on one GPU and verl's bf16 mixed precision (``configs/calc_agent_gpu.yaml``); without flash-attn the actor's
-attention is ``torch_varlen`` for the tree run (the flash-attention path in torch: ``integration/tree/torch_flash.py``)
+attention is ``torch_varlen`` for the tree run (the flash-attention path in torch: ``cpu/torch_flash.py``)
 and sdpa for the rows run. ``DEVICE=cpu``: the same stages on the CPU presets (``calc_agent_cpu``; Ray as the bundle
 carries it, linked from this interpreter's: ``gpu_bundle.py strip-installed``), the suite's dry run.
 

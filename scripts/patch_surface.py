@@ -6,8 +6,7 @@ the extension point that would make it unnecessary (``UPSTREAM``). Issue 42, ite
     python scripts/patch_surface.py --json    # the same as JSON
 
 Counted: entries of ``verl_traj/integration/patches/scoped.py`` (swapped for one call, restored) and ``process.py``
-(for a process's life). Not in the catalogues: the prefix tree's two engine-instance hooks
-(``tree_forward_patches``, declared in ``integration/tree/tree_forward.py``).
+(for a process's life); every change verl_traj makes to verl is in one of them.
 """
 
 from __future__ import annotations

@@ -449,8 +449,7 @@ def test_the_patch_lists_depend_on_nothing_that_uses_them():
 INTEGRATION = "verl_traj.integration"
 MAX_FOLDER_MODULES = 12
 DRIVER_FOLDERS = ("config", "rows", "startup", "trainers")
-# modules that run only in worker or agent-loop processes (tree/torch_flash names the attention start-up settles, so it
-# stays importable on the driver)
+# modules that run only in worker or agent-loop processes
 WORKER_SIDE = ("workers.", "agent_loops.", "tree.tree_forward")
 
 

@@ -2,7 +2,7 @@
 
 The e2e test runs the whole stack (Ray, verl's trainer with verl_traj's mixin, FSDP2 on gloo, the CPU
 rollout server behind verl's agent loop, weight sync after every update) and checks it did real work
-(multi-turn tool agents: tests/stepwise/test_stepwise_e2e.py and the calculator recipe). The first tests are fast unit checks of the CPU pieces (no Ray).
+(multi-turn tool agents: tests/e2e/test_stepwise_training.py and the calculator recipe). The first tests are fast unit checks of the CPU pieces (no Ray).
 """
 
 from __future__ import annotations

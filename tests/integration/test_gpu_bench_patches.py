@@ -27,7 +27,7 @@ bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
 verl_fallback = fi.logprobs_from_logits
 bench._install_fused_logprobs()
-from verl_traj.integration.tree.torch_flash import fused_logprobs
+from verl_traj.cpu.torch_flash import fused_logprobs
 assert fi.logprobs_from_logits is fused_logprobs and verl_fallback is logprobs_from_logits
 logits, labels = torch.randn(3, 7, 13, dtype=torch.float64), torch.randint(0, 13, (3, 7))
 torch.testing.assert_close(fi.logprobs_from_logits(logits, labels), verl_fallback(logits.float(), labels),
@@ -56,7 +56,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 from verl_traj.cpu.attention import varlen_attention
 from verl_traj.cpu.plugin import register
-from verl_traj.integration.tree.torch_flash import fused_logprobs
+from verl_traj.cpu.torch_flash import fused_logprobs
 
 assert register() is False  # not the CPU platform
 assert "torch_varlen" in AttentionInterface._global_mapping and "torch_varlen" in AttentionMaskInterface._global_mapping

@@ -19,7 +19,7 @@ rollout servers). Importing it:
 
 * in a CUDA process without flash-attn (and without the CPU platform), gives transformers the attention
   ``torch_varlen`` (the flash-attention path with the CPU platform's torch kernel, so verl's remove-padding path and the
-  prefix tree run there) and verl's engine vectorised log-probs (:mod:`verl_traj.integration.tree.torch_flash`;
+  prefix tree run there) and verl's engine vectorised log-probs (:mod:`verl_traj.cpu.torch_flash`;
   ``VERL_TRAJ_TORCH_VARLEN=1`` / ``0`` forces it on / off).
 
 Every change to a verl module is declared in :mod:`verl_traj.integration.patches.process` (what, why,
@@ -40,7 +40,7 @@ from typing import Callable
 from verl_traj.cpu.attention import CPU_VARLEN, flash_mask, flash_path, varlen_attention
 from verl_traj.cpu.detect import cpu_platform_wanted
 from verl_traj.integration.patches.process import ON_IMPORT, cpu_platform_patches, cpu_rollout_registrations, install
-from verl_traj.integration.tree import torch_flash
+from verl_traj.cpu import torch_flash
 
 logger = logging.getLogger(__name__)
 

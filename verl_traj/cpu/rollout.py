@@ -48,7 +48,7 @@ from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutpu
 from verl.workers.rollout.utils import ensure_async_iterator
 
 from verl_traj.cpu.detect import cpu_platform_wanted
-from verl_traj.integration.tree.torch_flash import TORCH_VARLEN
+from verl_traj.cpu.torch_flash import TORCH_VARLEN
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))

@@ -17,7 +17,7 @@ import socket
 from functools import partial
 from typing import Any, Optional, Sequence
 
-from verl_traj.integration.tree.torch_flash import TORCH_VARLEN  # attn_implementation name of :func:`register_torch_varlen`
+from verl_traj.cpu.torch_flash import TORCH_VARLEN  # attn_implementation name of :func:`register_torch_varlen`
 
 __all__ = ["free_port", "init_rank", "compose_config", "cpu_config", "gpu_config", "register_torch_varlen", "TORCH_VARLEN",
            "actor_worker", "critic_worker", "rank_tensordict", "plan_for_update"]
@@ -65,10 +65,10 @@ def gpu_config(overrides: Sequence[str] = ()) -> Any:
 
 def register_torch_varlen(name: str = TORCH_VARLEN) -> str:
     """transformers' flash-attention path under ``name`` with the torch variable-length kernel where verl's
-    remove-padding wrapper calls flash-attn (:mod:`verl_traj.integration.tree.torch_flash`; the plugin installs the same
+    remove-padding wrapper calls flash-attn (:mod:`verl_traj.cpu.torch_flash`; the plugin installs the same
     in every CUDA process without flash-attn), installed now in this process; idempotent. Returns ``name``."""
     from verl_traj.integration.patches.process import install
-    from verl_traj.integration.tree.torch_flash import attention_patches
+    from verl_traj.cpu.torch_flash import attention_patches
 
     install(attention_patches(name), on_import=None)
     return name

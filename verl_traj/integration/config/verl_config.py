@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 MANAGER_FQN = "verl_traj.integration.agent_loops.v1_agent_loop.TrajAgentLoopManagerTQ"
 
 __all__ = ["MICRO_BATCH_PASSES", "MicroBatchPass", "PlanSettings", "fixed_to_dynamic_micro_batches", "pad_row_tokens",
-           "pin_micro_batch_settings", "prepare_config", "ray_init_address"]
+           "pin_micro_batch_settings", "prepare_config", "prepare_v1_agent_loop", "ray_init_address"]
 
 
 @dataclass(frozen=True)
@@ -218,8 +218,9 @@ def prepare_v1_agent_loop(config: Any, traj_config: TrajConfig) -> None:
 
 
 def _is_traj_manager(fqn: str) -> bool:
-    """Whether the class at ``fqn`` subclasses verl_traj's manager (both loaded by name, as verl loads the one it
-    runs: start-up code does not import the agent-loop worker module)."""
+    """Whether the class at ``fqn`` subclasses verl_traj's manager. Both are loaded by name, as verl's trainer loads
+    the one it runs in this same driver process (only for a user's own manager class): the driver's modules keep no
+    import of the agent-loop module, and the class verl would build is the one checked."""
     cls = load_class_from_fqn(fqn, "AgentLoopManager")
     return isinstance(cls, type) and issubclass(cls, load_class_from_fqn(MANAGER_FQN, "AgentLoopManager"))
 

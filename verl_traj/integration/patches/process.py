@@ -37,7 +37,7 @@ replacements in; this module imports nothing of verl_traj (it lists patches, it 
   ``verl.models.transformers.monkey_patch._flash_attention_forward`` (the kernel verl's remove-padding / Ulysses
   path calls; entry 10 on CPU) <- a tree-aware wrapper of it: a call carrying a prefix tree runs the exact tree
   attention, any other runs the wrapped kernel after refusing tree-shaped position ids.
-* :func:`torch_varlen_patches` -- in a CUDA process without flash-attn (:mod:`verl_traj.integration.tree.torch_flash`:
+* :func:`torch_varlen_patches` -- in a CUDA process without flash-attn (:mod:`verl_traj.cpu.torch_flash`:
   every such process through the plugin, after each module is imported; ``scripts/bench_update.py --device cuda``,
   now): entries 9 (under the name ``torch_varlen``) and 10 (verl's module only, kept where the tree-aware wrapper
   already is) of the CPU platform, so verl's remove-padding path and the prefix-tree forward run there.
@@ -62,7 +62,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["ProcessPatch", "UPSTREAM", "REPLACE", "REGISTER", "NOW", "IF_LOADED", "ON_IMPORT", "apply", "install",
-           "cpu_rollout_registrations", "cpu_platform_patches", "prefix_tree_attention_patches", "tool_parser_log_patches",
+           "cpu_rollout_registrations", "cpu_platform_patches", "fused_logprobs_patches", "prefix_tree_attention_patches",
+           "tool_parser_log_patches", "torch_varlen_patches",
            "PROCESS_GROUP_MODULES", "PROCESS_GROUP_FUNCTIONS"]
 
 REPLACE = "replace"  # module.name = change(module.name); no write when change returns the original

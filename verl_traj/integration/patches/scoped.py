@@ -49,13 +49,18 @@ The patch sets, each in the order it is installed (a later patch of the same nam
   <- a no-grad pre-pass (training mode, RNG replayed) that gives each row its trajectory's sequence ratio, then
   verl's call. An instance attribute: restored to the instance's own attribute if it had one, else removed, so the
   class's method shows through again.
+* :func:`tree_forward_patches` -- actor / reference / critic worker, for one pass on prefix trees
+  (:func:`~verl_traj.integration.tree.tree_forward.tree_pass`): the FSDP engine *instance*'s
+  ``prepare_model_inputs`` and ``prepare_model_outputs`` <- the same over a micro-batch marked ``prefix_tree``
+  forwarded as its one tree (inputs: the tree's tokens as a one-row micro-batch; outputs: gathered back into the
+  rows); any other micro-batch runs verl's methods. Instance attributes, removed on exit as above.
 
 Not here, on purpose: the CPU platform plugin's changes for the whole life of a process (a platform, engines,
 a rollout backend, a gloo-only process-group init and a value-model loader; all but the rollout backend only
 in processes without an accelerator) are listed in :mod:`verl_traj.integration.patches.process`.
 
 This module lists patches and depends on nothing that installs them: the adapters (``trainers/v0.py``,
-``trainers/v1.py``, ``workers/engine_workers.py``, ``main_ppo.py``) import it and pass their own classes and functions
+``trainers/v1.py``, ``workers/engine_workers.py``, ``tree/tree_forward.py``, ``main_ppo.py``) import it and pass their own classes and functions
 in (v0's fit patches name their replacements in ``rows/``, imported where the patch list is built).
 """
 
@@ -69,7 +74,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 __all__ = ["Patch", "UPSTREAM", "patched", "fit_patches", "gspo_prepass_patches", "llm_client_patches", "micro_batch_patches",
-           "replay_buffer_patches", "task_runner_patches", "update_patches", "v1_advantage_patches",
+           "replay_buffer_patches", "task_runner_patches", "tree_forward_patches", "update_patches", "v1_advantage_patches",
            "v1_task_runner_patches", "ENGINE_MODULES"]
 
 RAY_TRAINER = "verl.trainer.ppo.ray_trainer"
@@ -80,6 +85,7 @@ METRIC_FUNCTIONS = ("compute_data_metrics", "compute_timing_metrics", "compute_t
 # Engines whose forward_backward_batch cuts micro-batches with a module-level prepare_micro_batches and
 # runs them as a plain loop (Megatron's pipeline schedule is not one of them).
 ENGINE_MODULES = ("verl.workers.engine.fsdp.transformer_impl",)
+FSDP_ENGINE = "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead"  # the engine the prefix tree runs on
 
 
 
@@ -116,6 +122,9 @@ UPSTREAM = {
        for name in ENGINE_MODULES},
     ("verl.workers.engine.base.BaseEngine", "forward_backward_batch"): "a hook before each optimizer step's forward "
                                                                        "in TrainingWorker.train_mini_batch",
+    (FSDP_ENGINE, "prepare_model_inputs"): "an input-transform hook of the engine's forward_step (a micro-batch's "
+                                           "tokens forwarded in another layout, its outputs mapped back)",
+    (FSDP_ENGINE, "prepare_model_outputs"): "the same input-transform hook (its inverse on the outputs)",
 }
 
 
@@ -268,3 +277,14 @@ def gspo_prepass_patches(engine: Any, wrap: Callable[[Callable], Callable]) -> l
     (the GSPO pre-pass of :class:`~verl_traj.integration.workers.engine_workers.TrajActorTrainingWorker`)."""
     return [Patch("verl.workers.engine.base.BaseEngine", "forward_backward_batch", wrap,
                   "give GSPO each row's trajectory-wide sequence ratio (traj.ratio_scope=trajectory)", target=engine)]
+
+
+def tree_forward_patches(engine: Any, prepare_inputs: Callable[[Callable], Callable],
+                         prepare_outputs: Callable[[Callable], Callable]) -> list[Patch]:
+    """Worker, one pass on prefix trees: ``engine``'s ``prepare_model_inputs`` <- ``prepare_inputs(verl's)`` and
+    ``prepare_model_outputs`` <- ``prepare_outputs(verl's)`` (:mod:`~verl_traj.integration.tree.tree_forward` passes
+    its hooks in)."""
+    return [Patch(FSDP_ENGINE, "prepare_model_inputs", prepare_inputs,
+                  "forward micro-batches marked prefix_tree as one prefix tree", target=engine),
+            Patch(FSDP_ENGINE, "prepare_model_outputs", prepare_outputs,
+                  "gather a tree micro-batch's per-token outputs back into its rows", target=engine)]

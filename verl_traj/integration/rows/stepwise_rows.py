@@ -22,6 +22,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+from tensordict import TensorDict
+from verl.trainer.ppo import core_algos
 
 from verl_traj.core.errors import check_finite
 from verl_traj.core.estimators import estimator_traits
@@ -31,7 +33,9 @@ from verl_traj.stepwise.advantages import (StepwiseAdvantageError, check_stepwis
                                            compute_trajectory_advantages)
 from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, expand_step_rows
 from verl_traj.stepwise.inputs import checked_flags, checked_traj_index
+from verl_traj.stepwise.ratios import trajectory_ratio_metrics, trajectory_rollout_correction
 from verl_traj.stepwise.step_groups import StepGroupOptions
+from verl_traj.stepwise.timeline import Timeline, timeline_advantages
 
 __all__ = ["batch_timeline", "expand_dataproto_step_rows", "is_stepwise_batch", "row_steps", "stepwise_advantage",
            "trajectory_scoped_correction"]
@@ -59,8 +63,6 @@ def expand_dataproto_step_rows(
     Returns the expansion's metrics (``traj_stepwise/rows_before``, ``rows_after``, ``tokens_before``, ...).
     A batch that is already expanded (has ``step_index_key`` and ``is_last_step``) is left unchanged.
     """
-    from tensordict import TensorDict
-
     if step_index_key in data.non_tensor_batch and IS_LAST_STEP in data.non_tensor_batch:
         return {}
     out = expand_step_rows(
@@ -80,8 +82,6 @@ def expand_dataproto_step_rows(
 
 def _estimator(name: str, norm_adv_by_std_in_grpo: bool, config: Any) -> tuple[Callable, dict]:
     """verl's registered estimator and the keyword arguments it accepts among ours."""
-    from verl.trainer.ppo import core_algos
-
     check_stepwise_estimator(name, allow_custom=True)
     fn = core_algos.get_adv_estimator_fn(name)
     params = inspect.signature(fn).parameters
@@ -139,8 +139,6 @@ def batch_timeline(data: Any, step_index_key: str) -> Any:
     """The :class:`~verl_traj.stepwise.timeline.Timeline` of a planned step-wise batch: ``traj_index`` from the
     plan, each row's step (:func:`row_steps`), the current ``response_mask``."""
 
-    from verl_traj.stepwise.timeline import Timeline
-
     return Timeline.build(data.batch[TRAJ_INDEX], row_steps(data, step_index_key),
                           _column(data.batch, "response_mask", "verl's compute_response_mask writes it"))
 
@@ -157,8 +155,6 @@ def _timeline_advantage(data: Any, fn: Callable, extra: dict, gamma: float, lam:
                         step_index_key: str) -> tuple[Any, Any]:
     """A temporal estimator on each trajectory's timeline (:mod:`verl_traj.stepwise.timeline`): its rows in step
     order, values and rewards per token as the rows hold them; ``index`` (group baselines) per trajectory."""
-
-    from verl_traj.stepwise.timeline import timeline_advantages
 
     td, nt = data.batch, data.non_tensor_batch
     timeline = batch_timeline(data, step_index_key)
@@ -245,8 +241,6 @@ def trajectory_scoped_correction(verl_add_to_batch: Callable, step_index_key: st
     def compute(batch: Any, rollout_corr_config: Any) -> tuple[Any, dict]:
         if not is_stepwise_batch(batch):
             return verl_add_to_batch(batch, rollout_corr_config)
-        from verl_traj.stepwise.ratios import trajectory_ratio_metrics, trajectory_rollout_correction
-
         def on_timelines(old_t: torch.Tensor, rollout_t: torch.Tensor, mask_t: torch.Tensor) -> tuple:
             """verl's own entry (its config reading and defaults) on the ``[T, L]`` timelines as a batch."""
             proto = type(batch).from_dict(tensors={"old_log_probs": old_t, "rollout_log_probs": rollout_t,

@@ -16,9 +16,9 @@ Hook points (each declared, with how it is undone):
    :func:`~verl_traj.core.tree_kernel.tree_aware_attention` (the kernel verl's remove-padding path calls: the CPU
    platform's ``cpu_varlen`` attention on CPU, flash-attn on GPU). Installed by a process's first tree pass, never
    restored (a non-tree call computes as before).
-2. the engine *instance*'s ``prepare_model_inputs`` / ``prepare_model_outputs`` (:func:`tree_forward_patches`,
-   installed by :func:`~verl_traj.integration.patches.scoped.patched` for the pass; on exit the instance attributes
-   are removed and the class's methods show through again):
+2. scoped patch :func:`~verl_traj.integration.patches.scoped.tree_forward_patches`: the engine *instance*'s
+   ``prepare_model_inputs`` / ``prepare_model_outputs`` for the pass (on exit the instance attributes are removed and
+   the class's methods show through again):
 
    * inputs: the micro-batch's tree is built on its device from its rows and the plan's facts
      (:func:`~verl_traj.core.tree_facts.tree_from_facts`; the facts are planned on the driver,
@@ -66,13 +66,11 @@ from verl_traj.core.tree_kernel import (TREE_KWARG, TreeAttentionInput, padded_s
 from verl_traj.core.tree_pass import (TreeForwardLog, TreeTotals, check_all_tree, check_marked, tree_metric_totals,
                                       tree_metrics_of)
 from verl_traj.integration.patches.process import install, prefix_tree_attention_patches
-from verl_traj.integration.patches.scoped import Patch, patched
+from verl_traj.integration.patches.scoped import patched, tree_forward_patches
 
-__all__ = ["install_tree_attention", "micro_batch_tree", "tree_forward", "tree_forward_patches", "tree_metrics",
-           "tree_pass"]
+__all__ = ["install_tree_attention", "micro_batch_tree", "tree_forward", "tree_metrics", "tree_pass"]
 
 _STATE = "prefix_tree_state"  # output_args key: the tree of this forward
-_ENGINE = "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead"
 _INSTALLED: list = []  # hook 1 installed in this process (its first tree pass installs it)
 
 
@@ -175,21 +173,11 @@ def _prepare_outputs(verl_prepare: Callable, output: Any, output_args: dict, mic
                             logits_processor_func=logits_processor_func)
     if state.attention.calls == 0:
         refuse_tree("the forward never reached the tree attention (another attention read the tree as separate "
-                "sequences)", "run the model's attention through the flash-attention path with tree_forward entered")
+                    "sequences)", "run the model's attention through the flash-attention path with tree_forward entered")
     model_output = verl_prepare(output=output, output_args=output_args, micro_batch=state.batch,
                                 logits_processor_func=logits_processor_func)
     with record_function("verl_traj.tree.outputs"):
         return per_row_outputs(model_output, state.tree, micro_batch["input_ids"].offsets())
-
-
-def tree_forward_patches(engine: Any, log: TreeForwardLog) -> list[Patch]:
-    """Hook 2 (module docstring): the engine instance's two methods, restored on exit of :func:`patched`."""
-    return [
-        Patch(_ENGINE, "prepare_model_inputs", lambda verl: functools.partial(_prepare_inputs, verl, engine, log),
-              "forward micro-batches marked prefix_tree as one prefix tree", target=engine),
-        Patch(_ENGINE, "prepare_model_outputs", lambda verl: functools.partial(_prepare_outputs, verl),
-              "gather a tree micro-batch's per-token outputs back into its rows", target=engine),
-    ]
 
 
 @contextlib.contextmanager
@@ -198,7 +186,9 @@ def tree_forward(engine: Any) -> Iterator[TreeForwardLog]:
     Yields the log of the tree micro-batches run, settled on exit (its one device read; a mismatch raises)."""
     install_tree_attention()
     log = TreeForwardLog()
-    with patched(tree_forward_patches(engine, log)):
+    hooks = (lambda verl: functools.partial(_prepare_inputs, verl, engine, log),
+             lambda verl: functools.partial(_prepare_outputs, verl))
+    with patched(tree_forward_patches(engine, *hooks)):
         yield log
     log.settle()
 

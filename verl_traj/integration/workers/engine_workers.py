@@ -16,7 +16,11 @@ duration of the call (:func:`verl_traj.integration.patches.scoped.update_patches
 * ``prepare_micro_batches`` of the FSDP engine returns the plan's micro-batches (``micro_batch_id``)
   instead of re-cutting them.
 
-Everything else (the loss, the token gathering for MFU, the metrics, the profiler) is verl's. verl's
+Two steps of the same path where the plan asks for them: a batch marked for the prefix tree runs inside
+:func:`~verl_traj.integration.tree.tree_forward.tree_pass` (the engine forwards each micro-batch as its tree); the
+actor with GSPO at trajectory scope runs its pre-pass before each optimizer step (:class:`TrajActorTrainingWorker`:
+the engine's ``forward_backward_batch``, wrapped for the update). Everything else (the loss function's call, the token
+gathering for MFU, the metrics, the profiler) is verl's. verl's
 learning-rate schedule steps on its last fixed-size iteration; the planned update has fewer iterations,
 so :class:`PlannedUpdate` steps it once after the last optimizer step instead (verl's own step when the
 counts happen to agree).
@@ -38,19 +42,19 @@ import torch
 from tensordict import TensorDict
 
 from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
-from verl.utils import tensordict_utils as tu
 from verl.trainer.ppo.utils import Role
+from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 from verl.workers.utils.padding import no_padding_2_padding
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.keys import (TREE_KEY, CRITIC_UNION_KEY, OLD_LOG_PROBS_AT_START, RATIO_GROUP, RATIO_IN_LOSS,
-                                 SEQ_RATIO_SHIFT)
+from verl_traj.core.keys import (CRITIC_UNION_KEY, OLD_LOG_PROBS_AT_START, RATIO_GROUP, RATIO_IN_LOSS, SEQ_RATIO_SHIFT,
+                                 TREE_KEY)
+from verl_traj.core.tree_pass import TreeTotals
 from verl_traj.stepwise.ratios import (bounded_group_sums, check_ratio_groups, nonfinite_rows, presummed_ratio_shift,
                                        ratio_group_bound, row_log_ratio_sums, stochastic_in_training)
 from verl_traj.integration.patches.scoped import gspo_prepass_patches, micro_batch_patches, patched, update_patches
-from verl_traj.core.tree_pass import TreeTotals
 from verl_traj.integration.tree.tree_forward import tree_metrics, tree_pass
 from verl_traj.integration.workers.losses import traj_ppo_loss, traj_value_loss
 from verl_traj.integration.workers.planned_update import (LossSink, PlannedUpdate, check_planned_update,
@@ -83,7 +87,7 @@ class TrajTrainingWorker(TrainingWorker):
         run = PlannedUpdate(seed=int(tu.get(data, key="seed", default=42)), fields=check_planned_update(data),
                             union=int(tu.pop(data, key=CRITIC_UNION_KEY, default=1)),
                             old_log_probs_at_start=bool(tu.pop(data, key=OLD_LOG_PROBS_AT_START, default=False)),
-                            ratio_in_loss=bool(tu.get(data, key=RATIO_IN_LOSS, default=False)), sink=LossSink())
+                            ratio_in_loss=bool(tu.pop(data, key=RATIO_IN_LOSS, default=False)), sink=LossSink())
         epochs = int(tu.get(data, key="epochs", default=1))
         verl_iterations = _fixed_size_arithmetic(data, self.engine.get_data_parallel_size()) * epochs
         if run.ratio_groups:  # checked here, once, on the host copy: the loss and the pre-pass never read it back

@@ -34,8 +34,8 @@ from verl.utils.metric import AggregationType, Metric
 
 from verl_traj.core import mini_batch_order
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID, PLANNED_FIELDS, RATIO_GROUP
-from verl_traj.core.keys import TREE_SIZE, TREE_SIZE_KEY
+from verl_traj.core.keys import (MICRO_BATCH_ID, MINI_BATCH_ID, PLANNED_FIELDS, RATIO_GROUP, RATIO_IN_LOSS, TREE_SIZE,
+                                 TREE_SIZE_KEY)
 from verl_traj.core.tree_pass import micro_batch_tree_sizes
 
 __all__ = ["LOSS_SINK", "LossSink", "PlannedUpdate", "check_planned_update", "mini_batch_slices", "record",
@@ -112,6 +112,7 @@ def record_nonfinite(sink: Optional[LossSink], name: str, count: torch.Tensor) -
         raise TrajInputError(f"{int(count)} row(s) hold a NaN / inf {name} on a loss token: it poisons the "
                              "trajectory's GSPO sequence ratio. Fix: check the model and its inputs.", field=name)
 
+
 def check_planned_update(data: TensorDict) -> tuple[str, ...]:
     """The per-row fields the trainer planned for this update (the non-tensor ``traj_planned_fields``, popped), each
     checked present in ``data``. Raises :class:`TrajInputError` naming the list or the first missing field."""
@@ -145,7 +146,7 @@ def mini_batch_slices(mini_batch_id: torch.Tensor, union: int = 1) -> list[tuple
     if not torch.equal(values, torch.arange(values.numel())):
         raise RuntimeError(
             f"this rank's mini_batch_id blocks are {values.tolist()[:16]}, expected 0, 1, 2, ... in order: the "
-            "batch must come from TrajRayPPOTrainer._balance_batch (rank-major plan), unmodified."
+            "batch must come from verl_traj's trainer (v0 or v1 _balance_batch: the rank-major plan), unmodified."
         )
     ends = torch.cumsum(counts, 0).tolist()
     return list(zip([0] + ends[:-1], ends))
@@ -220,11 +221,12 @@ class PlannedUpdate:
         return prepare_micro_batches
 
     def _to_sink(self, micro_batches: list) -> None:
-        """The update's loss sink on each training micro-batch, at the optimizer step they belong to."""
+        """What the loss reads of the update, on each training micro-batch: the update's loss sink (at the optimizer
+        step they belong to) and :attr:`ratio_in_loss` (the worker popped it from the update: read once, here)."""
         if self.sink is not None:
             self.sink.step = len(self.micro_batches_run)
             for micro_batch in micro_batches:
-                tu.assign_non_tensor(micro_batch, **{LOSS_SINK: self.sink})
+                tu.assign_non_tensor(micro_batch, **{LOSS_SINK: self.sink, RATIO_IN_LOSS: self.ratio_in_loss})
 
     def metrics(self, epochs: int) -> dict[str, list]:
         runs, epochs = self.micro_batches_run, max(epochs, 1)
