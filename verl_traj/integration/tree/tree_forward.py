@@ -71,7 +71,6 @@ from verl_traj.integration.patches.scoped import patched, tree_forward_patches
 __all__ = ["install_tree_attention", "micro_batch_tree", "tree_forward", "tree_metrics", "tree_pass"]
 
 _STATE = "prefix_tree_state"  # output_args key: the tree of this forward
-_INSTALLED: list = []  # hook 1 installed in this process (its first tree pass installs it)
 
 
 @dataclass(frozen=True)
@@ -85,11 +84,10 @@ def _no_deferred_install(module_name: str, _callback: Callable) -> None:
     raise RuntimeError(f"the prefix-tree attention patch is installed now, not on import of {module_name}")
 
 
+@functools.cache
 def install_tree_attention() -> None:
-    """Hook 1 (module docstring), in this process, once."""
-    if not _INSTALLED:
-        install(prefix_tree_attention_patches(tree_aware_attention), _no_deferred_install)
-        _INSTALLED.append(True)
+    """Hook 1 (module docstring), in this process, once (a process's first tree pass installs it)."""
+    install(prefix_tree_attention_patches(tree_aware_attention), _no_deferred_install)
 
 
 def _check_micro_batch(engine: Any, micro_batch: TensorDict) -> None:

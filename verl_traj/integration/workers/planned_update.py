@@ -207,8 +207,8 @@ class PlannedUpdate:
             parts, inverse = _micro_batch_parts(data)
             micro_batches = [tu.index_select_tensor_dict(data, idx) for idx in parts]
             if TREE_SIZE in data.keys():  # prefix trees: each one's size, a host int (no device read in the pass)
-                size = data[TREE_SIZE].cpu()  # a no-op: verl's workers hold a batch on the host until forward_step
-                sizes = micro_batch_tree_sizes(size, inverse, torch.stack([idx[0] for idx in parts]))
+                row_sizes = data[TREE_SIZE].cpu()  # a no-op: verl's workers hold a batch on the host until forward_step
+                sizes = micro_batch_tree_sizes(row_sizes, inverse, torch.stack([idx[0] for idx in parts]))
                 for micro_batch, size in zip(micro_batches, sizes):
                     tu.assign_non_tensor(micro_batch, **{TREE_SIZE_KEY: size})
             if self.in_prepass:
