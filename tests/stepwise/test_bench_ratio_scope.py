@@ -157,3 +157,21 @@ def test_spread_from_chi2_token():
     for s in (0.0, 0.01, 0.3):
         assert spread_from_chi2_token(math.expm1(s * s)) == pytest.approx(s, abs=1e-12)
     assert spread_from_chi2_token(-1e-9) == 0.0
+
+
+@pytest.mark.parametrize("step_wise, rollout_is, says", [
+    (False, None, "has no effect without traj.step_wise=true"),  # one row a trajectory: nothing to widen
+    (True, "sequence", "expected ESS"),  # a product over 8,192 loss tokens degenerates
+    (True, "token", ""),  # token ratios do not compound
+])
+def test_the_start_up_warning_names_what_traj_ratio_scope_trajectory_does_here(step_wise, rollout_is, says):
+    from omegaconf import OmegaConf
+
+    from verl_traj.config import TrajConfig
+    from verl_traj.integration.startup.checks import ratio_scope_warning
+
+    config = OmegaConf.create({"data": {"max_response_length": 8192},
+                               "algorithm": {"rollout_correction": {"rollout_is": rollout_is}}})
+    warning = ratio_scope_warning(TrajConfig(step_wise=step_wise, ratio_scope="trajectory"), config)
+    assert (says in warning) if says else warning == ""
+    assert ratio_scope_warning(TrajConfig(step_wise=step_wise, ratio_scope="row"), config) == ""

@@ -117,9 +117,13 @@ def ratio_scope_warning(traj_config: TrajConfig, config: Any) -> str:
     trajectory (``rollout_is=sequence``, ``seq_sum_*`` rejection) and trajectories of up to ``data.max_response_length``
     loss tokens, whose expected sequence-IS ESS falls below 0.5 at a per-token spread of :data:`WARN_SPREAD`
     (:func:`~verl_traj.stepwise.ratio_scope_advice.degenerates`). Geometric means (``seq_mean_*``, GSPO) do not
-    compound with length and are not warned about."""
-    if not (traj_config.enable and traj_config.step_wise and traj_config.ratio_scope == "trajectory"):
+    compound with length and are not warned about. Without step rows the setting changes nothing, and says so."""
+    if not (traj_config.enable and traj_config.ratio_scope == "trajectory"):
         return ""
+    if not traj_config.step_wise:
+        return ("verl_traj: traj.ratio_scope=trajectory has no effect without traj.step_wise=true: each trajectory is "
+                "one row, so its row's ratios are its trajectory's. Fix: traj.step_wise=true with the step-wise agent "
+                "loop (docs/stepwise.md), or leave traj.ratio_scope=row.")
     rollout_is = value_at(config, "algorithm.rollout_correction.rollout_is")
     rollout_rs = str(value_at(config, "algorithm.rollout_correction.rollout_rs") or "")
     products = [s for s in (f"rollout_is={rollout_is}" if rollout_is == "sequence" else "",
