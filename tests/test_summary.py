@@ -1,5 +1,6 @@
 """``python -m verl_traj.summary``: the run's account in words, on hand-written metric rows."""
 
+from verl_traj.core.length_bias import LengthBudget, Lengths, bias_metrics
 from verl_traj.summary import summarize
 
 
@@ -47,13 +48,44 @@ def test_the_plot_and_the_summary_report_the_same_reward(tmp_path, monkeypatch):
     assert plotted == [[0.1 * i for i in range(6)]] and (tmp_path / "run.png").exists()
 
 
-def test_the_length_bias_is_reported_over_the_run_with_what_each_cause_let_go():
-    """Issue 43: the per-step ratio weighted by the trajectories each step trained; counts per cause from shares."""
-    text = summarize([_row(**{"traj_bias/tokens_mean_ratio": 1.0, "traj_bias/trajectories_trained": 6.0,
-                              "traj_bias/trajectories_cut": 0.0}),
-                      _row(**{"traj_bias/tokens_mean_ratio": 0.8, "traj_bias/trajectories_trained": 2.0,
-                              "traj_bias/trajectories_cut": 2.0, "traj_bias/stale_share": 0.25,
-                              "traj_bias/failed_share": 0.25})])
-    assert ("- length bias: what trained had 0.950x the mean length (tokens) of all that finished or was let go "
-            "(1.0: none; lowest step 0.800); 8 trajectories trained, let go: failed 1, stale 1") in text
+def _bias(trained: int, cut: int, trained_mean: float, all_mean: float, **shares) -> dict:
+    """A step's ``traj_bias/*`` as logged (tokens and turns alike), nothing censored."""
+    sums = {f"traj_bias/{m}_{k}": v for m in ("tokens", "turns")
+            for k, v in (("mean_ratio", trained_mean / all_mean), ("trained_mean", trained_mean),
+                         ("all_mean", all_mean))}
+    return _row(**sums, **{"traj_bias/trajectories_trained": float(trained), "traj_bias/trajectories_cut": float(cut),
+                           "traj_bias/censored_share": 0.0, "traj_bias/upper_bound_only": 0.0,
+                           **{f"traj_bias/{c}_share": v for c, v in shares.items()}})
+
+
+def test_the_length_bias_is_pooled_over_the_run_with_what_each_cause_let_go():
+    """Issue 43: every trajectory of every step counts once (trained means weighted by trajectories trained, means of
+    all by all trajectories): 87.5 / 92 = 0.951, where weighting the per-step ratios by trajectories trained read
+    0.906; counts per cause from shares."""
+    text = summarize([_bias(6, 0, 100.0, 100.0),
+                      _bias(2, 2, 50.0, 80.0, stale=0.25, failed_group=0.25)])
+    assert ("- length bias over 2 steps, pooled: what trained had 0.951x the mean length (tokens) of all that finished "
+            "or was let go, 0.951x in turns (1.0: none; lowest step 0.625); 8 trajectories trained, let go: "
+            "failed_group 1, stale 1") in text
+    assert "censored" not in text and "upper bound only" not in text
     assert "length bias" not in summarize([_row()])
+
+
+def test_censored_steps_report_the_bracket_the_censored_share_and_upper_bound_only():
+    """A timeout cut two of five at 40 tokens, past every finished length: with a budget of 100 tokens / 10 turns the
+    truth lies between 20 / 52 and 20 / 28 (Kaplan-Meier, restricted to the cut), flagged upper bound only; without a
+    budget only the upper end, "at most"."""
+    trained, cut = Lengths.of([10, 20, 30], [1, 2, 3]), {"timeout": Lengths.of([40, 40], [4, 4])}
+    step = bias_metrics(trained, cut, budget=LengthBudget(tokens=100, turns=10))
+    text = summarize([_row(**step)])
+    assert ("what trained had between 0.385x and 0.714x the mean length (tokens) of all that finished or was let go, "
+            "between 0.385x and 0.714x in turns") in text
+    assert "let go: timeout 2; censored (stopped early): 40.0% (failed 0.0%, timeout 40.0%)" in text
+    assert "; upper bound only in 1 of 1 steps (over 5% of the length distribution past the longest" in text
+    assert "what trained had at most 0.714x the mean length" in summarize([_row(**bias_metrics(trained, cut))])
+
+
+def test_a_log_without_the_per_step_sums_still_reports_its_steps():
+    text = summarize([_row(**{"traj_bias/tokens_mean_ratio": 0.8, "traj_bias/trajectories_trained": 2.0,
+                              "traj_bias/trajectories_cut": 2.0, "traj_bias/stale_share": 0.5})])
+    assert "- length bias: per-step ratios only, not poolable (lowest step 0.800); let go: stale 2" in text

@@ -9,6 +9,7 @@ import argparse
 import sys
 from typing import Optional
 
+from verl_traj.core.length_bias import CENSORED, TAIL_MASS_LIMIT, pooled_bias
 from verl_traj.metrics_log import load_metrics, moving_average, reward_key
 
 __all__ = ["summarize"]
@@ -77,26 +78,52 @@ def _line_tool_calls(rows: list[dict]) -> Optional[str]:
             f"(per step: {per_step})")
 
 
+def _let_go(steps: list[dict]) -> str:
+    """Trajectories let go per cause over ``steps``, from each step's ``traj_bias/{cause}_share`` of all of it."""
+    causes: dict[str, float] = {}
+    for r in steps:
+        everyone = float(r.get("traj_bias/trajectories_trained", 0.0)) + float(r.get("traj_bias/trajectories_cut", 0.0))
+        for key, share in r.items():
+            if key.startswith("traj_bias/") and key.endswith("_share") and not key.endswith("censored_share"):
+                cause = key[len("traj_bias/"):-len("_share")]
+                causes[cause] = causes.get(cause, 0.0) + float(share) * everyone
+    return ", ".join(f"{cause} {n:.0f}" for cause, n in sorted(causes.items()) if round(n)) or "none"
+
+
+def _bracket(pooled: dict, measure: str) -> str:
+    """The pooled ratio of ``measure`` as read: ``between L and Ux`` (the bracket), ``Ux`` (its ends equal at three
+    decimals, or nothing censored and no budget), ``at most Ux`` (flagged, no lower end)."""
+    upper, lower = pooled[f"{measure}_mean_ratio"], pooled.get(f"{measure}_mean_ratio_lower")
+    if lower is None:
+        return f"at most {upper:.3f}x" if pooled["upper_bound_only"] else f"{upper:.3f}x"
+    return f"{upper:.3f}x" if f"{lower:.3f}" == f"{upper:.3f}" else f"between {lower:.3f}x and {upper:.3f}x"
+
+
 def _line_length_bias(rows: list[dict]) -> Optional[str]:
-    """``traj_bias/*`` over the run: the per-step ratio of mean lengths (what trained / all that finished or was let
-    go), weighted by the trajectories each step trained, and how many were let go for each cause."""
+    """``traj_bias/*`` over the run, pooled exactly (:func:`~verl_traj.core.length_bias.pooled_bias`): the mean
+    length of what trained against all that finished or was let go, as a bracket where trajectories were censored
+    (the lower end puts them at the agent's budget, the upper is Kaplan-Meier's), "upper bound only" where any step
+    flagged its upper end as a bound; how many were let go per cause, and the share censored per cause."""
     steps = [r for r in rows if "traj_bias/tokens_mean_ratio" in r and r.get("traj_bias/trajectories_trained")]
     if not steps:
         return None
-    trained = sum(float(r["traj_bias/trajectories_trained"]) for r in steps)
-    ratio = sum(float(r["traj_bias/tokens_mean_ratio"]) * float(r["traj_bias/trajectories_trained"])
-                for r in steps) / trained
     lows = min(float(r["traj_bias/tokens_mean_ratio"]) for r in steps)
-    causes: dict[str, float] = {}
-    for r in steps:
-        everyone = float(r["traj_bias/trajectories_trained"]) + float(r.get("traj_bias/trajectories_cut", 0.0))
-        for key, share in r.items():
-            if key.startswith("traj_bias/") and key.endswith("_share"):
-                cause = key[len("traj_bias/"):-len("_share")]
-                causes[cause] = causes.get(cause, 0.0) + float(share) * everyone
-    cut = ", ".join(f"{cause} {n:.0f}" for cause, n in sorted(causes.items()) if round(n)) or "none"
-    return (f"- length bias: what trained had {ratio:.3f}x the mean length (tokens) of all that finished or was let go "
-            f"(1.0: none; lowest step {lows:.3f}); {trained:.0f} trajectories trained, let go: {cut}")
+    pooled = pooled_bias(steps)
+    if not pooled:  # a log from before the per-step sums
+        return (f"- length bias: per-step ratios only, not poolable (lowest step {lows:.3f}); let go: "
+                f"{_let_go(steps)}")
+    line = (f"- length bias over {pooled['steps']:.0f} steps, pooled: what trained had {_bracket(pooled, 'tokens')} "
+            f"the mean length (tokens) of all that finished or was let go, {_bracket(pooled, 'turns')} in turns (1.0: "
+            f"none; lowest step {lows:.3f}); {pooled['trajectories_trained']:.0f} trajectories trained, let go: "
+            f"{_let_go(steps)}")
+    if pooled["censored_share"] > 0:
+        causes = ", ".join(f"{c} {100 * pooled[f'{c}_censored_share']:.1f}%" for c in sorted(CENSORED))
+        line += f"; censored (stopped early): {100 * pooled['censored_share']:.1f}% ({causes})"
+    if pooled["upper_bound_only"]:
+        line += (f"; upper bound only in {pooled['upper_bound_only_steps']:.0f} of {pooled['steps']:.0f} steps (over "
+                 f"{100 * TAIL_MASS_LIMIT:.0f}% of the length distribution past the longest finished trajectory, or "
+                 "censored with no token budget known): the truth likely well below it")
+    return line
 
 
 def summarize(rows: list[dict], metrics_path: str = "", plot_path: str = "") -> str:
