@@ -20,6 +20,9 @@ its samples in that code). The watchdog can only sample when the loop thread let
 interpreter's switch interval), so samples gather where it does. GC pauses are the whole process's (every thread).
 ``Handle._run`` is wrapped for the monitor's lifetime only (restored on exit); its cost,
 four clock reads per callback, is the same for every variant measured.
+
+:func:`failing_sessions` is one such run: sessions on one loop storing rows in TransferQueue, some failing, under a
+session runner (verl_traj's ``run_session``, or another's, ``scripts/bench_replay_poll.py``).
 """
 
 from __future__ import annotations
@@ -32,9 +35,13 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-__all__ = ["LoopMonitor", "StallReport", "owner_of"]
+import transfer_queue as tq
+
+from verl_traj.core.session_ledger import current_ledger, session_ledger
+
+__all__ = ["LoopMonitor", "StallReport", "failing_sessions", "owner_of"]
 
 OWNERS = ("verl_traj", "verl", "other")
 
@@ -201,3 +208,42 @@ class LoopMonitor:
             where=[f"{o} {w}" for (o, w), _ in Counter(sampled).most_common(3)],
             cpu_ms_by_owner={o: round(by_owner[o][0], 2) for o in OWNERS if o in by_owner},
             where_by_owner=where_by_owner)
+
+
+async def failing_sessions(runner: Callable, prefix: str, count: int, calls: int, fail_every: int) -> dict:
+    """``count`` sessions of ``calls`` LLM calls on this loop under ``runner`` (``run_session``'s signature), each
+    storing a row per call in TransferQueue's ``train`` partition (keys recorded in its ledger first, as verl_traj's
+    worker records them), every ``fail_every``-th failing after storing; its group's prompt key is ``{prefix}{i}``.
+    Returns the loop's stalls (ms) once it has checked that no failed session left a row and cleared the rest."""
+    uids = [f"{prefix}{i:05d}" for i in range(count)]
+    await tq.async_kv_batch_put(keys=uids, partition_id="train",
+                                tags=[{"is_prompt": True, "status": "running", "global_steps": 0}] * count)
+
+    async def session(i: int) -> None:
+        for _ in range(calls):
+            await asyncio.sleep(0.002)  # an LLM call
+        keys = [f"{uids[i]}_0_{k}" for k in range(calls)]
+        current_ledger().stored_keys.extend(keys)
+        await tq.async_kv_batch_put(keys=keys, partition_id="train", tags=[{"status": "success"}] * calls)
+        if i % fail_every == 0:
+            raise RuntimeError("tool died")
+
+    async def one(i: int) -> None:
+        with session_ledger():
+            await runner(session(i), None, uids[i], 0)
+
+    async with LoopMonitor() as monitor:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(i) for i in range(count)), return_exceptions=True)
+        seconds = time.perf_counter() - start
+    failed = sum(isinstance(r, RuntimeError) for r in results)
+    left = [key for key in (await tq.async_kv_list(partition_id="train") or {}).get("train", {})
+            if key.startswith(prefix)]
+    assert sum(k.count("_") == 2 for k in left) == (count - failed) * calls, "a failed session left rows"
+    await tq.async_kv_clear(keys=left, partition_id="train")
+    report = monitor.report()
+    return {"seconds": seconds, "failed": failed, "max_stall_ms": report.max_stall_ms,
+            "stall_cpu_ms": report.stall_cpu_ms, "stall_owner": report.stall_owner, "where": report.where[:1],
+            "verl_traj_cpu_ms": report.cpu_ms_by_owner.get("verl_traj", 0.0),
+            "verl_traj_where": report.where_by_owner.get("verl_traj", "-"),
+            "heartbeat_late_ms": report.max_heartbeat_late_ms}

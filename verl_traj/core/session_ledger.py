@@ -26,13 +26,16 @@ LENGTH_TAG = "traj_length"  # [generated tokens, LLM calls]: the session's lengt
 @dataclass
 class SessionLedger:
     """One session's agent loop (its registered name, for messages), generate attempts ``(version, tokens)``, LLM
-    calls (an aborted call resumed under new weights is one call of several attempts) and tool-call counts."""
+    calls (an aborted call resumed under new weights is one call of several attempts), tool-call counts and the keys
+    of the rows it stored (a failed session clears exactly those:
+    :func:`~verl_traj.integration.async_modes.v1_failures.run_session`)."""
 
     agent_name: Optional[str] = None
     attempts: list = field(default_factory=list)
     calls: int = 0
     tool_calls: int = 0
     malformed_tool_calls: int = 0
+    stored_keys: list = field(default_factory=list)  # the row keys its worker stores, each recorded before its put
 
     def tags(self) -> dict:
         """The last row's tags: :data:`VERSION_TOKENS_TAG` when attempts were recorded and the server reported the

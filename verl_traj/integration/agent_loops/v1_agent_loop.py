@@ -204,8 +204,10 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
         if validate or not traj_config.step_wise or not recorded:  # verl's rows: validation, a list, no records
             if not isinstance(output, list):
                 output.extra_fields.pop(DEFAULT_STEPS_KEY, None)
-            await super()._agent_loop_postprocess(output, validate, **kwargs)
             last = len(output) - 1 if isinstance(output, list) else 0
+            if ledger is not None:  # recorded before the put: a failure cutting it clears them (run_session)
+                ledger.stored_keys.extend(row_key(kwargs["uid"], kwargs["session_id"], i) for i in range(last + 1))
+            await super()._agent_loop_postprocess(output, validate, **kwargs)
             if ledger_tags and last >= 0:
                 await tq.async_kv_put(key=row_key(kwargs["uid"], kwargs["session_id"], last), partition_id="train",
                                       tag=ledger_tags)
@@ -215,10 +217,12 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
         outputs, tags, stats = step_outputs(output, traj_config.merge_prefix and not stock, turn_rewards=not stock,
                                             anchors=anchors)
         outputs[-1].extra_fields["reward_extra_info"] = output.extra_fields.get("reward_extra_info", {})
+        keys = [row_key(kwargs["uid"], kwargs["session_id"], i) for i in range(len(outputs))]
+        if ledger is not None:  # recorded before the put: a failure cutting it clears them (run_session)
+            ledger.stored_keys.extend(keys)
         await super()._agent_loop_postprocess(outputs, validate, **kwargs)
         tags[0] = {**tags[0], MERGE_TAG: stats}
         tags[-1] = {**tags[-1], **ledger_tags}
-        keys = [row_key(kwargs["uid"], kwargs["session_id"], i) for i in range(len(outputs))]
         tagged = [i for i, t in enumerate(tags) if t]
         await tq.async_kv_batch_put(keys=[keys[i] for i in tagged], partition_id="train",
                                     tags=[tags[i] for i in tagged])

@@ -15,22 +15,20 @@ from typing import Iterable, Mapping
 
 from verl_traj.core.failures import CUT_LENGTH_PREFIX, FAILURE_TAG_PREFIX
 from verl_traj.core.length_bias import Lengths
-from verl_traj.core.session_ledger import LENGTH_TAG
 
 __all__ = ["CutLengths", "finished_lengths", "failed_lengths"]
 
 
-def finished_lengths(rows: Mapping[str, Mapping], groups_by_cause: Mapping[str, Iterable[str]]) -> dict[str, list]:
-    """Per cause, ``[[tokens, calls], ...]`` of the finished sessions of its groups (``rows``: row key -> tag, the
-    stored rows of a partition; a session's last row carries its length). One pass over the rows for every cause."""
-    cause_of = {uid: cause for cause, uids in groups_by_cause.items() for uid in uids}
+def finished_lengths(group_lengths: Mapping[str, Iterable],
+                     groups_by_cause: Mapping[str, Iterable[str]]) -> dict[str, list]:
+    """Per cause, ``[[tokens, calls], ...]`` of the finished sessions of its groups (``group_lengths``: uid -> the
+    lengths its rows carry, a session's last row carrying its :data:`~verl_traj.core.session_ledger.LENGTH_TAG`;
+    :class:`~verl_traj.integration.async_modes.group_index.GroupIndex`). Work per group let go, not per row stored."""
     out: dict[str, list] = defaultdict(list)
-    if cause_of:
-        for key, tag in rows.items():
-            cause = cause_of.get(key.split("_")[0])
-            if cause is not None and LENGTH_TAG in tag:
-                out[cause].append(list(tag[LENGTH_TAG]))
-    return dict(out)
+    for cause, uids in groups_by_cause.items():
+        for uid in uids:
+            out[cause].extend(list(length) for length in group_lengths.get(uid, ()))
+    return {cause: lengths for cause, lengths in out.items() if lengths}
 
 
 def failed_lengths(prompt_tags: Mapping[str, Mapping], uids: Iterable[str]) -> dict[str, list[list[int]]]:
