@@ -26,6 +26,8 @@ import numpy as np
 from verl.trainer.ppo.v1 import replay_buffer as verl_buffer
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 
+from async_drift import drift_metrics
+
 from verl_traj.config import TrajConfig
 from verl_traj.core.failures import failure_tag
 from verl_traj.core.session_ledger import LENGTH_TAG, VERSION_TOKENS_TAG
@@ -91,9 +93,13 @@ class Simulation:
     prompts drawn from ``workload`` (:class:`bench_async_bias.Workload`)."""
 
     def __init__(self, mode: str, traj: TrajConfig, workload, knobs: Knobs, batch: int, n: int, seed: int,
-                 verl_threshold: Optional[int] = None, verl_strategy: str = "drop", warmup_batches: float = 1.0):
+                 verl_threshold: Optional[int] = None, verl_strategy: str = "drop", warmup_batches: float = 1.0,
+                 drift: Optional[float] = None):
         self.mode, self.workload, self.knobs, self.batch, self.n = mode, workload, knobs, batch, n
         self.rng = np.random.default_rng(seed)
+        # the trained tokens' log-ratios (scripts/async_drift.py): their own generator, so every policy samples the
+        # same sessions whatever the drift; under traj correct they move its gate, as the trainer's do
+        self.drift, self.drift_rng, self.correcting = drift, np.random.default_rng(seed + 1), traj.stale_groups == "correct"
         self.kv = MemoryKV()
         base = ReplayBuffer if mode == "sync" else ReplayBufferAsync
         cls = type("Sim" + group_policy_class(base).__name__, (group_policy_class(base),),
@@ -227,7 +233,12 @@ class Simulation:
         self.trained.update(batch.keys)
         self.version = self.step
         ledgers = [t[VERSION_TOKENS_TAG] for t in tags]
-        metrics = {**metrics, **length_bias_metrics(batch, self.buffer.cut_lengths.take()),  # as the trainer logs them
-                   **token_staleness_metrics(ledgers, self.step - 1)}
+        metrics = {**metrics, **length_bias_metrics(batch, self.buffer.cut_lengths.take(), self.workload.budget),
+                   **token_staleness_metrics(ledgers, self.step - 1)}  # as the trainer logs them
+        if self.drift is not None:
+            health = drift_metrics(self.drift_rng, ledgers, self.step - 1, self.drift)
+            metrics.update(health)
+            if self.correcting:
+                metrics.update(self.buffer.observe_health(health))
         return {"step": self.step, "trained": len(tags), "metrics": metrics, "wait_s": self.trainer_wait_s - waited,
                 "step_s": self.now - start, "update_s": update_s}

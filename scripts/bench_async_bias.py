@@ -33,6 +33,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from typing import Optional
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from async_sim import Knobs, Simulation  # noqa: E402
 
 from verl_traj.config import TrajConfig  # noqa: E402
+from verl_traj.core.length_bias import LengthBudget, pooled_bias  # noqa: E402
 from verl_traj.testing.swebench import DATA_FILE, load_trajectories  # noqa: E402
 
 
@@ -57,14 +59,18 @@ class Workload:
 
     def __post_init__(self) -> None:
         self.turn_cdf = np.sort(np.array([len(c) for c in self.calls], dtype=float))
+        # the agent's hard budget (max turns x max tokens a call), which no session passes: the bracket's lower end
+        self.max_turns = int(2 * max(len(c) for c in self.calls))
+        self.max_call_tokens = float(2 * max(max(c) for c in self.calls))
+        self.budget = LengthBudget(tokens=self.max_turns * self.max_call_tokens, turns=float(self.max_turns))
 
     def group(self, rng: np.random.Generator, n: int) -> list:
         i = int(rng.integers(len(self.calls)))
         base = np.asarray(self.calls[i], dtype=float)
         out = []
         for _ in range(n):
-            turns = max(1, int(round(len(base) * rng.lognormal(0.0, self.scale_sigma))))
-            tokens = np.maximum(1.0, np.resize(base, turns) * rng.lognormal(0.0, 0.2, turns)).round()
+            turns = min(self.max_turns, max(1, int(round(len(base) * rng.lognormal(0.0, self.scale_sigma)))))
+            tokens = np.clip(np.resize(base, turns) * rng.lognormal(0.0, 0.2, turns), 1.0, self.max_call_tokens).round()
             rank = np.searchsorted(self.turn_cdf, turns, side="right") / len(self.turn_cdf)
             reward = float(rng.random() < 0.1 + 0.8 * min(rank, 1.0))
             out.append((tokens, float(self.context[i]) * turns / len(base), reward))
@@ -91,15 +97,13 @@ def calc(seed: int = 0) -> Workload:
                     Knobs(decode_tps=30.0, capacity=192, tool_s=0.2, train_tps=10000.0, train_fixed_s=2.0, dt=0.25))
 
 
-# name -> (traj: overrides, verl's max_off_policy_threshold, verl's strategy)
+# name -> (traj: overrides, verl's max_off_policy_threshold, verl's strategy); "traj correct" rows are added per cap
 STALENESS = {
     "none": ({}, None, "drop"),
     "verl default (drop, 8 versions)": ({}, 8, "drop"),
-    "verl drop (2 versions)": ({}, 2, "drop"),
     "verl wait (2 versions)": ({}, 2, "wait"),
     "traj drop (1.0)": ({"max_staleness": 1.0}, None, "drop"),
     "traj defer (1.0)": ({"max_staleness": 1.0, "stale_groups": "defer"}, None, "drop"),
-    "traj correct (1.0)": ({"max_staleness": 1.0, "stale_groups": "correct"}, None, "drop"),
 }
 FAILURES = {
     "drop": {"failed_groups": "drop"},
@@ -108,22 +112,39 @@ FAILURES = {
 MODES = ("sync", "colocate_async", "separate_async")
 
 
-def run(workload: Workload, mode: str, staleness: str, failures: str, args, fail_per_call: float = 0.0) -> dict:
-    traj_kw, threshold, strategy = STALENESS[staleness]
+def policies(caps: list[int]) -> dict:
+    """Every staleness policy of the table: :data:`STALENESS` and ``traj correct`` at each cap, with each fallback."""
+    out = dict(STALENESS)
+    for cap in caps:
+        for fallback in ("defer", "drop"):
+            out[f"traj correct (1.0, lag {cap}, {fallback})"] = (
+                {"max_staleness": 1.0, "stale_groups": "correct", "max_lag": cap, "correct_fallback": fallback},
+                None, "drop")
+    return out
+
+
+def run(workload: Workload, mode: str, staleness: str, failures: str, args, fail_per_call: float = 0.0,
+        drift: Optional[float] = None) -> dict:
+    traj_kw, threshold, strategy = policies(args.caps)[staleness]
     if mode == "sync":
         traj_kw, threshold = {}, None
     traj = TrajConfig(**traj_kw, **FAILURES[failures])
     knobs = Knobs(**{**workload.knobs.__dict__, "fail_per_call": fail_per_call,
                      "timeout_s": getattr(args, "timeout_s", None) if fail_per_call else None})
     sim = Simulation(mode, traj, workload, knobs, args.batch, args.n, args.seed, verl_threshold=threshold,
-                     verl_strategy=strategy)
+                     verl_strategy=strategy, drift=drift)
     steps = [sim.run_step() for _ in range(args.steps)]
     return summarise(sim, steps[args.steps // 4:], (args.steps // 4, args.steps // 2))
 
 
+def _steady(steady: list, key: str, default: float = 0.0) -> np.ndarray:
+    return np.array([s["metrics"].get(key, default) for s in steady], dtype=float)
+
+
 def summarise(sim: Simulation, steady: list, cohort: tuple[int, int]) -> dict:
     """The run's figures (module docstring): time over the ``steady`` steps, bias over the ``cohort`` of groups
-    dispatched in steps ``(cohort[0], cohort[1]]``, trained whenever (the run goes on long enough for them)."""
+    dispatched in steps ``(cohort[0], cohort[1]]``, trained whenever (the run goes on long enough for them); the
+    logged bracket pooled over the steady steps (:func:`~verl_traj.core.length_bias.pooled_bias`)."""
     wall = sum(s["step_s"] for s in steady)
     group = [x for x in sim.dispatched if cohort[0] < x.dispatch_step <= cohort[1]]
     trained = [x for x in group if f"{x.uid}_{x.sid}_0" in sim.trained]
@@ -133,50 +154,74 @@ def summarise(sim: Simulation, steady: list, cohort: tuple[int, int]) -> dict:
     def ratio(measure) -> float:
         return float(np.mean([measure(x) for x in trained]) / np.mean([measure(x) for x in group]))
 
-    key = "traj_bias/tokens_mean_ratio"
-    bias = [s["metrics"][key] for s in steady if key in s["metrics"]]
-    stale = [s["metrics"].get("traj_version/token_staleness_max", 0.0) for s in steady]
+    pooled = pooled_bias([s["metrics"] for s in steady])
+    ess = _steady(steady, "traj_offpolicy/ess", 1.0)
     dropped = sum(s["metrics"].get("training/off_policy/evicted_samples", 0.0)  # traj's drops among them
                   + s["metrics"].get("traj_failure/groups_dropped_total", 0.0) for s in steady)
     return {"s/step": statistics.median(s["step_s"] for s in steady),
             "traj/h": sum(s["trained"] for s in steady) / wall * 3600,
-            "pool busy": sim.busy_seq_s / (sim.knobs.capacity * sim.now),
             "trainer waits": sum(s["wait_s"] for s in steady) / wall,
+            "lag max": float(_steady(steady, "traj_offpolicy/lag_max").max()),
+            "lag p99": float(_steady(steady, "traj_offpolicy/lag_p99").max()),
+            "ESS min": float(ess.min()), "ESS p5": float(np.percentile(ess, 5)),
+            "seq ESS p50": float(np.median(_steady(steady, "traj_offpolicy/seq_ess", 1.0))),
+            "trunc share": float(_steady(steady, "traj_offpolicy/truncated_share").mean()),
+            "trunc mass": float(_steady(steady, "traj_offpolicy/truncated_mass").mean()),
+            "tokens trained": sum(x.tokens.sum() for x in trained) / sum(x.tokens.sum() for x in group),
             "tokens ratio": ratio(lambda x: x.tokens.sum()), "turns ratio": ratio(lambda x: len(x.tokens)),
-            "traj_bias": statistics.median(bias) if bias else 1.0,
+            "bias lower": pooled.get("tokens_mean_ratio_lower", float("nan")),
+            "bias upper": pooled.get("tokens_mean_ratio", 1.0),
             "reward ratio": ratio(lambda x: x.reward),
-            "staleness max": max(stale), "dropped": dropped,
+            "fallback": float(_steady(steady, "traj_offpolicy/fallback_active").mean()),
+            "dropped": dropped,
             "corrected": sum(s["metrics"].get("traj_staleness/groups_corrected_total", 0.0) for s in steady)
             / max(1.0, sum(s["trained"] for s in steady) / sim.n),
             "cohort": len(group), "untrained": len(group) - len(trained)}
 
-COLUMNS = ("s/step", "traj/h", "pool busy", "trainer waits", "tokens ratio", "turns ratio", "traj_bias", "reward ratio",
-           "staleness max", "dropped", "corrected")
-PERCENT = {"pool busy", "trainer waits", "corrected"}
+
+COLUMNS = ("s/step", "traj/h", "trainer waits", "lag max", "lag p99", "ESS min", "ESS p5", "seq ESS p50",
+           "trunc share", "trunc mass", "tokens trained", "tokens ratio", "bias lower", "bias upper", "reward ratio",
+           "fallback", "dropped", "corrected")
+PERCENT = {"trainer waits", "corrected", "fallback", "tokens trained"}
+THREE = {"ESS min", "ESS p5", "seq ESS p50", "trunc share", "trunc mass", "tokens ratio", "bias lower", "bias upper",
+         "reward ratio", "turns ratio"}
 
 
-def grid(args) -> list[tuple[str, str, str, float]]:
-    """(mode, staleness policy, failure policy, crash probability per call): every staleness policy without
-    failures, then every failure policy with crashes, each in every mode."""
-    out = [(m, s, "drop", 0.0) for m in args.modes for s in STALENESS if m != "sync" or s == "none"]
-    out += [(m, "none", f, args.fail_per_call) for m in args.modes for f in FAILURES]
+def grid(args) -> list[tuple[str, str, str, float, Optional[float]]]:
+    """(mode, staleness policy, failure policy, crash probability per call, drift rate): every staleness policy
+    without failures at every drift rate, then every failure policy with crashes (no bound, the first drift rate),
+    each in every mode."""
+    names = list(policies(args.caps))
+    out = [(m, s, "drop", 0.0, d) for d in args.drifts for m in args.modes for s in names if m != "sync" or s == "none"]
+    out += [(m, "none", f, args.fail_per_call, args.drifts[0]) for m in args.modes for f in FAILURES]
     return out
 
 
+def cell(column: str, value: float) -> str:
+    if column in PERCENT:
+        return f"{value:.1%}" if column == "tokens trained" else f"{value:.0%}"
+    if column in ("traj/h", "dropped", "lag max", "lag p99"):
+        return f"{value:.0f}"
+    return f"{value:.3f}" if column in THREE else f"{value:.2f}"
+
+
 def table(rows: list[dict]) -> str:
-    head = ["workload", "mode", "staleness", "failures", *COLUMNS]
+    head = ["workload", "mode", "drift", "staleness", "failures", *COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in rows:
-        cells = [f"{r[c]:.0%}" if c in PERCENT else f"{r[c]:.0f}" if c in ("traj/h", "dropped")
-                 else f"{r[c]:.3f}" if "ratio" in c or c == "traj_bias" else f"{r[c]:.2f}" for c in COLUMNS]
-        lines.append("| " + " | ".join([r["workload"], r["mode"], r["staleness"], r["failures"], *cells]) + " |")
+        cells = [cell(c, r[c]) for c in COLUMNS]
+        lines.append("| " + " | ".join([r["workload"], r["mode"], f"{r['drift']:g}", r["staleness"], r["failures"],
+                                        *cells]) + " |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=("swebench", "calc", "both"), default="both")
-    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=["colocate_async", "separate_async"])
+    ap.add_argument("--drifts", nargs="+", type=float, default=[1e-4, 1e-3, 1e-2],
+                    help="log-ratio variance per version and token (scripts/async_drift.py)")
+    ap.add_argument("--caps", nargs="+", type=int, default=[4], help="traj.max_lag of the traj correct rows")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--batch", type=int, default=32, help="prompts a step")
     ap.add_argument("--n", type=int, default=4, help="sessions a prompt (the GRPO group)")
@@ -192,10 +237,10 @@ def main(argv=None) -> int:
         swebench() if args.workload == "swebench" else calc(args.seed)]
     rows = []
     for workload in workloads:
-        for mode, staleness, failures, crash in grid(args):
+        for mode, staleness, failures, crash, drift in grid(args):
             t0 = time.time()
-            res = run(workload, mode, staleness, failures, args, crash)
-            rows.append({"workload": workload.name, "mode": mode, "staleness": staleness,
+            res = run(workload, mode, staleness, failures, args, crash, drift)
+            rows.append({"workload": workload.name, "mode": mode, "drift": drift, "staleness": staleness,
                          "failures": f"{failures} (crash {crash:g}/call)" if crash else "-", **res})
             print(f"[bench_async_bias] {workload.name} {mode} {staleness} {failures}: {time.time() - t0:.1f} s",
                   file=sys.stderr)

@@ -27,16 +27,21 @@ from verl_traj.core.failures import FAILED_GROUP_POLICIES
 from verl_traj.core.keys import IS_LAST_STEP, PLAN_KEYS
 from verl_traj.core.loss_weights import loss_weight_modes
 from verl_traj.core.planning import GROUP_BY_CHOICES, MINI_BATCH_BALANCE_CHOICES
+from verl_traj.core.offpolicy import FALLBACKS, HealthThresholds
 from verl_traj.core.staleness import STALE_GROUP_POLICIES, check_bound
 from verl_traj.stepwise.ratios import RATIO_SCOPES
 
 __all__ = [
+    "DEFAULT_MAX_LAG",
     "GROUP_BY_CHOICES",
     "MINI_BATCH_BALANCE_CHOICES",
     "PADDED_CAP_CHOICES",
     "TrajConfig",
     "TrajConfigError",
 ]
+
+# traj.max_lag under stale_groups=correct when unset: chosen by scripts/bench_async_bias.py (docs/trainers.md)
+DEFAULT_MAX_LAG = 4
 
 # traj.padded_cap: what the micro-batch cap bounds without remove-padding (core.packing cost "padded" / "padded_area")
 PADDED_CAP_CHOICES = ("tokens", "area")
@@ -110,7 +115,19 @@ class TrajConfig:
         stale_groups: what the bound does with a group that has a trajectory over it: ``"drop"`` (default: the whole
             group leaves, a fresh prompt replaces it), ``"defer"`` (the trainer waits for running groups that would
             pass it at the next step; a finished group over it anyway is dropped) or ``"correct"`` (it trains, its
-            stale tokens under verl's rollout correction, which start-up requires: no length bias, no wait).
+            stale tokens under verl's rollout correction, which start-up requires, as long as no token of it is more
+            than ``max_lag`` versions old and the weights stay healthy; else ``correct_fallback`` applies).
+        max_lag: the hard cap on every trained token's lag (policy versions between the one that sampled it and the
+            one trained), over which a group gets the ``stale_groups`` policy (``correct``: ``correct_fallback``).
+            ``None``: none, except under ``correct``, which caps at :data:`DEFAULT_MAX_LAG` (:attr:`lag_cap`).
+            :mod:`verl_traj.core.offpolicy`.
+        correct_fallback: ``correct``: what a group past ``max_lag`` gets, and every group over ``max_staleness``
+            while the importance weights are unhealthy: ``"defer"`` (default: the trainer waits for it, no length
+            bias) or ``"drop"``.
+        offpolicy_min_ess: ``correct``: the off-policy tokens' effective sample size below which the fallback takes
+            over for the next samplings (back after 3 steps at 1.5x it); 0.3 is where verl's docs warn.
+        offpolicy_max_truncated_mass: ``correct``: the share of the weights' mass the truncation cuts above which the
+            fallback takes over (back after 3 steps at half of it).
         step_advantage_weight: ``algorithm.adv_estimator=gigpo``: GiGPO's omega, the weight of the step-level advantage
             added to the episode-level one (``>= 0``; 0 is GRPO on step rows). :mod:`verl_traj.stepwise.step_groups`.
         step_group_baseline: ``gigpo``: the baseline of a step group: ``"gigpo"`` (default: the paper's mean and std
@@ -141,8 +158,26 @@ class TrajConfig:
     replay_poll_s: float = 2.0
     max_staleness: Optional[float] = None
     stale_groups: str = "drop"
+    max_lag: Optional[int] = None
+    correct_fallback: str = "defer"
+    offpolicy_min_ess: float = 0.3
+    offpolicy_max_truncated_mass: float = 0.2
     step_advantage_weight: float = 1.0
     step_group_baseline: str = "gigpo"
+
+    @property
+    def lag_cap(self) -> Optional[int]:
+        """The hard cap on a trained token's lag: ``max_lag``, or :data:`DEFAULT_MAX_LAG` under ``correct``."""
+        if self.max_lag is not None or self.stale_groups != "correct":
+            return self.max_lag
+        return DEFAULT_MAX_LAG
+
+    @property
+    def health_thresholds(self) -> HealthThresholds:
+        """``correct``'s gate: into the fallback at the two knobs, back at 1.5x the ESS and half the mass."""
+        return HealthThresholds(min_ess=self.offpolicy_min_ess, max_truncated_mass=self.offpolicy_max_truncated_mass,
+                                recover_ess=min(1.0, 1.5 * self.offpolicy_min_ess),
+                                recover_truncated_mass=0.5 * self.offpolicy_max_truncated_mass)
 
     @property
     def trees(self) -> bool:
@@ -178,6 +213,7 @@ class TrajConfig:
                 f"traj.stale_groups={self.stale_groups!r} without traj.max_staleness: there is no bound to apply it at. "
                 "Fix: set traj.max_staleness (a number >= 1), or remove traj.stale_groups.", field="traj.stale_groups")
         self._check_times()
+        self._check_lag()
         for name in ("loss_agg_mode", "critic_loss_agg_mode"):
             if getattr(self, name) is not None:
                 _check_choice(f"traj.{name}", getattr(self, name), loss_weight_modes())
@@ -203,6 +239,34 @@ class TrajConfig:
                 "a non-negative int. Fix: set traj.seed to an integer >= 0 (default 0).", field="traj.seed",
             )
         self._check_keys()
+
+    def _check_lag(self) -> None:
+        """``max_lag`` (an int >= 1, with ``max_staleness``), ``correct_fallback`` and the health thresholds."""
+        lag = self.max_lag
+        if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 1):
+            raise TrajConfigError(
+                f"traj.max_lag={lag!r} is invalid: it is the most policy versions any trained token may be behind the "
+                "policy being trained. Fix: set an integer >= 1, or null (under stale_groups=correct: "
+                f"{DEFAULT_MAX_LAG}).", field="traj.max_lag")
+        if lag is not None and self.max_staleness is None:
+            raise TrajConfigError(
+                f"traj.max_lag={lag} without traj.max_staleness: the cap acts through the staleness policy. Fix: set "
+                f"traj.max_staleness (e.g. 1.0) with traj.stale_groups, or remove traj.max_lag.", field="traj.max_lag")
+        _check_choice("traj.correct_fallback", self.correct_fallback, FALLBACKS)
+        for name, top in (("offpolicy_min_ess", 1.0), ("offpolicy_max_truncated_mass", 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= top:
+                raise TrajConfigError(
+                    f"traj.{name}={value!r} is invalid: it is a share in [0, 1]. Fix: set a number in [0, 1] (default "
+                    f"{getattr(TrajConfig, name)}; 0 for offpolicy_min_ess never hands over on the ESS).",
+                    field=f"traj.{name}")
+        if self.stale_groups != "correct":
+            for name in ("correct_fallback", "offpolicy_min_ess", "offpolicy_max_truncated_mass"):
+                if getattr(self, name) != getattr(TrajConfig, name):
+                    raise TrajConfigError(
+                        f"traj.{name}={getattr(self, name)!r} applies only with traj.stale_groups=correct (it is "
+                        f"{self.stale_groups!r}). Fix: set traj.stale_groups=correct, or remove traj.{name}.",
+                        field=f"traj.{name}")
 
     def _check_times(self) -> None:
         """``trajectory_timeout_s`` and ``replay_poll_s``: positive seconds."""

@@ -366,3 +366,69 @@ def test_a_failed_session_leaves_its_length_on_its_prompt_key(tq):  # noqa: F811
     tag = (tq.kv_list(partition_id="train") or {}).get("train", {})["cut"]
     assert tag[f"{FAILURE_TAG_PREFIX}3"] == "timeout" and tag[f"{CUT_LENGTH_PREFIX}3"] == [42, 2]
     _clear(tq)
+
+
+def _correct(tq, refill, fallback: str = "defer", max_lag: int = 2):
+    buffer = group_policy_class(ReplayBufferAsync)(trainer_mode="colocate_async", trainer_config=OmegaConf.create({}),
+                               max_off_policy_threshold=None, max_off_policy_strategy="drop",
+                               sampler_kwargs=OmegaConf.create({}), refill_fn=refill)
+    return with_group_policies(buffer, TrajConfig(max_staleness=1.0, stale_groups="correct", max_lag=max_lag,
+                                                  correct_fallback=fallback, replay_poll_s=0.05), 2)
+
+
+def test_correct_trains_within_the_cap_and_hands_a_group_past_it_to_the_fallback(tq):  # noqa: F811
+    """Issue 53: ``correct`` is a bound. At step 6 (trained version 5), with ``max_lag=2``: "stale" (1.5 versions
+    behind on average, oldest token 2 behind) trains corrected; "partial" (token staleness 0.3, but one token 3
+    versions old) is past the cap whatever its mean, and is dropped and refilled."""
+    _clear(tq)
+    _put_group(tq, "stale", 4, [[[3, 10], [4, 10]], [[5, 8]]])
+    _put_group(tq, "partial", 2, [[[2, 1], [5, 9]], [[5, 8]]])
+    refills = []
+    buffer = _correct(tq, lambda k: (refills.append(k), _put_group(tq, "refill", 6, [[[5, 6]]] * 2)), fallback="drop")
+    batch, metrics = buffer.sample(global_steps=6, partition_id="train", batch_size=2)
+    assert sorted({key.split("_")[0] for key in batch.keys}) == ["refill", "stale"]
+    assert refills == [1]
+    assert metrics["traj_staleness/groups_corrected_total"] == 1.0
+    assert metrics["traj_offpolicy/groups_past_cap_dropped_total"] == 1.0
+    assert metrics["traj_staleness/groups_dropped_total"] == 1.0 and metrics["traj_offpolicy/sampled_in_fallback"] == 0
+    _clear(tq)
+
+
+def test_correct_defers_a_running_group_that_would_pass_the_cap_not_the_bound(tq):  # noqa: F811
+    """``correct_fallback=defer``: a running group is waited for only where its first tokens would pass the cap
+    (dispatched at step 4: 3 versions behind at step 7, past ``max_lag=2``); one dispatched at step 5 (2 behind,
+    over ``max_staleness=1`` but within the cap) is not: it will train corrected."""
+    _clear(tq)
+    _put_group(tq, "ready", 5, [[[5, 9]]] * 2)
+    tq.kv_put(key="slow", partition_id="train", tag={"is_prompt": True, "status": "running", "global_steps": 4})
+    tq.kv_put(key="within", partition_id="train", tag={"is_prompt": True, "status": "running", "global_steps": 5})
+    finisher = threading.Timer(0.6, lambda: _put_group(tq, "slow", 4, [[[4, 3], [5, 6]]] * 2))
+    finisher.start()
+    buffer = _correct(tq, refill=lambda k: None)
+    batch, metrics = buffer.sample(global_steps=6, partition_id="train", batch_size=1)
+    finisher.join()
+    assert {key.split("_")[0] for key in batch.keys} == {"slow"}
+    assert metrics["traj_staleness/groups_deferred_total"] == 1.0  # "slow" only
+    _clear(tq)
+
+
+@pytest.mark.parametrize("fallback", ["drop", "defer"])
+def test_an_unhealthy_step_opens_the_gate_and_the_next_sampling_follows_the_fallback(tq, fallback):  # noqa: F811
+    """After a step whose off-policy ESS is below ``offpolicy_min_ess`` the buffer treats a group over
+    ``max_staleness`` as ``correct_fallback`` does (here drop: "stale" leaves, refilled), loudly; three healthy
+    steps hand back."""
+    _clear(tq)
+    _put_group(tq, "fresh", 5, [[[5, 8]]] * 2)
+    _put_group(tq, "stale", 4, [[[3, 10], [4, 10]], [[5, 8]]])
+    buffer = _correct(tq, lambda k: _put_group(tq, "refill", 6, [[[5, 6]]] * 2), fallback=fallback)
+    assert buffer.observe_health({"traj_offpolicy/ess": 0.1}) == {"traj_offpolicy/fallback_active": 1.0}
+    assert buffer.acting_policy == fallback
+    if fallback == "drop":
+        batch, metrics = buffer.sample(global_steps=6, partition_id="train", batch_size=2)
+        assert sorted({key.split("_")[0] for key in batch.keys}) == ["fresh", "refill"]
+        assert metrics["traj_staleness/groups_corrected_total"] == 0.0
+        assert metrics["traj_staleness/groups_dropped_total"] == 1.0 and metrics["traj_offpolicy/sampled_in_fallback"]
+    for _ in range(3):
+        buffer.observe_health({"traj_offpolicy/ess": 0.9})
+    assert buffer.acting_policy == "correct"
+    _clear(tq)

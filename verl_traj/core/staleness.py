@@ -66,7 +66,7 @@ def version_tokens(attempts: Iterable[tuple[Optional[int], int]]) -> list[list[i
     return [[v, totals[v]] for v in sorted(totals)]
 
 
-def _flat(ledgers: Sequence[VersionTokens]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def flat_version_tokens(ledgers: Sequence[VersionTokens]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(trajectory index, version, tokens)`` of every ``[version, tokens]`` pair, ``[P]`` int64 each."""
     counts = np.array([len(ledger) for ledger in ledgers], dtype=np.int64)
     pairs = np.array([pair for ledger in ledgers for pair in ledger], dtype=np.int64).reshape(-1, 2)
@@ -76,7 +76,7 @@ def _flat(ledgers: Sequence[VersionTokens]) -> tuple[np.ndarray, np.ndarray, np.
 def token_staleness(ledgers: Sequence[VersionTokens], trained_version: int) -> tuple[np.ndarray, np.ndarray]:
     """``([T] float64 token staleness, [T] int64 tokens)`` of ``T`` trajectories against ``trained_version``. A
     trajectory that generated no token has staleness 0."""
-    index, version, tokens = _flat(ledgers)
+    index, version, tokens = flat_version_tokens(ledgers)
     total = np.bincount(index, weights=tokens, minlength=len(ledgers))
     behind = np.bincount(index, weights=tokens * (trained_version - version), minlength=len(ledgers))
     staleness = np.divide(behind, total, out=np.zeros(len(ledgers)), where=total > 0)
@@ -112,7 +112,7 @@ def token_staleness_metrics(ledgers: Sequence[VersionTokens], trained_version: i
     if not ledgers:
         return {}
     staleness, total = token_staleness(ledgers, trained_version)
-    _, version, tokens = _flat(ledgers)
+    _, version, tokens = flat_version_tokens(ledgers)
     generated = max(int(total.sum()), 1)
     return {"traj_version/token_staleness_mean": float((staleness * total).sum() / generated),
             "traj_version/token_staleness_max": float(staleness.max()),

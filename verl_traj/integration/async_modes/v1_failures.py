@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
 from typing import Any, Awaitable, Optional
 
 import transfer_queue as tq
@@ -32,9 +31,9 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.failures import (FAILURE_TAG_PREFIX, failed_groups_to_evict, failure_metrics, failure_tag,
                                      fatal_failure, min_survivors)
-from verl_traj.core.row_key import session_key_prefix
 from verl_traj.core.session_ledger import current_ledger
 from verl_traj.integration.async_modes.cut_lengths import CutLengths, failed_lengths, finished_lengths
+from verl_traj.integration.async_modes.group_index import GroupIndex
 from verl_traj.integration.async_modes.v1_staleness import StaleGroupPolicy
 
 __all__ = ["FailedGroupPolicy", "POLL_COST_SHARE", "REFILL", "group_policy_class", "poll_interval", "run_session",
@@ -79,7 +78,14 @@ def settle_failed_groups(config: Any, traj_config: TrajConfig) -> Optional[str]:
 
 async def run_session(session: Awaitable, timeout_s: Optional[float], uid: str, session_id: int,
                       partition_id: str = "train") -> Any:
-    """Await one session under ``timeout_s``; on failure tag the group, clear the session's stored rows, re-raise."""
+    """Await one session under ``timeout_s``; on failure tag the group, clear the session's stored rows, re-raise.
+
+    A session stores its rows inside itself (verl's ``_run_agent_loop`` awaits the loop, then
+    ``_agent_loop_postprocess``, which puts them), and the worker records each row key in the session's ledger before
+    the put that stores it (:attr:`~verl_traj.core.session_ledger.SessionLedger.stored_keys`): a failure or a timeout
+    that cuts the put half-way leaves at most those keys, and exactly those are cleared, through TransferQueue's async
+    API (no listing of the partition; the event loop serves the other sessions meanwhile). Nothing of the session runs
+    after this: its task has ended, and verl publishes the group's status only once every session has settled."""
     try:
         return await (asyncio.wait_for(session, timeout_s) if timeout_s else session)
     except Exception as error:
@@ -87,11 +93,9 @@ async def run_session(session: Awaitable, timeout_s: Optional[float], uid: str, 
         tag = failure_tag(session_id, error, ledger.length() if ledger is not None else None)
         async with _tag_lock():  # concurrent tag writes to one key lose fields in TransferQueue: one at a time
             await tq.async_kv_put(key=uid, partition_id=partition_id, tag=tag)
-        prefix = session_key_prefix(uid, session_id)
-        stored = [key for key in (tq.kv_list(partition_id=partition_id) or {}).get(partition_id, {})
-                  if key.startswith(prefix)]
+        stored = list(dict.fromkeys(ledger.stored_keys)) if ledger is not None else []
         if stored:
-            tq.kv_clear(partition_id=partition_id, keys=stored)
+            await tq.async_kv_clear(keys=stored, partition_id=partition_id)
         raise
 
 
@@ -107,7 +111,9 @@ def _tag_lock() -> asyncio.Lock:
 class FailedGroupPolicy:
     """Mixed in before verl's replay buffer class (:func:`with_group_policies`). Its ``_log`` collects what the next
     training ``sample`` reports, for :class:`~verl_traj.integration.async_modes.v1_staleness.StaleGroupPolicy` too; each
-    metadata read sets the wait before the next (:func:`poll_interval`)."""
+    metadata read sets the wait before the next (:func:`poll_interval`). What the policies read of the stored rows
+    comes from each partition's :class:`~verl_traj.integration.async_modes.group_index.GroupIndex`, refreshed with
+    each read (work for the rows new since the last), and the failed groups' prompt tags are read once each, by key."""
 
     failed_group_policy = "drop"
     min_survivors = 2  # keep_survivors: the fewest finished sessions a failed group trains on (with_group_policies)
@@ -116,33 +122,44 @@ class FailedGroupPolicy:
     def _sync_metadata_from_transfer_queue(self) -> None:
         start = time.perf_counter()
         super()._sync_metadata_from_transfer_queue()
-        self.poll_interval = poll_interval(self.replay_poll_s, time.perf_counter() - start)
+        self._refresh_group_indexes()
+        self.poll_interval = poll_interval(self.replay_poll_s, time.perf_counter() - start)  # the index's work too
+
+    def _refresh_group_indexes(self) -> int:
+        """Every training partition's :class:`GroupIndex` brought up to the metadata just read; the rows new to it."""
+        return sum(self.group_index(partition_id).refresh(
+            self.partitions[partition_id], self.finished_keys[partition_id] | self.failure_keys[partition_id],
+            self.prompt_global_steps[partition_id])
+            for partition_id in (self.partitions.keys() | self.prompt_global_steps.keys()) - {"val"})
+
+    def group_index(self, partition_id: str) -> GroupIndex:
+        """``partition_id``'s index of its groups' rows, as of the last metadata read."""
+        return self.__dict__.setdefault("_group_indexes", {}).setdefault(partition_id, GroupIndex())
 
     def _terminal_eviction_reasons(self, global_steps: int, partition_id: str) -> tuple:
         stale, dapo, failed, counts = super()._terminal_eviction_reasons(global_steps, partition_id)
         if partition_id == "val":
             return stale, dapo, failed, counts
         failing = self.failure_keys[partition_id]
-        survivors: Counter = Counter()
-        if failing and self.failed_group_policy != "drop":  # the finished sessions of failed groups (one pass)
-            sessions = {key.rsplit("_", 1)[0] for key in self.partitions[partition_id] if key.split("_")[0] in failing}
-            survivors.update(session.split("_")[0] for session in sessions)
+        survivors = (self.group_index(partition_id).sessions(failing)  # the finished sessions of failed groups
+                     if failing and self.failed_group_policy != "drop" else {})
         return stale, dapo, failed_groups_to_evict(failing, survivors, self.failed_group_policy,
                                                    self.min_survivors), counts
 
     def _evict_terminal_groups(self, global_steps: int, partition_id: str, eviction_reasons: tuple) -> tuple:
         stale, filtered, failed = eviction_reasons[:3]
         if partition_id != "val" and (stale or filtered or failed):
-            # failed sessions sit in failed groups, and under keep_survivors in any group (one TransferQueue read)
-            tags = self._prompt_tags(partition_id) if failed or self.failed_group_policy != "drop" else {}
+            let_go, failing = set(stale) | set(filtered) | set(failed), self.failure_keys[partition_id]
+            # failed sessions sit in failed groups only (a kept one can leave as stale under keep_survivors)
+            tags = self._prompt_tags(partition_id, failing) if let_go & failing else {}
             if failed:
                 fatal_failure(tags)  # a verl_traj refusal: every refill would fail the same way
                 self._log(failure_metrics(tags, failed, ()))
-            finished = finished_lengths(self.partitions[partition_id],
+            finished = finished_lengths(self.group_index(partition_id).lengths(let_go),
                                         {"stale": stale, "filtered": filtered, "failed_group": failed})
             for cause, lengths in finished.items():
                 self.cut_lengths.add(cause, lengths)
-            for cause, lengths in failed_lengths(tags, set(stale) | set(filtered) | set(failed)).items():
+            for cause, lengths in failed_lengths(tags, let_go).items():
                 self.cut_lengths.add(cause, lengths)
         return super()._evict_terminal_groups(global_steps, partition_id, eviction_reasons)
 
@@ -154,7 +171,7 @@ class FailedGroupPolicy:
     def _materialize_batch(self, partition_id: str, selected_prompt_uids: list[str], partition_snapshot: dict) -> Any:
         kept = set(selected_prompt_uids) & self.failure_keys[partition_id]
         if kept and partition_id != "val":  # keep_survivors: trained on the finished sessions
-            tags = self._prompt_tags(partition_id)
+            tags = self._prompt_tags(partition_id, self.failure_keys[partition_id])
             fatal_failure(tags)
             self._log(failure_metrics(tags, (), kept))
             for cause, lengths in failed_lengths(tags, kept).items():  # the failed sessions of the kept groups
@@ -174,11 +191,34 @@ class FailedGroupPolicy:
         for key, value in metrics.items():
             totals[key] = totals.get(key, 0.0) + value
 
-    @staticmethod
-    def _prompt_tags(partition_id: str) -> dict[str, dict]:
+    def _prompt_tags(self, partition_id: str, uids: set) -> dict[str, dict]:
+        """The prompt keys' tags of the failed groups ``uids`` (all of them where handled: a verl_traj refusal in
+        any stops training, :func:`fatal_failure`) that carry a failure (:func:`failure_tag`), each read once (settled:
+        no session writes it again) and kept in the partition's index until the group leaves."""
+        index = self.group_index(partition_id)
+        missing = index.missing_prompt_tags(uids)
+        if missing:
+            read = _read_tags(missing, partition_id)
+            index.prompt_tags.update({uid: read.get(uid, {}) for uid in missing})
+        return {uid: tag for uid, tag in index.tags_of(uids).items()
+                if any(k.startswith(FAILURE_TAG_PREFIX) for k in tag)}
+
+
+def _read_tags(keys: list[str], partition_id: str) -> dict[str, dict]:
+    """key -> tag of the stored ``keys`` of ``partition_id``, in one request: TransferQueue's KV interface lists only
+    whole partitions (1.2-2.4 s at 125K keys on 2 shared cores, scripts/bench_replay_poll.py), its client reads the
+    given keys' metadata (``kv_retrieve_meta``, whose ``custom_meta`` are the tags; keys not stored are left out). A
+    store without a client (``scripts/async_sim.py``'s in-memory stand-in) is listed."""
+    get_client = getattr(tq, "get_client", None)
+    if get_client is None:
         listed = (tq.kv_list(partition_id=partition_id) or {}).get(partition_id, {})
-        return {key: tag for key, tag in listed.items()
-                if tag.get("is_prompt") and any(k.startswith(FAILURE_TAG_PREFIX) for k in tag)}
+        return {key: listed[key] for key in keys if key in listed}
+    client = get_client()
+    meta = client.kv_retrieve_meta(keys=list(keys), partition_id=partition_id, create=False)
+    if meta.size == 0:
+        return {}
+    found = list(keys) if meta.size == len(keys) else client.kv_retrieve_keys(meta.global_indexes, partition_id)
+    return dict(zip(found, meta.custom_meta))
 
 
 _CLASSES: dict[type, type] = {}
@@ -222,4 +262,6 @@ def with_group_policies(buffer: Any, traj_config: TrajConfig, group_size: int) -
     buffer.failed_group_policy = traj_config.failed_groups
     buffer.min_survivors = min_survivors(group_size)
     buffer.max_staleness, buffer.stale_group_policy = traj_config.max_staleness, traj_config.stale_groups
+    buffer.lag_cap, buffer.correct_fallback = traj_config.lag_cap, traj_config.correct_fallback
+    buffer.health_thresholds = traj_config.health_thresholds
     return buffer

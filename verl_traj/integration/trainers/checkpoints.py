@@ -15,6 +15,7 @@ on ``int(b"")``. So:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["CompleteCheckpoints", "COMPLETE_MARKER", "TRACKER", "latest_complete_step", "mark_complete", "repair_tracker"]
 
 COMPLETE_MARKER = "verl_traj_complete"
+STATE_FILE = "verl_traj_state.json"  # the driver's own state across steps (traj.stale_groups=correct's gate)
 TRACKER = "latest_checkpointed_iteration.txt"  # verl's tracker file name
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
@@ -79,7 +81,13 @@ class CompleteCheckpoints:
 
     def _save_checkpoint(self):
         super()._save_checkpoint()
-        if self.traj_config.enable and not self.config.actor_rollout_ref.actor.checkpoint.get("async_save", False):
+        if not self.traj_config.enable:
+            return
+        state = self._traj_checkpoint_state()
+        if state:  # before the marker: a checkpoint is complete with its state or not at all
+            _atomic_write(os.path.join(self._checkpoint_root(), f"global_step_{self.global_steps}", STATE_FILE),
+                          json.dumps(state))
+        if not self.config.actor_rollout_ref.actor.checkpoint.get("async_save", False):
             mark_complete(self._checkpoint_root(), self.global_steps)
 
     def _load_checkpoint(self):
@@ -87,4 +95,19 @@ class CompleteCheckpoints:
         if self.traj_config.enable and trainer.resume_mode == "auto" and trainer.get("default_hdfs_dir") is None:
             step = repair_tracker(self._checkpoint_root())
             logger.info("verl_traj: resuming from the newest complete checkpoint: %s", step)
-        return super()._load_checkpoint()
+        out = super()._load_checkpoint()
+        if self.traj_config.enable and int(getattr(self, "global_steps", 0) or 0) > 0:
+            folder = (trainer.resume_from_path if trainer.resume_mode == "resume_path"
+                      else os.path.join(self._checkpoint_root(), f"global_step_{self.global_steps}"))
+            path = os.path.join(folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder), STATE_FILE)
+            if os.path.isfile(path):
+                with open(path) as f:
+                    self._restore_traj_checkpoint_state(json.load(f))
+        return out
+
+    def _traj_checkpoint_state(self) -> dict:
+        """What verl_traj's driver keeps across steps beyond verl's own state (saved with each checkpoint)."""
+        return {}
+
+    def _restore_traj_checkpoint_state(self, state: dict) -> None:
+        """Resume: take back :meth:`_traj_checkpoint_state`'s value."""

@@ -54,10 +54,12 @@ from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.utils import tensordict_utils as tu
 
 from verl_traj.core import BatchLayout, MiniBatchPlan
+from verl_traj.core.offpolicy import HealthGate
 from verl_traj.core.row_key import parse_row_keys
 from verl_traj.core.token_rows import TokenRows
 from verl_traj.integration.async_modes.v1_failures import FailedGroupPolicy, group_policy_class, with_group_policies
-from verl_traj.integration.async_modes.v1_staleness import recording_client_class
+from verl_traj.integration.async_modes.correction import correction_threshold
+from verl_traj.integration.async_modes.v1_staleness import StaleGroupPolicy, recording_client_class
 from verl_traj.integration.config.update_spec import UpdateSpec
 from verl_traj.integration.config.verl_config import prepare_v1_agent_loop
 from verl_traj.integration.patches.scoped import (llm_client_patches, patched, replay_buffer_patches,
@@ -69,8 +71,8 @@ from verl_traj.integration.trainers.step_plan import (check_same_dp_size, debug_
 from verl_traj.integration.trainers.update_contract import ACTOR, CRITIC, pass_markers
 from verl_traj.integration.trainers.v1_advantage import (corrected_per_trajectory, kl_penalty_on_planned_rows,
                                                          planned_advantage)
-from verl_traj.integration.trainers.v1_metrics import (RolloutBusy, StepPadding, current_policy_gap,
-                                                       length_bias_metrics, stepwise_metrics, trajectory_metrics)
+from verl_traj.integration.trainers.v1_metrics import (RolloutBusy, StepPadding, length_bias_metrics, length_budget,
+                                                       offpolicy_metrics, stepwise_metrics, trajectory_metrics)
 from verl_traj.integration.trainers.v1_padding import write_padding_rows
 from verl_traj.integration.trainers.v1_plan_facts import PlanFacts, plan_facts
 from verl_traj.integration.trainers.v1_planning import (debug_rows, dispatch_dp_size, in_key_order, ordered_batch,
@@ -116,9 +118,8 @@ class TrajV1Mixin(CompleteCheckpoints):
         self._step_padding = StepPadding()  # every row planned since the last step's metrics
         self._uid_draws = (-1, 0)  # (global step, prompts drawn in it): deterministic uids
         self._rollout_busy = RolloutBusy()  # rollout_pool/*_busy_share
+        self._length_budget = length_budget(config) if self.traj_config.enable else None  # traj_bias/*'s lower end
         super().__init__(config)
-
-    # ---- set-up ------------------------------------------------------------------------------------
 
     def _init_resource_pool_mgr(self):
         if self.traj_config.enable and self._traj_role_worker is None:
@@ -162,8 +163,6 @@ class TrajV1Mixin(CompleteCheckpoints):
         tu.assign_non_tensor_stack(batch, "uid", uids)
         self._uid_draws = (step, drawn + len(uids))
         return batch
-
-    # ---- planning ----------------------------------------------------------------------------------
 
     def _traj_dp_size(self) -> int:
         return check_same_dp_size(dispatch_dp_size(self.actor_rollout_wg, "actor"),
@@ -210,8 +209,6 @@ class TrajV1Mixin(CompleteCheckpoints):
         self._plan_facts.check(batch.keys)
         return self._plan_facts
 
-    # ---- after planning ----------------------------------------------------------------------------
-
     def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
         """verl's ``_compute_advantage`` (fetch, KL-in-reward, rollout correction, advantage, write back) with its
         advantage being :func:`~verl_traj.integration.trainers.v1_advantage.planned_advantage` of this batch's plan
@@ -249,7 +246,11 @@ class TrajV1Mixin(CompleteCheckpoints):
         with self._trees(batch):
             batch = super()._compute_old_log_prob(batch, metrics)
         if self.trainer_mode != "sync" and self.config.actor_rollout_ref.rollout.calculate_log_probs:
-            metrics.update(current_policy_gap(batch, int(self.global_steps)))  # did the last weight sync arrive?
+            correcting = self.traj_config.enable and self.traj_config.stale_groups == "correct"
+            # did the last weight sync arrive? and under correct: the weights' health, which moves the gate
+            found = offpolicy_metrics(batch, int(self.global_steps),
+                                      correction_threshold(self.config) if correcting else None)
+            metrics.update({**found, **(self.replay_buffer.observe_health(found) if correcting else {})})
         return batch
 
     def _compute_ref_log_prob(self, batch: Any, metrics: dict) -> Any:
@@ -263,6 +264,14 @@ class TrajV1Mixin(CompleteCheckpoints):
         markers = pass_markers(self.spec) if self.spec is not None else {}
         return extra_info(batch, markers) if markers else contextlib.nullcontext()
 
+    def _traj_checkpoint_state(self) -> dict:  # correct's gate resumes where it was
+        gated = isinstance(getattr(self, "replay_buffer", None), StaleGroupPolicy)
+        return {"health_gate": self.replay_buffer.health_gate.state_dict()} if gated else {}
+
+    def _restore_traj_checkpoint_state(self, state: dict) -> None:
+        if isinstance(getattr(self, "replay_buffer", None), StaleGroupPolicy) and "health_gate" in state:
+            self.replay_buffer.health_gate = HealthGate.from_state(state["health_gate"])
+
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
         metrics.update(trajectory_metrics(batch, global_steps))
         metrics.update(self._rollout_busy.metrics({name: getattr(getattr(self, manager, None), "server_handles", [])
@@ -270,7 +279,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         if not self.traj_config.enable:
             return super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
         cut = self.replay_buffer.cut_lengths.take() if isinstance(self.replay_buffer, FailedGroupPolicy) else {}
-        metrics.update(length_bias_metrics(batch, cut))  # traj_bias/*: what trains against what was let go
+        metrics.update(length_bias_metrics(batch, cut, self._length_budget))  # traj_bias/*: trained vs let go
         # verl's metrics of the step's real rows: verl drops rows tagged is_padding from most of them, but its timing
         # and throughput count every row it is handed, so it is handed the real ones
         real = self._step_padding.real_rows(batch.keys)

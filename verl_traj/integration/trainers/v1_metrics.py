@@ -10,20 +10,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import ray
+import torch
 import transfer_queue as tq
 
-from verl_traj.core.length_bias import Lengths, bias_metrics
+from verl_traj.core.length_bias import LengthBudget, Lengths, bias_metrics
+from verl_traj.core.offpolicy import lag_stats, weight_health
 from verl_traj.core.row_key import parse_row_keys
 from verl_traj.core.row_tags import MERGE_TAG, turn_reward_entries
 from verl_traj.core.session_ledger import LENGTH_TAG, TOOL_CALLS_TAG, VERSION_TOKENS_TAG
 from verl_traj.core.staleness import token_staleness_metrics
+from verl_traj.integration.config.access import int_at
 from verl_traj.stepwise.prefix_merge import MergeStats
 
-__all__ = ["RolloutBusy", "StepPadding", "current_policy_gap", "last_rows_of_trajectories", "length_bias_metrics", "stepwise_metrics",
+__all__ = ["RolloutBusy", "StepPadding", "last_rows_of_trajectories", "length_bias_metrics", "offpolicy_metrics",
+           "length_budget", "stepwise_metrics",
            "tool_call_metrics", "trajectory_metrics"]
 
 
@@ -51,15 +55,38 @@ def last_rows_of_trajectories(keys: list[str], is_padding: np.ndarray) -> np.nda
     return np.flatnonzero(~is_padding & (parsed.step == last_step[code]))
 
 
-def length_bias_metrics(batch: Any, cut: dict[str, Lengths]) -> dict[str, float]:
+def length_budget(config: Any) -> LengthBudget:
+    """The hard length budget of a trajectory of verl's tool agent loop (and of verl_traj's step-wise loop: it plus
+    recording), in :data:`~verl_traj.core.session_ledger.LENGTH_TAG`'s measures, from verl's config, read once:
+
+    * turns (LLM calls) = ``actor_rollout_ref.rollout.multi_turn.max_assistant_turns``, where the loop stops; ``null``
+      or 0 (verl: no limit) or absent: unknown;
+    * generated tokens = turns x ``actor_rollout_ref.rollout.response_length``: each call can generate up to
+      ``response_length`` (verl's ``LLMServerClient`` pins ``max_tokens`` to it where the loop passes none, and counts
+      every resumed attempt of a call against it; vLLM's and verl_traj's CPU server default to at most it), and the
+      ledger counts every call's tokens (the step-wise loop clips only what it records for training). The loop also
+      stops once its response mask (generated plus tool tokens) reaches ``response_length``, which would bound a
+      trajectory near twice that, but the mask is counted after verl's token merge (which may trim tokens at a
+      turn's boundary), not what was generated: so the product, loose but rigorous. Unknown where the turns are.
+
+    A loop of one's own may have other limits: a length over the budget raises it to that length
+    (:func:`~verl_traj.core.length_bias.budget_mean`)."""
+    turns = int_at(config, "actor_rollout_ref.rollout.multi_turn.max_assistant_turns", 0, minimum=0)
+    response = int_at(config, "actor_rollout_ref.rollout.response_length", 0, minimum=0)
+    return LengthBudget(tokens=float(turns * response) if turns and response else None,
+                        turns=float(turns) if turns else None)
+
+
+def length_bias_metrics(batch: Any, cut: dict[str, Lengths], budget: LengthBudget = LengthBudget()) -> dict[str, float]:
     """``traj_bias/*`` of a step (:func:`~verl_traj.core.length_bias.bias_metrics`): the trajectories it trains (each
     one's :data:`~verl_traj.core.session_ledger.LENGTH_TAG` on its last row) against those ``cut`` (by cause: what the
-    replay buffer let go since the last step, :class:`~verl_traj.integration.async_modes.cut_lengths.CutLengths`)."""
+    replay buffer let go since the last step, :class:`~verl_traj.integration.async_modes.cut_lengths.CutLengths`);
+    ``budget`` (:func:`length_budget`) gives the bracket its lower end."""
     pad = np.array([bool(t.get("is_padding", False)) for t in batch.tags], dtype=bool)
     lengths = [batch.tags[i][LENGTH_TAG] for i in last_rows_of_trajectories(batch.keys, pad)
                if LENGTH_TAG in batch.tags[i]]
     trained = Lengths.of([t for t, _ in lengths], [c for _, c in lengths])
-    return bias_metrics(trained, cut) if len(trained) else {}
+    return bias_metrics(trained, cut, budget=budget) if len(trained) else {}
 
 
 def _version_metrics(tags: list[dict], global_steps: int) -> dict[str, float]:
@@ -78,25 +105,68 @@ def _version_metrics(tags: list[dict], global_steps: int) -> dict[str, float]:
             "traj_version/multi_version_share": float((hi > lo).mean())}
 
 
-def current_policy_gap(batch: Any, global_steps: int) -> dict[str, float]:
-    """The weight sync's check, every step of an async mode: over the rows generated entirely by the policy whose
-    old log-probs were just computed (``min_global_steps == max_global_steps == global_steps - 1``: the weights
-    synced after the previous step), the largest gap between the rollout's and the actor's token probabilities
-    (verl's ``training/rollout_probs_diff_max`` restricted to them). Rounding level where the rollout runs the
-    synced weights (CPU fp32: ~1e-8); an order of the policy's per-step change where it does not. Nothing where no
-    such row exists or the rollout did not record log-probs. ``traj_version/current_policy_rows``: how many."""
-    tags = batch.tags
-    current = global_steps - 1
-    rows = [i for i, t in enumerate(tags) if not t.get("is_padding", False)
-            and t.get("min_global_steps") == current and t.get("max_global_steps") == current]
+def offpolicy_metrics(batch: Any, global_steps: int, truncation: Optional[float]) -> dict[str, float]:
+    """One read of the step's real rows' old and rollout log-probs, every step of an async mode. The weight sync's
+    check: over the rows generated entirely by the policy whose old log-probs were just computed
+    (``min_global_steps == max_global_steps == global_steps - 1``: the weights synced after the previous step), the
+    largest gap between the rollout's and the actor's token probabilities (verl's ``training/rollout_probs_diff_max``
+    restricted to them), ``traj_version/current_policy_probs_diff_max``: rounding level where the rollout runs the
+    synced weights (CPU fp32: ~1e-8); an order of the policy's per-step change where it does not;
+    ``traj_version/current_policy_rows``: how many (nothing where none). And, with
+    ``truncation`` (``traj.stale_groups=correct``: verl's ``rollout_is_threshold``), ``traj_offpolicy/*``: the
+    token weights' health (:func:`~verl_traj.core.offpolicy.weight_health`) over the off-policy trajectories (a row
+    with a token older than the trained policy makes its trajectory one) and over all (``*_all``), the lag of every
+    trained token from the trajectories' version tokens (:func:`~verl_traj.core.offpolicy.lag_stats`), and the
+    weight-weighted length ratio ``traj_bias/tokens_mean_ratio_weighted`` (what the truncated weights leave of each
+    trajectory's tokens, against the plain mean: truncation can shorten what the update effectively sees)."""
+    tags, current = batch.tags, global_steps - 1
+    real = [i for i, t in enumerate(tags) if not t.get("is_padding", False)]
+    on_policy = np.array([tags[i].get("min_global_steps") == current == tags[i].get("max_global_steps") for i in real])
+    rows = real if truncation is not None else [i for i, on in zip(real, on_policy) if on]
     if not rows:
         return {}
     data = tq.kv_batch_get(keys=[batch.keys[i] for i in rows], partition_id=batch.partition_id,
                            select_fields=["old_log_probs", "rollout_log_probs", "response_mask"])
     padded = {k: (v.to_padded_tensor(0.0) if getattr(v, "is_nested", False) else v).float() for k, v in data.items()}
-    gap = (padded["old_log_probs"].exp() - padded["rollout_log_probs"].exp()).abs() * padded["response_mask"]
-    return {"traj_version/current_policy_probs_diff_max": float(gap.max()),
-            "traj_version/current_policy_rows": float(len(rows))}
+    mask = padded["response_mask"]
+    on = torch.as_tensor(on_policy if truncation is not None else np.ones(len(rows), bool))
+    out = {}
+    if on.any():
+        gap = (padded["old_log_probs"].exp() - padded["rollout_log_probs"].exp()).abs() * mask
+        out = {"traj_version/current_policy_probs_diff_max": float(gap[on].max()),
+               "traj_version/current_policy_rows": float(on.sum())}
+    if truncation is None:
+        return out
+    return {**out, **_weight_metrics(batch, rows, padded, truncation, current)}
+
+
+def _weight_metrics(batch: Any, rows: list[int], padded: dict, truncation: float, current: int) -> dict[str, float]:
+    """``traj_offpolicy/*`` and the weighted length ratio of :func:`offpolicy_metrics`, ``rows`` the real rows read."""
+    log_ratio, mask = padded["old_log_probs"] - padded["rollout_log_probs"], padded["response_mask"].bool()
+    keys = parse_row_keys([batch.keys[i] for i in rows])
+    trajectory = np.unique(keys.traj_id.astype(str), return_inverse=True)[1]
+    stale_row = np.array([int(batch.tags[i].get("min_global_steps", current)) < current for i in rows])
+    stale_traj = np.zeros(trajectory.max() + 1, bool)
+    np.logical_or.at(stale_traj, trajectory, stale_row)
+    off = torch.as_tensor(stale_traj[trajectory])[:, None] & mask
+    out = {**weight_health(log_ratio, off, truncation), **weight_health(log_ratio, mask, truncation, "_all"),
+           "traj_offpolicy/trajectories": float(stale_traj.sum()),
+           "traj_offpolicy/token_share": float(off.sum()) / max(float(mask.sum()), 1.0)}
+    ledgers = [batch.tags[i][VERSION_TOKENS_TAG] for i in rows if VERSION_TOKENS_TAG in batch.tags[i]]
+    out.update(lag_stats(ledgers, current))
+    weight = torch.exp(log_ratio.double()).clamp(max=truncation) * mask  # the truncated token weights
+    per_traj = torch.zeros(stale_traj.size, dtype=torch.float64)
+    tokens = torch.zeros_like(per_traj)
+    index = torch.as_tensor(trajectory)
+    per_traj.index_add_(0, index, weight.sum(-1))
+    tokens.index_add_(0, index, mask.sum(-1).double())
+    has = tokens > 0
+    if has.any():  # each trajectory weighted by its mean truncated weight, against the plain mean length
+        omega, length = per_traj[has] / tokens[has], tokens[has]
+        if float(omega.sum()) > 0:
+            weighted = float((omega * length).sum() / omega.sum())
+            out["traj_bias/tokens_mean_ratio_weighted"] = weighted / float(length.mean())
+    return out
 
 
 def tool_call_metrics(tags: list[dict]) -> dict[str, float]:

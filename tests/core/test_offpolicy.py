@@ -1,0 +1,98 @@
+"""``verl_traj.core.offpolicy``: each trajectory's max lag, the groups past the cap, the token-weighted lag
+percentile, the weights' health figures and the gate's hysteresis, against brute-force references."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verl_traj.core.offpolicy import HealthGate, HealthThresholds, groups_over_lag, lag_stats, max_lags, weight_health
+from verl_traj.core.staleness import version_tokens
+
+LEDGER = st.lists(st.tuples(st.integers(0, 6), st.integers(0, 40)), max_size=6).map(version_tokens)
+
+
+@given(st.lists(LEDGER, min_size=1, max_size=6), st.integers(6, 9))
+def test_max_lag_is_the_oldest_generated_tokens_lag(ledgers, trained):
+    expected = [max((trained - v for v, n in ledger if n > 0), default=0) for ledger in ledgers]
+    assert max_lags(ledgers, trained).tolist() == expected
+
+
+@given(st.dictionaries(st.sampled_from("abcdef"), st.lists(LEDGER, max_size=3), max_size=5), st.integers(6, 9),
+       st.integers(1, 6))
+def test_groups_over_lag_are_those_with_a_token_past_the_cap(groups, trained, cap):
+    expected = {uid for uid, ledgers in groups.items()
+                if any(trained - v > cap for ledger in ledgers for v, n in ledger if n > 0)}
+    assert groups_over_lag(groups, trained, cap) == expected
+
+
+def test_a_partial_rollout_is_capped_by_its_oldest_token_not_its_mean():
+    """Token staleness 0.1 (one old token in ten), lag 5: past a cap of 4 however fresh the rest is."""
+    ledgers = {"partial": [[[0, 1], [5, 9]]], "fresh": [[[5, 10]]]}
+    assert groups_over_lag(ledgers, 5, 4) == {"partial"}
+    assert groups_over_lag(ledgers, 5, 5) == set()
+
+
+@given(st.lists(LEDGER, min_size=1, max_size=5), st.integers(6, 9))
+def test_lag_p99_is_the_token_weighted_percentile(ledgers, trained):
+    lags = sorted(trained - v for ledger in ledgers for v, n in ledger for _ in range(n))
+    stats = lag_stats(ledgers, trained)
+    if not lags:
+        assert stats == {"traj_offpolicy/lag_max": 0.0, "traj_offpolicy/lag_p99": 0.0}
+        return
+    assert stats["traj_offpolicy/lag_max"] == lags[-1]
+    assert stats["traj_offpolicy/lag_p99"] == lags[math.ceil(0.99 * len(lags)) - 1]  # the smallest with >= 99% below
+
+
+def _reference_health(log_ratio: np.ndarray, cap: float) -> tuple[float, float, float, float]:
+    w = np.exp(log_ratio.astype(np.float64))
+    c = np.minimum(w, cap)
+    n = w.size
+    return (w.sum() ** 2 / (n * (w ** 2).sum()), c.sum() ** 2 / (n * (c ** 2).sum()), float((w > cap).mean()),
+            float((w - c).sum() / w.sum()))
+
+
+@settings(deadline=None)
+@given(st.lists(st.floats(-3, 3), min_size=1, max_size=40), st.floats(0.5, 5.0))
+def test_weight_health_matches_the_definitions(values, cap):
+    log_ratio = torch.tensor(values, dtype=torch.float32)
+    got = weight_health(log_ratio, torch.ones_like(log_ratio, dtype=torch.bool), cap)
+    want = _reference_health(log_ratio.numpy(), cap)
+    assert [got[f"traj_offpolicy/{k}"] for k in ("ess", "ess_truncated", "truncated_share", "truncated_mass")] == \
+        pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+def test_weight_health_does_not_overflow_and_reads_only_the_mask():
+    """Sequence weights at agent lengths reach exp(1000): the shift keeps every figure finite; padding is ignored."""
+    log_ratio = torch.tensor([[1000.0, 0.0, 5.0], [0.0, 0.0, 99.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    got = weight_health(log_ratio, mask, 2.0)
+    assert got["traj_offpolicy/ess"] == pytest.approx(1 / 4)  # one weight carries everything among four
+    assert got["traj_offpolicy/truncated_share"] == 0.25 and got["traj_offpolicy/truncated_mass"] == pytest.approx(1.0)
+    assert weight_health(log_ratio, torch.zeros_like(mask), 2.0)["traj_offpolicy/ess"] == 1.0
+
+
+def test_the_gate_opens_on_a_bad_step_and_closes_only_after_enough_healthy_ones():
+    th = HealthThresholds(min_ess=0.3, max_truncated_mass=0.2, recover_ess=0.45, recover_truncated_mass=0.1,
+                          recover_steps=3)
+
+    def step(gate: HealthGate, ess: float, mass: float = 0.0) -> HealthGate:
+        return gate.after({"traj_offpolicy/ess": ess, "traj_offpolicy/truncated_mass": mass}, th)
+
+    gate = step(HealthGate(), 0.5)
+    assert not gate.active
+    gate = step(gate, 0.29)
+    assert gate.active and gate.steps_in_fallback == 1
+    for ess in (0.5, 0.5, 0.4, 0.5, 0.5):  # 0.4 is above the entry threshold but below recovery: the count restarts
+        gate = step(gate, ess)
+        assert gate.active
+    gate = step(gate, 0.5)
+    assert not gate.active and gate.steps_in_fallback == 6
+    assert step(HealthGate(), 0.9, mass=0.25).active  # too much mass cut opens it too
+    assert HealthGate().after({}, th) == HealthGate()  # no off-policy token: healthy
+    assert HealthGate.from_state(gate.state_dict()) == gate and HealthGate.from_state(None) == HealthGate()

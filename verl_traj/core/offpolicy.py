@@ -1,0 +1,159 @@
+"""The hard lag cap of ``traj.stale_groups=correct`` and the health of its importance weights (issue 53). Pure:
+numpy and torch only.
+
+**Lag.** A token's lag is how many policy versions lie between the policy that sampled it and the policy being
+trained: at training step ``g`` verl's actor holds version ``g - 1``, so a token of version ``v`` has lag
+``g - 1 - v``. A trajectory's **max lag** is its oldest token's (``trained - min version``); under ``correct`` no
+trained token's lag passes ``traj.max_lag`` (:func:`groups_over_lag`: a finished group past it goes to the fallback,
+``traj.correct_fallback``; a running group that would pass it at the next step is waited for under ``defer``, the
+same rule as :func:`~verl_traj.core.staleness.groups_to_defer` with the cap as its bound). ``traj.max_staleness``
+(token staleness, a mean) stays where the correction takes over: a group over it trains with its stale tokens
+importance-weighted, and is counted.
+
+**Health.** Within the cap the stale tokens train under verl's rollout correction, per token ``w = pi_old / pi_rollout``
+truncated at ``C`` (``algorithm.rollout_correction.rollout_is_threshold``). Every async step logs, over the tokens of
+the off-policy trajectories (those with a token of lag > 0) and over all (``*_all``), from the log-ratios
+``log w`` (:func:`weight_health`):
+
+* ``ess``: the effective sample size of the untruncated weights, ``(sum w)^2 / (N sum w^2)`` in ``(0, 1]``;
+* ``ess_truncated``: the same of ``min(w, C)``;
+* ``truncated_share``: the share of weights above ``C``; ``truncated_mass``: the share of the weights' mass cut
+  off, ``sum max(w - C, 0) / sum w`` (the bias truncation buys its variance with);
+
+and over the trajectories ``lag_max`` and ``lag_p99`` (token-weighted, from their version tokens: :func:`lag_stats`).
+
+**Acting on it.** :class:`HealthGate` keeps a state across steps with hysteresis: the fallback takes over (the next
+samplings treat a group over ``traj.max_staleness`` as ``traj.correct_fallback`` does, instead of correcting it)
+when ``ess`` falls below :attr:`HealthThresholds.min_ess` or ``truncated_mass`` passes
+:attr:`HealthThresholds.max_truncated_mass`; it hands back only after :attr:`HealthThresholds.recover_steps`
+consecutive steps with ``ess >= recover_ess`` and ``truncated_mass <= recover_truncated_mass``. The defaults: verl's
+rollout-correction docs warn below an ESS of 0.3; recovery asks for half again (0.45) so one noisy step cannot
+toggle the gate; see docs/trainers.md for the measurement (``scripts/bench_async_bias.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+
+from verl_traj.core.staleness import VersionTokens, flat_version_tokens
+
+__all__ = ["FALLBACKS", "HealthGate", "HealthThresholds", "groups_over_lag", "lag_stats", "max_lags", "weight_health"]
+
+FALLBACKS = ("defer", "drop")  # traj.correct_fallback: what takes over past the cap, and while the weights are unhealthy
+PREFIX = "traj_offpolicy"
+
+
+def max_lags(ledgers: Sequence[VersionTokens], trained_version: int) -> np.ndarray:
+    """``[T]`` int64: each trajectory's oldest generated token's lag against ``trained_version`` (0 for one that
+    generated nothing)."""
+    index, version, _ = flat_version_tokens(ledgers)
+    oldest = np.full(len(ledgers), trained_version, dtype=np.int64)
+    np.minimum.at(oldest, index, version)
+    return trained_version - oldest
+
+
+def groups_over_lag(ledgers: Mapping[str, Sequence[VersionTokens]], trained_version: int, cap: int) -> set[str]:
+    """The groups (``uid`` -> its trajectories' version tokens) with a token more than ``cap`` versions behind
+    ``trained_version``."""
+    uids = [uid for uid in ledgers if ledgers[uid]]
+    flat = [ledger for uid in uids for ledger in ledgers[uid]]
+    if not flat:
+        return set()
+    owner = np.repeat(np.arange(len(uids)), [len(ledgers[uid]) for uid in uids])
+    worst = np.zeros(len(uids), dtype=np.int64)
+    np.maximum.at(worst, owner, max_lags(flat, trained_version))
+    return {uids[i] for i in np.flatnonzero(worst > cap)}
+
+
+def lag_stats(ledgers: Sequence[VersionTokens], trained_version: int) -> dict[str, float]:
+    """``lag_max`` (the oldest trained token's lag) and ``lag_p99`` (the 99th percentile over generated tokens,
+    token-weighted) of ``T`` trajectories' version tokens; zeros for no token."""
+    _, version, tokens = flat_version_tokens(ledgers)
+    keep = tokens > 0
+    if not keep.any():
+        return {f"{PREFIX}/lag_max": 0.0, f"{PREFIX}/lag_p99": 0.0}
+    lag, tokens = trained_version - version[keep], tokens[keep]
+    order = np.argsort(lag, kind="stable")
+    cumulative = np.cumsum(tokens[order])
+    p99 = lag[order][np.searchsorted(cumulative, 0.99 * cumulative[-1])]
+    return {f"{PREFIX}/lag_max": float(lag.max()), f"{PREFIX}/lag_p99": float(p99)}
+
+
+def weight_health(log_ratio: torch.Tensor, mask: torch.Tensor, truncation: float,
+                  suffix: str = "") -> dict[str, float]:
+    """``ess``, ``ess_truncated``, ``truncated_share``, ``truncated_mass`` (module docstring) of the weights
+    ``exp(log_ratio)`` where ``mask``; ``log_ratio`` and ``mask`` any equal shape (``[rows, tokens]`` of token
+    weights, ``[rows]`` of sequence weights), ``truncation`` the weights' cap ``C > 0``. The exponent is shifted by its
+    maximum (every figure is a ratio, so the shift cancels) and run in fp64: no overflow at any lag. No weight: ESS 1,
+    nothing truncated. Metric names ``traj_offpolicy/<name><suffix>``."""
+    values = log_ratio.detach().to(torch.float64)[mask.bool()]
+    names = [f"{PREFIX}/{name}{suffix}" for name in ("ess", "ess_truncated", "truncated_share", "truncated_mass")]
+    if values.numel() == 0:
+        return dict(zip(names, (1.0, 1.0, 0.0, 0.0)))
+    top = values.max()
+    scaled = torch.exp(values - top)  # w / max(w), in (0, 1]
+    cap = float(np.exp(min(np.log(truncation) - float(top), 700.0)))  # C / max(w), possibly huge
+    clipped = scaled.clamp(max=cap)
+    n = values.numel()
+    ess = float(scaled.sum() ** 2 / (n * (scaled ** 2).sum()))
+    ess_truncated = float(clipped.sum() ** 2 / (n * (clipped ** 2).sum()))
+    over = scaled > cap
+    mass = float((scaled - clipped).sum() / scaled.sum())
+    return dict(zip(names, (ess, ess_truncated, float(over.double().mean()), mass)))
+
+
+@dataclass(frozen=True)
+class HealthThresholds:
+    """When :class:`HealthGate` hands over to the fallback, and back (module docstring). ``recover_*`` must be at
+    least as healthy as the entry thresholds (hysteresis)."""
+
+    min_ess: float = 0.3
+    max_truncated_mass: float = 0.2
+    recover_ess: float = 0.45
+    recover_truncated_mass: float = 0.1
+    recover_steps: int = 3
+
+    def unhealthy(self, ess: float, truncated_mass: float) -> bool:
+        return ess < self.min_ess or truncated_mass > self.max_truncated_mass
+
+    def healthy(self, ess: float, truncated_mass: float) -> bool:
+        return ess >= self.recover_ess and truncated_mass <= self.recover_truncated_mass
+
+
+@dataclass(frozen=True)
+class HealthGate:
+    """Whether the fallback is active, the consecutive healthy steps counted toward handing back, and the steps
+    spent in fallback so far. Immutable: :meth:`after` returns the next state."""
+
+    active: bool = False
+    healthy_steps: int = 0
+    steps_in_fallback: int = 0
+
+    def after(self, metrics: Mapping[str, float], thresholds: HealthThresholds) -> "HealthGate":
+        """The state after one step whose :func:`weight_health` (over the off-policy trajectories) is ``metrics``;
+        a step without off-policy tokens reads as healthy (ESS 1, nothing truncated)."""
+        ess = float(metrics.get(f"{PREFIX}/ess", 1.0))
+        mass = float(metrics.get(f"{PREFIX}/truncated_mass", 0.0))
+        if not self.active:
+            return HealthGate(True, 0, self.steps_in_fallback + 1) if thresholds.unhealthy(ess, mass) else self
+        healthy = self.healthy_steps + 1 if thresholds.healthy(ess, mass) else 0
+        if healthy >= thresholds.recover_steps:
+            return HealthGate(False, 0, self.steps_in_fallback)
+        return replace(self, healthy_steps=healthy, steps_in_fallback=self.steps_in_fallback + 1)
+
+    def metrics(self) -> dict[str, float]:
+        return {f"{PREFIX}/fallback_active": float(self.active)}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"active": int(self.active), "healthy_steps": self.healthy_steps,
+                "steps_in_fallback": self.steps_in_fallback}
+
+    @classmethod
+    def from_state(cls, state: Optional[Mapping[str, int]]) -> "HealthGate":
+        if not state:
+            return cls()
+        return cls(bool(state["active"]), int(state["healthy_steps"]), int(state["steps_in_fallback"]))
