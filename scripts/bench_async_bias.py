@@ -14,15 +14,25 @@ The replay buffer and its policies are verl_traj's and verl's own classes; the c
 (``scripts/async_sim.py``: rollout pool, tool calls, update time). Per run, over the steady steps (after the first
 third):
 
-* ``s/step``, ``traj/h`` (trajectories trained per hour), ``pool busy`` (the rollout pool's served sequences over its
-  capacity, all run), ``trainer waits`` (its share of wall time blocked in ``sample``);
-* ``tokens ratio`` / ``turns ratio``: the mean length of what trained over the mean length of every trajectory the
-  agent was asked for (the truth the simulation knows, whatever was cut), and ``traj_bias``: the median of the
-  shipped per-step metric ``traj_bias/tokens_mean_ratio`` (what a user sees);
+* ``s/step``, ``traj/h`` (trajectories trained per hour), ``trainer waits`` (its share of wall time blocked in
+  ``sample``);
+* ``tokens ratio``: the mean length of what trained over the mean length of every trajectory the agent was asked for
+  (the truth the simulation knows, whatever was cut);
 * ``reward ratio``: the mean reward of what trained over the mean reward of all (what the policy gradient sees);
-* ``staleness max`` (token staleness of what trained) and ``dropped`` (groups dropped for staleness or failure).
+* ``lag max`` / ``lag p99`` (versions between a trained token's policy and the trained one), ``dropped`` (groups
+  dropped for staleness or failure), ``corrected`` (share of trained groups over the bound, under ``correct``);
+* the trained tokens' importance weights under synthetic drift (``--drifts``: ``scripts/async_drift.py``): ``ESS
+  min`` / ``ESS p5`` (untruncated), ``ESS trunc min`` and ``M2 max`` (the gate's two statistics), ``healthy or
+  fallback`` (share of steps whose weights pass the gate's thresholds or whose batch was sampled in fallback),
+  ``seq ESS p50`` (one weight per trajectory: what ``rollout_is=sequence`` would weigh), ``trunc share`` / ``trunc
+  mass``, ``fallback`` (share of steps the gate was open);
+* ``tokens trained`` (of the cohort's generated tokens), ``bias lower`` / ``bias upper`` (the logged bracket,
+  pooled over the steady steps).
 
-    python scripts/bench_async_bias.py [--workload swebench|calc|both] [--steps 24] [--json]
+Policies: none, verl's drop (8 versions) and wait (2), ``traj.stale_groups`` drop and defer at 1.0, and ``correct``
+at 1.0 with each ``--caps`` value (``traj.max_lag``) and each fallback.
+
+    python scripts/bench_async_bias.py [--workload swebench|calc|both] [--caps 8] [--drifts 1e-3 1e-2 5e-2] [--json]
 """
 
 from __future__ import annotations
@@ -41,8 +51,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from async_sim import Knobs, Simulation  # noqa: E402
 
-from verl_traj.config import TrajConfig  # noqa: E402
+from verl_traj.config import DEFAULT_MAX_LAG, TrajConfig  # noqa: E402
 from verl_traj.core.length_bias import LengthBudget, pooled_bias  # noqa: E402
+from verl_traj.core.offpolicy import gate_statistics  # noqa: E402
 from verl_traj.testing.swebench import DATA_FILE, load_trajectories  # noqa: E402
 
 
@@ -156,6 +167,9 @@ def summarise(sim: Simulation, steady: list, cohort: tuple[int, int]) -> dict:
 
     pooled = pooled_bias([s["metrics"] for s in steady])
     ess = _steady(steady, "traj_offpolicy/ess", 1.0)
+    # a step is fine where its weights are healthy by the gate's statistics, or its batch was sampled in fallback
+    gated = [not sim.buffer.health_thresholds.unhealthy(*gate_statistics(s["metrics"]))
+             or bool(s["metrics"].get("traj_offpolicy/sampled_in_fallback", 0.0)) for s in steady]
     dropped = sum(s["metrics"].get("training/off_policy/evicted_samples", 0.0)  # traj's drops among them
                   + s["metrics"].get("traj_failure/groups_dropped_total", 0.0) for s in steady)
     return {"s/step": statistics.median(s["step_s"] for s in steady),
@@ -164,6 +178,9 @@ def summarise(sim: Simulation, steady: list, cohort: tuple[int, int]) -> dict:
             "lag max": float(_steady(steady, "traj_offpolicy/lag_max").max()),
             "lag p99": float(_steady(steady, "traj_offpolicy/lag_p99").max()),
             "ESS min": float(ess.min()), "ESS p5": float(np.percentile(ess, 5)),
+            "ESS trunc min": float(_steady(steady, "traj_offpolicy/ess_truncated", 1.0).min()),
+            "M2 max": float(_steady(steady, "traj_offpolicy/log_ratio_m2").max()),
+            "healthy or fallback": float(np.mean(gated)),
             "seq ESS p50": float(np.median(_steady(steady, "traj_offpolicy/seq_ess", 1.0))),
             "trunc share": float(_steady(steady, "traj_offpolicy/truncated_share").mean()),
             "trunc mass": float(_steady(steady, "traj_offpolicy/truncated_mass").mean()),
@@ -179,11 +196,11 @@ def summarise(sim: Simulation, steady: list, cohort: tuple[int, int]) -> dict:
             "cohort": len(group), "untrained": len(group) - len(trained)}
 
 
-COLUMNS = ("s/step", "traj/h", "trainer waits", "lag max", "lag p99", "ESS min", "ESS p5", "seq ESS p50",
-           "trunc share", "trunc mass", "tokens trained", "tokens ratio", "bias lower", "bias upper", "reward ratio",
+COLUMNS = ("s/step", "traj/h", "trainer waits", "lag max", "lag p99", "ESS min", "ESS p5", "ESS trunc min", "M2 max",
+           "healthy or fallback", "seq ESS p50", "trunc share", "trunc mass", "tokens trained", "tokens ratio", "bias lower", "bias upper", "reward ratio",
            "fallback", "dropped", "corrected")
-PERCENT = {"trainer waits", "corrected", "fallback", "tokens trained"}
-THREE = {"ESS min", "ESS p5", "seq ESS p50", "trunc share", "trunc mass", "tokens ratio", "bias lower", "bias upper",
+PERCENT = {"trainer waits", "corrected", "fallback", "tokens trained", "healthy or fallback"}
+THREE = {"ESS min", "ESS p5", "ESS trunc min", "M2 max", "seq ESS p50", "trunc share", "trunc mass", "tokens ratio", "bias lower", "bias upper",
          "reward ratio", "turns ratio"}
 
 
@@ -219,9 +236,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=("swebench", "calc", "both"), default="both")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=["colocate_async", "separate_async"])
-    ap.add_argument("--drifts", nargs="+", type=float, default=[1e-4, 1e-3, 1e-2],
+    ap.add_argument("--drifts", nargs="+", type=float, default=[1e-3, 1e-2, 5e-2],
                     help="log-ratio variance per version and token (scripts/async_drift.py)")
-    ap.add_argument("--caps", nargs="+", type=int, default=[4], help="traj.max_lag of the traj correct rows")
+    ap.add_argument("--caps", nargs="+", type=int, default=[DEFAULT_MAX_LAG],
+                    help="traj.max_lag of the traj correct rows (default: its default)")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--batch", type=int, default=32, help="prompts a step")
     ap.add_argument("--n", type=int, default=4, help="sessions a prompt (the GRPO group)")

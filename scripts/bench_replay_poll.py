@@ -12,7 +12,8 @@ all but one (dropped). Defaults: 1,024 x 16 x 1 (16K rows) and 977 x 16 x 8 (125
   ``traj.max_staleness``: failed groups' survivors, every group's version ledgers, the evicted groups' lengths and
   failure tags). Before: a pass over every row per policy, and a second listing of the partition for the failure
   tags. Now: the index (``group_index.py``) reads the rows new since the last poll, the failed groups' tags are read
-  by key, once. Timed on the hooks alone (verl's own eviction stubbed out, so every poll evicts the same groups),
+  by key, once, and each finished group's staleness and lag facts are learnt once (a poll checks a cached pair
+  per group). Timed on the hooks alone (verl's own eviction stubbed out, so every poll evicts the same groups),
   after 8 groups finished and 8 were taken between polls; the first poll (the index reading the whole partition
   once) apart.
 * **stall**: 1,024 sessions of 16 calls on one event loop (an agent-loop worker's), 8 of which fail after storing
@@ -264,7 +265,8 @@ def poll_costs(tag: str, prompts: int, n: int, steps: int, polls: int) -> dict:
 def print_table(out: list[dict], polls: int, count: int, calls: int) -> None:
     """The markdown table of :func:`main`'s results (``--json`` prints them as they are)."""
     print(f"poll: verl's read, then verl_traj's policy work on it, in ms (median of {polls - 1} polls after "
-          f"the first; its TransferQueue reads / its staleness check, groups_over_bound); stall: {count} sessions x "
+          f"the first; its TransferQueue reads / its staleness check: groups_over_bound before, now each group's cached "
+          f"facts, counted in the total); stall: {count} sessions x "
           f"{calls} calls on one event loop, {out[0]['now']['failed']} failing: the longest callback (ms, its CPU ms, "
           "owner)\n")
     print("| size | rows | verl's read | policy work before | now | now, first poll | longest stall before | now "

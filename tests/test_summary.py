@@ -89,3 +89,17 @@ def test_a_log_without_the_per_step_sums_still_reports_its_steps():
     text = summarize([_row(**{"traj_bias/tokens_mean_ratio": 0.8, "traj_bias/trajectories_trained": 2.0,
                               "traj_bias/trajectories_cut": 2.0, "traj_bias/stale_share": 0.5})])
     assert "- length bias: per-step ratios only, not poolable (lowest step 0.800); let go: stale 2" in text
+
+
+def test_correct_reports_the_lag_the_weights_worst_step_and_the_fallback():
+    """Issue 53, item 2: ``traj.stale_groups=correct``'s figures over the run, in words."""
+    steps = [_row(**{"traj_offpolicy/lag_max": lag, "traj_offpolicy/lag_p99": lag, "traj_offpolicy/ess": ess,
+                     "traj_offpolicy/ess_truncated": 0.9, "traj_offpolicy/log_ratio_m2": m2,
+                     "traj_offpolicy/fallback_active": active, "traj_offpolicy/groups_past_cap_dropped_total": 1.0,
+                     "traj_staleness/groups_deferred_total": 2.0, "traj_staleness/groups_corrected_total": 3.0})
+             for lag, ess, m2, active in ((0, 1.0, 0.0, 0.0), (4, 0.2, 0.05, 1.0), (3, 0.5, 0.01, 1.0))]
+    text = summarize(steps)
+    assert ("- off-policy (correct): oldest trained token 4 versions old (p99 at most 4); worst step: ESS of the "
+            "truncated weights 0.900, mean squared log-ratio 0.050, untruncated ESS 0.200; fallback active 2 of 3 "
+            "steps; 3 groups past traj.max_lag dropped, 6 waited for, 9 trained corrected") in text
+    assert "off-policy" not in summarize([_row()])

@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 # traj.max_lag under stale_groups=correct when unset: chosen by scripts/bench_async_bias.py (docs/trainers.md)
-DEFAULT_MAX_LAG = 4
+DEFAULT_MAX_LAG = 8
 
 # traj.padded_cap: what the micro-batch cap bounds without remove-padding (core.packing cost "padded" / "padded_area")
 PADDED_CAP_CHOICES = ("tokens", "area")
@@ -124,10 +124,12 @@ class TrajConfig:
         correct_fallback: ``correct``: what a group past ``max_lag`` gets, and every group over ``max_staleness``
             while the importance weights are unhealthy: ``"defer"`` (default: the trainer waits for it, no length
             bias) or ``"drop"``.
-        offpolicy_min_ess: ``correct``: the off-policy tokens' effective sample size below which the fallback takes
-            over for the next samplings (back after 3 steps at 1.5x it); 0.3 is where verl's docs warn.
-        offpolicy_max_truncated_mass: ``correct``: the share of the weights' mass the truncation cuts above which the
-            fallback takes over (back after 3 steps at half of it).
+        offpolicy_min_ess: ``correct``: the off-policy tokens' effective sample size of their truncated weights
+            (``traj_offpolicy/ess_truncated``, verl's ESS) below which the fallback takes over for the next samplings
+            (back after 3 steps at 1.5x it); 0.3 is where verl's docs warn.
+        offpolicy_max_log_ratio_m2: ``correct``: the off-policy tokens' mean squared log-ratio
+            (``traj_offpolicy/log_ratio_m2``) above which the fallback takes over (back after 3 steps at half of it);
+            0.04 is M2PO's bound.
         step_advantage_weight: ``algorithm.adv_estimator=gigpo``: GiGPO's omega, the weight of the step-level advantage
             added to the episode-level one (``>= 0``; 0 is GRPO on step rows). :mod:`verl_traj.stepwise.step_groups`.
         step_group_baseline: ``gigpo``: the baseline of a step group: ``"gigpo"`` (default: the paper's mean and std
@@ -161,7 +163,7 @@ class TrajConfig:
     max_lag: Optional[int] = None
     correct_fallback: str = "defer"
     offpolicy_min_ess: float = 0.3
-    offpolicy_max_truncated_mass: float = 0.2
+    offpolicy_max_log_ratio_m2: float = 0.04
     step_advantage_weight: float = 1.0
     step_group_baseline: str = "gigpo"
 
@@ -174,10 +176,10 @@ class TrajConfig:
 
     @property
     def health_thresholds(self) -> HealthThresholds:
-        """``correct``'s gate: into the fallback at the two knobs, back at 1.5x the ESS and half the mass."""
-        return HealthThresholds(min_ess=self.offpolicy_min_ess, max_truncated_mass=self.offpolicy_max_truncated_mass,
+        """``correct``'s gate: into the fallback at the two knobs, back at 1.5x the ESS and half the M2."""
+        return HealthThresholds(min_ess=self.offpolicy_min_ess, max_log_ratio_m2=self.offpolicy_max_log_ratio_m2,
                                 recover_ess=min(1.0, 1.5 * self.offpolicy_min_ess),
-                                recover_truncated_mass=0.5 * self.offpolicy_max_truncated_mass)
+                                recover_log_ratio_m2=0.5 * self.offpolicy_max_log_ratio_m2)
 
     @property
     def trees(self) -> bool:
@@ -253,15 +255,17 @@ class TrajConfig:
                 f"traj.max_lag={lag} without traj.max_staleness: the cap acts through the staleness policy. Fix: set "
                 f"traj.max_staleness (e.g. 1.0) with traj.stale_groups, or remove traj.max_lag.", field="traj.max_lag")
         _check_choice("traj.correct_fallback", self.correct_fallback, FALLBACKS)
-        for name, top in (("offpolicy_min_ess", 1.0), ("offpolicy_max_truncated_mass", 1.0)):
+        for name, what in (("offpolicy_min_ess", "a share in [0, 1]"),
+                           ("offpolicy_max_log_ratio_m2", "a mean squared log-ratio in (0, 1]")):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= top:
+            number = not isinstance(value, bool) and isinstance(value, (int, float))
+            if not number or not (value <= 1 and (value >= 0 if name == "offpolicy_min_ess" else value > 0)):
                 raise TrajConfigError(
-                    f"traj.{name}={value!r} is invalid: it is a share in [0, 1]. Fix: set a number in [0, 1] (default "
+                    f"traj.{name}={value!r} is invalid: it is {what}. Fix: set a number there (default "
                     f"{getattr(TrajConfig, name)}; 0 for offpolicy_min_ess never hands over on the ESS).",
                     field=f"traj.{name}")
         if self.stale_groups != "correct":
-            for name in ("correct_fallback", "offpolicy_min_ess", "offpolicy_max_truncated_mass"):
+            for name in ("correct_fallback", "offpolicy_min_ess", "offpolicy_max_log_ratio_m2"):
                 if getattr(self, name) != getattr(TrajConfig, name):
                     raise TrajConfigError(
                         f"traj.{name}={getattr(self, name)!r} applies only with traj.stale_groups=correct (it is "

@@ -126,6 +126,27 @@ def _line_length_bias(rows: list[dict]) -> Optional[str]:
     return line
 
 
+def _line_offpolicy(rows: list[dict]) -> Optional[str]:
+    """``traj_offpolicy/*`` over the run (``traj.stale_groups=correct``): the oldest trained token's lag against the
+    cap's evidence, the weights' health at their worst step (the gate's two statistics and the untruncated ESS), the
+    steps in fallback and the groups past the cap."""
+    lags = _values(rows, "traj_offpolicy/lag_max")
+    if not lags:
+        return None
+    steps = _values(rows, "traj_offpolicy/fallback_active")
+
+    def worst(key: str, pick=min) -> str:
+        values = _values(rows, key)
+        return f"{pick(values):.3f}" if values else "n/a"
+    past_cap = _total(rows, "traj_offpolicy/groups_past_cap_dropped_total")
+    return (f"- off-policy (correct): oldest trained token {max(lags):.0f} versions old (p99 at most "
+            f"{max(_values(rows, 'traj_offpolicy/lag_p99') or [0.0]):.0f}); worst step: ESS of the truncated weights "
+            f"{worst('traj_offpolicy/ess_truncated')}, mean squared log-ratio "
+            f"{worst('traj_offpolicy/log_ratio_m2', max)}, untruncated ESS {worst('traj_offpolicy/ess')}; fallback "
+            f"active {sum(steps):.0f} of {len(steps)} steps; {past_cap:.0f} groups past traj.max_lag dropped, {_total(rows, 'traj_staleness/groups_deferred_total'):.0f} waited for, "
+            f"{_total(rows, 'traj_staleness/groups_corrected_total'):.0f} trained corrected")
+
+
 def summarize(rows: list[dict], metrics_path: str = "", plot_path: str = "") -> str:
     """A short human-readable account of the run (see the module docstring)."""
     if not rows:
@@ -133,7 +154,7 @@ def summarize(rows: list[dict], metrics_path: str = "", plot_path: str = "") -> 
     lines = [f"verl_traj summary: {len(rows)} training steps"]
     lines += [line for line in (_line_reward(rows), _line_tool_calls(rows)) if line]
     lines += [_line_units(rows), _line_steps(rows)]
-    lines += [line for line in (_line_merge(rows), _line_length_bias(rows)) if line]
+    lines += [line for line in (_line_merge(rows), _line_length_bias(rows), _line_offpolicy(rows)) if line]
     worst = max(_values(rows, "traj_plan/balance_ratio_worst") or [float("nan")])
     lines.append(f"- padding rows added: {_total(rows, 'traj_plan/padding_rows'):.0f}; DP balance (slowest rank / "
                  f"lower bound, worst mini-batch): {worst:.3f}")

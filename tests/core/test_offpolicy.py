@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_traj.core.offpolicy import HealthGate, HealthThresholds, groups_over_lag, lag_stats, max_lags, weight_health
+from verl_traj.core.offpolicy import (HEALTH, HealthGate, HealthThresholds, gate_statistics, groups_over_lag, lag_stats,
+                                      max_lags, weight_health)
 from verl_traj.core.staleness import version_tokens
 
 LEDGER = st.lists(st.tuples(st.integers(0, 6), st.integers(0, 40)), max_size=6).map(version_tokens)
@@ -54,7 +55,7 @@ def _reference_health(log_ratio: np.ndarray, cap: float) -> tuple[float, float, 
     c = np.minimum(w, cap)
     n = w.size
     return (w.sum() ** 2 / (n * (w ** 2).sum()), c.sum() ** 2 / (n * (c ** 2).sum()), float((w > cap).mean()),
-            float((w - c).sum() / w.sum()))
+            float((w - c).sum() / w.sum()), float((np.log(w) ** 2).mean()))
 
 
 @settings(deadline=None)
@@ -63,8 +64,7 @@ def test_weight_health_matches_the_definitions(values, cap):
     log_ratio = torch.tensor(values, dtype=torch.float32)
     got = weight_health(log_ratio, torch.ones_like(log_ratio, dtype=torch.bool), cap)
     want = _reference_health(log_ratio.numpy(), cap)
-    assert [got[f"traj_offpolicy/{k}"] for k in ("ess", "ess_truncated", "truncated_share", "truncated_mass")] == \
-        pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert [got[f"traj_offpolicy/{k}"] for k in HEALTH] == pytest.approx(want, rel=1e-9, abs=1e-12)
 
 
 def test_weight_health_does_not_overflow_and_reads_only_the_mask():
@@ -78,11 +78,12 @@ def test_weight_health_does_not_overflow_and_reads_only_the_mask():
 
 
 def test_the_gate_opens_on_a_bad_step_and_closes_only_after_enough_healthy_ones():
-    th = HealthThresholds(min_ess=0.3, max_truncated_mass=0.2, recover_ess=0.45, recover_truncated_mass=0.1,
+    th = HealthThresholds(min_ess=0.3, max_log_ratio_m2=0.04, recover_ess=0.45, recover_log_ratio_m2=0.02,
                           recover_steps=3)
 
-    def step(gate: HealthGate, ess: float, mass: float = 0.0) -> HealthGate:
-        return gate.after({"traj_offpolicy/ess": ess, "traj_offpolicy/truncated_mass": mass}, th)
+    def step(gate: HealthGate, ess: float, m2: float = 0.0) -> HealthGate:
+        return gate.after({"traj_offpolicy/ess_truncated": ess, "traj_offpolicy/log_ratio_m2": m2,
+                           "traj_offpolicy/ess": 0.0, "traj_offpolicy/truncated_mass": 1.0}, th)  # not read
 
     gate = step(HealthGate(), 0.5)
     assert not gate.active
@@ -93,6 +94,27 @@ def test_the_gate_opens_on_a_bad_step_and_closes_only_after_enough_healthy_ones(
         assert gate.active
     gate = step(gate, 0.5)
     assert not gate.active and gate.steps_in_fallback == 6
-    assert step(HealthGate(), 0.9, mass=0.25).active  # too much mass cut opens it too
+    assert step(HealthGate(), 0.9, m2=0.05).active  # log-ratios spread too wide open it too
+    assert step(step(HealthGate(), 0.9, m2=0.05), 0.9, m2=0.03).active  # 0.03: under the entry, over recovery
     assert HealthGate().after({}, th) == HealthGate()  # no off-policy token: healthy
     assert HealthGate.from_state(gate.state_dict()) == gate and HealthGate.from_state(None) == HealthGate()
+
+
+def test_the_gate_reads_statistics_one_token_cannot_swing():
+    """Regression (issue 53): a gate on the untruncated ESS opened at random under heavy-tailed drift (one token at
+    verl's +-20 log-ratio bound carries all the weight). Student-t(3) log-ratios at drift 1e-3 x lag 4 over 2e5
+    tokens, 20 draws: the untruncated ESS falls below 0.3 in some draw, the gate's two statistics stay healthy in
+    every one; at drift 1e-2 x lag 8 the M2 passes 0.04 in every draw (the gate opens where drift is real)."""
+    rng, th = np.random.default_rng(0), HealthThresholds()
+
+    def draws(scale: float) -> list[dict]:
+        out = []
+        for _ in range(20):
+            log_ratio = np.clip(scale * rng.standard_t(3, 200_000) / np.sqrt(3.0), -20.0, 20.0)
+            out.append(weight_health(torch.from_numpy(log_ratio), torch.ones(log_ratio.size, dtype=torch.bool), 2.0))
+        return out
+
+    mild = draws(math.sqrt(1e-3 * 4))
+    assert min(h["traj_offpolicy/ess"] for h in mild) < 0.3
+    assert not any(th.unhealthy(*gate_statistics(h)) for h in mild)
+    assert all(th.unhealthy(*gate_statistics(h)) for h in draws(math.sqrt(1e-2 * 8)))

@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.staleness import (check_bound, groups_over_bound, groups_to_defer, token_staleness,
-                                      token_staleness_metrics, version_tokens)
+from verl_traj.core.staleness import (check_bound, groups_over_bound, groups_to_defer, stalest, staleness_of,
+                                      token_staleness, token_staleness_metrics, version_tokens)
 
 ATTEMPTS = st.lists(st.tuples(st.integers(0, 6), st.integers(0, 50)), max_size=8)  # (version, tokens) per attempt
 LEDGER = ATTEMPTS.map(version_tokens)
@@ -54,6 +54,16 @@ def test_a_group_is_over_the_bound_when_any_of_its_trajectories_is(groups, train
     over = groups_over_bound(groups, trained, bound)
     assert over == {uid for uid, ledgers in groups.items()
                     if any(_reference_staleness(ledger, trained) > bound for ledger in ledgers)}
+
+
+@given(st.lists(LEDGER, max_size=6), st.integers(6, 9))
+def test_the_stalest_trajectory_is_learnt_once_and_exact_at_every_step(group, trained):
+    """A finished group's bound check reads one cached pair (the replay buffer's O(1) a poll): its staleness is
+    exactly (==, not approximately) the largest of its trajectories' at any trained version."""
+    pair = stalest(group)
+    for version in (trained, trained + 3):
+        assert staleness_of(pair, version) == max((_reference_staleness(ledger, version) for ledger in group),
+                                                  default=0.0)
 
 
 @given(st.integers(1, 30), st.integers(0, 30), st.floats(1, 6))

@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Optional
 
 import pytest
 
@@ -278,18 +279,24 @@ def logged_steps(path: Path) -> list[int]:
         return []
 
 
-def kill_after_checkpoint(proc: subprocess.Popen, ckpt: Path, metrics: Path, step: int, timeout: float = 400) -> str:
-    """SIGKILL the run's whole process group once step ``step`` is both checkpointed (completion marker) and logged
-    (verl saves before it logs: regression, CI once killed between the two); asserts it got there. Returns the
-    run's output."""
+def kill_after_checkpoint(proc: subprocess.Popen, ckpt: Path, metrics: Path, step: int, timeout: float = 400,
+                          when: Optional[Callable[[dict], bool]] = None) -> str:
+    """SIGKILL the run's whole process group once step ``step`` (with ``when``: the first step from ``step`` on whose
+    logged metrics satisfy it) is both checkpointed (completion marker) and logged (verl saves before it logs:
+    regression, CI once killed between the two); asserts it got there. Returns the run's output."""
     done = False
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        done = any(ckpt.rglob(f"global_step_{step}/verl_traj_complete")) and step in logged_steps(metrics)
+        try:
+            logged = read_metrics(metrics)
+        except json.JSONDecodeError:  # a line still half-written: not logged yet
+            logged = []
+        wanted = [m["step"] for m in logged if (m["step"] >= step and when(m) if when else m["step"] == step)]
+        done = any(any(ckpt.rglob(f"global_step_{s}/verl_traj_complete")) for s in wanted[:1])
         if done:
             break
         time.sleep(0.05)
-    assert done, f"the run never completed its step-{step} checkpoint and metrics"
+    assert done, f"the run never completed its step-{step} checkpoint and metrics" + (" as asked" if when else "")
     os.killpg(proc.pid, signal.SIGKILL)
     kill_tree(proc.pid)
     return proc.communicate()[0]

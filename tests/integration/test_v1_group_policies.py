@@ -415,20 +415,21 @@ def test_correct_defers_a_running_group_that_would_pass_the_cap_not_the_bound(tq
 @pytest.mark.parametrize("fallback", ["drop", "defer"])
 def test_an_unhealthy_step_opens_the_gate_and_the_next_sampling_follows_the_fallback(tq, fallback):  # noqa: F811
     """After a step whose off-policy ESS is below ``offpolicy_min_ess`` the buffer treats a group over
-    ``max_staleness`` as ``correct_fallback`` does (here drop: "stale" leaves, refilled), loudly; three healthy
-    steps hand back."""
+    ``max_staleness`` as ``correct_fallback`` does, loudly: ``drop``: "stale" (finished, within the cap) leaves,
+    refilled; ``defer`` discards nothing: "stale" trains corrected. Three healthy steps hand back."""
     _clear(tq)
     _put_group(tq, "fresh", 5, [[[5, 8]]] * 2)
     _put_group(tq, "stale", 4, [[[3, 10], [4, 10]], [[5, 8]]])
     buffer = _correct(tq, lambda k: _put_group(tq, "refill", 6, [[[5, 6]]] * 2), fallback=fallback)
-    assert buffer.observe_health({"traj_offpolicy/ess": 0.1}) == {"traj_offpolicy/fallback_active": 1.0}
+    assert buffer.observe_health({"traj_offpolicy/ess_truncated": 0.1}) == {"traj_offpolicy/fallback_active": 1.0}
     assert buffer.acting_policy == fallback
-    if fallback == "drop":
-        batch, metrics = buffer.sample(global_steps=6, partition_id="train", batch_size=2)
-        assert sorted({key.split("_")[0] for key in batch.keys}) == ["fresh", "refill"]
-        assert metrics["traj_staleness/groups_corrected_total"] == 0.0
-        assert metrics["traj_staleness/groups_dropped_total"] == 1.0 and metrics["traj_offpolicy/sampled_in_fallback"]
+    batch, metrics = buffer.sample(global_steps=6, partition_id="train", batch_size=2)
+    kept = "refill" if fallback == "drop" else "stale"
+    assert sorted({key.split("_")[0] for key in batch.keys}) == sorted(["fresh", kept])
+    assert metrics["traj_staleness/groups_corrected_total"] == float(fallback == "defer")
+    assert metrics["traj_staleness/groups_dropped_total"] == float(fallback == "drop")
+    assert metrics["traj_offpolicy/sampled_in_fallback"] == 1.0
     for _ in range(3):
-        buffer.observe_health({"traj_offpolicy/ess": 0.9})
+        buffer.observe_health({"traj_offpolicy/ess_truncated": 0.9})
     assert buffer.acting_policy == "correct"
     _clear(tq)

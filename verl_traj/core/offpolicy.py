@@ -19,16 +19,22 @@ the off-policy trajectories (those with a token of lag > 0) and over all (``*_al
 * ``ess_truncated``: the same of ``min(w, C)``;
 * ``truncated_share``: the share of weights above ``C``; ``truncated_mass``: the share of the weights' mass cut
   off, ``sum max(w - C, 0) / sum w`` (the bias truncation buys its variance with);
+* ``log_ratio_m2``: the mean squared log-ratio ``mean((log w)^2)`` (M2PO's second moment);
 
 and over the trajectories ``lag_max`` and ``lag_p99`` (token-weighted, from their version tokens: :func:`lag_stats`).
 
 **Acting on it.** :class:`HealthGate` keeps a state across steps with hysteresis: the fallback takes over (the next
 samplings treat a group over ``traj.max_staleness`` as ``traj.correct_fallback`` does, instead of correcting it)
-when ``ess`` falls below :attr:`HealthThresholds.min_ess` or ``truncated_mass`` passes
-:attr:`HealthThresholds.max_truncated_mass`; it hands back only after :attr:`HealthThresholds.recover_steps`
-consecutive steps with ``ess >= recover_ess`` and ``truncated_mass <= recover_truncated_mass``. The defaults: verl's
-rollout-correction docs warn below an ESS of 0.3; recovery asks for half again (0.45) so one noisy step cannot
-toggle the gate; see docs/trainers.md for the measurement (``scripts/bench_async_bias.py``).
+when ``ess_truncated`` falls below :attr:`HealthThresholds.min_ess` or ``log_ratio_m2`` (the mean squared
+log-ratio, M2PO's statistic) passes :attr:`HealthThresholds.max_log_ratio_m2`; it hands back only after
+:attr:`HealthThresholds.recover_steps` consecutive steps at ``recover_*``. The gate reads these two because they are
+the stable ones: under heavy-tailed drift one token's weight carries the untruncated ``ess`` and ``truncated_mass``
+(measured, Student-t log-ratios at verl's +-20 bound, 2e5 tokens, drift 1e-3 x lag 4: ``ess`` median 0.995, minimum
+0.000 over 20 draws; ``truncated_mass`` median 0.000, maximum 0.459), so a gate on them opens at random; the truncated
+weights' ESS (verl's own ``rollout_is_eff_sample_size``, whose docs warn below 0.3) and the second moment of the
+log-ratios vary by less than 0.01 across the same draws and grow with drift x lag. Both untruncated figures are still
+logged. Defaults: ESS 0.3 (verl) and M2 0.04 (M2PO's bound); recovery at 1.5x the ESS and half the M2, for 3 steps,
+so one noisy step cannot toggle the gate; docs/trainers.md has the measurement (``scripts/bench_async_bias.py``).
 """
 
 from __future__ import annotations
@@ -41,10 +47,19 @@ import torch
 
 from verl_traj.core.staleness import VersionTokens, flat_version_tokens
 
-__all__ = ["FALLBACKS", "HealthGate", "HealthThresholds", "groups_over_lag", "lag_stats", "max_lags", "weight_health"]
+__all__ = ["FALLBACKS", "HEALTH", "HealthGate", "HealthThresholds", "first_version", "gate_statistics",
+           "groups_over_lag", "lag_stats", "max_lags", "weight_health"]
 
-FALLBACKS = ("defer", "drop")  # traj.correct_fallback: what takes over past the cap, and while the weights are unhealthy
+FALLBACKS = ("defer", "drop")  # traj.correct_fallback: what takes over past the cap, and while weights are unhealthy
 PREFIX = "traj_offpolicy"
+HEALTH = ("ess", "ess_truncated", "truncated_share", "truncated_mass", "log_ratio_m2")  # weight_health's figures
+
+
+def first_version(ledgers: Sequence[VersionTokens]) -> Optional[int]:
+    """The oldest version with a generated token among ``ledgers`` (None: no token): a finished group is past the cap
+    at trained version ``g`` iff ``g - first_version > cap`` (:func:`groups_over_lag`), learnt once."""
+    versions = [int(v) for ledger in ledgers for v, n in ledger if n > 0]
+    return min(versions) if versions else None
 
 
 def max_lags(ledgers: Sequence[VersionTokens], trained_version: int) -> np.ndarray:
@@ -85,15 +100,15 @@ def lag_stats(ledgers: Sequence[VersionTokens], trained_version: int) -> dict[st
 
 def weight_health(log_ratio: torch.Tensor, mask: torch.Tensor, truncation: float,
                   suffix: str = "") -> dict[str, float]:
-    """``ess``, ``ess_truncated``, ``truncated_share``, ``truncated_mass`` (module docstring) of the weights
+    """:data:`HEALTH` (module docstring) of the weights
     ``exp(log_ratio)`` where ``mask``; ``log_ratio`` and ``mask`` any equal shape (``[rows, tokens]`` of token
     weights, ``[rows]`` of sequence weights), ``truncation`` the weights' cap ``C > 0``. The exponent is shifted by its
     maximum (every figure is a ratio, so the shift cancels) and run in fp64: no overflow at any lag. No weight: ESS 1,
     nothing truncated. Metric names ``traj_offpolicy/<name><suffix>``."""
     values = log_ratio.detach().to(torch.float64)[mask.bool()]
-    names = [f"{PREFIX}/{name}{suffix}" for name in ("ess", "ess_truncated", "truncated_share", "truncated_mass")]
+    names = [f"{PREFIX}/{name}{suffix}" for name in HEALTH]
     if values.numel() == 0:
-        return dict(zip(names, (1.0, 1.0, 0.0, 0.0)))
+        return dict(zip(names, (1.0, 1.0, 0.0, 0.0, 0.0)))
     top = values.max()
     scaled = torch.exp(values - top)  # w / max(w), in (0, 1]
     cap = float(np.exp(min(np.log(truncation) - float(top), 700.0)))  # C / max(w), possibly huge
@@ -103,25 +118,32 @@ def weight_health(log_ratio: torch.Tensor, mask: torch.Tensor, truncation: float
     ess_truncated = float(clipped.sum() ** 2 / (n * (clipped ** 2).sum()))
     over = scaled > cap
     mass = float((scaled - clipped).sum() / scaled.sum())
-    return dict(zip(names, (ess, ess_truncated, float(over.double().mean()), mass)))
+    m2 = float((values ** 2).mean())
+    return dict(zip(names, (ess, ess_truncated, float(over.double().mean()), mass, m2)))
 
 
 @dataclass(frozen=True)
 class HealthThresholds:
-    """When :class:`HealthGate` hands over to the fallback, and back (module docstring). ``recover_*`` must be at
-    least as healthy as the entry thresholds (hysteresis)."""
+    """When :class:`HealthGate` hands over to the fallback, and back (module docstring): on ``ess_truncated`` and
+    ``log_ratio_m2``. ``recover_*`` must be at least as healthy as the entry thresholds (hysteresis)."""
 
     min_ess: float = 0.3
-    max_truncated_mass: float = 0.2
+    max_log_ratio_m2: float = 0.04
     recover_ess: float = 0.45
-    recover_truncated_mass: float = 0.1
+    recover_log_ratio_m2: float = 0.02
     recover_steps: int = 3
 
-    def unhealthy(self, ess: float, truncated_mass: float) -> bool:
-        return ess < self.min_ess or truncated_mass > self.max_truncated_mass
+    def unhealthy(self, ess: float, m2: float) -> bool:
+        return ess < self.min_ess or m2 > self.max_log_ratio_m2
 
-    def healthy(self, ess: float, truncated_mass: float) -> bool:
-        return ess >= self.recover_ess and truncated_mass <= self.recover_truncated_mass
+    def healthy(self, ess: float, m2: float) -> bool:
+        return ess >= self.recover_ess and m2 <= self.recover_log_ratio_m2
+
+
+def gate_statistics(metrics: Mapping[str, float]) -> tuple[float, float]:
+    """``(ess_truncated, log_ratio_m2)`` of a step's :func:`weight_health` (the gate's two statistics); a step
+    without off-policy tokens reads as healthy."""
+    return float(metrics.get(f"{PREFIX}/ess_truncated", 1.0)), float(metrics.get(f"{PREFIX}/log_ratio_m2", 0.0))
 
 
 @dataclass(frozen=True)
@@ -135,12 +157,11 @@ class HealthGate:
 
     def after(self, metrics: Mapping[str, float], thresholds: HealthThresholds) -> "HealthGate":
         """The state after one step whose :func:`weight_health` (over the off-policy trajectories) is ``metrics``;
-        a step without off-policy tokens reads as healthy (ESS 1, nothing truncated)."""
-        ess = float(metrics.get(f"{PREFIX}/ess", 1.0))
-        mass = float(metrics.get(f"{PREFIX}/truncated_mass", 0.0))
+        a step without off-policy tokens reads as healthy (ESS 1, M2 0)."""
+        ess, m2 = gate_statistics(metrics)
         if not self.active:
-            return HealthGate(True, 0, self.steps_in_fallback + 1) if thresholds.unhealthy(ess, mass) else self
-        healthy = self.healthy_steps + 1 if thresholds.healthy(ess, mass) else 0
+            return HealthGate(True, 0, self.steps_in_fallback + 1) if thresholds.unhealthy(ess, m2) else self
+        healthy = self.healthy_steps + 1 if thresholds.healthy(ess, m2) else 0
         if healthy >= thresholds.recover_steps:
             return HealthGate(False, 0, self.steps_in_fallback)
         return replace(self, healthy_steps=healthy, steps_in_fallback=self.steps_in_fallback + 1)

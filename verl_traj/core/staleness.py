@@ -23,11 +23,11 @@ The bound (``traj.max_staleness``, ``None`` = none) holds per trajectory and act
   they would be ``g - d + 1`` behind); the group finishes first and trains within the bound. A finished group over the
   bound anyway (a backlog the trainer had no room for, or a rollout pool lagging more than one version) is dropped:
   the bound holds under both policies, ``defer`` only trades waiting for dropping.
-* ``correct``: nothing is dropped or waited for: a group over the bound trains, its stale tokens weighted by verl's
-  rollout correction (``algorithm.rollout_correction.rollout_is``: the importance weight of the trained policy's
-  old log-probs against the rollout's, truncated at ``rollout_is_threshold``), which start-up requires. Neither
-  dropping nor waiting is correlated with length, so what trains has the length distribution the agent produced
-  (``scripts/bench_async_bias.py``); the bound is where the correction takes over, and past it each group is counted.
+* ``correct``: a group over the bound trains, its stale tokens weighted by verl's rollout correction
+  (``algorithm.rollout_correction.rollout_is=token``: the importance weight of the trained policy's old log-probs
+  against the rollout's, truncated at ``rollout_is_threshold``), which start-up requires; no token trains past the
+  hard lag cap ``traj.max_lag``, and a health gate hands over to a fallback where the weights degrade
+  (:mod:`verl_traj.core.offpolicy`). The bound is where the correction takes over, and past it each group is counted.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import numpy as np
 
 from verl_traj.core.errors import TrajInputError
 
-__all__ = ["STALE_GROUP_POLICIES", "VersionTokens", "check_bound", "groups_over_bound", "groups_to_defer", "token_staleness",
-           "token_staleness_metrics", "version_tokens"]
+__all__ = ["STALE_GROUP_POLICIES", "VersionTokens", "check_bound", "groups_over_bound", "groups_to_defer", "stalest",
+           "staleness_of", "token_staleness", "token_staleness_metrics", "version_tokens"]
 
 STALE_GROUP_POLICIES = ("drop", "defer", "correct")
 VersionTokens = Sequence[Sequence[int]]  # [[version, tokens], ...]: one trajectory's generated tokens per version
@@ -83,19 +83,32 @@ def token_staleness(ledgers: Sequence[VersionTokens], trained_version: int) -> t
     return staleness, total.astype(np.int64)
 
 
+def stalest(ledgers: Sequence[VersionTokens]) -> tuple[int, int]:
+    """``(tokens, sum of version x tokens)`` of the trajectory with the lowest token-weighted mean version among
+    ``ledgers`` (compared exactly, as fractions), ``(0, 0)`` where none generated a token. It is the group's stalest
+    against every trained version (staleness is ``trained - mean version``), so a finished group's bound check is
+    learnt once (:func:`staleness_of`), whatever the step."""
+    best = (0, 0)
+    for ledger in ledgers:
+        tokens = sum(int(n) for _, n in ledger)
+        weighted = sum(int(v) * int(n) for v, n in ledger)
+        if tokens and (not best[0] or weighted * best[0] < best[1] * tokens):
+            best = (tokens, weighted)
+    return best
+
+
+def staleness_of(stalest_pair: tuple[int, int], trained_version: int) -> float:
+    """The token staleness of :func:`stalest`'s trajectory against ``trained_version``: its tokens' lags summed
+    exactly (integers), over their count; 0 for no token."""
+    tokens, weighted = stalest_pair
+    return (trained_version * tokens - weighted) / tokens if tokens else 0.0
+
+
 def groups_over_bound(ledgers: Mapping[str, Sequence[VersionTokens]], trained_version: int,
                       bound: float) -> set[str]:
     """The groups (``uid`` -> its trajectories' version tokens) with a trajectory whose token staleness against
     ``trained_version`` exceeds ``bound``."""
-    uids = list(ledgers)
-    flat = [ledger for uid in uids for ledger in ledgers[uid]]
-    if not flat:
-        return set()
-    staleness, _ = token_staleness(flat, trained_version)
-    owner = np.repeat(np.arange(len(uids)), [len(ledgers[uid]) for uid in uids])
-    over = np.zeros(len(uids), dtype=bool)
-    np.logical_or.at(over, owner, staleness > bound)
-    return {uids[i] for i in np.flatnonzero(over)}
+    return {uid for uid, group in ledgers.items() if staleness_of(stalest(group), trained_version) > bound}
 
 
 def groups_to_defer(dispatch_steps: Mapping[str, int], global_steps: int, bound: float) -> set[str]:

@@ -11,7 +11,8 @@ from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentL
 
 from verl_traj.integration.agent_loops.stepwise_agent_loop import StepwiseToolAgentLoop
 
-__all__ = ["TURN_REWARD", "FailingAgentLoop", "InjectedToolCrash", "TurnRewardToolAgentLoop", "injected_failure"]
+__all__ = ["TURN_REWARD", "FailingAgentLoop", "InjectedToolCrash", "SlowAgentLoop", "TurnRewardToolAgentLoop",
+           "injected_failure", "slow_session"]
 
 TURN_REWARD = 0.125  # every LLM call's own reward (exact in binary: the sums the tests compare are exact)
 
@@ -52,3 +53,27 @@ class FailingAgentLoop(SingleTurnAgentLoop):
                 await asyncio.sleep(3600)
             raise InjectedToolCrash(f"injected tool crash in session {kwargs.get('session_id')} of {kwargs['uid']}")
         return await super().run(sampling_params, **kwargs)
+
+
+def slow_session(uid: str, session_id: int, every: int = 3) -> bool:
+    """Which sessions :class:`SlowAgentLoop` holds, the same in every run: session 0 of every group whose uid hashes
+    to 0 mod ``every`` (about one group in ``every`` finishes late)."""
+    return int(session_id) == 0 and zlib.crc32(str(uid).encode()) % every == 0
+
+
+class SlowAgentLoop(SingleTurnAgentLoop):
+    """verl's single-turn loop whose :func:`slow_session` sessions hold their finished answer ``delay_s`` seconds
+    before returning it, like a slow tool or a slow environment: their tokens stay of the policy that sampled them
+    while training moves on, so their group's oldest token falls several versions behind (the lag cap of
+    ``traj.stale_groups=correct`` acts on them, not on a mocked buffer). Selected with an agent-loop yaml: ``- name:
+    single_turn_agent`` / ``_target_: ...SlowAgentLoop`` / ``delay_s: 20`` / ``every: 3``."""
+
+    def __init__(self, *args: Any, delay_s: float = 20.0, every: int = 3, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.delay_s, self.every = float(delay_s), int(every)
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> Any:
+        output = await super().run(sampling_params, **kwargs)
+        if slow_session(kwargs["uid"], kwargs.get("session_id", 0), self.every):
+            await asyncio.sleep(self.delay_s)
+        return output

@@ -39,8 +39,8 @@ def settle_correction(config: Any, traj_config: Optional[TrajConfig] = None) -> 
     said = (f"traj.stale_groups=correct: groups over traj.max_staleness={traj_config.max_staleness} train with token "
             f"weights truncated at {threshold:g}; no trained token is more than traj.max_lag={traj_config.lag_cap} "
             f"versions old (a group past it: traj.correct_fallback={traj_config.correct_fallback}); the fallback "
-            f"also takes over while the off-policy ESS < {traj_config.offpolicy_min_ess:g} or the truncated mass > "
-            f"{traj_config.offpolicy_max_truncated_mass:g} (traj_offpolicy/*)")
+            f"also takes over while the off-policy ESS of the truncated weights < {traj_config.offpolicy_min_ess:g} or "
+            f"their mean squared log-ratio > {traj_config.offpolicy_max_log_ratio_m2:g} (traj_offpolicy/*)")
     sampler = config.trainer.v1.sampler
     if sampler.get("max_off_policy_threshold") is None or sampler.get("max_off_policy_strategy", "drop") != "drop":
         return said

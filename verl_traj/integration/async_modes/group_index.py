@@ -14,15 +14,18 @@ verl_traj's tags of them, or cleared them (a failed one). So each group is read 
 forgotten at the first refresh whose listing no longer has its prompt key (verl clears it when it evicts or samples
 the group): the index holds the groups the partition holds, never more.
 
-Pure module (stdlib, and the tag names of :mod:`verl_traj.core.session_ledger`): no verl, no TransferQueue.
+Pure module (stdlib, the tag names of :mod:`verl_traj.core.session_ledger` and the core's staleness reads): no verl,
+no TransferQueue.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AbstractSet, Collection, Mapping
+from typing import AbstractSet, Collection, Mapping, Optional
 
+from verl_traj.core.offpolicy import first_version
 from verl_traj.core.session_ledger import LENGTH_TAG, VERSION_TOKENS_TAG
+from verl_traj.core.staleness import stalest
 
 __all__ = ["GroupFacts", "GroupIndex", "NO_FACTS"]
 
@@ -34,22 +37,27 @@ class GroupFacts:
     """One terminal group's stored rows, read once. ``keys``: its row keys in storage order; ``sessions``: the
     sessions with a row (``{uid}_{session}``, distinct); ``ledgers`` / ``lengths``: the
     :data:`~verl_traj.core.session_ledger.VERSION_TOKENS_TAG` / :data:`~verl_traj.core.session_ledger.LENGTH_TAG` of
-    the rows that carry one (a session's last row), in the same order."""
+    the rows that carry one (a session's last row), in the same order; ``stalest`` / ``first_version``: what the
+    staleness bound and the lag cap read of the ledgers (:func:`~verl_traj.core.staleness.stalest`,
+    :func:`~verl_traj.core.offpolicy.first_version`), learnt once: a poll checks each group in O(1)."""
 
     keys: tuple = ()
     sessions: int = 0
     ledgers: tuple = ()
     lengths: tuple = ()
+    stalest: tuple = (0, 0)
+    first_version: Optional[int] = None
 
     @classmethod
     def of(cls, keys: list[str], rows: Mapping[str, Mapping]) -> "GroupFacts":
         """The facts of a group whose row keys were seen as ``keys`` (those no longer in ``rows`` are skipped: a
         failed session cleared them)."""
         tags = [(key, rows[key]) for key in keys if key in rows]
+        ledgers = tuple(tag[VERSION_TOKENS_TAG] for _, tag in tags if VERSION_TOKENS_TAG in tag)
         return cls(keys=tuple(key for key, _ in tags),
-                   sessions=len({key.rsplit("_", 1)[0] for key, _ in tags}),
-                   ledgers=tuple(tag[VERSION_TOKENS_TAG] for _, tag in tags if VERSION_TOKENS_TAG in tag),
-                   lengths=tuple(tag[LENGTH_TAG] for _, tag in tags if LENGTH_TAG in tag))
+                   sessions=len({key.rsplit("_", 1)[0] for key, _ in tags}), ledgers=ledgers,
+                   lengths=tuple(tag[LENGTH_TAG] for _, tag in tags if LENGTH_TAG in tag),
+                   stalest=stalest(ledgers), first_version=first_version(ledgers))
 
 
 NO_FACTS = GroupFacts()

@@ -30,14 +30,13 @@ from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServer
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.session_ledger import VERSION_TOKENS_TAG, current_ledger
 from verl_traj.integration.async_modes.correction import settle_correction
-from verl_traj.core.offpolicy import HealthGate, HealthThresholds, groups_over_lag
-from verl_traj.core.staleness import groups_over_bound, groups_to_defer
+from verl_traj.core.offpolicy import HealthGate, HealthThresholds, gate_statistics
+from verl_traj.core.staleness import groups_over_bound, groups_to_defer, staleness_of
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AttemptRecorder", "Deferral", "StaleGroupPolicy", "TrajFullyAsyncLLMServerClient", "TrajLLMServerClient",
-           "check_recording", "recording_client_class",
-           "settle_staleness"]
+           "check_recording", "recording_client_class", "settle_staleness"]
 
 
 class AttemptRecorder(LLMServerClient):
@@ -135,7 +134,9 @@ class StaleGroupPolicy:
 
     Under ``correct`` a group over ``max_staleness`` trains (counted) while the :class:`HealthGate` is closed and no
     token of it passes ``lag_cap``; a group past the cap, and while the gate is open every group over the bound, gets
-    ``correct_fallback`` (:attr:`acting_policy`). The trainer moves the gate once a step (:meth:`observe_health`)."""
+    ``correct_fallback`` (:attr:`acting_policy`). ``defer`` never discards: while the gate is open the running groups
+    are waited for at ``max_staleness`` (fresh samples from then on), and the groups already finished within the cap
+    still train corrected. The trainer moves the gate once a step (:meth:`observe_health`)."""
 
     max_staleness: Optional[float] = None
     stale_group_policy = "drop"
@@ -158,12 +159,19 @@ class StaleGroupPolicy:
         before = self.health_gate
         self.health_gate = before.after(weight_metrics, self.health_thresholds)
         if self.health_gate.active != before.active:
-            logger.warning("verl_traj: traj.stale_groups=correct %s: off-policy ESS %.3f, truncated mass %.3f "
-                           "(thresholds %s)", f"hands over to traj.correct_fallback={self.correct_fallback}"
-                           if self.health_gate.active else "takes back over from the fallback",
-                           weight_metrics.get("traj_offpolicy/ess", 1.0),
-                           weight_metrics.get("traj_offpolicy/truncated_mass", 0.0), self.health_thresholds)
+            move = (f"hands over to traj.correct_fallback={self.correct_fallback}" if self.health_gate.active
+                    else "takes back over from the fallback")
+            logger.warning("verl_traj: traj.stale_groups=correct %s: off-policy ESS (truncated) %.3f, mean squared "
+                           "log-ratio %.4f (thresholds %s)", move,
+                           *gate_statistics(weight_metrics), self.health_thresholds)
         return self.health_gate.metrics()
+
+    def restore_health(self, gate: HealthGate) -> None:
+        """Resume: the gate as the checkpoint left it, said where open (the next samplings follow the fallback)."""
+        self.health_gate = gate
+        if gate.active:
+            logger.warning("verl_traj: traj.stale_groups=correct resumes in fallback (traj.correct_fallback=%s), as "
+                           "checkpointed after %d steps in it", self.correct_fallback, gate.steps_in_fallback)
 
     @property
     def acting_policy(self) -> str:
@@ -177,12 +185,13 @@ class StaleGroupPolicy:
         stale, dapo, failed, counts = super()._terminal_eviction_reasons(global_steps, partition_id)
         if self.max_staleness is None or partition_id == "val":
             return stale, dapo, failed, counts
-        ledgers = self._group_ledgers(partition_id, failed)
-        over = (groups_over_bound(ledgers, global_steps - 1, self.max_staleness)
-                if self.acting_policy != "correct" else set())
-        past_cap = groups_over_lag(ledgers, global_steps - 1, self.lag_cap) if self.lag_cap is not None else set()
+        facts, trained = self._group_facts(partition_id, failed), global_steps - 1
+        over = ({uid for uid, f in facts.items() if staleness_of(f.stalest, trained) > self.max_staleness}
+                if self._evicts_over_bound else set())
+        past_cap = ({uid for uid, f in facts.items() if f.first_version is not None
+                     and trained - f.first_version > self.lag_cap} if self.lag_cap is not None else set())
         self._over_bound = (over | past_cap) - stale  # verl's own bound counts its own
-        self._past_cap = past_cap - over - stale
+        self._past_cap = past_cap - stale  # past the cap, whether or not the open gate drops it for the bound too
         return stale | over | past_cap, dapo, failed, counts
 
     def _evict_terminal_groups(self, global_steps: int, partition_id: str, eviction_reasons: tuple) -> tuple:
@@ -192,6 +201,11 @@ class StaleGroupPolicy:
             self._log({"traj_staleness/groups_dropped_total": float(len(dropped)),
                        "traj_offpolicy/groups_past_cap_dropped_total": float(len(past_cap))})
         return super()._evict_terminal_groups(global_steps, partition_id, eviction_reasons)
+
+    @property
+    def _evicts_over_bound(self) -> bool:
+        """A finished group over ``max_staleness`` is dropped: under ``drop``, ``defer``, and ``correct``'s ``drop``."""
+        return self.acting_policy == "drop" or self.stale_group_policy == "defer"
 
     def _defer_bound(self) -> Optional[float]:
         """The lag over which a running group is waited for: ``max_staleness`` under ``defer`` (and ``correct``'s
@@ -229,7 +243,7 @@ class StaleGroupPolicy:
 
     def _corrected(self, batch: Any, global_steps: int) -> int:
         """``correct``: the sampled groups over the bound, which train under the rollout correction (0 otherwise)."""
-        if self.acting_policy != "correct":
+        if self.stale_group_policy != "correct" or self._evicts_over_bound:
             return 0
         ledgers: dict[str, list] = {}
         for key, tag in zip(batch.keys, batch.tags):
@@ -241,14 +255,15 @@ class StaleGroupPolicy:
     def _deferral(self) -> "Deferral":
         return self.__dict__.setdefault("_deferral_state", Deferral())
 
-    def _group_ledgers(self, partition_id: str, failed_evicted: set) -> dict[str, list]:
-        """The version tokens of the trajectories of each group that could train: finished, or failed and kept for
-        its survivors (``traj.failed_groups=keep_survivors``: failed groups not in ``failed_evicted``), from their
-        last rows' tags. A group whose rows carry none is refused (the versions of its tokens are unknown)."""
+    def _group_facts(self, partition_id: str, failed_evicted: set) -> dict[str, Any]:
+        """The :class:`~verl_traj.integration.async_modes.group_index.GroupFacts` of each group that could train:
+        finished, or failed and kept for its survivors (``traj.failed_groups=keep_survivors``: failed groups not in
+        ``failed_evicted``), learnt once from their last rows' tags. A group whose rows carry no version tokens is
+        refused (the versions of its tokens are unknown)."""
         index = self.group_index(partition_id)  # FailedGroupPolicy's: each group's rows, read once (group_index.py)
         kept = {uid for uid in self.failure_keys[partition_id] - set(failed_evicted) if index.group(uid).keys}
-        ledgers = {uid: list(index.group(uid).ledgers) for uid in self.finished_keys[partition_id] | kept}
-        missing = [uid for uid, found in ledgers.items() if not found]
+        facts = {uid: index.group(uid) for uid in self.finished_keys[partition_id] | kept}
+        missing = [uid for uid, found in facts.items() if not found.ledgers]
         if missing:
             raise TrajConfigError(
                 f"traj.max_staleness={self.max_staleness} is set, but the rows of group {missing[0]!r} carry no "
@@ -258,7 +273,7 @@ class StaleGroupPolicy:
                 "CPU server do), keep actor_rollout_ref.rollout.agent.agent_loop_manager_class as verl_traj sets it "
                 "(or subclass TrajAgentLoopManagerTQ), or unset traj.max_staleness.",
                 field="traj.max_staleness")
-        return ledgers
+        return facts
 
 
 @dataclass

@@ -270,7 +270,7 @@ class TrajV1Mixin(CompleteCheckpoints):
 
     def _restore_traj_checkpoint_state(self, state: dict) -> None:
         if isinstance(getattr(self, "replay_buffer", None), StaleGroupPolicy) and "health_gate" in state:
-            self.replay_buffer.health_gate = HealthGate.from_state(state["health_gate"])
+            self.replay_buffer.restore_health(HealthGate.from_state(state["health_gate"]))
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
         metrics.update(trajectory_metrics(batch, global_steps))
