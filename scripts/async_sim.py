@@ -56,6 +56,20 @@ class MemoryKV:
         for key in keys:
             items.pop(key, None)
 
+    def get_client(self) -> "MemoryKV":
+        """TransferQueue's client, for the reads by key of :func:`v1_failures._read_tags`: this object."""
+        return self
+
+    def kv_retrieve_meta(self, keys, partition_id: str, create: bool = False) -> SimpleNamespace:
+        """The stored ``keys``' metadata in TransferQueue's shape: ``size``, ``global_indexes`` (here the keys),
+        ``custom_meta`` (the tags); keys not stored are left out."""
+        items = self.tags.get(partition_id, {})
+        found = [key for key in keys if key in items]
+        return SimpleNamespace(size=len(found), global_indexes=found, custom_meta=[dict(items[k]) for k in found])
+
+    def kv_retrieve_keys(self, global_indexes, partition_id: str) -> list:
+        return list(global_indexes)
+
 
 @dataclass
 class Session:
@@ -204,7 +218,7 @@ class Simulation:
         """The buffer's and the failure policy's ``tq`` module is :class:`MemoryKV` while the buffer samples."""
         kept = verl_buffer.tq, v1_failures.tq
         verl_buffer.tq = v1_failures.tq = SimpleNamespace(kv_list=self.kv.kv_list, kv_put=self.kv.kv_put,
-                                                            kv_clear=self.kv.kv_clear)
+                                                            kv_clear=self.kv.kv_clear, get_client=self.kv.get_client)
         try:
             yield
         finally:

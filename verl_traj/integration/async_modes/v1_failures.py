@@ -207,13 +207,8 @@ class FailedGroupPolicy:
 def _read_tags(keys: list[str], partition_id: str) -> dict[str, dict]:
     """key -> tag of the stored ``keys`` of ``partition_id``, in one request: TransferQueue's KV interface lists only
     whole partitions (1.2-2.4 s at 125K keys on 2 shared cores, scripts/bench_replay_poll.py), its client reads the
-    given keys' metadata (``kv_retrieve_meta``, whose ``custom_meta`` are the tags; keys not stored are left out). A
-    store without a client (``scripts/async_sim.py``'s in-memory stand-in) is listed."""
-    get_client = getattr(tq, "get_client", None)
-    if get_client is None:
-        listed = (tq.kv_list(partition_id=partition_id) or {}).get(partition_id, {})
-        return {key: listed[key] for key in keys if key in listed}
-    client = get_client()
+    given keys' metadata (``kv_retrieve_meta``, whose ``custom_meta`` are the tags; keys not stored are left out)."""
+    client = tq.get_client()
     meta = client.kv_retrieve_meta(keys=list(keys), partition_id=partition_id, create=False)
     if meta.size == 0:
         return {}
