@@ -8,6 +8,7 @@ from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.estimators import ESTIMATORS, step_row_estimators
+from verl_traj.integration.rows.gigpo import register_gigpo
 from verl_traj.integration.startup.verl_checks import validate_against_verl
 from verl_traj.stepwise.advantages import (StepwiseAdvantageError, broadcast_step_advantages, check_stepwise_estimator,
                                            last_step_rows)
@@ -176,8 +177,9 @@ def test_estimators_without_a_per_trajectory_scalar_rejected(name):
     """The outcome path takes scalar-outcome estimators only: temporal ones run on the timeline
     (tests/stepwise/test_timeline.py), per-token baselines and gdpo not on step rows at all."""
     rows, rewards, mask, uid, traj, last = _two_groups_batch()
-    with pytest.raises(StepwiseAdvantageError, match="traj.step_wise|timeline"):
+    with pytest.raises(StepwiseAdvantageError, match="traj.step_wise|timeline") as refused:
         trajectory_advantages(rewards, mask, uid, traj, last, estimator_fn=lambda **k: None, estimator_name=name)
+    assert "set algorithm.adv_estimator" in str(refused.value) or "set traj.step_wise" in str(refused.value)
 
 
 def test_unknown_estimator_needs_opt_in_and_scalar_output():
@@ -197,6 +199,9 @@ def test_unknown_estimator_needs_opt_in_and_scalar_output():
 
 
 def test_all_known_scalar_estimators_are_registered_in_verl():
+    """verl's own, and ``gigpo`` once verl_traj registers it, as start-up does (regression: the test passed only
+    after another test file had imported the integration package)."""
+    register_gigpo()  # start-up's registration, here on its own
     for name in step_row_estimators():
         assert callable(get_adv_estimator_fn(name))
 

@@ -267,8 +267,13 @@ def compute_trajectory_advantages(
     """
     name = check_stepwise_estimator(estimator_name, allow_custom=allow_custom)
     if estimator_traits(name).temporal:  # per token: verl_traj.stepwise.timeline, not once per trajectory
-        raise StepwiseAdvantageError(f"estimator {name!r} is temporal: call stepwise.timeline.timeline_advantages",
-                                     field="adv_estimator")
+        raise StepwiseAdvantageError(
+            f"algorithm.adv_estimator={name!r} is temporal (a value per token, across turns), but it reached the "
+            "step-wise outcome entry (compute_trajectory_advantages), which scores each trajectory once. Fix: set "
+            "algorithm.adv_estimator to an outcome estimator (grpo, rloo, reinforce_plus_plus, ...) for this entry; "
+            f"to keep {name!r}, let verl_traj's trainer compute the advantages (it runs temporal estimators over each "
+            "trajectory's timeline itself, stepwise.timeline.timeline_advantages).",
+            field="algorithm.adv_estimator")
     checked_rows(token_level_rewards, response_mask)
     rows = response_mask.shape[0]
     traj_index = checked_traj_index(traj_index, rows)
