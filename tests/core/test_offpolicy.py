@@ -1,5 +1,6 @@
 """``verl_traj.core.offpolicy``: each trajectory's max lag, the groups past the cap, the token-weighted lag
-percentile, the weights' health figures and the gate's hysteresis, against brute-force references."""
+percentile, the weights' health figures, the gate's hysteresis, and the bounded read's sample of whole trajectories,
+against brute-force references."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_traj.core.offpolicy import (HEALTH, HealthGate, HealthThresholds, gate_statistics, groups_over_lag, lag_stats,
-                                      max_lags, weight_health)
+                                      max_lags, sample_trajectory_rows, weight_health)
 from verl_traj.core.staleness import version_tokens
 
 LEDGER = st.lists(st.tuples(st.integers(0, 6), st.integers(0, 40)), max_size=6).map(version_tokens)
@@ -118,3 +119,31 @@ def test_the_gate_reads_statistics_one_token_cannot_swing():
     assert min(h["traj_offpolicy/ess"] for h in mild) < 0.3
     assert not any(th.unhealthy(*gate_statistics(h)) for h in mild)
     assert all(th.unhealthy(*gate_statistics(h)) for h in draws(math.sqrt(1e-2 * 8)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 30), max_size=120), st.integers(1, 60), st.integers(0, 2**32 - 1))
+def test_the_read_sample_is_whole_trajectories_within_the_budget(trajectory, budget, seed):
+    """Under the budget every row; over it whole trajectories (every row of a chosen one), at most the budget unless
+    one trajectory alone is over it, never none; the same for the seed, whatever the row order."""
+    codes = np.array(trajectory, dtype=np.int64)
+    rows = sample_trajectory_rows(codes, budget, seed)
+    assert rows.dtype == np.int64 and np.all(np.diff(rows) > 0)
+    if codes.size <= budget:
+        assert rows.tolist() == list(range(codes.size))
+        return
+    chosen = set(codes[rows].tolist())
+    assert chosen and set(np.flatnonzero(np.isin(codes, list(chosen))).tolist()) == set(rows.tolist())  # whole
+    largest = np.bincount(codes).max()
+    assert rows.size <= budget or (len(chosen) == 1 and rows.size == largest)
+    assert np.array_equal(rows, sample_trajectory_rows(codes, budget, seed))  # deterministic
+    order = np.random.default_rng(seed).permutation(codes.size)
+    assert set(codes[order][sample_trajectory_rows(codes[order], budget, seed)].tolist()) == chosen  # row order
+
+
+def test_the_read_sample_changes_with_the_seed_and_covers_every_trajectory_over_seeds():
+    """A seed per step: different steps read different trajectories, and over steps every one is read."""
+    codes = np.repeat(np.arange(100), 3)  # 300 rows, 3 per trajectory, budget 30: 10 trajectories a step
+    picks = [frozenset(codes[sample_trajectory_rows(codes, 30, seed)].tolist()) for seed in range(200)]
+    assert all(len(p) == 10 for p in picks) and len(set(picks)) > 190
+    assert set().union(*picks) == set(range(100))

@@ -234,6 +234,15 @@ def broadcast_step_advantages(
     return per_row.unsqueeze(-1) * response_mask.to(dtype)
 
 
+def _temporal_at_outcome_entry(name: str) -> StepwiseAdvantageError:
+    return StepwiseAdvantageError(
+        f"algorithm.adv_estimator={name!r} is temporal (a value per token, across turns), but it reached the "
+        "step-wise outcome entry (compute_trajectory_advantages), which scores each trajectory once. Fix: set "
+        "algorithm.adv_estimator to an outcome estimator (grpo, rloo, reinforce_plus_plus, ...) for this entry; "
+        f"to keep {name!r}, let verl_traj's trainer compute the advantages (it runs temporal estimators over each "
+        "trajectory's timeline itself, stepwise.timeline.timeline_advantages).", field="algorithm.adv_estimator")
+
+
 def compute_trajectory_advantages(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -267,13 +276,7 @@ def compute_trajectory_advantages(
     """
     name = check_stepwise_estimator(estimator_name, allow_custom=allow_custom)
     if estimator_traits(name).temporal:  # per token: verl_traj.stepwise.timeline, not once per trajectory
-        raise StepwiseAdvantageError(
-            f"algorithm.adv_estimator={name!r} is temporal (a value per token, across turns), but it reached the "
-            "step-wise outcome entry (compute_trajectory_advantages), which scores each trajectory once. Fix: set "
-            "algorithm.adv_estimator to an outcome estimator (grpo, rloo, reinforce_plus_plus, ...) for this entry; "
-            f"to keep {name!r}, let verl_traj's trainer compute the advantages (it runs temporal estimators over each "
-            "trajectory's timeline itself, stepwise.timeline.timeline_advantages).",
-            field="algorithm.adv_estimator")
+        raise _temporal_at_outcome_entry(name)
     checked_rows(token_level_rewards, response_mask)
     rows = response_mask.shape[0]
     traj_index = checked_traj_index(traj_index, rows)

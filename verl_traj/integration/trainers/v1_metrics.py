@@ -18,7 +18,7 @@ import torch
 import transfer_queue as tq
 
 from verl_traj.core.length_bias import LengthBudget, Lengths, bias_metrics
-from verl_traj.core.offpolicy import lag_stats, weight_health
+from verl_traj.core.offpolicy import lag_stats, sample_trajectory_rows, weight_health
 from verl_traj.core.row_key import parse_row_keys
 from verl_traj.core.row_tags import MERGE_TAG, turn_reward_entries
 from verl_traj.core.session_ledger import LENGTH_TAG, TOOL_CALLS_TAG, VERSION_TOKENS_TAG
@@ -29,6 +29,8 @@ from verl_traj.stepwise.prefix_merge import MergeStats
 __all__ = ["RolloutBusy", "StepPadding", "last_rows_of_trajectories", "length_bias_metrics", "offpolicy_metrics",
            "length_budget", "stepwise_metrics",
            "tool_call_metrics", "trajectory_metrics"]
+
+OFFPOLICY_READ_ROWS = 4096  # the most rows offpolicy_metrics reads a step (sample_trajectory_rows: why this many)
 
 
 def stepwise_metrics(tags: list[dict]) -> dict[str, float]:
@@ -112,55 +114,63 @@ def offpolicy_metrics(batch: Any, global_steps: int, truncation: Optional[float]
     largest gap between the rollout's and the actor's token probabilities (verl's ``training/rollout_probs_diff_max``
     restricted to them), ``traj_version/current_policy_probs_diff_max``: rounding level where the rollout runs the
     synced weights (CPU fp32: ~1e-8); an order of the policy's per-step change where it does not;
-    ``traj_version/current_policy_rows``: how many (nothing where none). And, with
+    ``traj_version/current_policy_rows``: how many were checked (nothing where none). And, with
     ``truncation`` (``traj.stale_groups=correct``: verl's ``rollout_is_threshold``), ``traj_offpolicy/*``: the
     token weights' health (:func:`~verl_traj.core.offpolicy.weight_health`) over the off-policy trajectories (a row
     with a token older than the trained policy makes its trajectory one) and over all (``*_all``), the lag of every
     trained token from the trajectories' version tokens (:func:`~verl_traj.core.offpolicy.lag_stats`), and the
     weight-weighted length ratio ``traj_bias/tokens_mean_ratio_weighted`` (what the truncated weights leave of each
-    trajectory's tokens, against the plain mean: truncation can shorten what the update effectively sees)."""
+    trajectory's tokens, against the plain mean: truncation can shorten what the update effectively sees).
+
+    The read is bounded: past :data:`OFFPOLICY_READ_ROWS` rows to check (all real rows with ``truncation``, else the
+    current policy's), it reads a sample of whole trajectories seeded by ``global_steps``
+    (:func:`~verl_traj.core.offpolicy.sample_trajectory_rows`); ``traj_offpolicy/rows_read`` says how many rows. The
+    lag and the count of off-policy trajectories come from the tags: every row."""
     tags, current = batch.tags, global_steps - 1
-    real = [i for i, t in enumerate(tags) if not t.get("is_padding", False)]
-    on_policy = np.array([tags[i].get("min_global_steps") == current == tags[i].get("max_global_steps") for i in real])
-    rows = real if truncation is not None else [i for i, on in zip(real, on_policy) if on]
-    if not rows:
+    real = np.flatnonzero([not t.get("is_padding", False) for t in tags])
+    on_policy = np.array([tags[i].get("min_global_steps") == current == tags[i].get("max_global_steps") for i in real],
+                         dtype=bool)
+    checked = np.flatnonzero(on_policy if truncation is None else np.ones(real.size, dtype=bool))  # into real
+    if not checked.size:
         return {}
-    data = tq.kv_batch_get(keys=[batch.keys[i] for i in rows], partition_id=batch.partition_id,
+    trajectory = np.unique(parse_row_keys([batch.keys[i] for i in real]).traj_id.astype(str), return_inverse=True)[1]
+    read = checked[sample_trajectory_rows(trajectory[checked], OFFPOLICY_READ_ROWS, global_steps)]
+    data = tq.kv_batch_get(keys=[batch.keys[i] for i in real[read]], partition_id=batch.partition_id,
                            select_fields=["old_log_probs", "rollout_log_probs", "response_mask"])
     padded = {k: (v.to_padded_tensor(0.0) if getattr(v, "is_nested", False) else v).float() for k, v in data.items()}
-    mask = padded["response_mask"]
-    on = torch.as_tensor(on_policy if truncation is not None else np.ones(len(rows), bool))
+    on = torch.as_tensor(on_policy[read])
     out = {}
-    if on.any():
-        gap = (padded["old_log_probs"].exp() - padded["rollout_log_probs"].exp()).abs() * mask
-        out = {"traj_version/current_policy_probs_diff_max": float(gap[on].max()),
-               "traj_version/current_policy_rows": float(on.sum())}
+    if on.any():  # the gap [K, R] is not kept past its maximum
+        gap = float(((padded["old_log_probs"].exp() - padded["rollout_log_probs"].exp()).abs()
+                     * padded["response_mask"])[on].max())
+        out = {"traj_version/current_policy_probs_diff_max": gap, "traj_version/current_policy_rows": float(on.sum())}
     if truncation is None:
         return out
-    return {**out, **_weight_metrics(batch, rows, padded, truncation, current)}
+    return {**out, **_weight_metrics(batch, real, trajectory, read, padded, truncation, current)}
 
 
-def _weight_metrics(batch: Any, rows: list[int], padded: dict, truncation: float, current: int) -> dict[str, float]:
-    """``traj_offpolicy/*`` and the weighted length ratio of :func:`offpolicy_metrics`, ``rows`` the real rows read."""
+def _weight_metrics(batch: Any, real: np.ndarray, trajectory: np.ndarray, read: np.ndarray, padded: dict,
+                    truncation: float, current: int) -> dict[str, float]:
+    """``traj_offpolicy/*`` and the weighted length ratio of :func:`offpolicy_metrics`: ``real`` ``[B]`` the real
+    rows, ``trajectory`` ``[B]`` their trajectories (dense codes), ``read`` ``[K]`` the positions in ``real`` of the
+    rows read (whole trajectories), ``padded`` their fields ``[K, R]``."""
     log_ratio, mask = padded["old_log_probs"] - padded["rollout_log_probs"], padded["response_mask"].bool()
-    keys = parse_row_keys([batch.keys[i] for i in rows])
-    trajectory = np.unique(keys.traj_id.astype(str), return_inverse=True)[1]
-    stale_row = np.array([int(batch.tags[i].get("min_global_steps", current)) < current for i in rows])
+    stale_row = np.array([int(batch.tags[i].get("min_global_steps", current)) < current for i in real], dtype=bool)
     stale_traj = np.zeros(trajectory.max() + 1, bool)
     np.logical_or.at(stale_traj, trajectory, stale_row)
-    off = torch.as_tensor(stale_traj[trajectory])[:, None] & mask
+    off = torch.as_tensor(stale_traj[trajectory[read]])[:, None] & mask
     out = {**weight_health(log_ratio, off, truncation), **weight_health(log_ratio, mask, truncation, "_all"),
-           "traj_offpolicy/trajectories": float(stale_traj.sum()),
+           "traj_offpolicy/trajectories": float(stale_traj.sum()), "traj_offpolicy/rows_read": float(read.size),
            "traj_offpolicy/token_share": float(off.sum()) / max(float(mask.sum()), 1.0)}
-    ledgers = [batch.tags[i][VERSION_TOKENS_TAG] for i in rows if VERSION_TOKENS_TAG in batch.tags[i]]
+    ledgers = [batch.tags[i][VERSION_TOKENS_TAG] for i in real if VERSION_TOKENS_TAG in batch.tags[i]]
     out.update(lag_stats(ledgers, current))
-    weight = torch.exp(log_ratio.double()).clamp(max=truncation) * mask  # the truncated token weights
+    weight = log_ratio.to(torch.float64, copy=True).exp_().clamp_(max=truncation).mul_(mask)  # truncated weights
     per_traj = torch.zeros(stale_traj.size, dtype=torch.float64)
     tokens = torch.zeros_like(per_traj)
-    index = torch.as_tensor(trajectory)
+    index = torch.as_tensor(trajectory[read])
     per_traj.index_add_(0, index, weight.sum(-1))
     tokens.index_add_(0, index, mask.sum(-1).double())
-    has = tokens > 0
+    has = tokens > 0  # the trajectories read (with a loss token)
     if has.any():  # each trajectory weighted by its mean truncated weight, against the plain mean length
         omega, length = per_traj[has] / tokens[has], tokens[has]
         if float(omega.sum()) > 0:
