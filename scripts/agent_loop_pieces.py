@@ -13,7 +13,7 @@ import copy
 import time
 from typing import Any, Awaitable, Callable
 
-from verl_traj.core.row_tags import MERGE_TAG
+from verl_traj.core.rollout.row_tags import MERGE_TAG
 from verl_traj.integration.agent_loops.stepwise_agent_loop import truncate_calls
 from verl_traj.integration.agent_loops.v1_agent_loop import step_outputs
 from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, decode_step_records, encode_step_records, trajectory_step_rows

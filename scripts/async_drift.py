@@ -9,9 +9,9 @@ variance ``rate * sum over its tokens of k``, so at agent lengths the sequence w
 while each token's stays that of its own lag.
 
 Per step, over the trained trajectories: the token weights' health as the trainer logs it
-(:func:`~verl_traj.core.offpolicy.weight_health`, truncation ``C``: verl's ``rollout_is=token``), the same for one
+(:func:`~verl_traj.core.rollout.offpolicy.weight_health`, truncation ``C``: verl's ``rollout_is=token``), the same for one
 weight per trajectory (the product of its tokens' ratios: what ``rollout_is=sequence`` with
-``traj.ratio_scope=trajectory`` weighs), the lag (:func:`~verl_traj.core.offpolicy.lag_stats`), and the tokens the
+``traj.ratio_scope=trajectory`` weighs), the lag (:func:`~verl_traj.core.rollout.offpolicy.lag_stats`), and the tokens the
 truncated weights leave (their sum over the tokens' count).
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from verl_traj.core.offpolicy import lag_stats, weight_health
+from verl_traj.core.rollout.offpolicy import lag_stats, weight_health
 
 SAFETY_BOUND = 20.0  # verl's rollout_corr_helper bound on a log-ratio
 

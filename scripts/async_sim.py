@@ -29,9 +29,9 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 from async_drift import drift_metrics
 
 from verl_traj.config import TrajConfig
-from verl_traj.core.failures import failure_tag
-from verl_traj.core.session_ledger import LENGTH_TAG, VERSION_TOKENS_TAG
-from verl_traj.core.staleness import token_staleness_metrics
+from verl_traj.core.rollout.failures import failure_tag
+from verl_traj.core.rollout.session_ledger import LENGTH_TAG, VERSION_TOKENS_TAG
+from verl_traj.core.rollout.staleness import token_staleness_metrics
 from verl_traj.integration.async_modes import v1_failures
 from verl_traj.integration.async_modes.v1_failures import group_policy_class, with_group_policies
 from verl_traj.integration.trainers.v1_metrics import length_bias_metrics

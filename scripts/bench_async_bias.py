@@ -52,8 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from async_sim import Knobs, Simulation  # noqa: E402
 
 from verl_traj.config import DEFAULT_MAX_LAG, TrajConfig  # noqa: E402
-from verl_traj.core.length_bias import LengthBudget, pooled_bias  # noqa: E402
-from verl_traj.core.offpolicy import gate_statistics  # noqa: E402
+from verl_traj.core.rollout.length_bias import LengthBudget, pooled_bias  # noqa: E402
+from verl_traj.core.rollout.offpolicy import gate_statistics  # noqa: E402
 from verl_traj.testing.swebench import DATA_FILE, load_trajectories  # noqa: E402
 
 
@@ -155,7 +155,7 @@ def _steady(steady: list, key: str, default: float = 0.0) -> np.ndarray:
 def summarise(sim: Simulation, steady: list, cohort: tuple[int, int]) -> dict:
     """The run's figures (module docstring): time over the ``steady`` steps, bias over the ``cohort`` of groups
     dispatched in steps ``(cohort[0], cohort[1]]``, trained whenever (the run goes on long enough for them); the
-    logged bracket pooled over the steady steps (:func:`~verl_traj.core.length_bias.pooled_bias`)."""
+    logged bracket pooled over the steady steps (:func:`~verl_traj.core.rollout.length_bias.pooled_bias`)."""
     wall = sum(s["step_s"] for s in steady)
     group = [x for x in sim.dispatched if cohort[0] < x.dispatch_step <= cohort[1]]
     trained = [x for x in group if f"{x.uid}_{x.sid}_0" in sim.trained]

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Benchmark: how many flex-attention kernels a run of many tree sizes compiles, and whether any call falls back to
-flex's eager path (the dense ``[H, N, N]`` scores), for :mod:`verl_traj.core.tree_flex`.
+flex's eager path (the dense ``[H, N, N]`` scores), for :mod:`verl_traj.core.kernels.tree_flex`.
 
 Each size is a GRPO-shaped tree (a prompt of a quarter of the tokens, then 512-token responses under it), forwarded
-through :func:`~verl_traj.core.tree_flex.tree_attention_flex` with grad disabled (the old-log-prob / reference passes)
+through :func:`~verl_traj.core.kernels.tree_flex.tree_attention_flex` with grad disabled (the old-log-prob / reference passes)
 and enabled (the update; on CUDA its inputs require grad and the backward runs, on CPU a forward only: flex has no CPU
 backward), at dynamo's default settings (recompile limit 8). Variants, each in a fresh process (dynamo's cache is per
 process):
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch.nn.attention.flex_attention as flex_module  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
-from verl_traj.core import tree_flex  # noqa: E402
+from verl_traj.core.kernels import tree_flex  # noqa: E402
 
 SIZES = "60,703,1114,1967,2511,3008,3119,4187,4711"  # 9 sizes over 5 buckets (the CPU test's)
 

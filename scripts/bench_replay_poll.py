@@ -43,10 +43,10 @@ from omegaconf import OmegaConf
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
 from verl_traj.config import TrajConfig
-from verl_traj.core.failures import (FAILURE_TAG_PREFIX, failed_groups_to_evict, failure_metrics, failure_tag,
+from verl_traj.core.rollout.failures import (FAILURE_TAG_PREFIX, failed_groups_to_evict, failure_metrics, failure_tag,
                                      fatal_failure)
-from verl_traj.core.session_ledger import LENGTH_TAG, VERSION_TOKENS_TAG, current_ledger
-from verl_traj.core.staleness import groups_over_bound
+from verl_traj.core.rollout.session_ledger import LENGTH_TAG, VERSION_TOKENS_TAG, current_ledger
+from verl_traj.core.rollout.staleness import groups_over_bound
 from verl_traj.integration.async_modes import v1_failures, v1_staleness
 from verl_traj.integration.async_modes.cut_lengths import CutLengths, failed_lengths
 from verl_traj.integration.async_modes.v1_failures import FailedGroupPolicy, poll_interval, run_session
@@ -214,7 +214,7 @@ def _timed(fn: Any, *args: Any) -> float:
 
 
 # inside the hooks: TransferQueue's reads (by key now, the partition's listing before) and the staleness check
-# (core/staleness.py's groups_over_bound, the same code both ways: O(sessions of the groups held) a poll)
+# (core/rollout/staleness.py's groups_over_bound, the same code both ways: O(sessions of the groups held) a poll)
 PARTS = {"reads": 0.0, "bound": 0.0}
 
 

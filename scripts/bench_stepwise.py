@@ -25,7 +25,7 @@ time: the slowest DP rank's workload summed over mini-batches (what a synchronou
 consecutive trajectories of one repo.
 
 Part 2 (issue 29): tokens forwarded per update, one row per call / linear merge / prefix tree
-(``verl_traj.core.prefix_tree.tree_token_count``), for
+(``verl_traj.core.trees.prefix_tree.tree_token_count``), for
 
 * the SWE data with ``--break-probs`` of the turn boundaries re-tokenised; one tree per trajectory (its step rows;
   the trajectories are different tasks and share no prompt);
@@ -51,7 +51,7 @@ from typing import Any, Collection, Optional, Sequence
 import numpy as np
 import torch
 
-from verl_traj.core.prefix_tree import tree_token_count
+from verl_traj.core.trees.prefix_tree import tree_token_count
 from verl_traj.stepwise.prefix_merge import MergedRow, MergeStats, merge_trajectory_steps
 from verl_traj.testing.swebench import DATA_FILE, load_trajectories
 
@@ -212,8 +212,8 @@ def plan_time(rows_tokens, rows_loss, rows_uid, rows_traj, rows_step, rows_last,
     try:
         if planner == "model":
             raise ImportError("--planner model")
-        from verl_traj.core.layout import build_layout_from_counts
-        from verl_traj.core.planning import plan_mini_batches
+        from verl_traj.core.plan.layout import build_layout_from_counts
+        from verl_traj.core.plan.planning import plan_mini_batches
     except Exception as exc:  # planner not landed yet (or forced off)
         method = (f"workload model (verl calculate_workload, groups LPT over mini-batches, rows greedy over {dp} ranks; "
                   f"core planner not used: {exc})")

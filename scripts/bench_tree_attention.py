@@ -7,7 +7,7 @@ rule (an extra child of a token hangs under a copy of that token), as the traine
 leaves of the tree's (or the rows') token count; every variant runs forward then backward of the same upstream
 gradient. Variants, side by side in each repeat (round-robin, so drift hits them alike; medians reported):
 
-* ``tree/blocked``  -- :func:`verl_traj.core.tree_attention.tree_attention` (the reference: query blocks against
+* ``tree/blocked``  -- :func:`verl_traj.core.kernels.tree_attention.tree_attention` (the reference: query blocks against
   their visible keys, recompute in backward);
 * ``rows/blocked``  -- the same kernel on the rows packed one after another (each row its own chain): same code,
   so the ratio is the tree's saving alone;
@@ -15,7 +15,7 @@ gradient. Variants, side by side in each repeat (round-robin, so drift hits them
   mask, autograd backward);
 * ``rows/sdpa``     -- each row separately through causal ``scaled_dot_product_attention`` (per-row training);
 * ``--device cuda`` adds ``tree/flex`` and ``rows/flex``: compiled ``flex_attention`` with
-  :func:`~verl_traj.core.tree_attention.tree_block_mask` (compile excluded from the timings).
+  :func:`~verl_traj.core.kernels.tree_attention.tree_block_mask` (compile excluded from the timings).
 
 ``max_err`` is the largest difference between a variant's per-row outputs (gathered from the tree) and the
 ``rows/sdpa`` outputs, in the run's dtype.
@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from verl_traj.core.tree_attention import (per_row_causal_attention, tree_attention, tree_attention_blocks,  # noqa
+from verl_traj.core.kernels.tree_attention import (per_row_causal_attention, tree_attention, tree_attention_blocks,  # noqa
                                            tree_attention_pairs, tree_block_mask)
 
 VOCAB = 32000

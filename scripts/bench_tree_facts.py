@@ -5,11 +5,11 @@ tree facts (now), per pass, and what the driver pays once per step.
 Torch (and numpy) only: no verl. Variants, each per micro-batch (medians of ``--repeats``, round-robin):
 
 * ``worker/rows``  -- what every tree pass did per micro-batch before: the ids copied to the host, the trie built
-  there (:func:`~verl_traj.core.prefix_tree.build_prefix_tree`) and checked
-  (:func:`~verl_traj.core.tree_attention.check_tree`), the tree copied back to the device;
-* ``worker/facts`` -- now: :func:`~verl_traj.core.tree_facts.tree_from_facts` on the rows' device (scatters and a
+  there (:func:`~verl_traj.core.trees.prefix_tree.build_prefix_tree`) and checked
+  (:func:`~verl_traj.core.kernels.tree_attention.check_tree`), the tree copied back to the device;
+* ``worker/facts`` -- now: :func:`~verl_traj.core.trees.tree_facts.tree_from_facts` on the rows' device (scatters and a
   cumulative sum, the exactness checks counted there);
-* ``driver/facts`` -- :func:`~verl_traj.core.tree_facts.micro_batch_tree_facts` on the host, once per step for all
+* ``driver/facts`` -- :func:`~verl_traj.core.trees.tree_facts.micro_batch_tree_facts` on the host, once per step for all
   passes (old log-probs, reference, values, every update epoch).
 
 ``syncs`` counts the ``aten::_local_scalar_dense`` calls of one build (the profiler records one per ``.item()`` /
@@ -41,9 +41,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from verl_traj.core.prefix_tree import build_prefix_tree  # noqa: E402
-from verl_traj.core.tree_attention import check_tree  # noqa: E402
-from verl_traj.core.tree_facts import micro_batch_tree_facts, tree_from_facts  # noqa: E402
+from verl_traj.core.trees.prefix_tree import build_prefix_tree  # noqa: E402
+from verl_traj.core.kernels.tree_attention import check_tree  # noqa: E402
+from verl_traj.core.trees.tree_facts import micro_batch_tree_facts, tree_from_facts  # noqa: E402
 
 VOCAB = 32000
 

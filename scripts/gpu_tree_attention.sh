@@ -40,8 +40,8 @@ except Exception as e:
 print("cuda available", torch.cuda.is_available())
 if torch.cuda.is_available():
     print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
-import verl_traj.core.tree_attention  # noqa: F401  (torch + numpy only)
-print("import verl_traj.core.tree_attention: ok")
+import verl_traj.core.kernels.tree_attention  # noqa: F401  (torch + numpy only)
+print("import verl_traj.core.kernels.tree_attention: ok")
 EOF
 } 2>&1 | tee "$OUT/env.txt"
 

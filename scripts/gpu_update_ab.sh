@@ -161,7 +161,7 @@ except Exception as e:
 for m in ("verl.workers.engine_workers", "verl.workers.engine.fsdp.transformer_impl", "verl.workers.utils.losses",
           "verl.utils.seqlen_balancing", "verl.workers.utils.padding", "verl_traj.testing.engine",
           "verl_traj.testing.trainers", "verl_traj.integration.workers.engine_workers", "verl_traj.integration.workers.losses",
-          "verl_traj.integration.tree.tree_forward", "verl_traj.core.tree_flex"):
+          "verl_traj.integration.tree.tree_forward", "verl_traj.core.kernels.tree_flex"):
     importlib.import_module(m)
 print(f"import verl, verl_traj and the update's modules: ok ({time.time() - t0:.1f}s)")
 EOF

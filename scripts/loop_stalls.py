@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 
 import transfer_queue as tq
 
-from verl_traj.core.session_ledger import current_ledger, session_ledger
+from verl_traj.core.rollout.session_ledger import current_ledger, session_ledger
 
 __all__ = ["LoopMonitor", "StallReport", "failing_sessions", "owner_of"]
 

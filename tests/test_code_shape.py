@@ -505,6 +505,53 @@ def test_driver_code_imports_no_worker_or_agent_loop_module():
     assert not wrong, wrong
 
 
+CORE = "verl_traj.core"
+CORE_ROOT = {"errors.py", "keys.py", "sorting.py"}  # what every core folder may import
+
+
+def _core_folders() -> dict[str, Path]:
+    return {path.name: path for path in sorted((PACKAGE / "core").iterdir())
+            if path.is_dir() and (path / "__init__.py").exists()}
+
+
+def _core_folder_of(module: str) -> Optional[str]:
+    parts = module.split(".")
+    return parts[2] if module.startswith(CORE + ".") and len(parts) > 3 else None
+
+
+def test_the_core_is_folders_that_say_who_runs_them():
+    """Issue 54, item 1: at most 12 modules a folder, each folder's docstring says who runs it and what it may
+    import; at the root only the modules every folder shares."""
+    loose = {p.name for p in (PACKAGE / "core").glob("*.py")} - CORE_ROOT - {"__init__.py"}
+    assert not loose, f"core modules outside a folder: {sorted(loose)}"
+    for name, folder in _core_folders().items():
+        modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+        assert 0 < len(modules) <= MAX_FOLDER_MODULES, (name, len(modules))
+        doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+        assert sum(line.startswith("Runs on:") for line in doc.splitlines()) == 1, f"core/{name}: a 'Runs on:' line"
+        assert _may_import(folder) <= set(_core_folders()) - {name}, name
+    described = ast.get_docstring(ast.parse((PACKAGE / "core" / "__init__.py").read_text())) or ""
+    assert all(f"verl_traj.core.{name}" in described for name in _core_folders()), "core/__init__.py maps them"
+
+
+def test_the_docs_name_every_core_folder():
+    """docs/architecture.md's and docs/design.md's folder tables match the tree (issue 54, item 6)."""
+    for doc in ("architecture.md", "design.md"):
+        text = (PACKAGE.parent / "docs" / doc).read_text()
+        row = next(line for line in text.splitlines() if line.startswith("| `verl_traj/core/` |"))
+        assert all(f"`{name}/`" in row for name in _core_folders()), (doc, sorted(_core_folders()))
+
+
+def test_every_core_import_is_one_its_folder_allows_and_they_form_an_order():
+    folders = _core_folders()
+    allowed = {name: _may_import(folder) for name, folder in folders.items()}
+    assert not import_cycles(allowed), import_cycles(allowed)
+    wrong = sorted(f"{module} -> {target}" for module, targets in import_graph().items() for target in targets
+                   if _core_folder_of(module) and _core_folder_of(target) not in (None, _core_folder_of(module))
+                   and _core_folder_of(target) not in allowed[_core_folder_of(module)])
+    assert not wrong, wrong
+
+
 def test_the_core_imports_no_adapter():
     graph = import_graph()
     wrong = sorted(f"{m} -> {t}" for m in graph if m.startswith(("verl_traj.core", "verl_traj.stepwise"))

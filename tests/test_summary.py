@@ -1,6 +1,6 @@
 """``python -m verl_traj.summary``: the run's account in words, on hand-written metric rows."""
 
-from verl_traj.core.length_bias import LengthBudget, Lengths, bias_metrics
+from verl_traj.core.rollout.length_bias import LengthBudget, Lengths, bias_metrics
 from verl_traj.summary import summarize
 
 

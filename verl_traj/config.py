@@ -5,7 +5,7 @@ the fix, with one error class (:class:`TrajConfigError`). Checks of ``traj:`` ag
 :mod:`verl_traj.integration.startup.verl_checks`; everything the driver checks before training starts runs once, in
 :func:`verl_traj.integration.startup.checks.check_startup`. Pure module (no verl import). The choices are the core's own
 names (one place each): the loss aggregation modes are the core's registry
-(:func:`verl_traj.core.loss_weights.loss_weight_modes`).
+(:func:`verl_traj.core.plan.loss_weights.loss_weight_modes`).
 
 Defaults are the right ones for multi-turn data: trajectory-aware mini-batches on, whole GRPO groups
 kept in one mini-batch, DP balancing on. ``traj.enable=false`` gives stock verl behaviour (the
@@ -20,15 +20,15 @@ import weakref
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, Union
 
-from verl_traj.core.balancing import WORKLOAD_MODELS
+from verl_traj.core.plan.balancing import WORKLOAD_MODELS
 from verl_traj.core.errors import TrajInputError, check_choice
-from verl_traj.core.estimators import STEP_GROUP_BASELINES
-from verl_traj.core.failures import FAILED_GROUP_POLICIES
+from verl_traj.core.plan.estimators import STEP_GROUP_BASELINES
+from verl_traj.core.rollout.failures import FAILED_GROUP_POLICIES
 from verl_traj.core.keys import IS_LAST_STEP, PLAN_KEYS
-from verl_traj.core.loss_weights import loss_weight_modes
-from verl_traj.core.planning import GROUP_BY_CHOICES, MINI_BATCH_BALANCE_CHOICES
-from verl_traj.core.offpolicy import FALLBACKS, HealthThresholds
-from verl_traj.core.staleness import STALE_GROUP_POLICIES, check_bound
+from verl_traj.core.plan.loss_weights import loss_weight_modes
+from verl_traj.core.plan.planning import GROUP_BY_CHOICES, MINI_BATCH_BALANCE_CHOICES
+from verl_traj.core.rollout.offpolicy import FALLBACKS, HealthThresholds
+from verl_traj.core.rollout.staleness import STALE_GROUP_POLICIES, check_bound
 from verl_traj.stepwise.ratios import RATIO_SCOPES
 
 __all__ = [
@@ -43,7 +43,7 @@ __all__ = [
 # traj.max_lag under stale_groups=correct when unset: chosen by scripts/bench_async_bias.py (docs/trainers.md)
 DEFAULT_MAX_LAG = 8
 
-# traj.padded_cap: what the micro-batch cap bounds without remove-padding (core.packing cost "padded" / "padded_area")
+# traj.padded_cap: what the micro-batch cap bounds without remove-padding (core.plan.packing cost "padded" / "padded_area")
 PADDED_CAP_CHOICES = ("tokens", "area")
 
 
@@ -104,14 +104,14 @@ class TrajConfig:
         failed_groups: v1: what happens to a GRPO group in which a rollout failed (its agent loop raised or timed out):
             ``"drop"`` (default: the whole group leaves the batch, a fresh prompt replaces it) or ``"keep_survivors"``
             (train the finished sessions, the baseline over them; a group with none is dropped).
-            :mod:`verl_traj.core.failures`.
+            :mod:`verl_traj.core.rollout.failures`.
         trajectory_timeout_s: v1: seconds one session (trajectory) may run, tools and generation included, before it
             fails with reason ``timeout`` (then ``failed_groups`` applies); ``None``: no deadline.
         replay_poll_s: v1: seconds between the trainer's checks that the step's groups are done (verl's replay buffer
             ``poll_interval``, 2.0 in verl and not in its config: generation then ends on a 2-second tick).
         max_staleness: v1 async modes: the most a trajectory's token staleness may be when it trains (the
             token-weighted mean of how many policy versions each generated token is behind the trained policy);
-            ``None``: no bound. :mod:`verl_traj.core.staleness`.
+            ``None``: no bound. :mod:`verl_traj.core.rollout.staleness`.
         stale_groups: what the bound does with a group that has a trajectory over it: ``"drop"`` (default: the whole
             group leaves, a fresh prompt replaces it), ``"defer"`` (the trainer waits for running groups that would
             pass it at the next step; a finished group over it anyway is dropped) or ``"correct"`` (it trains, its
@@ -120,7 +120,7 @@ class TrajConfig:
         max_lag: the hard cap on every trained token's lag (policy versions between the one that sampled it and the
             one trained), over which a group gets the ``stale_groups`` policy (``correct``: ``correct_fallback``).
             ``None``: none, except under ``correct``, which caps at :data:`DEFAULT_MAX_LAG` (:attr:`lag_cap`).
-            :mod:`verl_traj.core.offpolicy`.
+            :mod:`verl_traj.core.rollout.offpolicy`.
         correct_fallback: ``correct``: what a group past ``max_lag`` gets, and every group over ``max_staleness``
             while the importance weights are unhealthy: ``"defer"`` (default: the trainer waits for it, no length
             bias) or ``"drop"``.

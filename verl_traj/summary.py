@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Optional
 
-from verl_traj.core.length_bias import CENSORED, TAIL_MASS_LIMIT, pooled_bias
+from verl_traj.core.rollout.length_bias import CENSORED, TAIL_MASS_LIMIT, pooled_bias
 from verl_traj.metrics_log import load_metrics, moving_average, reward_key
 
 __all__ = ["summarize"]
@@ -100,7 +100,7 @@ def _bracket(pooled: dict, measure: str) -> str:
 
 
 def _line_length_bias(rows: list[dict]) -> Optional[str]:
-    """``traj_bias/*`` over the run, pooled exactly (:func:`~verl_traj.core.length_bias.pooled_bias`): the mean
+    """``traj_bias/*`` over the run, pooled exactly (:func:`~verl_traj.core.rollout.length_bias.pooled_bias`): the mean
     length of what trained against all that finished or was let go, as a bracket where trajectories were censored
     (the lower end puts them at the agent's budget, the upper is Kaplan-Meier's), "upper bound only" where any step
     flagged its upper end as a bound; how many were let go per cause, and the share censored per cause."""

@@ -35,7 +35,7 @@ from verl_traj.core import (
     register_loss_weight,
     resolve_pad_token_id,
 )
-from verl_traj.core.loss_weights import LOSS_WEIGHT_FNS
+from verl_traj.core.plan.loss_weights import LOSS_WEIGHT_FNS
 from verl_traj.stepwise.advantages import StepwiseAdvantageError, trajectory_scores
 from verl_traj.stepwise.expand import StepExpansionError, decode_step_records, encode_step_records, expand_step_rows
 from verl_traj.testing import random_batch, verl_tensors

@@ -1,4 +1,4 @@
-"""``verl_traj.core.failures``: which failed groups leave the batch, and the counts logged about them."""
+"""``verl_traj.core.rollout.failures``: which failed groups leave the batch, and the counts logged about them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from verl_traj.core.failures import (FAILURE_TAG_PREFIX, failed_groups_to_evict, failure_metrics, failure_reason,
+from verl_traj.core.rollout.failures import (FAILURE_TAG_PREFIX, failed_groups_to_evict, failure_metrics, failure_reason,
                                      failure_tag, min_survivors)
 
 UIDS = st.sets(st.sampled_from([f"u{i}" for i in range(12)]))
@@ -61,7 +61,7 @@ def test_reasons_and_tags():
 
 def test_a_refusal_of_the_loops_contract_is_tagged_fatal_and_raised_and_a_refusal_of_one_rollouts_data_is_not():
     from verl_traj.core.errors import TrajInputError
-    from verl_traj.core.failures import FATAL_TAG, fatal_failure
+    from verl_traj.core.rollout.failures import FATAL_TAG, fatal_failure
 
     contract = failure_tag(2, TrajInputError("step_rewards returned 2 rewards for 3 LLM calls", field="step_rewards",
                                              every_rollout=True))

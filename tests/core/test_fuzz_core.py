@@ -30,7 +30,7 @@ from verl_traj.core import (
     register_loss_weight,
     resolve_pad_token_id,
 )
-from verl_traj.core.loss_weights import LOSS_WEIGHT_FNS
+from verl_traj.core.plan.loss_weights import LOSS_WEIGHT_FNS
 from verl_traj.testing import random_batch, verl_tensors
 
 
@@ -622,7 +622,7 @@ def test_the_clean_checks_stay_one_pass_whatever_the_batch_size():
 
 def test_balancing_and_the_estimator_registry_refuse_with_a_field():
     from verl_traj.core import balance_equal_size, calculate_workload
-    from verl_traj.core.estimators import EstimatorTraits, register_estimator_traits
+    from verl_traj.core.plan.estimators import EstimatorTraits, register_estimator_traits
 
     assert _refuses(calculate_workload, np.array([3, 4]), "flops").field == "workload"
     assert _refuses(balance_equal_size, np.array([1, 2, 3]), np.zeros(3, dtype=np.int64), 1, 2).field == "block"

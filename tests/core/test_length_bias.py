@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.length_bias import CENSORED, Lengths, bias_metrics, ks_distance, mean_ratio
+from verl_traj.core.rollout.length_bias import CENSORED, Lengths, bias_metrics, ks_distance, mean_ratio
 
 lengths = st.lists(st.integers(0, 5_000), min_size=0, max_size=40)
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.length_bias import (TAIL_MASS_LIMIT, LengthBudget, Lengths, bias_metrics, budget_mean,
+from verl_traj.core.rollout.length_bias import (TAIL_MASS_LIMIT, LengthBudget, Lengths, bias_metrics, budget_mean,
                                         km_tail_mass, pooled_bias)
 
 MEDIAN_TOKENS, TOKENS_PER_TURN = 1_000.0, 250.0

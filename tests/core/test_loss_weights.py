@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_traj.core import compute_loss_weights, loss_weight_modes, register_loss_weight
-from verl_traj.core.loss_weights import LOSS_WEIGHT_FNS
+from verl_traj.core.plan.loss_weights import LOSS_WEIGHT_FNS
 
 MODES = list(loss_weight_modes())
 

@@ -1,4 +1,4 @@
-"""``verl_traj.core.offpolicy``: each trajectory's max lag, the groups past the cap, the token-weighted lag
+"""``verl_traj.core.rollout.offpolicy``: each trajectory's max lag, the groups past the cap, the token-weighted lag
 percentile, the weights' health figures, the gate's hysteresis, and the bounded read's sample of whole trajectories,
 against brute-force references."""
 
@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_traj.core.offpolicy import (HEALTH, HealthGate, HealthThresholds, gate_statistics, groups_over_lag, lag_stats,
+from verl_traj.core.rollout.offpolicy import (HEALTH, HealthGate, HealthThresholds, gate_statistics, groups_over_lag, lag_stats,
                                       max_lags, sample_trajectory_rows, weight_health)
-from verl_traj.core.staleness import version_tokens
+from verl_traj.core.rollout.staleness import version_tokens
 
 LEDGER = st.lists(st.tuples(st.integers(0, 6), st.integers(0, 40)), max_size=6).map(version_tokens)
 

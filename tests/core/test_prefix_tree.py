@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.prefix_tree import (
+from verl_traj.core.trees.prefix_tree import (
     IGNORE_INDEX,
     attention_pairs,
     build_prefix_tree,

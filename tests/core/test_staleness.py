@@ -1,4 +1,4 @@
-"""``verl_traj.core.staleness``: tokens per policy version, each trajectory's token staleness, the groups the bound
+"""``verl_traj.core.rollout.staleness``: tokens per policy version, each trajectory's token staleness, the groups the bound
 drops and the running groups ``defer`` waits for, against brute-force references."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.staleness import (check_bound, groups_over_bound, groups_to_defer, stalest, staleness_of,
+from verl_traj.core.rollout.staleness import (check_bound, groups_over_bound, groups_to_defer, stalest, staleness_of,
                                       token_staleness, token_staleness_metrics, version_tokens)
 
 ATTEMPTS = st.lists(st.tuples(st.integers(0, 6), st.integers(0, 50)), max_size=8)  # (version, tokens) per attempt

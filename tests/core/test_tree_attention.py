@@ -1,4 +1,4 @@
-"""verl_traj.core.tree_attention: the tree's attention gathered per row equals per-row causal attention (outputs and
+"""verl_traj.core.kernels.tree_attention: the tree's attention gathered per row equals per-row causal attention (outputs and
 gradients), the layout checks, the flex block mask, the guard against trees in a plain varlen attention, and the
 benchmark script's output structure. Tries are built by hand here (a Python trie with the branch-copy rule)."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.tree_attention import (TreeAttentionError, check_tree, globalize_subtree_end,
+from verl_traj.core.kernels.tree_attention import (TreeAttentionError, check_tree, globalize_subtree_end,
                                            per_row_causal_attention, position_resets_look_like_sequences,
                                            refuse_tree_in_plain_attention, tree_attention, tree_attention_blocks,
                                            tree_attention_pairs, tree_block_mask, tree_branch_points, tree_depths)

@@ -1,6 +1,6 @@
-"""verl_traj.core.tree_attention on CUDA: the blocked ``tree_attention`` (forward + backward) and compiled
+"""verl_traj.core.kernels.tree_attention on CUDA: the blocked ``tree_attention`` (forward + backward) and compiled
 ``flex_attention`` with ``tree_block_mask`` against per-row causal attention, on trees from
-:func:`verl_traj.core.prefix_tree.build_prefix_tree` (GRPO group, step rows with branches, identical / prefix rows,
+:func:`verl_traj.core.trees.prefix_tree.build_prefix_tree` (GRPO group, step rows with branches, identical / prefix rows,
 rows sharing nothing), GQA heads.
 
 Reference: :func:`per_row_causal_attention` in fp64 on the same device, each row's q / k / v gathered from the
@@ -8,7 +8,7 @@ tree's leaves with ``row_index`` (so the gradients of both sides land on the sam
 1e-4 (relative to the largest reference value); bf16 is reported and held to a loose bound (4x the error of
 per-row bf16 sdpa, at least 2e-2 relative). Every tree is padded to ``N_PAD`` tokens with single-token roots (a
 valid forest, the last 128-block partial: the blocked kernel and the block-mask check see it). Flex runs as production
-runs it (:mod:`verl_traj.core.tree_flex`: the tree padded on to the 1,024 bucket, symbolic length, dynamo's default
+runs it (:mod:`verl_traj.core.kernels.tree_flex`: the tree padded on to the 1,024 bucket, symbolic length, dynamo's default
 recompile limit, a limit hit raises instead of running the dense eager path): one kernel per dtype and grad mode.
 
 Skipped without CUDA (``VERL_TRAJ_TREE_ATTN_DEVICE=cpu`` runs the same checks on the CPU, flex excepted: it has no
@@ -26,8 +26,8 @@ import os
 import pytest
 import torch
 
-from verl_traj.core.prefix_tree import build_prefix_tree
-from verl_traj.core.tree_attention import (check_tree, per_row_causal_attention, tree_attention, tree_block_mask)
+from verl_traj.core.trees.prefix_tree import build_prefix_tree
+from verl_traj.core.kernels.tree_attention import (check_tree, per_row_causal_attention, tree_attention, tree_block_mask)
 
 DEVICE = os.environ.get("VERL_TRAJ_TREE_ATTN_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
@@ -126,10 +126,10 @@ def report():
 @pytest.fixture(scope="module")
 def flex():
     """Compiled ``flex_attention`` with ``tree_block_mask`` as production calls it
-    (:func:`~verl_traj.core.tree_flex.flex_tree_attention`: symbolic length, ``fullgraph``, dynamo's default recompile
+    (:func:`~verl_traj.core.kernels.tree_flex.flex_tree_attention`: symbolic length, ``fullgraph``, dynamo's default recompile
     limit, a limit hit raises instead of running the eager path), on the tree padded as production pads it (to a
     multiple of ``BUCKET`` with single-token roots; ``tree_block_mask``'s partial last block is checked below)."""
-    from verl_traj.core.tree_flex import bucketed, flex_tree_attention
+    from verl_traj.core.kernels.tree_flex import bucketed, flex_tree_attention
 
     def attend(q, k, v, se):
         n, pad = se.numel(), bucketed(se.numel()) - se.numel()
@@ -192,16 +192,16 @@ def test_block_mask_on_device_matches_dense(case):
             assert bool(blocks[qb, kb].all())
 
 
-# ---- the engine's CUDA kernel: verl_traj.core.tree_flex (dynamic length, one compile per dtype and grad mode) -----
+# ---- the engine's CUDA kernel: verl_traj.core.kernels.tree_flex (dynamic length, one compile per dtype and grad mode) -----
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("case", sorted(cases()))
 def test_engine_flex_kernel_equals_rows(case, dtype_name, report):
-    """:func:`~verl_traj.core.tree_flex.tree_attention_flex` (what the engine path calls on CUDA): N=1000 padded to
+    """:func:`~verl_traj.core.kernels.tree_flex.tree_attention_flex` (what the engine path calls on CUDA): N=1000 padded to
     one 1024 bucket, the same accuracy bound as the blocked kernel."""
     if DEVICE == "cpu":
         pytest.skip("flex_attention has no backward on the CPU")
-    from verl_traj.core.tree_flex import FlexTree, tree_attention_flex
+    from verl_traj.core.kernels.tree_flex import FlexTree, tree_attention_flex
 
     check(case, dtype_name, "engine/flex", lambda q, k, v, se: tree_attention_flex(q, k, v, FlexTree(se)), report)
 
@@ -215,7 +215,7 @@ def test_engine_flex_compiles_once_per_dtype_and_grad_mode(monkeypatch):
     import torch.nn.attention.flex_attention as flex_module
     from torch._dynamo.utils import counters
 
-    from verl_traj.core.tree_flex import FlexTree, tree_attention_flex
+    from verl_traj.core.kernels.tree_flex import FlexTree, tree_attention_flex
 
     eager = []
     monkeypatch.setattr(flex_module, "_warn_once", lambda warning_id, *args, **kwargs: eager.append(warning_id))

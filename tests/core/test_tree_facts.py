@@ -1,4 +1,4 @@
-"""Trees planned on the driver, built on the device (``verl_traj.core.tree_facts``, issue 40): property tests over the
+"""Trees planned on the driver, built on the device (``verl_traj.core.trees.tree_facts``, issue 40): property tests over the
 random row sets of ``test_prefix_tree`` cut into random micro-batches.
 
 Invariants: the tree a worker builds from the shipped facts and its rows is the builder's tree of those rows
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from tests.core.test_prefix_tree import PROPS, row_sets
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.prefix_tree import attention_pairs, build_prefix_tree, row_attention_pairs
-from verl_traj.core.tree_facts import micro_batch_tree_facts, plan_sources, tree_from_facts
+from verl_traj.core.trees.prefix_tree import attention_pairs, build_prefix_tree, row_attention_pairs
+from verl_traj.core.trees.tree_facts import micro_batch_tree_facts, plan_sources, tree_from_facts
 
 
 def _inputs(rows: list, facts, members: list, dense: bool = False, device: str = "cpu"):

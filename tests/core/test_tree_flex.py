@@ -1,4 +1,4 @@
-"""The engine's CUDA tree kernel (:mod:`verl_traj.core.tree_flex`), forward on the CPU (torch's flex attention has a
+"""The engine's CUDA tree kernel (:mod:`verl_traj.core.kernels.tree_flex`), forward on the CPU (torch's flex attention has a
 CPU forward, no CPU backward; the backward and bf16 run in tests/core/test_tree_attention_cuda.py on a GPU): random
 prefix trees of different sizes equal the blocked reference kernel; trees of any size share one compiled kernel per
 grad mode, at dynamo's production settings (recompile limit 8), and never take flex's eager path (the dense
@@ -13,10 +13,10 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 from torch._dynamo.utils import counters
 
-from verl_traj.core import tree_flex
-from verl_traj.core.prefix_tree import build_prefix_tree
-from verl_traj.core.tree_attention import TreeAttentionError, tree_attention
-from verl_traj.core.tree_flex import BUCKET, FlexTree, bucketed, flex_kernels, flex_tree_attention, tree_attention_flex
+from verl_traj.core.kernels import tree_flex
+from verl_traj.core.trees.prefix_tree import build_prefix_tree
+from verl_traj.core.kernels.tree_attention import TreeAttentionError, tree_attention
+from verl_traj.core.kernels.tree_flex import BUCKET, FlexTree, bucketed, flex_kernels, flex_tree_attention, tree_attention_flex
 
 HEADS, D = (4, 2, 2), 16
 # (prompt, responses, response length): GRPO groups of 60 to 4,711 tree tokens, 9 sizes over 5 buckets of 1,024

@@ -1,5 +1,5 @@
-"""Every micro-batch's tree at once (``verl_traj.core.trie_layout``, issue 40 item 2) against a reference built one
-tree at a time, row by row, the obvious way; and the rows it takes (``verl_traj.core.token_rows``).
+"""Every micro-batch's tree at once (``verl_traj.core.trees.trie_layout``, issue 40 item 2) against a reference built one
+tree at a time, row by row, the obvious way; and the rows it takes (``verl_traj.core.trees.token_rows``).
 
 Invariants: for random row sets cut into random parts, each row token's tree index and each part's tree size equal
 the reference's (rows sorted as Python sorts id lists, each row's segment start from its common prefix with the
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from tests.core.test_prefix_tree import PROPS, row_sets
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.token_rows import TokenRows, token_rows
-from verl_traj.core.trie_layout import _common_prefix, _prev_smaller, row_index, trie_layout
+from verl_traj.core.trees.token_rows import TokenRows, token_rows
+from verl_traj.core.trees.trie_layout import _common_prefix, _prev_smaller, row_index, trie_layout
 
 
 def _reference_tree(rows: list[list[int]]) -> tuple[list[list[int]], int]:

@@ -19,8 +19,8 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopO
 from verl.trainer.ppo.v1 import agent_loop_tq
 
 from verl_traj.config import TrajConfig
-from verl_traj.core.failures import FAILURE_TAG_PREFIX
-from verl_traj.core.session_ledger import current_ledger, session_ledger
+from verl_traj.core.rollout.failures import FAILURE_TAG_PREFIX
+from verl_traj.core.rollout.session_ledger import current_ledger, session_ledger
 from verl_traj.integration.agent_loops import v1_agent_loop
 from verl_traj.integration.agent_loops.v1_agent_loop import TrajAgentLoopWorkerTQ
 from verl_traj.integration.async_modes import v1_failures

@@ -13,8 +13,8 @@ from verl.trainer.ppo.v1 import replay_buffer as verl_buffer
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
 from verl_traj.config import TrajConfig
-from verl_traj.core.failures import failure_tag
-from verl_traj.core.session_ledger import LENGTH_TAG, VERSION_TOKENS_TAG
+from verl_traj.core.rollout.failures import failure_tag
+from verl_traj.core.rollout.session_ledger import LENGTH_TAG, VERSION_TOKENS_TAG
 from verl_traj.integration.async_modes import v1_failures
 from verl_traj.integration.async_modes.group_index import RECONCILE_SLACK, GroupIndex
 

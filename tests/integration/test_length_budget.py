@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 from transfer_queue import KVBatchMeta
 
 from verl_traj.config import TrajConfigError
-from verl_traj.core.length_bias import LengthBudget, Lengths
-from verl_traj.core.session_ledger import LENGTH_TAG
+from verl_traj.core.rollout.length_bias import LengthBudget, Lengths
+from verl_traj.core.rollout.session_ledger import LENGTH_TAG
 from verl_traj.integration.trainers.v1_metrics import length_bias_metrics, length_budget
 
 ROLLOUT_YAML = Path(verl.__file__).parent / "trainer" / "config" / "rollout" / "rollout.yaml"

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from verl.experimental.agent_loop import tool_parser
 from verl.experimental.agent_loop.tool_parser import HermesToolParser
 
-from verl_traj.core.session_ledger import TOOL_CALLS_TAG, session_ledger
+from verl_traj.core.rollout.session_ledger import TOOL_CALLS_TAG, session_ledger
 from verl_traj.integration.agent_loops.stepwise_agent_loop import (CountingToolParser, StepwiseToolAgentLoop,
                                                                    add_malformed_counter)
 from verl_traj.integration.agent_loops.tool_call_checks import strict_parameters, tool_call_problem

@@ -17,7 +17,7 @@ from verl.trainer.ppo import ray_trainer as rt
 
 from tests.integration import grad_harness as H
 from verl_traj.config import TrajConfig, TrajConfigError
-from verl_traj.core.estimators import estimator_traits
+from verl_traj.core.plan.estimators import estimator_traits
 from verl_traj.core.keys import planned_update_fields
 from verl_traj.integration.config.verl_config import PlanSettings, prepare_config
 from verl_traj.integration.patches.scoped import METRIC_FUNCTIONS, fit_patches, patched

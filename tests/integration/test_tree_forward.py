@@ -22,16 +22,16 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from verl_traj.core import tree_kernel
+from verl_traj.core.kernels import tree_kernel
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import TREE_INDEX, TREE_SIZE_KEY
-from verl_traj.core.prefix_tree import build_prefix_tree, gather_flat
-from verl_traj.core.tree_attention import TreeAttentionError, per_row_causal_attention, refuse_tree_in_plain_attention
-from verl_traj.core.tree_facts import micro_batch_tree_facts
+from verl_traj.core.trees.prefix_tree import build_prefix_tree, gather_flat
+from verl_traj.core.kernels.tree_attention import TreeAttentionError, per_row_causal_attention, refuse_tree_in_plain_attention
+from verl_traj.core.trees.tree_facts import micro_batch_tree_facts
 from verl_traj.cpu.attention import CPU_VARLEN, varlen_attention
 from verl_traj.integration.tree import tree_forward as tree_forward_module
-from verl_traj.core.tree_kernel import TREE_KWARG, TreeAttentionInput, tree_aware_attention
-from verl_traj.core.tree_pass import TreeForwardLog
+from verl_traj.core.kernels.tree_kernel import TREE_KWARG, TreeAttentionInput, tree_aware_attention
+from verl_traj.core.kernels.tree_pass import TreeForwardLog
 from verl_traj.testing.engine import free_port
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from tests.core.test_prefix_tree import PROPS, row_sets
 from verl_traj.core.keys import TREE_INDEX, TREE_SIZE
-from verl_traj.core.tree_facts import micro_batch_tree_facts
+from verl_traj.core.trees.tree_facts import micro_batch_tree_facts
 from verl_traj.integration.trainers.tree_plan_facts import dense_tree_facts, nested_tree_facts
 
 

@@ -21,8 +21,8 @@ from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core import build_layout_from_counts, plan_mini_batches
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import TURN_REWARDS
-from verl_traj.core.row_key import parse_row_keys, row_key, row_key_order
-from verl_traj.core.row_tags import turn_reward_tag, turn_reward_entries
+from verl_traj.core.rollout.row_key import parse_row_keys, row_key, row_key_order
+from verl_traj.core.rollout.row_tags import turn_reward_tag, turn_reward_entries
 from verl_traj.integration.rows.stepwise_rows import stepwise_advantage
 from verl_traj.integration.startup.verl_checks import validate_against_verl
 from verl_traj.integration.trainers import v1 as V1
@@ -100,7 +100,7 @@ def test_planned_advantage_counts_the_copied_reward_once(name, kl_in_reward):
 @pytest.mark.parametrize("name", ["grpo", "gae"])
 @pytest.mark.parametrize("merge", [False, True])
 def test_planned_advantage_puts_turn_rewards_where_v0_does(name, merge):
-    """Turn rewards on v1: the rows' sparse tags (:data:`~verl_traj.core.row_tags.TURN_REWARD_TAG`),
+    """Turn rewards on v1: the rows' sparse tags (:data:`~verl_traj.core.rollout.row_tags.TURN_REWARD_TAG`),
     decoded by the plan's facts, give exactly v0's step-wise advantages (v0 carries the same rewards as a tensor from
     its expansion), for an outcome (GRPO) and a temporal (GAE) estimator, unmerged and merged, and change them."""
     torch.manual_seed(0)
@@ -258,7 +258,7 @@ def test_update_spec_one_derivation_for_both_trainers():
 
 
 def test_stepwise_metrics_sum_the_session_tags():
-    from verl_traj.core.row_tags import MERGE_TAG
+    from verl_traj.core.rollout.row_tags import MERGE_TAG
 
     one = {"rows_before": 3, "rows_after": 1, "tokens_before": 30, "tokens_after": 14, "loss_tokens_before": 6,
            "loss_tokens_after": 6}
@@ -458,7 +458,7 @@ def test_the_policy_versions_verl_reads_are_filled_from_the_recorded_calls_or_re
     crashed inside verl's v1 metrics (int(None))."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
 
-    from verl_traj.core.session_ledger import SessionLedger
+    from verl_traj.core.rollout.session_ledger import SessionLedger
     from verl_traj.integration.agent_loops.v1_agent_loop import check_version_fields
     from verl_traj.stepwise.expand import StepExpansionError
 
@@ -508,8 +508,8 @@ def test_a_steps_length_bias_reads_each_trained_trajectorys_last_row_and_the_cut
     ignored), against what the replay buffer let go, by cause."""
     from transfer_queue import KVBatchMeta
 
-    from verl_traj.core.length_bias import Lengths
-    from verl_traj.core.session_ledger import LENGTH_TAG
+    from verl_traj.core.rollout.length_bias import Lengths
+    from verl_traj.core.rollout.session_ledger import LENGTH_TAG
     from verl_traj.integration.trainers.v1_metrics import length_bias_metrics
 
     keys = ["u1_0_0", "u1_0_1", "u1_1_0", "u2_0_0", "pad_0_0"]

@@ -25,7 +25,7 @@ from verl.workers.rollout.replica import TokenOutput
 
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.session_ledger import LENGTH_TAG, VERSION_TOKENS_TAG, session_ledger
+from verl_traj.core.rollout.session_ledger import LENGTH_TAG, VERSION_TOKENS_TAG, session_ledger
 from verl_traj.integration.async_modes.v1_failures import (POLL_COST_SHARE, FailedGroupPolicy, group_policy_class,
                                                            poll_interval, with_group_policies)
 from verl_traj.integration.async_modes.v1_staleness import (StaleGroupPolicy, TrajFullyAsyncLLMServerClient,
@@ -261,7 +261,7 @@ def test_correct_trains_the_group_over_the_bound_and_counts_it(tq):  # noqa: F81
 def test_a_failed_group_kept_for_its_survivors_is_still_bounded(tq):  # noqa: F811
     """traj.failed_groups=keep_survivors keeps a failed group that has finished sessions; a stale one is dropped all
     the same (the bound holds for every group that could train)."""
-    from verl_traj.core.failures import failure_tag
+    from verl_traj.core.rollout.failures import failure_tag
 
     _clear(tq)
     _put_group(tq, "fresh", 5, [[[5, 8]]])
@@ -281,7 +281,7 @@ def test_a_failed_group_kept_for_its_survivors_is_still_bounded(tq):  # noqa: F8
 def test_keep_survivors_trains_a_failed_group_on_two_or_more_survivors(tq, finished, group_size, kept):  # noqa: F811
     """One survivor has no baseline but itself (verl's estimators would give it its raw score as its advantage): its
     group is dropped and refilled like a group with none; two or more train, exactly the finished sessions."""
-    from verl_traj.core.failures import failure_tag
+    from verl_traj.core.rollout.failures import failure_tag
 
     _clear(tq)
     _put_group(tq, "ragged", 5, [[[5, 4 + i]] for i in range(finished)], status="failure")
@@ -325,7 +325,7 @@ def test_defer_waits_for_a_running_group_that_would_pass_the_bound_and_then_trai
 def test_a_verl_traj_refusal_in_a_rollout_stops_training_with_its_message_instead_of_refilling(tq):  # noqa: F811
     """A loop that records something wrong fails every rollout the same way: dropping and refilling its groups would
     loop for ever. The refusal's message, tagged by the failed session, is raised in the trainer."""
-    from verl_traj.core.failures import failure_tag
+    from verl_traj.core.rollout.failures import failure_tag
     from verl_traj.stepwise.expand import StepExpansionError
 
     _clear(tq)
@@ -344,8 +344,8 @@ def test_a_verl_traj_refusal_in_a_rollout_stops_training_with_its_message_instea
 def test_a_failed_session_leaves_its_length_on_its_prompt_key(tq):  # noqa: F811
     """run_session: a session that raises tags its group with why and with how long it had run (tokens generated,
     LLM calls), so dropping it is counted in traj_bias/* with its length."""
-    from verl_traj.core.failures import CUT_LENGTH_PREFIX, FAILURE_TAG_PREFIX
-    from verl_traj.core.session_ledger import current_ledger
+    from verl_traj.core.rollout.failures import CUT_LENGTH_PREFIX, FAILURE_TAG_PREFIX
+    from verl_traj.core.rollout.session_ledger import current_ledger
     from verl_traj.integration.async_modes.v1_failures import run_session
 
     _clear(tq)

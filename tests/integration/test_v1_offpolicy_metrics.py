@@ -12,8 +12,8 @@ import pytest
 import torch
 from transfer_queue import KVBatchMeta
 
-from verl_traj.core.offpolicy import lag_stats, weight_health
-from verl_traj.core.session_ledger import VERSION_TOKENS_TAG
+from verl_traj.core.rollout.offpolicy import lag_stats, weight_health
+from verl_traj.core.rollout.session_ledger import VERSION_TOKENS_TAG
 from verl_traj.integration.trainers import v1_metrics
 from verl_traj.integration.trainers.v1_metrics import offpolicy_metrics
 

@@ -26,6 +26,6 @@ def test_gspo_on_trees_runs_through_at_most_five_adapter_modules(tiny_home):
     assert set(adapters) == {"workers.engine_workers", "workers.planned_update", "patches.scoped", "tree.tree_forward",
                              "workers.losses"}, adapters
     assert "verl_traj.stepwise.ratios" in case["core_modules"]  # the pre-pass ran (its arithmetic)
-    assert "verl_traj.core.tree_kernel" in case["core_modules"]  # the tree attention ran
+    assert "verl_traj.core.kernels.tree_kernel" in case["core_modules"]  # the tree attention ran
     assert case["stack_at_loss"][0] == "verl_traj.integration.workers.engine_workers"
     assert case["first_update_only"] == ["verl_traj.integration.patches.process"]  # the one-time install, set-up

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from verl_traj.core.prefix_tree import tree_token_count
+from verl_traj.core.trees.prefix_tree import tree_token_count
 from verl_traj.stepwise.prefix_merge import merge_trajectory_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

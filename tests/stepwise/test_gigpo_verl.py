@@ -16,7 +16,7 @@ from verl.trainer.ppo import ray_trainer
 
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.keys import ADVANTAGE_METRICS, STEP_ANCHORS
-from verl_traj.core.row_tags import anchor_entries
+from verl_traj.core.rollout.row_tags import anchor_entries
 from verl_traj.integration.agent_loops.v1_agent_loop import step_outputs
 from verl_traj.integration.patches.scoped import fit_patches, patched
 from verl_traj.stepwise.expand import expand_step_rows
@@ -25,8 +25,8 @@ from verl_traj.testing import step_record_batch, token_trajectory
 from omegaconf import OmegaConf
 
 from tests.integration.test_v1_adapter import _v1_view
-from verl_traj.core.row_key import parse_row_keys
-from verl_traj.core.row_tags import anchor_tag
+from verl_traj.core.rollout.row_key import parse_row_keys
+from verl_traj.core.rollout.row_tags import anchor_tag
 from verl_traj.integration.rows.stepwise_rows import stepwise_advantage
 from verl_traj.integration.trainers.v1_advantage import planned_advantage
 from verl_traj.testing.batches import as_dataproto

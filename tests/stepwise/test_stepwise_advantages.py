@@ -7,7 +7,7 @@ import torch
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
 from verl_traj.config import TrajConfig, TrajConfigError
-from verl_traj.core.estimators import ESTIMATORS, step_row_estimators
+from verl_traj.core.plan.estimators import ESTIMATORS, step_row_estimators
 from verl_traj.integration.rows.gigpo import register_gigpo
 from verl_traj.integration.startup.verl_checks import validate_against_verl
 from verl_traj.stepwise.advantages import (StepwiseAdvantageError, broadcast_step_advantages, check_stepwise_estimator,

@@ -270,7 +270,7 @@ def test_v1_step_rows_carry_turn_rewards_as_sparse_tags(merge):
     Stock verl (``turn_rewards=False``: ``traj.enable=false``) has no channel and refuses them by name."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
 
-    from verl_traj.core.row_tags import turn_reward_entries
+    from verl_traj.core.rollout.row_tags import turn_reward_entries
 
     from verl_traj.integration.agent_loops.v1_agent_loop import step_outputs
     from verl_traj.stepwise.expand import StepExpansionError, encode_step_records
@@ -353,10 +353,10 @@ def test_trajectory_ratios_give_step_rows_and_merged_rows_the_same_weights(rs):
 
 def test_a_wrong_turn_reward_count_is_refused_as_a_contract_every_rollout_breaks():
     """Regression (issue 31 review): step_rewards of the wrong length raised a plain ValueError, so v1 dropped and
-    refilled its groups for ever; now a StepExpansionError that stops training (core.failures.FATAL_TAG)."""
+    refilled its groups for ever; now a StepExpansionError that stops training (core.rollout.failures.FATAL_TAG)."""
     from types import SimpleNamespace
 
-    from verl_traj.core.failures import FATAL_TAG, failure_tag
+    from verl_traj.core.rollout.failures import FATAL_TAG, failure_tag
     from verl_traj.stepwise.expand import StepExpansionError
 
     class Server:

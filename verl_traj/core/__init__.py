@@ -1,4 +1,14 @@
-"""Pure trajectory-aware batching core (torch + numpy only; never imports verl, ray or transformers).
+"""The pure core (torch + numpy only; never imports verl, ray or transformers), in folders by who runs them:
+
+* :mod:`verl_traj.core.plan` -- the driver's planning: layout, mini-batches, ranks, micro-batches, padding, loss
+  weights (and the prefix-tree plans);
+* :mod:`verl_traj.core.trees` -- prefix trees as data, built on the driver and again on the device;
+* :mod:`verl_traj.core.kernels` -- the GPU workers' tree attention, kernel and tree pass;
+* :mod:`verl_traj.core.rollout` -- the rollout ledger: session ledgers, row keys and tags (agent-loop workers),
+  staleness, the lag cap and the weights' health, failures, length bias (driver);
+* the root: :mod:`~verl_traj.core.errors`, :mod:`~verl_traj.core.keys` (the per-row field names) and
+  :mod:`~verl_traj.core.sorting`, which every folder may import. The folders import one way: trees and rollout
+  only the root, plan and kernels trees (tests/test_code_shape.py).
 
 Pipeline: :func:`build_layout` (validate ids, steps, count tokens) -> :func:`plan_mini_batches`
 (whole units per mini-batch, DP balancing, rank-major layout, padding, micro-batch packing, global
@@ -10,14 +20,14 @@ see :mod:`verl_traj.core.errors`.
 """
 
 from . import keys
-from .balancing import WORKLOAD_MODELS, balance_equal_size, calculate_workload, round_robin_equal_size
-from .errors import (TrajInputError, check_binary_mask, check_choice, check_finite, check_index, check_int,
+from verl_traj.core.plan.balancing import WORKLOAD_MODELS, balance_equal_size, calculate_workload, round_robin_equal_size
+from verl_traj.core.errors import (TrajInputError, check_binary_mask, check_choice, check_finite, check_index, check_int,
                      check_options, check_positive_number, check_shape)
-from .layout import BatchLayout, BatchLayoutError, build_layout, build_layout_from_counts, check_ids, factorize
-from .loss_weights import RowStats, compute_loss_weights, loss_weight_modes, register_loss_weight
-from .packing import MICRO_BATCH_COSTS, MicroBatchPacking, PackingError, min_micro_batches, pack_micro_batches
-from .padding import apply_plan, pad_attention_mask, pad_position_ids, resolve_pad_token_id
-from .planning import (
+from verl_traj.core.plan.layout import BatchLayout, BatchLayoutError, build_layout, build_layout_from_counts, check_ids, factorize
+from verl_traj.core.plan.loss_weights import RowStats, compute_loss_weights, loss_weight_modes, register_loss_weight
+from verl_traj.core.plan.packing import MICRO_BATCH_COSTS, MicroBatchPacking, PackingError, min_micro_batches, pack_micro_batches
+from verl_traj.core.plan.padding import apply_plan, pad_attention_mask, pad_position_ids, resolve_pad_token_id
+from verl_traj.core.plan.planning import (
     GROUP_BY_CHOICES,
     MINI_BATCH_BALANCE_CHOICES,
     PAD_ROW_TOKENS,

@@ -56,7 +56,7 @@ class TrajInputError(ValueError):
         super().__init__(message)
         self.field = field
         # raised by an agent loop that breaks a contract every rollout breaks the same way (a loop without step
-        # records, a wrong reward count): a failed rollout that no refill can fix (core.failures.FATAL_TAG)
+        # records, a wrong reward count): a failed rollout that no refill can fix (core.rollout.failures.FATAL_TAG)
         self.every_rollout = every_rollout
 
     @classmethod

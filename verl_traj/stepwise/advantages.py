@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from verl_traj.core.errors import check_finite, check_index
-from verl_traj.core.estimators import ESTIMATORS, estimator_traits, step_row_refusal
-from verl_traj.core.estimators import estimator_name as name_of
+from verl_traj.core.plan.estimators import ESTIMATORS, estimator_traits, step_row_refusal
+from verl_traj.core.plan.estimators import estimator_name as name_of
 from verl_traj.stepwise.inputs import (StepwiseAdvantageError, check_per_row, check_per_trajectory, checked_flags,
                                        checked_rows, checked_traj_index)
 
@@ -50,7 +50,7 @@ __all__ = [
 def check_stepwise_estimator(adv_estimator: Any, *, allow_custom: bool = False) -> str:
     """Runtime check that ``adv_estimator`` can be used with step-wise rows; returns its name.
 
-    The same question the start-up check asks (:func:`verl_traj.core.estimators.step_row_refusal`): only
+    The same question the start-up check asks (:func:`verl_traj.core.plan.estimators.step_row_refusal`): only
     scalar-outcome estimators run per trajectory and broadcast. Unknown (custom-registered) names are rejected
     unless ``allow_custom`` (then the estimator must return ``scalar * response_mask``; checked on its output).
     """

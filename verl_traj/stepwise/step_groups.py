@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from verl_traj.core.errors import TrajInputError, check_finite, check_index
-from verl_traj.core.estimators import STEP_GROUP_BASELINES as BASELINES
+from verl_traj.core.plan.estimators import STEP_GROUP_BASELINES as BASELINES
 
 __all__ = ["BASELINES", "StepCalls", "StepGroupOptions", "combine_advantages", "discounted_step_returns", "gigpo_advantages",
            "step_group_advantages", "step_group_ids", "step_group_metrics"]

@@ -24,7 +24,7 @@ from uuid import uuid4
 
 from verl_traj.config import TrajConfig
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.session_ledger import current_ledger
+from verl_traj.core.rollout.session_ledger import current_ledger
 from verl_traj.integration.agent_loops.tool_call_checks import check_tool_call
 from verl_traj.integration.patches.process import install, tool_parser_log_patches
 from verl_traj.stepwise.anchors import anchor_key
@@ -81,7 +81,7 @@ MALFORMED_TOOL_CALL_LOG = re.compile(r"Failed to decode (\S+ )?tool call")
 
 
 class MalformedToolCallCounter(logging.Filter):
-    """On verl's tool-parser logger: inside a training session (:func:`~verl_traj.core.session_ledger.current_ledger`),
+    """On verl's tool-parser logger: inside a training session (:func:`~verl_traj.core.rollout.session_ledger.current_ledger`),
     a tool call the model wrote malformed is counted for ``traj_agent/malformed_tool_call_share`` instead of logged as
     an ERROR (the policy learning its format is expected behaviour, worth a metric, not an alarm); outside one it is
     logged."""
@@ -147,7 +147,7 @@ class StepRecordingMixin:
     a shaped signal); it lands on that call's last response token, the trajectory's outcome stays on its last call.
     Temporal estimators (GAE, REINFORCE++) discount it through the trajectory's timeline; an outcome estimator
     scores a trajectory by its outcome plus its turn rewards. Both trainers (v1 carries them as row tags:
-    :data:`~verl_traj.core.row_tags.TURN_REWARD_TAG`).
+    :data:`~verl_traj.core.rollout.row_tags.TURN_REWARD_TAG`).
     """
 
     recorder_cls = RecordingServerManager  # a subclass may rewrite what each call is sent (it records what is sent)

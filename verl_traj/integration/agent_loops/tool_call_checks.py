@@ -7,7 +7,7 @@ and a raising tool are answered too, and each is logged at WARNING, once per cal
 learning the call format. :func:`check_tool_call` answers such a call before it runs, the way a tool server that
 checks a call's argument names would: the text names what was wrong and what the tool takes (the model
 sees it as the tool's answer), the call moves from the session's parsed to its malformed tool calls
-(``traj_agent/malformed_tool_call_share``, :mod:`verl_traj.core.session_ledger`), and nothing is logged.
+(``traj_agent/malformed_tool_call_share``, :mod:`verl_traj.core.rollout.session_ledger`), and nothing is logged.
 
 Only what would fail anyway is answered here: for a function tool (``FunctionTool``), an argument its signature does
 not take or a required one missing (``fn(**arguments)`` would raise before the function runs; argument types are left
@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional
 
 from verl.tools.function_tool import FunctionTool
 
-from verl_traj.core.session_ledger import current_ledger
+from verl_traj.core.rollout.session_ledger import current_ledger
 
 __all__ = ["check_tool_call", "count_rejected_tool_call", "strict_parameters", "tool_call_problem"]
 

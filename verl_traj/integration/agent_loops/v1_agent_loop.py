@@ -40,9 +40,9 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
 from verl_traj.config import TrajConfig
-from verl_traj.core.row_key import row_key
-from verl_traj.core.row_tags import MERGE_TAG, TURN_REWARD_TAG, anchor_tag, turn_reward_tag
-from verl_traj.core.session_ledger import current_ledger, session_ledger
+from verl_traj.core.rollout.row_key import row_key
+from verl_traj.core.rollout.row_tags import MERGE_TAG, TURN_REWARD_TAG, anchor_tag, turn_reward_tag
+from verl_traj.core.rollout.session_ledger import current_ledger, session_ledger
 from verl_traj.integration.async_modes.v1_failures import run_session
 from verl_traj.integration.async_modes.v1_staleness import check_recording
 from verl_traj.integration.config.access import value_at
@@ -79,7 +79,7 @@ def step_outputs(output: AgentLoopOutput, merge_prefix: bool, steps_key: str = D
     fields but the step records are kept on every row), each row's tag (its turn rewards, see
     :data:`TURN_REWARD_TAG`; empty without) and the merge statistics. ``turn_rewards=False`` (stock verl on step
     rows) refuses records that carry them. ``anchors``: each row's tag also carries its calls' anchor keys
-    (:data:`~verl_traj.core.row_tags.STEP_ANCHOR_TAG`, for ``gigpo``)."""
+    (:data:`~verl_traj.core.rollout.row_tags.STEP_ANCHOR_TAG`, for ``gigpo``)."""
     check_step_output(output)
     extra = {k: v for k, v in output.extra_fields.items() if k != steps_key}
     rows, stats = trajectory_step_rows(output.prompt_ids, output.response_ids, output.response_mask,

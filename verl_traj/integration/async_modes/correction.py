@@ -1,5 +1,5 @@
 """``traj.stale_groups=correct``'s start-up: the importance weight and truncation it trains stale tokens under, and
-what it says (issue 53; :mod:`verl_traj.core.offpolicy`)."""
+what it says (issue 53; :mod:`verl_traj.core.rollout.offpolicy`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ __all__ = ["correction_threshold", "settle_correction"]
 def settle_correction(config: Any, traj_config: Optional[TrajConfig] = None) -> Optional[str]:
     """``traj.stale_groups=correct`` trains a group over ``traj.max_staleness`` with its stale tokens under verl's
     rollout correction, within ``traj.lag_cap`` and while the weights stay healthy
-    (:mod:`verl_traj.core.offpolicy`): refused without token-level weights truncated at a plain threshold (sequence
+    (:mod:`verl_traj.core.rollout.offpolicy`): refused without token-level weights truncated at a plain threshold (sequence
     weights collapse at agent lengths, ``scripts/bench_async_bias.py``; a banded ``lower_upper`` threshold masks
     instead of truncating, which the health gate does not measure) or without the rollout's log-probs they weigh
     against. verl's own staleness drop (``max_off_policy_threshold``, 8 versions since dispatch) is turned off: the

@@ -1,11 +1,11 @@
 """The lengths of the trajectories a step does not train, by cause, read where the replay buffer lets them go
-(issue 43, item 1): the trainer sets them against what it trains (:func:`~verl_traj.core.length_bias.bias_metrics`,
+(issue 43, item 1): the trainer sets them against what it trains (:func:`~verl_traj.core.rollout.length_bias.bias_metrics`,
 ``traj_bias/*``).
 
 Causes: ``stale`` (a group over ``traj.max_staleness``, every trajectory of it), ``failed`` / ``timeout`` (a session
 that raised, or passed ``traj.trajectory_timeout_s``: its length when it stopped, from its failure tag),
 ``failed_group`` (a finished session of a group dropped for a failed sibling, ``traj.failed_groups=drop``). A
-finished session's length is its last row's :data:`~verl_traj.core.session_ledger.LENGTH_TAG`.
+finished session's length is its last row's :data:`~verl_traj.core.rollout.session_ledger.LENGTH_TAG`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable, Mapping
 
-from verl_traj.core.failures import CUT_LENGTH_PREFIX, FAILURE_TAG_PREFIX
-from verl_traj.core.length_bias import Lengths
+from verl_traj.core.rollout.failures import CUT_LENGTH_PREFIX, FAILURE_TAG_PREFIX
+from verl_traj.core.rollout.length_bias import Lengths
 
 __all__ = ["CutLengths", "finished_lengths", "failed_lengths"]
 
@@ -22,7 +22,7 @@ __all__ = ["CutLengths", "finished_lengths", "failed_lengths"]
 def finished_lengths(group_lengths: Mapping[str, Iterable],
                      groups_by_cause: Mapping[str, Iterable[str]]) -> dict[str, list]:
     """Per cause, ``[[tokens, calls], ...]`` of the finished sessions of its groups (``group_lengths``: uid -> the
-    lengths its rows carry, a session's last row carrying its :data:`~verl_traj.core.session_ledger.LENGTH_TAG`;
+    lengths its rows carry, a session's last row carrying its :data:`~verl_traj.core.rollout.session_ledger.LENGTH_TAG`;
     :class:`~verl_traj.integration.async_modes.group_index.GroupIndex`). Work per group let go, not per row stored."""
     out: dict[str, list] = defaultdict(list)
     for cause, uids in groups_by_cause.items():
@@ -55,7 +55,7 @@ class CutLengths:
         self.by_cause[cause].extend(lengths)
 
     def take(self) -> dict[str, Lengths]:
-        """Every cause's lengths (:class:`~verl_traj.core.length_bias.Lengths`), and forget them."""
+        """Every cause's lengths (:class:`~verl_traj.core.rollout.length_bias.Lengths`), and forget them."""
         out = {cause: Lengths.of([t for t, _ in v], [c for _, c in v]) for cause, v in self.by_cause.items()}
         self.by_cause = defaultdict(list)
         return out

@@ -14,7 +14,7 @@ verl_traj's tags of them, or cleared them (a failed one). So each group is read 
 forgotten at the first refresh whose listing no longer has its prompt key (verl clears it when it evicts or samples
 the group): the index holds the groups the partition holds, never more.
 
-Pure module (stdlib, the tag names of :mod:`verl_traj.core.session_ledger` and the core's staleness reads): no verl,
+Pure module (stdlib, the tag names of :mod:`verl_traj.core.rollout.session_ledger` and the core's staleness reads): no verl,
 no TransferQueue.
 """
 
@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AbstractSet, Collection, Mapping, Optional
 
-from verl_traj.core.offpolicy import first_version
-from verl_traj.core.session_ledger import LENGTH_TAG, VERSION_TOKENS_TAG
-from verl_traj.core.staleness import stalest
+from verl_traj.core.rollout.offpolicy import first_version
+from verl_traj.core.rollout.session_ledger import LENGTH_TAG, VERSION_TOKENS_TAG
+from verl_traj.core.rollout.staleness import stalest
 
 __all__ = ["GroupFacts", "GroupIndex", "NO_FACTS"]
 
@@ -36,10 +36,10 @@ RECONCILE_SLACK = 4096  # keys cleared from TransferQueue the index may still ho
 class GroupFacts:
     """One terminal group's stored rows, read once. ``keys``: its row keys in storage order; ``sessions``: the
     sessions with a row (``{uid}_{session}``, distinct); ``ledgers`` / ``lengths``: the
-    :data:`~verl_traj.core.session_ledger.VERSION_TOKENS_TAG` / :data:`~verl_traj.core.session_ledger.LENGTH_TAG` of
+    :data:`~verl_traj.core.rollout.session_ledger.VERSION_TOKENS_TAG` / :data:`~verl_traj.core.rollout.session_ledger.LENGTH_TAG` of
     the rows that carry one (a session's last row), in the same order; ``stalest`` / ``first_version``: what the
-    staleness bound and the lag cap read of the ledgers (:func:`~verl_traj.core.staleness.stalest`,
-    :func:`~verl_traj.core.offpolicy.first_version`), learnt once: a poll checks each group in O(1)."""
+    staleness bound and the lag cap read of the ledgers (:func:`~verl_traj.core.rollout.staleness.stalest`,
+    :func:`~verl_traj.core.rollout.offpolicy.first_version`), learnt once: a poll checks each group in O(1)."""
 
     keys: tuple = ()
     sessions: int = 0

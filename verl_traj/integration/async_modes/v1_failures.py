@@ -1,4 +1,4 @@
-"""Failed rollouts on verl's v1 trainer, handled per group (``traj.failed_groups``, :mod:`verl_traj.core.failures`).
+"""Failed rollouts on verl's v1 trainer, handled per group (``traj.failed_groups``, :mod:`verl_traj.core.rollout.failures`).
 
 Two places:
 
@@ -29,9 +29,9 @@ from omegaconf import open_dict
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 
 from verl_traj.config import TrajConfig, TrajConfigError
-from verl_traj.core.failures import (FAILURE_TAG_PREFIX, failed_groups_to_evict, failure_metrics, failure_tag,
+from verl_traj.core.rollout.failures import (FAILURE_TAG_PREFIX, failed_groups_to_evict, failure_metrics, failure_tag,
                                      fatal_failure, min_survivors)
-from verl_traj.core.session_ledger import current_ledger
+from verl_traj.core.rollout.session_ledger import current_ledger
 from verl_traj.integration.async_modes.cut_lengths import CutLengths, failed_lengths, finished_lengths
 from verl_traj.integration.async_modes.group_index import GroupIndex
 from verl_traj.integration.async_modes.v1_staleness import StaleGroupPolicy
@@ -82,7 +82,7 @@ async def run_session(session: Awaitable, timeout_s: Optional[float], uid: str, 
 
     A session stores its rows inside itself (verl's ``_run_agent_loop`` awaits the loop, then
     ``_agent_loop_postprocess``, which puts them), and the worker records each row key in the session's ledger before
-    the put that stores it (:attr:`~verl_traj.core.session_ledger.SessionLedger.stored_keys`): a failure or a timeout
+    the put that stores it (:attr:`~verl_traj.core.rollout.session_ledger.SessionLedger.stored_keys`): a failure or a timeout
     that cuts the put half-way leaves at most those keys, and exactly those are cleared, through TransferQueue's async
     API (no listing of the partition; the event loop serves the other sessions meanwhile). Nothing of the session runs
     after this: its task has ended, and verl publishes the group's status only once every session has settled."""

@@ -1,4 +1,4 @@
-"""Staleness per trajectory on verl's v1 trainer, in tokens per policy version (:mod:`verl_traj.core.staleness`).
+"""Staleness per trajectory on verl's v1 trainer, in tokens per policy version (:mod:`verl_traj.core.rollout.staleness`).
 
 Two places:
 
@@ -6,7 +6,7 @@ Two places:
   trainer's ``get_llm_client``) with :func:`recording_client_class`, which puts :class:`AttemptRecorder` just above
   verl's ``LLMServerClient`` in the MRO, so each server call (one attempt; verl's
   ``FullyAsyncLLMServerClient`` resumes an aborted call with further attempts) adds ``(version, tokens)`` to the
-  running session's ledger (:mod:`verl_traj.core.session_ledger`). When the session's rows are stored, its last row gets
+  running session's ledger (:mod:`verl_traj.core.rollout.session_ledger`). When the session's rows are stored, its last row gets
   them, summed per version, as the tag ``traj_version_tokens``;
 * the replay buffer of the async modes gets :class:`StaleGroupPolicy`
   (:func:`~verl_traj.integration.async_modes.v1_failures.with_group_policies`): with ``traj.max_staleness`` it drops
@@ -28,10 +28,10 @@ from typing import Any, Optional
 from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServerClient
 
 from verl_traj.config import TrajConfig, TrajConfigError
-from verl_traj.core.session_ledger import VERSION_TOKENS_TAG, current_ledger
+from verl_traj.core.rollout.session_ledger import VERSION_TOKENS_TAG, current_ledger
 from verl_traj.integration.async_modes.correction import settle_correction
-from verl_traj.core.offpolicy import HealthGate, HealthThresholds, gate_statistics
-from verl_traj.core.staleness import groups_over_bound, groups_to_defer, staleness_of
+from verl_traj.core.rollout.offpolicy import HealthGate, HealthThresholds, gate_statistics
+from verl_traj.core.rollout.staleness import groups_over_bound, groups_to_defer, staleness_of
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class StaleGroupPolicy:
 
     def observe_health(self, weight_metrics: dict) -> dict[str, float]:
         """After a step's old log-probs (``correct`` only): the gate moved by its weights' health
-        (:func:`~verl_traj.core.offpolicy.weight_health` over the off-policy trajectories); the next samplings follow
+        (:func:`~verl_traj.core.rollout.offpolicy.weight_health` over the off-policy trajectories); the next samplings follow
         it. Returns ``traj_offpolicy/fallback_active`` (and a loud log line when the gate moves)."""
         before = self.health_gate
         self.health_gate = before.after(weight_metrics, self.health_thresholds)

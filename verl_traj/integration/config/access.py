@@ -16,7 +16,7 @@ from verl.trainer.ppo.utils import need_critic, need_reference_policy
 
 from verl_traj.config import TrajConfigError
 from verl_traj.core.errors import check_int
-from verl_traj.core.estimators import estimator_name
+from verl_traj.core.plan.estimators import estimator_name
 
 __all__ = ["CURRENT_POLICY_SEQUENCE_RATIOS", "flag_at", "int_at", "parameter_sync_step", "prompts_per_update",
            "sequence_parallel_sizes", "ulysses_size", "uses_critic", "uses_reference", "value_at"]

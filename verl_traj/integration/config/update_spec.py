@@ -27,7 +27,7 @@ import torch
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core import compute_loss_weights
 from verl_traj.core.errors import check_positive_number
-from verl_traj.core.loss_weights import compute_loss_weights_from_counts
+from verl_traj.core.plan.loss_weights import compute_loss_weights_from_counts
 from verl_traj.integration.config.access import (CURRENT_POLICY_SEQUENCE_RATIOS, parameter_sync_step,
                                                  prompts_per_update, uses_critic)
 from verl_traj.integration.config.verl_config import PlanSettings, prepare_config
@@ -54,7 +54,7 @@ class LossSpec:
     def weights_from_counts(self, loss_tokens: torch.Tensor, mini_batch_id: torch.Tensor, traj_index: torch.Tensor,
                             is_padding: torch.Tensor) -> torch.Tensor:
         """:meth:`weights` from each row's loss-token count ``[B]`` instead of the ``[B, R]`` mask
-        (:func:`~verl_traj.core.loss_weights.compute_loss_weights_from_counts`; v1's driver keeps only the counts).
+        (:func:`~verl_traj.core.plan.loss_weights.compute_loss_weights_from_counts`; v1's driver keeps only the counts).
         Needs :attr:`scale`: no mask, no response width to fall back to."""
         if self.scale is None:
             raise TrajConfigError(

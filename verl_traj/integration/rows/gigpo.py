@@ -3,7 +3,7 @@ planned step-row batch (both trainers: v0's ``compute_advantage`` patch and v1's
 through :func:`~verl_traj.integration.rows.stepwise_rows.stepwise_advantage`).
 
 The step rows carry each LLM call's anchor key (``step_anchors``, ``[B, R]``): v0's expansion writes it, v1's
-agent-loop worker tags each row with its calls' keys (:data:`~verl_traj.core.row_tags.STEP_ANCHOR_TAG`) and the plan's
+agent-loop worker tags each row with its calls' keys (:data:`~verl_traj.core.rollout.row_tags.STEP_ANCHOR_TAG`) and the plan's
 facts put them back on their tokens. :func:`gigpo_advantage` then runs
 :func:`verl_traj.stepwise.step_groups.gigpo_advantages` with verl's GRPO as the episode-level estimator. Its metrics
 (``traj_gigpo/*``) travel in the batch's ``meta_info`` (:data:`ADVANTAGE_METRICS`) to the step's metrics.
@@ -19,7 +19,7 @@ import torch
 from verl.trainer.ppo import core_algos
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.estimators import estimator_name, estimator_traits
+from verl_traj.core.plan.estimators import estimator_name, estimator_traits
 from verl_traj.core.keys import ADVANTAGE_METRICS, IS_LAST_STEP, STEP_ANCHORS, TRAJ_INDEX
 from verl_traj.stepwise.advantages import last_step_rows, run_outcome_estimator
 from verl_traj.stepwise.step_groups import StepGroupOptions, gigpo_advantages

@@ -7,7 +7,7 @@ wrappers here hand them the real rows only:
 
 * :func:`advantage_on_real_rows`: any estimator runs on the real rows; padding rows get zero
   advantages and returns. Estimators proven not to be moved by padding rows (each padding row is a
-  group of one with no loss token; ``padding_safe`` in :mod:`verl_traj.core.estimators`, each checked by a test against
+  group of one with no loss token; ``padding_safe`` in :mod:`verl_traj.core.plan.estimators`, each checked by a test against
   the real-row result) run on the whole batch, and only the padding rows' outputs are zeroed: no copy.
 * :func:`kl_penalty_on_real_rows`: KL-in-reward statistics and the adaptive controller see real rows.
 * :func:`metrics_on_real_rows`: the metric functions that run at the end of a step (data, timing,
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from verl_traj.core.errors import check_finite
-from verl_traj.core.estimators import estimator_traits
+from verl_traj.core.plan.estimators import estimator_traits
 from verl_traj.core.keys import ADVANTAGE_METRICS, IS_PADDING
 
 __all__ = [

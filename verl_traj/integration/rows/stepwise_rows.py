@@ -26,7 +26,7 @@ from tensordict import TensorDict
 from verl.trainer.ppo import core_algos
 
 from verl_traj.core.errors import check_finite
-from verl_traj.core.estimators import estimator_traits
+from verl_traj.core.plan.estimators import estimator_traits
 from verl_traj.core.keys import IS_LAST_STEP, TRAJ_INDEX, TURN_REWARDS
 from verl_traj.integration.rows.gigpo import gigpo_advantage
 from verl_traj.stepwise.advantages import (StepwiseAdvantageError, check_stepwise_estimator,

@@ -42,7 +42,7 @@ from typing import Any, Optional
 from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, AdvantageEstimator
 
 from verl_traj.config import TrajConfig, TrajConfigError
-from verl_traj.core.estimators import estimator_name, estimator_traits
+from verl_traj.core.plan.estimators import estimator_name, estimator_traits
 from verl_traj.cpu.attention import CPU_VARLEN
 from verl_traj.cpu.settings import check_cpu_rollout_lora, select_cpu_attention, settle_cpu_separate_async
 from verl_traj.integration.async_modes.separate_async import settle_parameter_sync_step

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from verl.trainer.distillation import is_distillation_enabled
 
 from verl_traj.config import TrajConfig, TrajConfigError
-from verl_traj.core.estimators import step_row_refusal
+from verl_traj.core.plan.estimators import step_row_refusal
 from verl_traj.integration.config.access import (flag_at, int_at, parameter_sync_step, prompts_per_update, ulysses_size,
                                                  uses_critic, value_at)
 
@@ -60,7 +60,7 @@ def _check_stock_step_rows(traj_config: TrajConfig, config: Any) -> None:
 
 
 def _check_estimator(traj_config: TrajConfig, config: Any) -> None:
-    """Step rows take the estimators :func:`~verl_traj.core.estimators.step_row_refusal` allows: the question the
+    """Step rows take the estimators :func:`~verl_traj.core.plan.estimators.step_row_refusal` allows: the question the
     step-wise advantage path asks at run time, so start-up and run time cannot disagree."""
     reason = step_row_refusal(str(value_at(config, "algorithm.adv_estimator", "grpo"))) if traj_config.step_wise else ""
     if reason:

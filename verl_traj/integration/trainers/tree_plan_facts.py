@@ -5,17 +5,17 @@ every pass and epoch.
 Fields (written with the plan's ids, next to ``mini_batch_id`` / ``micro_batch_id``):
 
 * :data:`~verl_traj.core.keys.TREE_INDEX` -- each row token's index in its micro-batch's tree
-  (:func:`~verl_traj.core.tree_facts.micro_batch_tree_facts`): v0 ``[B, W]`` int32, row ``r``'s token ``j`` at column
+  (:func:`~verl_traj.core.trees.tree_facts.micro_batch_tree_facts`): v0 ``[B, W]`` int32, row ``r``'s token ``j`` at column
   ``j`` (``-1`` past its end; ``W`` the longest row); v1 nested ``[B, L_r]`` (TransferQueue stores rows unpadded);
 * :data:`~verl_traj.core.keys.TREE_SIZE` -- ``[B]`` int64, the tree tokens ``N`` of the row's micro-batch.
 
 A micro-batch is the rows of one rank's block with one (``mini_batch_id``, ``micro_batch_id``): exactly the rows
 the workers' planned micro-batches hold (:mod:`verl_traj.integration.workers.planned_update`). The worker reads ``N``
 from the micro-batch's host copy while cutting it
-(:func:`~verl_traj.core.tree_pass.micro_batch_tree_sizes`) and carries it as the micro-batch's non-tensor
+(:func:`~verl_traj.core.kernels.tree_pass.micro_batch_tree_sizes`) and carries it as the micro-batch's non-tensor
 :data:`~verl_traj.core.keys.TREE_SIZE_KEY`; the tree itself is built on the device
-(:func:`~verl_traj.core.tree_facts.tree_from_facts`). A marked pass without these fields raises
-(:func:`~verl_traj.core.tree_pass.require_tree_facts`).
+(:func:`~verl_traj.core.trees.tree_facts.tree_from_facts`). A marked pass without these fields raises
+(:func:`~verl_traj.core.kernels.tree_pass.require_tree_facts`).
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ import torch
 from tensordict import TensorDict
 
 from verl_traj.core.keys import TREE_INDEX, TREE_SIZE
-from verl_traj.core.tree_facts import TreeFacts, plan_sources, planned_tree_facts
+from verl_traj.core.trees.tree_facts import TreeFacts, plan_sources, planned_tree_facts
 
 __all__ = ["dense_tree_facts", "nested_tree_facts", "plan_tree_facts"]
 
 
 def plan_tree_facts(rows: Any, pad_rows: Any, plan: Any) -> tuple[TreeFacts, np.ndarray]:
     """The planned micro-batches' tree facts in the planner's rows' order and each planned row's source in them
-    (:func:`~verl_traj.core.tree_facts.plan_sources`): ``rows`` the planner's rows, ``pad_rows`` the padding rows the
+    (:func:`~verl_traj.core.trees.tree_facts.plan_sources`): ``rows`` the planner's rows, ``pad_rows`` the padding rows the
     plan wrote (dispatch order); a micro-batch is the rows of one (rank, mini-batch, micro-batch)."""
     micro = plan.micro_batch_id.numpy()
     width = int(micro.max(initial=0)) + 1

@@ -40,8 +40,8 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl_traj.core import MiniBatchPlan, apply_plan, build_layout
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, MINI_BATCH_ID, PLAN_ATOMIC, PLAN_KEYS, TRAJ_INDEX
-from verl_traj.core.padding import resolve_pad_token_id
-from verl_traj.core.token_rows import TokenRows
+from verl_traj.core.plan.padding import resolve_pad_token_id
+from verl_traj.core.trees.token_rows import TokenRows
 from verl_traj.integration.config.access import value_at
 from verl_traj.integration.config.update_spec import UpdateSpec
 from verl_traj.integration.patches.scoped import fit_patches, patched
@@ -61,7 +61,7 @@ __all__ = ["TrajRayPPOTrainer", "attended_rows", "plan_batch_in_place"]
 
 def attended_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> TokenRows:
     """``[B, S]`` padded ids and mask -> each row's attended token ids (the tree planner's rows) as one flat array
-    (:class:`~verl_traj.core.token_rows.TokenRows`): no tensor per row."""
+    (:class:`~verl_traj.core.trees.token_rows.TokenRows`): no tensor per row."""
     return TokenRows.of_padded(input_ids, attention_mask)
 
 

@@ -54,9 +54,9 @@ from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.utils import tensordict_utils as tu
 
 from verl_traj.core import BatchLayout, MiniBatchPlan
-from verl_traj.core.offpolicy import HealthGate
-from verl_traj.core.row_key import parse_row_keys
-from verl_traj.core.token_rows import TokenRows
+from verl_traj.core.rollout.offpolicy import HealthGate
+from verl_traj.core.rollout.row_key import parse_row_keys
+from verl_traj.core.trees.token_rows import TokenRows
 from verl_traj.integration.async_modes.v1_failures import FailedGroupPolicy, group_policy_class, with_group_policies
 from verl_traj.integration.async_modes.correction import correction_threshold
 from verl_traj.integration.async_modes.v1_staleness import StaleGroupPolicy, recording_client_class

@@ -17,12 +17,12 @@ import ray
 import torch
 import transfer_queue as tq
 
-from verl_traj.core.length_bias import LengthBudget, Lengths, bias_metrics
-from verl_traj.core.offpolicy import lag_stats, sample_trajectory_rows, weight_health
-from verl_traj.core.row_key import parse_row_keys
-from verl_traj.core.row_tags import MERGE_TAG, turn_reward_entries
-from verl_traj.core.session_ledger import LENGTH_TAG, TOOL_CALLS_TAG, VERSION_TOKENS_TAG
-from verl_traj.core.staleness import token_staleness_metrics
+from verl_traj.core.rollout.length_bias import LengthBudget, Lengths, bias_metrics
+from verl_traj.core.rollout.offpolicy import lag_stats, sample_trajectory_rows, weight_health
+from verl_traj.core.rollout.row_key import parse_row_keys
+from verl_traj.core.rollout.row_tags import MERGE_TAG, turn_reward_entries
+from verl_traj.core.rollout.session_ledger import LENGTH_TAG, TOOL_CALLS_TAG, VERSION_TOKENS_TAG
+from verl_traj.core.rollout.staleness import token_staleness_metrics
 from verl_traj.integration.config.access import int_at
 from verl_traj.stepwise.prefix_merge import MergeStats
 
@@ -59,7 +59,7 @@ def last_rows_of_trajectories(keys: list[str], is_padding: np.ndarray) -> np.nda
 
 def length_budget(config: Any) -> LengthBudget:
     """The hard length budget of a trajectory of verl's tool agent loop (and of verl_traj's step-wise loop: it plus
-    recording), in :data:`~verl_traj.core.session_ledger.LENGTH_TAG`'s measures, from verl's config, read once:
+    recording), in :data:`~verl_traj.core.rollout.session_ledger.LENGTH_TAG`'s measures, from verl's config, read once:
 
     * turns (LLM calls) = ``actor_rollout_ref.rollout.multi_turn.max_assistant_turns``, where the loop stops; ``null``
       or 0 (verl: no limit) or absent: unknown;
@@ -72,7 +72,7 @@ def length_budget(config: Any) -> LengthBudget:
       turn's boundary), not what was generated: so the product, loose but rigorous. Unknown where the turns are.
 
     A loop of one's own may have other limits: a length over the budget raises it to that length
-    (:func:`~verl_traj.core.length_bias.budget_mean`)."""
+    (:func:`~verl_traj.core.rollout.length_bias.budget_mean`)."""
     turns = int_at(config, "actor_rollout_ref.rollout.multi_turn.max_assistant_turns", 0, minimum=0)
     response = int_at(config, "actor_rollout_ref.rollout.response_length", 0, minimum=0)
     return LengthBudget(tokens=float(turns * response) if turns and response else None,
@@ -80,8 +80,8 @@ def length_budget(config: Any) -> LengthBudget:
 
 
 def length_bias_metrics(batch: Any, cut: dict[str, Lengths], budget: LengthBudget = LengthBudget()) -> dict[str, float]:
-    """``traj_bias/*`` of a step (:func:`~verl_traj.core.length_bias.bias_metrics`): the trajectories it trains (each
-    one's :data:`~verl_traj.core.session_ledger.LENGTH_TAG` on its last row) against those ``cut`` (by cause: what the
+    """``traj_bias/*`` of a step (:func:`~verl_traj.core.rollout.length_bias.bias_metrics`): the trajectories it trains (each
+    one's :data:`~verl_traj.core.rollout.session_ledger.LENGTH_TAG` on its last row) against those ``cut`` (by cause: what the
     replay buffer let go since the last step, :class:`~verl_traj.integration.async_modes.cut_lengths.CutLengths`);
     ``budget`` (:func:`length_budget`) gives the bracket its lower end."""
     pad = np.array([bool(t.get("is_padding", False)) for t in batch.tags], dtype=bool)
@@ -93,7 +93,7 @@ def length_bias_metrics(batch: Any, cut: dict[str, Lengths], budget: LengthBudge
 
 def _version_metrics(tags: list[dict], global_steps: int) -> dict[str, float]:
     """``traj_version/*`` from the last rows' ``min_global_steps`` / ``max_global_steps`` tags (none if missing) and
-    their version tokens (``token_*``, :func:`~verl_traj.core.staleness.token_staleness_metrics`; none if missing)."""
+    their version tokens (``token_*``, :func:`~verl_traj.core.rollout.staleness.token_staleness_metrics`; none if missing)."""
     out = {}
     if all(VERSION_TOKENS_TAG in t for t in tags):
         out = token_staleness_metrics([t[VERSION_TOKENS_TAG] for t in tags], global_steps - 1)
@@ -116,15 +116,15 @@ def offpolicy_metrics(batch: Any, global_steps: int, truncation: Optional[float]
     synced weights (CPU fp32: ~1e-8); an order of the policy's per-step change where it does not;
     ``traj_version/current_policy_rows``: how many were checked (nothing where none). And, with
     ``truncation`` (``traj.stale_groups=correct``: verl's ``rollout_is_threshold``), ``traj_offpolicy/*``: the
-    token weights' health (:func:`~verl_traj.core.offpolicy.weight_health`) over the off-policy trajectories (a row
+    token weights' health (:func:`~verl_traj.core.rollout.offpolicy.weight_health`) over the off-policy trajectories (a row
     with a token older than the trained policy makes its trajectory one) and over all (``*_all``), the lag of every
-    trained token from the trajectories' version tokens (:func:`~verl_traj.core.offpolicy.lag_stats`), and the
+    trained token from the trajectories' version tokens (:func:`~verl_traj.core.rollout.offpolicy.lag_stats`), and the
     weight-weighted length ratio ``traj_bias/tokens_mean_ratio_weighted`` (what the truncated weights leave of each
     trajectory's tokens, against the plain mean: truncation can shorten what the update effectively sees).
 
     The read is bounded: past :data:`OFFPOLICY_READ_ROWS` rows to check (all real rows with ``truncation``, else the
     current policy's), it reads a sample of whole trajectories seeded by ``global_steps``
-    (:func:`~verl_traj.core.offpolicy.sample_trajectory_rows`); ``traj_offpolicy/rows_read`` says how many rows. The
+    (:func:`~verl_traj.core.rollout.offpolicy.sample_trajectory_rows`); ``traj_offpolicy/rows_read`` says how many rows. The
     lag and the count of off-policy trajectories come from the tags: every row."""
     tags, current = batch.tags, global_steps - 1
     real = np.flatnonzero([not t.get("is_padding", False) for t in tags])
@@ -201,7 +201,7 @@ def trajectory_metrics(batch: Any, global_steps: int) -> dict[str, float]:
       its first token (verl's worst-case staleness, ``global_steps - 1 - min_global_steps``), ``span_max`` = versions
       it spans, ``multi_version_share`` = share generated across more than one (partial rollouts); in tokens
       (``traj.enable``): ``token_staleness_mean`` / ``_max`` and ``current_policy_token_share``, what
-      ``traj.max_staleness`` bounds (:mod:`verl_traj.core.staleness`);
+      ``traj.max_staleness`` bounds (:mod:`verl_traj.core.rollout.staleness`);
     * ``traj_agent/*``: the tool calls the model wrote, and the share it wrote malformed (:func:`tool_call_metrics`)."""
     pad = np.array([bool(t.get("is_padding", False)) for t in batch.tags], dtype=bool)
     last = last_rows_of_trajectories(batch.keys, pad)

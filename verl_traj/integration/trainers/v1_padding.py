@@ -20,7 +20,7 @@ from verl.trainer.ppo.padding_utils import (build_padding_position_ids, build_pa
                                             construct_minimal_padding_template)
 from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
-from verl_traj.core.row_key import row_key
+from verl_traj.core.rollout.row_key import row_key
 
 __all__ = ["padding_row", "write_padding_rows"]
 

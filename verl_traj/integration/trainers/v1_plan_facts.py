@@ -21,9 +21,9 @@ import torch
 
 from verl_traj.core import BatchLayout, MiniBatchPlan
 from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, STEP_ANCHORS, TRAJ_INDEX, TURN_REWARDS
-from verl_traj.core.row_key import parse_row_keys
-from verl_traj.core.row_tags import anchor_entries
-from verl_traj.core.row_tags import turn_reward_entries
+from verl_traj.core.rollout.row_key import parse_row_keys
+from verl_traj.core.rollout.row_tags import anchor_entries
+from verl_traj.core.rollout.row_tags import turn_reward_entries
 
 __all__ = ["STEP_INDEX", "PlanFacts", "plan_facts", "row_loss_tokens"]
 

@@ -1,7 +1,7 @@
 """Planning a v1 batch held in TransferQueue: its layout from the row keys, the ``seq_len`` tags and one count of
 loss tokens; the planned batch meta in dispatch order; the plan's ids stored as fields of every row.
 
-A row key is ``{uid}_{session}_{index}`` (:mod:`verl_traj.core.row_key`): ``uid`` is the prompt (the GRPO group),
+A row key is ``{uid}_{session}_{index}`` (:mod:`verl_traj.core.rollout.row_key`): ``uid`` is the prompt (the GRPO group),
 ``{uid}_{session}`` one trajectory, ``index`` its step. The planner itself is the core's
 (:func:`~verl_traj.integration.trainers.step_plan.plan_layout`); these functions move its input out of TransferQueue and
 its output back in. The only ``[B, R]`` reads are :func:`read_layout`'s fetch of ``response_mask``, counted to ``[B]``,
@@ -24,8 +24,8 @@ from transfer_queue import KVBatchMeta
 from verl_traj.core import BatchLayout, MiniBatchPlan, build_layout_from_counts
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID
-from verl_traj.core.row_key import parse_row_keys, row_key_order
-from verl_traj.core.token_rows import TokenRows
+from verl_traj.core.rollout.row_key import parse_row_keys, row_key_order
+from verl_traj.core.trees.token_rows import TokenRows
 from verl_traj.integration.trainers.tree_plan_facts import nested_tree_facts
 from verl_traj.integration.trainers.v1_plan_facts import row_loss_tokens
 

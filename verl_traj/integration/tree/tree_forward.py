@@ -6,14 +6,14 @@ call's ``extra_info``, since verl rebuilds the meta between passes; v0 in the ba
 worker runs a marked pass inside :func:`tree_pass` on the plan's micro-batches -- an update's (``train_mini_batch``,
 actor and critic) and the old-log-prob, reference and value passes' (``infer_batch``), so both log-probs of the PPO
 ratio take one numeric path -- and every micro-batch is forwarded as one tree; nothing else changes. What a pass checks
-and records is the pure :mod:`verl_traj.core.tree_pass`; the attention's side of a tree is
-:mod:`verl_traj.core.tree_kernel`.
+and records is the pure :mod:`verl_traj.core.kernels.tree_pass`; the attention's side of a tree is
+:mod:`verl_traj.core.kernels.tree_kernel`.
 
 Hook points (each declared, with how it is undone):
 
 1. process patch :func:`~verl_traj.integration.patches.process.prefix_tree_attention_patches`:
    ``verl.models.transformers.monkey_patch._flash_attention_forward`` <-
-   :func:`~verl_traj.core.tree_kernel.tree_aware_attention` (the kernel verl's remove-padding path calls: the CPU
+   :func:`~verl_traj.core.kernels.tree_kernel.tree_aware_attention` (the kernel verl's remove-padding path calls: the CPU
    platform's ``cpu_varlen`` attention on CPU, flash-attn on GPU). Installed by a process's first tree pass, never
    restored (a non-tree call computes as before).
 2. scoped patch :func:`~verl_traj.integration.patches.scoped.tree_forward_patches`: the engine *instance*'s
@@ -21,22 +21,22 @@ Hook points (each declared, with how it is undone):
    the class's methods show through again):
 
    * inputs: the micro-batch's tree is built on its device from its rows and the plan's facts
-     (:func:`~verl_traj.core.tree_facts.tree_from_facts`; the facts are planned on the driver,
+     (:func:`~verl_traj.core.trees.tree_facts.tree_from_facts`; the facts are planned on the driver,
      :mod:`verl_traj.integration.trainers.tree_plan_facts`), no host copy of token ids; verl's own
      ``prepare_model_inputs`` gets a one-row micro-batch holding the tree tokens and their depths, so verl packs,
      rolls the labels (the next serialised token is each tree token's child wherever it has one: branch copies),
      and pads exactly as for rows; the tree rides along as the model keyword
-     :data:`~verl_traj.core.tree_kernel.TREE_KWARG`;
+     :data:`~verl_traj.core.kernels.tree_kernel.TREE_KWARG`;
    * outputs: verl's own ``prepare_model_outputs`` over that one-row micro-batch gives per-tree-token log-probs /
-     entropy; :func:`~verl_traj.core.tree_kernel.per_row_outputs` gathers them into the rows' packed order.
+     entropy; :func:`~verl_traj.core.kernels.tree_kernel.per_row_outputs` gathers them into the rows' packed order.
 
 Exact because every row token's tree instance has exactly the row's tokens as ancestors (same ids, positions = depth
 = the row's own position ids): logits, log-probs at the rolled label and entropy equal the per-row forward's, and the
 backward through the gather sums each shared token's gradient over its rows. The facts are checked against the rows
-on the device; the counts are read once when the pass ends (:meth:`~verl_traj.core.tree_pass.TreeForwardLog.settle`),
+on the device; the counts are read once when the pass ends (:meth:`~verl_traj.core.kernels.tree_pass.TreeForwardLog.settle`),
 and a mismatch raises there, as does a pass in which some micro-batch ran without its tree.
 
-Refused (a :class:`~verl_traj.core.tree_attention.TreeAttentionError` naming the fix): no remove-padding,
+Refused (a :class:`~verl_traj.core.kernels.tree_attention.TreeAttentionError` naming the fix): no remove-padding,
 fused kernels, distillation, multi-modal inputs, 3-D position ids, an attention implementation other than the
 flash-attention path, attention dropout / sliding window / soft-capping; a batch or micro-batch without the plan's ids
 or tree facts (a :class:`~verl_traj.core.errors.TrajInputError`). Counted on the device and refused when the pass ends:
@@ -60,10 +60,10 @@ from verl.utils.device import get_device_id
 
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import TREE_INDEX, TREE_KEY, TREE_SIZE_KEY
-from verl_traj.core.tree_facts import DeviceTree, tree_from_facts
-from verl_traj.core.tree_kernel import (TREE_KWARG, TreeAttentionInput, padded_subtree_end, per_row_outputs,
+from verl_traj.core.trees.tree_facts import DeviceTree, tree_from_facts
+from verl_traj.core.kernels.tree_kernel import (TREE_KWARG, TreeAttentionInput, padded_subtree_end, per_row_outputs,
                                         refuse_tree, tree_aware_attention)
-from verl_traj.core.tree_pass import (TreeForwardLog, TreeTotals, check_all_tree, check_marked, tree_metric_totals,
+from verl_traj.core.kernels.tree_pass import (TreeForwardLog, TreeTotals, check_all_tree, check_marked, tree_metric_totals,
                                       tree_metrics_of)
 from verl_traj.integration.patches.process import install, prefix_tree_attention_patches
 from verl_traj.integration.patches.scoped import patched, tree_forward_patches
@@ -195,9 +195,9 @@ def tree_forward(engine: Any) -> Iterator[TreeForwardLog]:
 def tree_pass(engine: Any, data: TensorDict, counts: Callable[[], int], what: str,
               into: Optional[TreeTotals] = None) -> Iterator[TreeForwardLog]:
     """Within: ``engine`` forwards every micro-batch of the marked ``data`` (its ids and facts checked:
-    :func:`~verl_traj.core.tree_pass.check_marked`) as a tree; on exit (no error) the pass's log is settled and
+    :func:`~verl_traj.core.kernels.tree_pass.check_marked`) as a tree; on exit (no error) the pass's log is settled and
     ``counts()`` micro-batches (the planned ones the pass ran) must all have been trees
-    (:func:`~verl_traj.core.tree_pass.check_all_tree`). ``into``: totals the pass is added to (a worker's log-prob /
+    (:func:`~verl_traj.core.kernels.tree_pass.check_all_tree`). ``into``: totals the pass is added to (a worker's log-prob /
     value passes, which its next update reports)."""
     check_marked(data.keys())
     with tree_forward(engine) as log:
@@ -208,7 +208,7 @@ def tree_pass(engine: Any, data: TensorDict, counts: Callable[[], int], what: st
 
 
 def tree_metrics(log: TreeForwardLog, infer: Optional[TreeTotals], dp_group: Any = None) -> dict[str, list]:
-    """The update's tree metrics (:func:`~verl_traj.core.tree_pass.tree_metrics_of`), summed over the data-parallel
+    """The update's tree metrics (:func:`~verl_traj.core.kernels.tree_pass.tree_metrics_of`), summed over the data-parallel
     ranks of ``dp_group`` (one all-reduce) and all epochs; ``infer``: this worker's inference passes since its last
     update (``None``: none ran)."""
     totals = torch.tensor(tree_metric_totals(log, infer), dtype=torch.float64, device=get_device_id())

@@ -51,7 +51,7 @@ from verl.workers.utils.padding import no_padding_2_padding
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import (CRITIC_UNION_KEY, OLD_LOG_PROBS_AT_START, RATIO_GROUP, RATIO_IN_LOSS, SEQ_RATIO_SHIFT,
                                  TREE_KEY)
-from verl_traj.core.tree_pass import TreeTotals
+from verl_traj.core.kernels.tree_pass import TreeTotals
 from verl_traj.stepwise.ratios import (bounded_group_sums, check_ratio_groups, nonfinite_rows, presummed_ratio_shift,
                                        ratio_group_bound, row_log_ratio_sums, stochastic_in_training)
 from verl_traj.integration.patches.scoped import gspo_prepass_patches, micro_batch_patches, patched, update_patches
@@ -120,7 +120,7 @@ class TrajTrainingWorker(TrainingWorker):
     def _trees(self, data: TensorDict, counts: Callable[[], int], what: str, infer: bool = False) -> Any:
         """:func:`~verl_traj.integration.tree.tree_forward.tree_pass` for a batch marked ``prefix_tree``, else a context
         yielding ``None``; ``infer``: an inference pass, whose trees this worker's next update reports
-        (:class:`~verl_traj.core.tree_pass.TreeTotals`: two numbers, so a reference worker, which never
+        (:class:`~verl_traj.core.kernels.tree_pass.TreeTotals`: two numbers, so a reference worker, which never
         updates, holds no growing log)."""
         if not tree_marked(data):
             return contextlib.nullcontext()

@@ -36,7 +36,7 @@ from verl_traj.core import mini_batch_order
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import (MICRO_BATCH_ID, MINI_BATCH_ID, PLANNED_FIELDS, RATIO_GROUP, RATIO_IN_LOSS, TREE_SIZE,
                                  TREE_SIZE_KEY)
-from verl_traj.core.tree_pass import micro_batch_tree_sizes
+from verl_traj.core.kernels.tree_pass import micro_batch_tree_sizes
 
 __all__ = ["LOSS_SINK", "LossSink", "PlannedUpdate", "check_planned_update", "mini_batch_slices", "record",
            "record_nonfinite"]

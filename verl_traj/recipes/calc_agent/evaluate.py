@@ -21,7 +21,7 @@ import json
 import random
 from pathlib import Path
 
-from verl_traj.core.session_ledger import session_ledger
+from verl_traj.core.rollout.session_ledger import session_ledger
 from verl_traj.integration.agent_loops.stepwise_agent_loop import counting_tool_parser
 from verl_traj.integration.agent_loops.tool_call_checks import check_tool_call
 from verl_traj.recipes.calc_agent import task

@@ -1,4 +1,4 @@
-"""Materialise a :class:`~verl_traj.core.planning.MiniBatchPlan` on a batch's columns.
+"""Materialise a :class:`~verl_traj.core.plan.planning.MiniBatchPlan` on a batch's columns.
 
 verl's row layout: ``prompts`` ``[B, P]`` (left-padded), ``responses`` ``[B, R]`` (right-padded),
 ``input_ids`` / ``attention_mask`` ``[B, P+R]``, ``position_ids`` ``[B, P+R]`` or ``[B, k, P+R]``
@@ -28,9 +28,9 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import torch
 
-from .errors import TrajInputError, check_int, show_value
-from .keys import IS_LAST_STEP, IS_PADDING, MICRO_BATCH_ID, MINI_BATCH_ID, PLAN_KEYS, TRAJ_INDEX
-from .planning import PAD_ROW_TOKENS, PAD_UID_PREFIX, MiniBatchPlan
+from verl_traj.core.errors import TrajInputError, check_int, show_value
+from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, MICRO_BATCH_ID, MINI_BATCH_ID, PLAN_KEYS, TRAJ_INDEX
+from verl_traj.core.plan.planning import PAD_ROW_TOKENS, PAD_UID_PREFIX, MiniBatchPlan
 
 __all__ = ["apply_plan", "pad_attention_mask", "pad_position_ids", "resolve_pad_token_id"]
 

@@ -273,5 +273,5 @@ def refuse_tree_in_plain_attention(position_ids: torch.Tensor, *, where: str = "
             f"position_ids={show_value(position_ids)} drop from {int(pos[row, i - 1])} to {int(pos[row, i])} (not 0) "
             f"at row {row}, index {i} ({points.shape[0]} such drops): a prefix-tree batch reached {where}, which "
             f"would read each branch as part of another sequence. Fix: route tree batches through the tree "
-            f"attention (verl_traj.core.tree_attention.tree_attention with the tree's subtree_end), or forward the "
+            f"attention (verl_traj.core.kernels.tree_attention.tree_attention with the tree's subtree_end), or forward the "
             f"rows unmerged.", field="position_ids")

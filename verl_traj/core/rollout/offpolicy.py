@@ -6,7 +6,7 @@ trained: at training step ``g`` verl's actor holds version ``g - 1``, so a token
 ``g - 1 - v``. A trajectory's **max lag** is its oldest token's (``trained - min version``); under ``correct`` no
 trained token's lag passes ``traj.max_lag`` (:func:`groups_over_lag`: a finished group past it goes to the fallback,
 ``traj.correct_fallback``; a running group that would pass it at the next step is waited for under ``defer``, the
-same rule as :func:`~verl_traj.core.staleness.groups_to_defer` with the cap as its bound). ``traj.max_staleness``
+same rule as :func:`~verl_traj.core.rollout.staleness.groups_to_defer` with the cap as its bound). ``traj.max_staleness``
 (token staleness, a mean) stays where the correction takes over: a group over it trains with its stale tokens
 importance-weighted, and is counted.
 
@@ -47,7 +47,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from verl_traj.core.staleness import VersionTokens, flat_version_tokens
+from verl_traj.core.rollout.staleness import VersionTokens, flat_version_tokens
 
 __all__ = ["FALLBACKS", "HEALTH", "HealthGate", "HealthThresholds", "first_version", "gate_statistics",
            "groups_over_lag", "lag_stats", "max_lags", "sample_trajectory_rows", "weight_health"]

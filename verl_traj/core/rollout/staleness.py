@@ -27,7 +27,7 @@ The bound (``traj.max_staleness``, ``None`` = none) holds per trajectory and act
   (``algorithm.rollout_correction.rollout_is=token``: the importance weight of the trained policy's old log-probs
   against the rollout's, truncated at ``rollout_is_threshold``), which start-up requires; no token trains past the
   hard lag cap ``traj.max_lag``, and a health gate hands over to a fallback where the weights degrade
-  (:mod:`verl_traj.core.offpolicy`). The bound is where the correction takes over, and past it each group is counted.
+  (:mod:`verl_traj.core.rollout.offpolicy`). The bound is where the correction takes over, and past it each group is counted.
 """
 
 from __future__ import annotations

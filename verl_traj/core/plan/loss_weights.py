@@ -52,7 +52,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .errors import TrajInputError, check_binary_mask, check_finite, check_index, check_positive_number, check_shape
+from verl_traj.core.errors import TrajInputError, check_binary_mask, check_finite, check_index, check_positive_number, check_shape
 
 __all__ = ["LOSS_WEIGHT_FNS", "RowStats", "compute_loss_weights", "compute_loss_weights_from_counts",
            "loss_weight_modes", "register_loss_weight"]

@@ -7,7 +7,7 @@ With ``PlanSpec.prefix_tree`` the planner places *pieces*, not rows, on ranks an
   trees fit, each re-paying the ancestor path it shares with the piece before (:func:`unit_pieces`). A unit's cost
   when the planner assigns it to a mini-batch is its whole tree (the distinct prefixes of its rows);
 * a mini-batch's pieces go to ranks by LPT on tree tokens, then each rank's pieces into the fewest micro-batches whose
-  tree tokens fit the cap (:func:`~verl_traj.core.packing.min_micro_batches`). Every rank of a mini-batch runs the
+  tree tokens fit the cap (:func:`~verl_traj.core.plan.packing.min_micro_batches`). Every rank of a mini-batch runs the
   same number of micro-batches (FSDP's collectives run per pass): a rank short of pieces splits a micro-batch of
   several pieces, and where none is left gets a micro-batch of one padding row;
 * padding rows then give every rank of a mini-batch the same number of rows (verl's dispatch splits evenly); they go
@@ -25,12 +25,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .balancing import lpt
-from .errors import TrajInputError
-from .bin_packing import fewest_bins
-from .packing import PackingError
-from .token_rows import token_rows
-from .trie_layout import trie_layout
+from verl_traj.core.plan.balancing import lpt
+from verl_traj.core.errors import TrajInputError
+from verl_traj.core.plan.bin_packing import fewest_bins
+from verl_traj.core.plan.packing import PackingError
+from verl_traj.core.trees.token_rows import token_rows
+from verl_traj.core.trees.trie_layout import trie_layout
 
 __all__ = ["TreePieces", "TreePlacement", "place_pieces", "unit_pieces"]
 
@@ -85,12 +85,12 @@ def unit_pieces(rows: Any, unit: np.ndarray, num_units: int, cap: Optional[int])
     """Cut each unit's rows into pieces whose prefix trees fit ``cap`` tokens (module docstring).
 
     Args:
-        rows: ``R`` rows' attended token ids (as :func:`~verl_traj.core.prefix_tree.build_prefix_tree` takes them, or
-            :class:`~verl_traj.core.token_rows.TokenRows`).
+        rows: ``R`` rows' attended token ids (as :func:`~verl_traj.core.trees.prefix_tree.build_prefix_tree` takes them, or
+            :class:`~verl_traj.core.trees.token_rows.TokenRows`).
         unit: ``[R]`` int unit of each row, in ``0..num_units-1``; every unit has a row.
         cap: tree tokens per micro-batch, or None (one piece per unit).
     Raises :class:`PackingError` (field ``micro_batch_max_tokens``) when a row alone is longer than ``cap``.
-    Cost: every unit's tree at once (:mod:`~verl_traj.core.trie_layout`); a Python loop over the rows of the units
+    Cost: every unit's tree at once (:mod:`~verl_traj.core.trees.trie_layout`); a Python loop over the rows of the units
     whose trees exceed ``cap`` only.
     """
     rows = token_rows(rows)
@@ -135,7 +135,7 @@ class TreePlacement:
 
 def _bins(sizes: list[int], cap: Optional[int]) -> tuple[list[list[int]], int]:
     """Fewest micro-batches of one rank's pieces (``sizes`` descending) under ``cap`` (all in one without a cap),
-    and the fewest that any packing of them needs (:func:`~verl_traj.core.bin_packing.fewest_bins`' bound)."""
+    and the fewest that any packing of them needs (:func:`~verl_traj.core.plan.bin_packing.fewest_bins`' bound)."""
     if not sizes:
         return [], 0
     if cap is None:
@@ -239,7 +239,7 @@ def place_pieces(tokens: np.ndarray, mini_batch: np.ndarray, rows: np.ndarray, n
 
 
 def real_units(layout: Any, group_by: str) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(real rows [n], unit of each [n], number of units)`` of a :class:`~verl_traj.core.layout.BatchLayout`: a
+    """``(real rows [n], unit of each [n], number of units)`` of a :class:`~verl_traj.core.plan.layout.BatchLayout`: a
     unit is a group (``group_by="group"``) or a trajectory."""
     real = np.flatnonzero(~layout.is_padding.numpy())
     if group_by == "group":

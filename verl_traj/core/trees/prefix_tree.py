@@ -26,7 +26,7 @@ Layout: children in ascending token-id order, so the tree depends on the set of 
 distinct non-empty rows sorted lexicographically, row ``i`` adds one contiguous segment ``row_i[start_i:]``:
 ``start_i = 0`` (a new first token: a new root), ``lcp_i`` (the previous row is a prefix of it: it continues that
 row's leaf) or ``lcp_i - 1`` (a branch: a copy of the branch token, then its own tokens), where ``lcp_i`` is its
-longest common prefix with the previous row. The layout is :mod:`~verl_traj.core.trie_layout`'s (array work over the
+longest common prefix with the previous row. The layout is :mod:`~verl_traj.core.trees.trie_layout`'s (array work over the
 rows, shared with the driver's tree facts); the subtree ends here are for host trees (tests, benchmarks).
 
 Pure module (torch and numpy).
@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.token_rows import TokenRows, token_rows
-from verl_traj.core.trie_layout import row_index, segment_ids, trie_layout
+from verl_traj.core.trees.token_rows import TokenRows, token_rows
+from verl_traj.core.trees.trie_layout import row_index, segment_ids, trie_layout
 
 __all__ = ["IGNORE_INDEX", "PrefixTree", "build_prefix_tree", "tree_token_count", "attention_pairs",
            "row_attention_pairs", "tree_attention_mask", "gather_flat", "gather_rows", "gather_padded"]
@@ -125,10 +125,10 @@ def build_prefix_tree(rows: Sequence[torch.Tensor] | TokenRows) -> PrefixTree:
     Args:
         rows: ``R`` 1-D integer tensors (numpy arrays and int lists are accepted too), each row's attended token ids
             (prompt + response, no padding), ids ``>= 0``; an empty row (a padding row) maps to nothing. Or
-            :class:`~verl_traj.core.token_rows.TokenRows`.
+            :class:`~verl_traj.core.trees.token_rows.TokenRows`.
     Returns the tree (CPU int64 tensors), independent of the order of ``rows`` (up to ``row_index``'s order).
     Raises :class:`TrajInputError` when ``rows`` is not a list, or ``rows[i]`` is not 1-D / integer / ids ``>= 0``.
-    Cost: one sort of the rows, array work over their tokens (:mod:`~verl_traj.core.trie_layout`).
+    Cost: one sort of the rows, array work over their tokens (:mod:`~verl_traj.core.trees.trie_layout`).
     """
     rows = token_rows(rows)
     layout = trie_layout(rows, np.zeros(rows.num_rows, dtype=np.int64))

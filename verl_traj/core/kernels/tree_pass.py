@@ -23,7 +23,7 @@ import torch
 
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID, TREE_INDEX, TREE_KEY, TREE_SIZE
-from verl_traj.core.tree_facts import DeviceTree
+from verl_traj.core.trees.tree_facts import DeviceTree
 
 __all__ = ["TreeForwardLog", "TreeTotals", "check_all_tree", "check_marked", "micro_batch_tree_sizes",
            "require_tree_facts", "tree_metric_totals", "tree_metrics_of"]

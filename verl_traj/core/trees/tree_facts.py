@@ -4,8 +4,8 @@ The driver holds every row's token ids on the host when it plans; the workers ho
 built where the ids are on the host, once per step, and what the workers need travels with the plan:
 
 * **Driver** (:func:`micro_batch_tree_facts`): the rows of each planned micro-batch (rows sharing a ``part`` key) form
-  one tree, all laid out at once (:mod:`~verl_traj.core.trie_layout`, the layout of
-  :func:`~verl_traj.core.prefix_tree.build_prefix_tree`); every row token gets its index in its micro-batch's tree
+  one tree, all laid out at once (:mod:`~verl_traj.core.trees.trie_layout`, the layout of
+  :func:`~verl_traj.core.trees.prefix_tree.build_prefix_tree`); every row token gets its index in its micro-batch's tree
   (the tree's ``row_index``) and every row the tree's size ``N`` (:class:`TreeFacts`).
 * **Worker** (:func:`tree_from_facts`): the tree's tokens, depths and subtree ends from the rows' ids and those
   indices by scatters and one cumulative sum on the rows' own device. No host copy, no shape that depends on data
@@ -33,8 +33,8 @@ import torch
 
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import TREE_INDEX
-from verl_traj.core.token_rows import TokenRows, token_rows
-from verl_traj.core.trie_layout import row_index, trie_layout
+from verl_traj.core.trees.token_rows import TokenRows, token_rows
+from verl_traj.core.trees.trie_layout import row_index, trie_layout
 
 __all__ = ["DeviceTree", "TreeFacts", "micro_batch_tree_facts", "plan_sources", "planned_tree_facts", "tree_from_facts"]
 
@@ -44,7 +44,7 @@ def plan_sources(rows: Any, order: Any, pad_rows: Any) -> tuple[TokenRows, np.nd
     as many as ``order`` has padding slots), and for each planned row (dispatch order) its source row in them: ``o``
     for ``o = order[i] >= 0``, the padding rows in turn for the slots ``o < 0``. The trees are built from the rows
     the planner costed, in their own order (no copy of their ids in dispatch order); only the padding rows, written
-    by the plan, are read again. ``rows`` / ``pad_rows``: lists of rows or :class:`~verl_traj.core.token_rows.TokenRows`."""
+    by the plan, are read again. ``rows`` / ``pad_rows``: lists of rows or :class:`~verl_traj.core.trees.token_rows.TokenRows`."""
     rows, pad_rows = token_rows(rows), token_rows(pad_rows)
     source = np.asarray(order, dtype=np.int64).copy()
     slots = np.flatnonzero(source < 0)
@@ -68,12 +68,12 @@ class TreeFacts:
 
 def micro_batch_tree_facts(rows: Any, part: Any) -> TreeFacts:
     """The tree facts of ``rows`` (each row's attended token ids, as :func:`build_prefix_tree` takes them, or
-    :class:`~verl_traj.core.token_rows.TokenRows`), the rows with one ``part`` key (``[R]`` ints, e.g. rank, mini-batch
+    :class:`~verl_traj.core.trees.token_rows.TokenRows`), the rows with one ``part`` key (``[R]`` ints, e.g. rank, mini-batch
     and micro-batch combined) forming one tree.
 
     Invariant: ``index`` of a part's rows is :func:`build_prefix_tree` of those rows (in their order)'s ``row_index``.
     Raises :class:`TrajInputError` naming ``rows[i]`` or ``part``. Cost: every part's tree at once
-    (:mod:`~verl_traj.core.trie_layout`: one sort of the rows, array work over their tokens)."""
+    (:mod:`~verl_traj.core.trees.trie_layout`: one sort of the rows, array work over their tokens)."""
     rows = token_rows(rows)
     layout = trie_layout(rows, part)
     return TreeFacts(row_index(rows, layout).astype(np.int32, copy=False), rows.offsets,

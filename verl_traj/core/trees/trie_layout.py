@@ -1,7 +1,7 @@
 """Every micro-batch's prefix tree at once, as array work over the whole batch (issue 40, item 2).
 
 Rows carry a part key; the rows of one part form one tree (a planned micro-batch, a planning unit). Each tree is laid
-out as :mod:`~verl_traj.core.prefix_tree` describes: the part's distinct non-empty rows in lexicographic order, row
+out as :mod:`~verl_traj.core.trees.prefix_tree` describes: the part's distinct non-empty rows in lexicographic order, row
 ``i`` adding the segment ``row_i[start_i:]``, ``start_i`` = 0 (a new root), ``lcp_i`` (the previous row is a prefix
 of it) or ``lcp_i - 1`` (a branch copy), ``lcp_i`` its common prefix with the previous row. Row ``i``'s token ``j``
 is tree token ``offset_k + j - start_k`` of the row ``k = max{k <= i : start_k <= j}`` (the last row at or before it
@@ -31,7 +31,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.token_rows import TokenRows
+from verl_traj.core.trees.token_rows import TokenRows
 
 __all__ = ["TrieLayout", "trie_layout", "row_index", "segment_ids"]
 

@@ -4,12 +4,12 @@ per-tree-token outputs gathered back into rows (issue 29). The engine hooks that
 
 * :class:`TreeAttentionInput`: the tree's ``subtree_end`` over the whole sequence the attention sees (``N`` tree
   tokens, then verl's tail padding as one chain: :func:`padded_subtree_end`), built once a micro-batch and shared by
-  every layer; on CUDA the compiled flex kernel's tree (:mod:`~verl_traj.core.tree_flex`), elsewhere the blocked
-  kernel's key sets (:func:`~verl_traj.core.tree_attention.tree_attention_blocks`).
+  every layer; on CUDA the compiled flex kernel's tree (:mod:`~verl_traj.core.kernels.tree_flex`), elsewhere the blocked
+  kernel's key sets (:func:`~verl_traj.core.kernels.tree_attention.tree_attention_blocks`).
 * :func:`tree_aware_attention`: a flash-attention-layout kernel made tree-aware. A call carrying the tree (model
   keyword :data:`TREE_KWARG`, which transformers hands down to every attention call, also when gradient
   checkpointing recomputes a layer) runs the exact tree attention; any other call runs the wrapped kernel after
-  :func:`~verl_traj.core.tree_attention.refuse_tree_in_plain_attention` (once a forward, not a layer).
+  :func:`~verl_traj.core.kernels.tree_attention.refuse_tree_in_plain_attention` (once a forward, not a layer).
 * :func:`per_row_outputs`: nested ``[1, N]`` per-tree-token outputs -> nested ``[R, L_r]`` per row.
 
 Pure module (torch).
@@ -25,10 +25,10 @@ import torch
 from torch.profiler import record_function
 
 from verl_traj.core.keys import TREE_KEY
-from verl_traj.core.tree_attention import (TreeAttentionError, refuse_tree_in_plain_attention, tree_attention,
+from verl_traj.core.kernels.tree_attention import (TreeAttentionError, refuse_tree_in_plain_attention, tree_attention,
                                            tree_attention_blocks)
-from verl_traj.core.tree_facts import DeviceTree
-from verl_traj.core.tree_flex import FlexTree, tree_attention_flex
+from verl_traj.core.trees.tree_facts import DeviceTree
+from verl_traj.core.kernels.tree_flex import FlexTree, tree_attention_flex
 
 __all__ = ["LABELED_OUTPUTS", "TREE_KWARG", "TreeAttentionInput", "padded_subtree_end", "per_row_outputs",
            "refuse_tree", "tree_aware_attention"]
@@ -38,7 +38,7 @@ LABELED_OUTPUTS = ("log_probs",)  # outputs that depend on the rolled label (the
 
 
 def refuse_tree(what: str, fix: str) -> None:
-    """Raise :class:`~verl_traj.core.tree_attention.TreeAttentionError` (field ``prefix_tree``): ``what`` the tree
+    """Raise :class:`~verl_traj.core.kernels.tree_attention.TreeAttentionError` (field ``prefix_tree``): ``what`` the tree
     forward does not carry, and the ``fix``."""
     raise TreeAttentionError(f"prefix-tree forward: {what}. Fix: {fix}.", field=TREE_KEY)
 

@@ -14,7 +14,7 @@ import contextvars
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-from verl_traj.core.staleness import version_tokens
+from verl_traj.core.rollout.staleness import version_tokens
 
 __all__ = ["LENGTH_TAG", "SessionLedger", "TOOL_CALLS_TAG", "VERSION_TOKENS_TAG", "current_ledger", "session_ledger"]
 

@@ -1,4 +1,4 @@
-"""The logger's view of a :class:`~verl_traj.core.planning.MiniBatchPlan`: flat floats under ``traj_plan/``."""
+"""The logger's view of a :class:`~verl_traj.core.plan.planning.MiniBatchPlan`: flat floats under ``traj_plan/``."""
 
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ from typing import Literal, Optional
 import numpy as np
 import torch
 
-from .errors import TrajInputError
-from .sorting import lex_order
+from verl_traj.core.errors import TrajInputError
+from verl_traj.core.sorting import lex_order
 
 __all__ = ["WORKLOAD_MODELS", "calculate_workload", "balance_equal_size", "lpt", "round_robin_equal_size"]
 

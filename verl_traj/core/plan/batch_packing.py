@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .sorting import lex_order
+from verl_traj.core.sorting import lex_order
 
 __all__ = ["MAX_EXTRA_BINS", "REPAIR_ROUNDS", "BatchPacking", "pack_blocks", "pack_fewest"]
 

@@ -8,7 +8,7 @@ numpy / torch ops (no Python loop over rows).
 
 Rows flagged ``is_padding`` on input (left over from an earlier plan) are not part of any
 trajectory or group: they get ``traj_index == group_index == -1``, are excluded from every check
-and count (but must carry no loss token: their loss would vanish), and are dropped by :func:`verl_traj.core.planning.plan_mini_batches` (which adds the
+and count (but must carry no loss token: their loss would vanish), and are dropped by :func:`verl_traj.core.plan.planning.plan_mini_batches` (which adds the
 padding the new plan needs).
 """
 
@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from .errors import TrajInputError, check_binary_mask
+from verl_traj.core.errors import TrajInputError, check_binary_mask
 
 __all__ = ["BatchLayoutError", "BatchLayout", "build_layout", "build_layout_from_counts", "check_ids", "factorize"]
 

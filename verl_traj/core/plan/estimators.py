@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import TrajInputError
+from verl_traj.core.errors import TrajInputError
 
 __all__ = ["CUSTOM", "ESTIMATORS", "STEP_GROUP_BASELINES", "EstimatorTraits", "estimator_name", "estimator_traits", "register_estimator_traits",
            "step_row_estimators", "step_row_refusal"]

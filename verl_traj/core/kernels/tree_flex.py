@@ -1,5 +1,5 @@
 """Tree attention on CUDA through compiled ``flex_attention``: the kernel verl_traj's engine path calls for a prefix
-tree on a GPU (the blocked :func:`~verl_traj.core.tree_attention.tree_attention` elsewhere).
+tree on a GPU (the blocked :func:`~verl_traj.core.kernels.tree_attention.tree_attention` elsewhere).
 
 Compiling ``flex_attention`` costs seconds, and dynamo keeps at most ``torch._dynamo.config.recompile_limit`` (8)
 compiled entries per code object: past it, torch would run ``flex_attention`` eagerly, materialising the whole
@@ -22,7 +22,7 @@ known number of kernels, whatever its tree sizes:
 Each tree's block mask carries its own ``mask_mod`` closure over that tree's ``subtree_end`` (a new closure costs no
 recompile: dynamo guards the function's code and the tensor's metadata, not its identity), so trees of consecutive
 micro-batches share no buffer. The block-level structure comes from
-:func:`~verl_traj.core.tree_attention.tree_block_mask`'s interval facts: no ``N x N`` tensor. Pure module: torch only.
+:func:`~verl_traj.core.kernels.tree_attention.tree_block_mask`'s interval facts: no ``N x N`` tensor. Pure module: torch only.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch.nn.attention.flex_attention import flex_attention
 
-from verl_traj.core.tree_attention import TreeAttentionError, tree_block_mask
+from verl_traj.core.kernels.tree_attention import TreeAttentionError, tree_block_mask
 
 __all__ = ["BUCKET", "FlexKernel", "FlexTree", "bucketed", "flex_kernels", "flex_tree_attention", "tree_attention_flex"]
 
