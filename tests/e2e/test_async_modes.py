@@ -161,7 +161,7 @@ def test_separate_async_trains_on_cpu_with_gloo_weight_sync_and_resumes_after_si
     ``correct`` with ``drop``: slow groups pass the cap and are dropped (and refilled)."""
     run = _killed_and_resumed(tiny_home, tmp_path, ["trainer.v1.trainer_mode=separate_async",
                                                     "trainer.v1.separate_async.num_warmup_batches=0.5",
-                                                    *_correct(tmp_path, "drop", delay_s=12, every=6)], total=5,
+                                                    *_correct(tmp_path, "drop", delay_s=20, every=6)], total=5,
                                 kill_in_fallback=True)
     assert "separate_async.parameter_sync_step=2" in run.output and "checkpoint_engine.backend=gloo" in run.output
     for m in run.steps:
