@@ -142,7 +142,8 @@ def _assert_bounded_and_resumed_in_fallback(run: KilledAndResumed, fallback: str
 def test_colocate_async_trains_whole_units_and_resumes_after_sigkill(tiny_home, tmp_path):
     """``correct`` with ``defer``: the slow groups are waited for at the cap, never dropped."""
     run = _killed_and_resumed(tiny_home, tmp_path, ["trainer.v1.trainer_mode=colocate_async",
-                                                    *_correct(tmp_path, "defer", delay_s=15, every=3)], kill_in_fallback=True)
+                                                    *_correct(tmp_path, "defer", delay_s=15, every=3)],
+                              kill_in_fallback=True)
     for m in run.steps:
         assert m["actor/num_optimizer_steps"] == 2 and m["traj_plan/split_groups"] == 0
         assert m["traj_plan/split_trajectories"] == 0

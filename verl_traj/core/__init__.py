@@ -20,14 +20,14 @@ see :mod:`verl_traj.core.errors`.
 """
 
 from . import keys
-from verl_traj.core.plan.balancing import WORKLOAD_MODELS, balance_equal_size, calculate_workload, round_robin_equal_size
-from verl_traj.core.errors import (TrajInputError, check_binary_mask, check_choice, check_finite, check_index, check_int,
+from .errors import (TrajInputError, check_binary_mask, check_choice, check_finite, check_index, check_int,
                      check_options, check_positive_number, check_shape)
-from verl_traj.core.plan.layout import BatchLayout, BatchLayoutError, build_layout, build_layout_from_counts, check_ids, factorize
-from verl_traj.core.plan.loss_weights import RowStats, compute_loss_weights, loss_weight_modes, register_loss_weight
-from verl_traj.core.plan.packing import MICRO_BATCH_COSTS, MicroBatchPacking, PackingError, min_micro_batches, pack_micro_batches
-from verl_traj.core.plan.padding import apply_plan, pad_attention_mask, pad_position_ids, resolve_pad_token_id
-from verl_traj.core.plan.planning import (
+from .plan.balancing import WORKLOAD_MODELS, balance_equal_size, calculate_workload, round_robin_equal_size
+from .plan.layout import BatchLayout, BatchLayoutError, build_layout, build_layout_from_counts, check_ids, factorize
+from .plan.loss_weights import RowStats, compute_loss_weights, loss_weight_modes, register_loss_weight
+from .plan.packing import MICRO_BATCH_COSTS, MicroBatchPacking, PackingError, min_micro_batches, pack_micro_batches
+from .plan.padding import apply_plan, pad_attention_mask, pad_position_ids, resolve_pad_token_id
+from .plan.planning import (
     GROUP_BY_CHOICES,
     MINI_BATCH_BALANCE_CHOICES,
     PAD_ROW_TOKENS,
