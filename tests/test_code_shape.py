@@ -552,6 +552,22 @@ def test_every_core_import_is_one_its_folder_allows_and_they_form_an_order():
     assert not wrong, wrong
 
 
+# the package's top-level order, lowest first (docs/architecture.md): a module imports only from its own entry or
+# from entries before it; the entries of the last row import nothing of each other
+PACKAGE_ORDER = (("configs",), ("core",), ("stepwise",), ("config",), ("integration",), ("cpu",), ("metrics_log",),
+                 ("plots",), ("summary",), ("agent_loops", "main_ppo", "quickstart", "recipes", "testing"))
+
+
+def test_the_package_imports_one_way():
+    """Issue 54, item 2: no arrow of the house runs back up (``cpu/`` and ``integration/`` included)."""
+    rank = {name: i for i, row in enumerate(PACKAGE_ORDER) for name in row}
+    top = {m: m.split(".")[1] for m in import_graph() if m.startswith("verl_traj.") and m.count(".")}
+    assert set(top.values()) <= set(rank), sorted(set(top.values()) - set(rank))
+    wrong = sorted(f"{m} -> {t}" for m, targets in import_graph().items() if m in top for t in targets
+                   if t in top and top[t] != top[m] and rank[top[t]] >= rank[top[m]])
+    assert not wrong, wrong
+
+
 def test_the_core_imports_no_adapter():
     graph = import_graph()
     wrong = sorted(f"{m} -> {t}" for m in graph if m.startswith(("verl_traj.core", "verl_traj.stepwise"))

@@ -360,7 +360,7 @@ def test_fuzzed_verl_settings_pass_or_name_field_and_fix(section, config):
     """The cross-checks, the verl-settings checks and the CPU platform's settings on random, partly malformed verl
     sections (strings for bools and ints, NaN, negative numbers, unknown estimators and attentions): they pass, or
     refuse naming the field and the fix."""
-    from verl_traj.cpu.settings import check_cpu_rollout_lora, select_cpu_attention
+    from verl_traj.integration.startup.cpu_settings import check_cpu_rollout_lora, select_cpu_attention
     from verl_traj.integration.startup.checks import check_adv_estimator, check_sequence_parallel
 
     try:

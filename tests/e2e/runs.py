@@ -59,7 +59,7 @@ PADDED = ["actor_rollout_ref.model.use_remove_padding=false", "critic.model.use_
 
 # Ulysses sequence parallelism over the two ranks (one data-parallel rank), actor and critic, as a user types it (no
 # attention override): verl's Ulysses code (the all-to-all around flash-attention's varlen call) on the CPU platform's
-# torch varlen attention, which start-up selects for Ulysses (verl_traj/cpu/settings.py)
+# torch varlen attention, which start-up selects for Ulysses (verl_traj/integration/startup/cpu_settings.py)
 ULYSSES_2 = ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
              "critic.ulysses_sequence_parallel_size=2", "critic.fsdp.ulysses_sequence_parallel_size=2", *REMOVE_PADDING]
 

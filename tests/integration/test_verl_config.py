@@ -161,7 +161,7 @@ def test_the_cpu_platform_selects_the_attention_ulysses_needs(overrides, name, a
     """Regression (issue 28): Ulysses SP=2 on the CPU presets trained on sdpa, each rank attending to its own slice
     of the sequence (rollout vs actor log-probs 4.3e-4 apart, first gradient norm 1.1% off the dp=2 run) unless the
     user knew a second override. Now an unset attention is chosen at start-up for actor / reference and critic."""
-    from verl_traj.cpu.settings import select_cpu_attention
+    from verl_traj.integration.startup.cpu_settings import select_cpu_attention
 
     cfg = _cpu(overrides, name)
     written = select_cpu_attention(cfg)
@@ -171,7 +171,7 @@ def test_the_cpu_platform_selects_the_attention_ulysses_needs(overrides, name, a
 
 def test_the_reference_model_counts_for_the_shared_attention():
     """The reference loads the actor's model config: a KL run whose reference alone runs Ulysses gets cpu_varlen."""
-    from verl_traj.cpu.settings import select_cpu_attention
+    from verl_traj.integration.startup.cpu_settings import select_cpu_attention
 
     cfg = _cpu(["actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2",
                 "actor_rollout_ref.actor.use_kl_loss=true"])
@@ -189,7 +189,7 @@ def test_the_reference_model_counts_for_the_shared_attention():
 ])
 def test_an_attention_wrong_on_cpu_is_refused_naming_field_value_and_fix(overrides, name, field, value):
     from verl_traj.config import TrajConfigError
-    from verl_traj.cpu.settings import select_cpu_attention
+    from verl_traj.integration.startup.cpu_settings import select_cpu_attention
 
     with pytest.raises(TrajConfigError) as err:
         select_cpu_attention(_cpu(overrides, name))
@@ -226,7 +226,7 @@ def test_lora_on_the_cpu_rollout_needs_merge(overrides, refused):
     """Regression (issue 28): LoRA without model.lora.merge passed start-up and failed at the first weight sync (the
     CPU rollout takes full weights only), 90 seconds in."""
     from verl_traj.config import TrajConfigError
-    from verl_traj.cpu.settings import check_cpu_rollout_lora
+    from verl_traj.integration.startup.cpu_settings import check_cpu_rollout_lora
 
     cfg = _cpu(overrides)
     if not refused:

@@ -9,7 +9,7 @@ sequence only: silently wrong. With the CPU platform active, verl_traj registers
 :data:`CPU_VARLEN` (transformers' own ``flash_attention_forward`` and mask function under another name) and puts
 :func:`varlen_attention` where the CUDA kernel would be, in both places verl and transformers look it up
 (:mod:`verl_traj.integration.patches.process`). Start-up selects it for a model whose Ulysses size is > 1
-(:mod:`verl_traj.cpu.settings`); ``actor_rollout_ref.model.override_config.attn_implementation=cpu_varlen`` (and the
+(:mod:`verl_traj.integration.startup.cpu_settings`); ``actor_rollout_ref.model.override_config.attn_implementation=cpu_varlen`` (and the
 critic's) selects it for any run.
 """
 
@@ -20,9 +20,9 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CPU_VARLEN", "allowed_keys", "flash_mask", "flash_path", "varlen_attention"]
+from verl_traj.integration.config.attention_names import CPU_VARLEN  # the attn_implementation name
 
-CPU_VARLEN = "cpu_varlen"  # the attn_implementation name
+__all__ = ["CPU_VARLEN", "allowed_keys", "flash_mask", "flash_path", "varlen_attention"]
 
 
 def _sequence_ids(position_ids: torch.Tensor) -> torch.Tensor:

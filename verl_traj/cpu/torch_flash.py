@@ -22,11 +22,11 @@ import os
 from typing import Any, Callable
 
 from verl_traj.cpu.attention import flash_mask, flash_path, varlen_attention
+from verl_traj.integration.config.attention_names import TORCH_VARLEN
 from verl_traj.integration.patches.process import NOW, fused_logprobs_patches, torch_varlen_patches
 
 __all__ = ["TORCH_VARLEN", "attention_patches", "fused_logprobs", "patches", "varlen_kernel", "wanted"]
 
-TORCH_VARLEN = "torch_varlen"  # the attn_implementation name
 
 
 def wanted() -> bool:

@@ -25,7 +25,7 @@
 7. Ulysses only with remove-padding (:func:`check_sequence_parallel`; verl's engine refuses it when the workers
    start);
 8. on the CPU platform (``trainer.device=cpu``): the attention implementation and, for ``separate_async``, the
-   rollout pool and weight sync (:mod:`verl_traj.cpu.settings`); and LoRA on the CPU rollout;
+   rollout pool and weight sync (:mod:`verl_traj.integration.startup.cpu_settings`); and LoRA on the CPU rollout;
 9. a warning where ``traj.ratio_scope=trajectory`` puts a product of token ratios over trajectories long enough for
    its sequence IS weights to degenerate (:func:`ratio_scope_warning`).
 
@@ -43,13 +43,14 @@ from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, AdvantageEstimat
 
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.plan.estimators import estimator_name, estimator_traits
-from verl_traj.cpu.attention import CPU_VARLEN
-from verl_traj.cpu.settings import check_cpu_rollout_lora, select_cpu_attention, settle_cpu_separate_async
 from verl_traj.integration.async_modes.separate_async import settle_parameter_sync_step
 from verl_traj.integration.async_modes.v1_failures import settle_failed_groups
 from verl_traj.integration.async_modes.v1_staleness import settle_staleness
 from verl_traj.integration.config.access import flag_at, sequence_parallel_sizes, ulysses_size, uses_critic, value_at
+from verl_traj.integration.config.attention_names import CPU_VARLEN
 from verl_traj.integration.rows.gigpo import GIGPO, register_gigpo
+from verl_traj.integration.startup.cpu_settings import (check_cpu_rollout_lora, select_cpu_attention,
+                                                         settle_cpu_separate_async)
 from verl_traj.integration.startup.tree_checks import settle_prefix_tree
 from verl_traj.integration.startup.verl_checks import validate_against_verl
 from verl_traj.stepwise.ratio_scope_advice import degenerates, expected_trajectory_ess

@@ -23,10 +23,9 @@ from typing import Any
 from omegaconf import open_dict
 
 from verl_traj.config import TrajConfig, TrajConfigError
-from verl_traj.cpu.attention import CPU_VARLEN
-from verl_traj.cpu.settings import set_attention
 from verl_traj.integration.config.access import flag_at, uses_critic, value_at
-from verl_traj.cpu.torch_flash import TORCH_VARLEN
+from verl_traj.integration.config.attention_names import CPU_VARLEN, TORCH_VARLEN
+from verl_traj.integration.startup.cpu_settings import set_attention
 
 __all__ = ["TREE_ATTENTION", "check_prefix_tree", "settle_prefix_tree", "settled_traj_config"]
 

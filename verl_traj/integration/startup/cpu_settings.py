@@ -5,7 +5,7 @@ the CPU rollout cannot do.
   Ulysses sequence parallelism wraps only the flash-attention path (an all-to-all around its varlen call); under
   ``sdpa`` or ``eager`` each rank attends to its own slice of the sequence, which trains but computes something else
   (log-prob error ~4e-4, gradient norm ~1% off). The CPU presets leave ``override_config.attn_implementation`` null,
-  and start-up picks: :data:`~verl_traj.cpu.attention.CPU_VARLEN` (the flash-attention path with flash-attention's
+  and start-up picks: :data:`~verl_traj.integration.config.attention_names.CPU_VARLEN` (the flash-attention path with flash-attention's
   varlen contract in torch) where the section's Ulysses size is > 1, else ``sdpa`` (exact on CPU with and without
   remove-padding: transformers masks packed sequences by their position ids). A value the user set is kept where it
   is right and refused where it is not: anything but ``cpu_varlen`` under Ulysses, and the CUDA-only
@@ -30,7 +30,7 @@ from typing import Any
 from omegaconf import open_dict
 
 from verl_traj.config import TrajConfigError
-from verl_traj.cpu.attention import CPU_VARLEN
+from verl_traj.integration.config.attention_names import CPU_VARLEN
 from verl_traj.integration.async_modes.separate_async import is_separate_async
 from verl_traj.integration.config.access import flag_at, int_at, sequence_parallel_sizes, value_at
 
