@@ -87,7 +87,7 @@ print(json.dumps({
 
 
 def test_sampler_top_k_top_p_and_logprobs():
-    from verl_traj.cpu.rollout import filter_logits, sample_token
+    from verl_traj.cpu.decoding import filter_logits, sample_token
 
     logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
     assert torch.isinf(filter_logits(logits, top_k=2, top_p=1.0)[2:]).all()

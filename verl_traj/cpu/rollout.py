@@ -1,6 +1,6 @@
 """CPU rollout backend for verl (rollout name ``cpu``).
 
-Three pieces, mirroring verl's vLLM/SGLang backends:
+Three pieces, mirroring verl's vLLM/SGLang backends (the model and its decoding: :mod:`verl_traj.cpu.decoding`):
 
 * :class:`CPUGenerationServer`: a Ray actor holding a Hugging Face causal LM (fp32, sdpa by
   default) that serves verl's token-in/token-out API: ``async generate(request_id, prompt_ids,
@@ -47,186 +47,18 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 from verl.workers.rollout.utils import ensure_async_iterator
 
-from verl_traj.cpu.detect import cpu_platform_wanted
-from verl_traj.cpu.torch_flash import TORCH_VARLEN
+from verl_traj.cpu.decoding import (DETERMINISTIC_BATCH, DecodeState, cfg_get, fixed_shape_chunks, left_padded,
+                                      load_model, serving_device)
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
 
 SERVER_NAME_PREFIX = "verl_traj_cpu_server_"
 WIDTH_BUCKET = 64  # deterministic mode: prompts are left-padded to a multiple of this many tokens
-DETERMINISTIC_BATCH = 8  # deterministic mode: every static batch has exactly this many rows
 
 
 def _server_name(replica_rank: int, node_rank: int = 0) -> str:
     return f"{SERVER_NAME_PREFIX}{replica_rank}_{node_rank}"
-
-
-def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
-    if cfg is None:
-        return default
-    if isinstance(cfg, dict):
-        return cfg.get(key, default)
-    getter = getattr(cfg, "get", None)
-    if callable(getter):
-        try:
-            return getter(key, default)
-        except Exception:
-            pass
-    return getattr(cfg, key, default)
-
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-# ----------------------------------------------------------------------------------------------
-# sampling
-# ----------------------------------------------------------------------------------------------
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) tokens outside top-k / top-p of a [V] logits vector."""
-    if top_k is not None and 0 < top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and 0.0 < top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        cum = torch.cumsum(probs, dim=-1)
-        remove = cum - probs > top_p  # keep the smallest prefix whose mass reaches top_p
-        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(0, idx, sorted_logits)
-    return logits
-
-
-def sample_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                 generator: Optional[torch.Generator]) -> tuple[int, float]:
-    """Returns (token, log-prob under softmax(logits / temperature)); greedy when temperature <= 0."""
-    logits = logits.float()
-    if temperature is None or temperature <= 0:
-        token = int(torch.argmax(logits))
-        return token, float(torch.log_softmax(logits, dim=-1)[token])
-    scaled = logits / temperature
-    logp = torch.log_softmax(scaled, dim=-1)
-    filtered = filter_logits(scaled, top_k, top_p)
-    probs = torch.softmax(filtered, dim=-1)
-    token = int(torch.multinomial(probs, 1, generator=generator))
-    return token, float(logp[token])
-
-
-def _eos_ids(local_path: str, hf_config: Any, tokenizer: Any) -> list[int]:
-    """Every end-of-sequence id the model's config, generation config and tokenizer name."""
-    eos: set[int] = set()
-
-    def add(e: Any) -> None:
-        eos.update(e if isinstance(e, (list, tuple)) else ([e] if e is not None else []))
-
-    add(getattr(hf_config, "eos_token_id", None))
-    try:
-        from transformers import GenerationConfig
-
-        add(GenerationConfig.from_pretrained(local_path).eos_token_id)
-    except Exception:  # no generation_config.json: fine
-        pass
-    if tokenizer is not None:
-        add(tokenizer.eos_token_id)
-    return sorted(eos)
-
-
-def serving_device() -> torch.device:
-    """Where the server's model runs: the CPU where verl_traj's CPU platform is active (no accelerator, or
-    ``VERL_TRAJ_CPU=1``), else the first CUDA device (the server asks Ray for no GPU, and Ray then leaves
-    ``CUDA_VISIBLE_DEVICES`` as the node has it: the server shares the trainer's GPU, as a colocated vLLM does).
-    Sampling stays on the host either way (one ``[b, V]`` copy of the last logits per token)."""
-    return torch.device("cpu") if cpu_platform_wanted() or not torch.cuda.is_available() else torch.device("cuda", 0)
-
-
-def _load_model(config: Any, model_config: Any, device: torch.device = torch.device("cpu")):
-    """``(model, hf_config, tokenizer or None, eos ids)``: the causal LM on ``device``, in eval mode, no grad."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from verl.utils.fs import copy_to_local
-
-    local_path = copy_to_local(_cfg_get(model_config, "local_path") or _cfg_get(model_config, "path"))
-    override = dict(_cfg_get(model_config, "override_config", {}) or {})
-    trust = bool(_cfg_get(model_config, "trust_remote_code", False))
-    dtype = _DTYPES.get(str(_cfg_get(config, "dtype", "float32")), torch.float32)
-    hf_config = AutoConfig.from_pretrained(local_path, trust_remote_code=trust)
-    attn = override.get("attn_implementation") or "sdpa"
-    attn = "sdpa" if attn == TORCH_VARLEN else attn  # generation (KV cache, left padding) needs no flash path on CUDA
-    model = AutoModelForCausalLM.from_pretrained(local_path, dtype=dtype, attn_implementation=attn, trust_remote_code=trust)
-    model.to(device)
-    model.eval()
-    model.requires_grad_(False)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(local_path, trust_remote_code=trust)
-    except Exception:  # a model directory without a tokenizer: ids only, no debug decoding
-        tokenizer = None
-    return model, hf_config, tokenizer, _eos_ids(local_path, hf_config, tokenizer)
-
-
-def _left_padded(requests: list[dict], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[b, W]`` left-padded prompt ids and their attention mask (``W``: the longest prompt, or the
-    requests' common bucket ``width`` in deterministic mode)."""
-    width = max(max(len(r["prompt"]), r.get("width", 0)) for r in requests)
-    input_ids = torch.full((len(requests), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(requests), width), dtype=torch.long)
-    for i, r in enumerate(requests):
-        n = len(r["prompt"])
-        input_ids[i, width - n:] = torch.tensor(r["prompt"], dtype=torch.long)
-        mask[i, width - n:] = 1
-    return input_ids, mask
-
-
-def _fixed_shape_chunks(items: list) -> list[list]:
-    """Batches of exactly ``DETERMINISTIC_BATCH`` (request, future) pairs, the last filled with dummy rows:
-    a copy of its first request that stops after one token, with a future nobody awaits."""
-    chunks = [items[i:i + DETERMINISTIC_BATCH] for i in range(0, len(items), DETERMINISTIC_BATCH)]
-    last = chunks[-1]
-    dummy = dict(last[0][0], max_tokens=1, generator=torch.Generator().manual_seed(0))
-    loop = asyncio.get_event_loop()
-    last += [(dummy, loop.create_future()) for _ in range(DETERMINISTIC_BATCH - len(last))]
-    return chunks
-
-
-class _DecodeState:
-    """Per-request sampled tokens, log-probs, stop reasons and repetition sets of one static batch."""
-
-    def __init__(self, requests: list[dict]):
-        self.requests = requests
-        n = len(requests)
-        self.tokens: list[list[int]] = [[] for _ in range(n)]
-        self.logps: list[list[float]] = [[] for _ in range(n)]
-        self.reasons = ["length"] * n
-        self.done = [False] * n
-        self.seen = [set(r["prompt"]) if r["rep"] != 1.0 else None for r in requests]
-
-    def abort(self) -> None:
-        for i, d in enumerate(self.done):
-            if not d:
-                self.reasons[i], self.done[i] = "aborted", True
-
-    def step(self, logits: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
-        """Sample one token for every live request from ``logits`` ``[b, V]``; returns the next ``[b, 1]`` ids."""
-        next_ids = torch.zeros((len(self.requests), 1), dtype=torch.long)
-        for i, r in enumerate(self.requests):
-            if self.done[i]:
-                continue
-            row = logits[i]
-            if self.seen[i]:
-                idx = torch.tensor(sorted(self.seen[i]), dtype=torch.long)
-                vals = row[idx]
-                row[idx] = torch.where(vals > 0, vals / r["rep"], vals * r["rep"])
-            token, logp = sample_token(row, r["temperature"], r["top_k"], r["top_p"], r.get("generator", generator))
-            self.tokens[i].append(token)
-            self.logps[i].append(logp)
-            next_ids[i, 0] = token
-            if self.seen[i] is not None:
-                self.seen[i].add(token)
-            if token in r["stop"]:
-                self.reasons[i], self.done[i] = "completed", True
-            elif len(self.tokens[i]) >= r["max_tokens"]:
-                self.done[i] = True
-        return next_ids
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,21 +80,21 @@ class CPUGenerationServer:
         self._debug = int(os.environ.get("VERL_TRAJ_CPU_ROLLOUT_DEBUG", "0") or 0)
         torch.set_num_threads(max(1, int(os.environ.get("VERL_TRAJ_CPU_ROLLOUT_THREADS", "1"))))
         self.device = serving_device()
-        self.model, hf_config, self._tokenizer, self.eos_token_ids = _load_model(config, model_config, self.device)
-        self.max_model_len = int(_cfg_get(config, "max_model_len", None) or 0) or int(
+        self.model, hf_config, self._tokenizer, self.eos_token_ids = load_model(config, model_config, self.device)
+        self.max_model_len = int(cfg_get(config, "max_model_len", None) or 0) or int(
             getattr(hf_config, "max_position_embeddings", 4096)
         )
-        self.prompt_length = int(_cfg_get(config, "prompt_length", 512))
-        self.response_length = int(_cfg_get(config, "response_length", 512))
-        seed = int(_cfg_get(config, "seed", 0) or 0) + 1000 * replica_rank
+        self.prompt_length = int(cfg_get(config, "prompt_length", 512))
+        self.response_length = int(cfg_get(config, "response_length", 512))
+        seed = int(cfg_get(config, "seed", 0) or 0) + 1000 * replica_rank
         self._generator = torch.Generator().manual_seed(seed)
-        self.deterministic = bool(_cfg_get(config, "full_determinism", False))
-        self._seed = int(_cfg_get(config, "seed", 0) or 0)
+        self.deterministic = bool(cfg_get(config, "full_determinism", False))
+        self._seed = int(cfg_get(config, "seed", 0) or 0)
         self._turns: dict[tuple, int] = {}
         self.stats = {"requests": 0, "batches": 0, "tokens": 0, "gen_seconds": 0.0}
         # Static batching of concurrent requests (verl's agent loop sends a whole rollout at once);
         # VERL_TRAJ_CPU_ROLLOUT_BATCH=1 serves requests one by one.
-        self.max_batch_size = int(os.environ.get("VERL_TRAJ_CPU_ROLLOUT_BATCH", 0) or _cfg_get(config, "max_num_seqs", 64) or 64)
+        self.max_batch_size = int(os.environ.get("VERL_TRAJ_CPU_ROLLOUT_BATCH", 0) or cfg_get(config, "max_num_seqs", 64) or 64)
         self.batch_wait_s = 0.005
         self._queue: Optional[asyncio.Queue] = None
         self._batch_task = None
@@ -300,8 +132,8 @@ class CPUGenerationServer:
         from transformers import DynamicCache
 
         t0 = time.perf_counter()
-        state = _DecodeState(requests)
-        input_ids, mask = (t.to(self.device) for t in _left_padded(requests))
+        state = DecodeState(requests)
+        input_ids, mask = (t.to(self.device) for t in left_padded(requests))
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         past = DynamicCache()
         for _ in range(max(r["max_tokens"] for r in requests)):
@@ -328,7 +160,7 @@ class CPUGenerationServer:
             for i, r in enumerate(requests)
         ]
 
-    def _debug_print(self, requests: list[dict], state: "_DecodeState") -> None:
+    def _debug_print(self, requests: list[dict], state: "DecodeState") -> None:
         """``VERL_TRAJ_CPU_ROLLOUT_DEBUG=N``: print the first N requests served."""
         if self._debug <= 0 or self._tokenizer is None:
             return
@@ -371,7 +203,7 @@ class CPUGenerationServer:
             for item in batch:
                 by_width.setdefault(item[0]["width"], []).append(item)
             for width in sorted(by_width):
-                for chunk in _fixed_shape_chunks(by_width[width]):
+                for chunk in fixed_shape_chunks(by_width[width]):
                     await self._serve(chunk)
 
     async def generate(self, request_id: str = None, *, prompt_ids: list[int], sampling_params: dict[str, Any],
