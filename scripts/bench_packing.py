@@ -7,7 +7,7 @@ Each rank runs the same number of micro-batches per mini-batch (verl syncs the c
 former bound was ``ceil(rank tokens / cap)``. Methods, on the same plans (same mini-batches and ranks):
 
 * ``verl_traj``: the planner as shipped (token cost: every block at ``ceil(tokens / cap)`` batch-wide, LPT in rounds
-  and a swap repair, ``core/plan/batch_packing.py``; blocks it does not fit: exact bin-completion search from the bound
+  and a swap repair, ``core/packing/batch_packing.py``; blocks it does not fit: exact bin-completion search from the bound
   up, then LPT repaired by a local search, verl's KK, BFD; with the padded cost also low-padding packings at the
   count);
 * ``heuristics only``: the same without the batch-wide pass, the exact search and the local search (LPT, verl's
@@ -40,11 +40,11 @@ from pathlib import Path
 
 import numpy as np
 
-import verl_traj.core.plan.bin_packing as bin_packing
-import verl_traj.core.plan.packing as packing
-import verl_traj.core.plan.padded_packing as padded_packing
+import verl_traj.core.packing.bin_packing as bin_packing
+import verl_traj.core.packing.packing as packing
+import verl_traj.core.packing.padded_packing as padded_packing
 from verl_traj.core import build_layout_from_counts, plan_mini_batches
-from verl_traj.core.plan.bin_packing import bin_lower_bound
+from verl_traj.core.packing.bin_packing import bin_lower_bound
 from verl_traj.integration.trainers.step_plan import verl_partitioner
 from verl_traj.testing.swebench import DATA_FILE, load_step_rows
 

@@ -20,7 +20,7 @@ import weakref
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, Union
 
-from verl_traj.core.plan.balancing import WORKLOAD_MODELS
+from verl_traj.core.packing.balancing import WORKLOAD_MODELS
 from verl_traj.core.errors import TrajInputError, check_choice
 from verl_traj.core.plan.estimators import STEP_GROUP_BASELINES
 from verl_traj.core.rollout.failures import FAILED_GROUP_POLICIES

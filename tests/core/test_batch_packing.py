@@ -1,4 +1,4 @@
-"""The batch-wide packer (core/plan/batch_packing.py): every row lands in one of its block's bins, ``fits`` tells the
+"""The batch-wide packer (core/packing/batch_packing.py): every row lands in one of its block's bins, ``fits`` tells the
 truth, the swap repair never adds over-fill, and at users' sizes (blocks of thousands of rows, a few tokens of slack
 a micro-batch) the planner's micro-batches reach the bound without any per-block search or verl's cut."""
 
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_traj.core import pack_micro_batches
-from verl_traj.core.plan import bin_packing
-from verl_traj.core.plan.batch_packing import MAX_EXTRA_BINS, BatchPacking, pack_blocks, pack_fewest
+from verl_traj.core.packing import bin_packing
+from verl_traj.core.packing.batch_packing import MAX_EXTRA_BINS, BatchPacking, pack_blocks, pack_fewest
 
 
 def _loads(sizes, counts, bins, assign):
@@ -80,7 +80,7 @@ def test_pack_fewest_adds_bins_only_to_blocks_too_large_to_search():
     def never_fits(sizes, starts, counts, bins, cap, **_):
         return BatchPacking(np.zeros(sizes.size, dtype=np.int64), np.zeros(counts.size, dtype=bool))
 
-    with mock.patch("verl_traj.core.plan.batch_packing.pack_blocks", side_effect=never_fits) as packed:
+    with mock.patch("verl_traj.core.packing.batch_packing.pack_blocks", side_effect=never_fits) as packed:
         out, bins, _ = pack_fewest(sizes, starts, counts, 1000, search_limit=100)
     assert bins.tolist() == [6 + MAX_EXTRA_BINS, 1] and not out.fits.any()
     assert packed.call_count == 1 + MAX_EXTRA_BINS

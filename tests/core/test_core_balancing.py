@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from verl_traj.core import PackingError, balance_equal_size, calculate_workload, pack_micro_batches, round_robin_equal_size
-from verl_traj.core.plan.balancing import lpt
+from verl_traj.core.packing.balancing import lpt
 
 
 def test_workload_formula_matches_verl():

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_traj.core import PackingError, min_micro_batches, pack_micro_batches
-from verl_traj.core.plan.bin_packing import bin_lower_bound, fewest_bins, pack_into, repaired_bins
+from verl_traj.core.packing.bin_packing import bin_lower_bound, fewest_bins, pack_into, repaired_bins
 
 from tests.core.plan_checks import fewest_bins_brute
 
@@ -127,7 +127,7 @@ def test_tight_blocks_of_agent_rows_reach_the_bound(cost, rows):
     parts = [tokens[p.micro_index == m] for m in range(k)]
     assert all(part.size and part.sum() <= 2048 for part in parts)
     if cost == "padded":  # the bound is taken because it costs less than any cut into more passes
-        from verl_traj.core.plan.padded_packing import least_area_runs as _least_area_runs
+        from verl_traj.core.packing.padded_packing import least_area_runs as _least_area_runs
 
         ordered = sorted(rows, reverse=True)
         objective = sum(part.size * part.max() for part in parts) + k * 1024
@@ -225,7 +225,7 @@ def _contiguous_least_area(sizes: list[int], cap: int, k: int, bound: str):
 def test_least_area_runs(sizes, extra, k, bound):
     """The dynamic program finds the least-area cut into k runs (brute force), never above the greedy
     cut's area at its count, and every run fits the cap (by area or by token sum)."""
-    from verl_traj.core.plan.padded_packing import least_area_runs as _least_area_runs, padded_runs as _padded_runs
+    from verl_traj.core.packing.padded_packing import least_area_runs as _least_area_runs, padded_runs as _padded_runs
 
     cap = max(sizes) + extra
     sizes = sorted(sizes, reverse=True)

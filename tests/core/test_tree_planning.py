@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from verl_traj.core import PlanError, build_layout_from_counts, plan_mini_batches
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.plan.packing import PackingError
+from verl_traj.core.packing.packing import PackingError
 from verl_traj.core.trees.prefix_tree import tree_token_count
 from verl_traj.core.plan.tree_planning import _cut, unit_pieces
 

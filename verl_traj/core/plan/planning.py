@@ -13,11 +13,11 @@
    :class:`PlanError`: an empty mini-batch would change the number of optimizer steps.
 2. **Padding** (:func:`padding_items`). Mini-batch ``m`` with ``n_m`` real rows gets ``(-n_m) % dp``
    padding rows, the fewest that give every rank the same number of rows.
-3. **DP balancing** (:mod:`verl_traj.core.plan.balancing`): rows (padding included, near-zero cost) spread
+3. **DP balancing** (:mod:`verl_traj.core.packing.balancing`): rows (padding included, near-zero cost) spread
    over ranks with equal counts per mini-batch, minimising the slowest rank's workload.
 4. **Rank-major order**: rank ``r`` holds the contiguous block ``[r*B_out/dp, (r+1)*B_out/dp)``, its
    rows of mini-batch 0 (real rows in source order, then padding), then of mini-batch 1, ...
-5. **Micro-batches** (:mod:`verl_traj.core.plan.packing`) under ``micro_batch_max_tokens``, with the cost of
+5. **Micro-batches** (:mod:`verl_traj.core.packing.packing`) under ``micro_batch_max_tokens``, with the cost of
    the attention path (``micro_batch_cost``), and the statistics of the plan.
 """
 
@@ -31,10 +31,10 @@ from typing import Literal, Optional, Sequence
 import numpy as np
 import torch
 
-from verl_traj.core.plan.balancing import WORKLOAD_MODELS, balance_equal_size, calculate_workload, lpt, round_robin_equal_size
+from verl_traj.core.packing.balancing import WORKLOAD_MODELS, balance_equal_size, calculate_workload, lpt, round_robin_equal_size
 from verl_traj.core.errors import TrajInputError, check_choice, check_int, check_options
 from verl_traj.core.plan.layout import BatchLayout
-from verl_traj.core.plan.packing import MICRO_BATCH_COSTS, Partitioner, pack_micro_batches
+from verl_traj.core.packing.packing import MICRO_BATCH_COSTS, Partitioner, pack_micro_batches
 from verl_traj.core.plan.plan_metrics import plan_metrics
 from verl_traj.core.sorting import lex_order
 from verl_traj.core.plan.tree_planning import TreePieces, place_tree_pieces, real_units, tree_micro_stats, tree_pieces
@@ -69,7 +69,7 @@ class PlanError(TrajInputError):
 class PlanSpec:
     """What to plan. ``micro_batch_max_tokens=None`` plans no micro-batches (one per rank and mini-batch
     is then left to the engine); ``micro_batch_cost`` is the attention path's cost model and
-    ``micro_batch_pass_cost`` the fixed cost of a pass in padded positions (:mod:`verl_traj.core.plan.packing`);
+    ``micro_batch_pass_cost`` the fixed cost of a pass in padded positions (:mod:`verl_traj.core.packing.packing`);
     ``pad_row_tokens`` the attended tokens of a padding row."""
 
     num_mini_batches: int
@@ -332,7 +332,7 @@ def plan_mini_batches(
     **options,
 ) -> MiniBatchPlan:
     """Plan one training batch (stages: module docstring). ``options`` are :class:`PlanSpec` fields;
-    ``partitioner`` is an extra micro-batch candidate (:func:`~verl_traj.core.plan.packing.min_micro_batches`);
+    ``partitioner`` is an extra micro-batch candidate (:func:`~verl_traj.core.packing.packing.min_micro_batches`);
     ``rows``: every row's attended token ids (``prefix_tree=True`` only: stages 3 and 5 then place prefix trees,
     :mod:`verl_traj.core.plan.tree_planning`).
 

@@ -7,7 +7,7 @@ With ``PlanSpec.prefix_tree`` the planner places *pieces*, not rows, on ranks an
   trees fit, each re-paying the ancestor path it shares with the piece before (:func:`unit_pieces`). A unit's cost
   when the planner assigns it to a mini-batch is its whole tree (the distinct prefixes of its rows);
 * a mini-batch's pieces go to ranks by LPT on tree tokens, then each rank's pieces into the fewest micro-batches whose
-  tree tokens fit the cap (:func:`~verl_traj.core.plan.packing.min_micro_batches`). Every rank of a mini-batch runs the
+  tree tokens fit the cap (:func:`~verl_traj.core.packing.packing.min_micro_batches`). Every rank of a mini-batch runs the
   same number of micro-batches (FSDP's collectives run per pass): a rank short of pieces splits a micro-batch of
   several pieces, and where none is left gets a micro-batch of one padding row;
 * padding rows then give every rank of a mini-batch the same number of rows (verl's dispatch splits evenly); they go
@@ -25,10 +25,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from verl_traj.core.plan.balancing import lpt
+from verl_traj.core.packing.balancing import lpt
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.plan.bin_packing import fewest_bins
-from verl_traj.core.plan.packing import PackingError
+from verl_traj.core.packing.bin_packing import fewest_bins
+from verl_traj.core.packing.packing import PackingError
 from verl_traj.core.trees.token_rows import token_rows
 from verl_traj.core.trees.trie_layout import trie_layout
 
@@ -135,7 +135,7 @@ class TreePlacement:
 
 def _bins(sizes: list[int], cap: Optional[int]) -> tuple[list[list[int]], int]:
     """Fewest micro-batches of one rank's pieces (``sizes`` descending) under ``cap`` (all in one without a cap),
-    and the fewest that any packing of them needs (:func:`~verl_traj.core.plan.bin_packing.fewest_bins`' bound)."""
+    and the fewest that any packing of them needs (:func:`~verl_traj.core.packing.bin_packing.fewest_bins`' bound)."""
     if not sizes:
         return [], 0
     if cap is None:

@@ -6,12 +6,12 @@ weights). The cost of a micro-batch depends on the attention path:
 
 * ``cost="tokens"`` (remove-padding / varlen attention, verl's GPU default): a micro-batch costs the
   sum of its rows' attended tokens. Objective: the fewest micro-batches whose token sums fit ``cap``
-  (:func:`~verl_traj.core.plan.bin_packing.fewest_bins`: from the Martello-Toth lower bound up, an exact
+  (:func:`~verl_traj.core.packing.bin_packing.fewest_bins`: from the Martello-Toth lower bound up, an exact
   bin-completion search under a work budget, then LPT and an optional caller-given partitioner -- the
   verl adapter passes verl's own Karmarkar-Karp, so the count is never above verl's
   ``rearrange_micro_batches`` on the same rows -- and best-fit decreasing). The count equals the block's
   lower bound wherever the exact search settles every smaller count. First, for all blocks at once, LPT in
-  rounds at ``ceil(tokens / cap)`` and a swap repair (:func:`~verl_traj.core.plan.batch_packing.pack_fewest`:
+  rounds at ``ceil(tokens / cap)`` and a swap repair (:func:`~verl_traj.core.packing.batch_packing.pack_fewest`:
   batch-wide array work; a block too large for the exact search gets one more bin batch-wide instead); only
   the blocks it does not fit are packed one by one, so users' large blocks of short rows cost no Python loop
   over rows.
@@ -22,8 +22,8 @@ weights). The cost of a micro-batch depends on the attention path:
   block takes the cut with the least ``padded area + count x pass_cost`` among: consecutive runs of
   length-sorted rows whose token sums fit (a dynamic program; consecutive runs are optimal for this area)
   and, at the token cost's count, that packing, an exact packing that keeps rows of similar length together
-  (:func:`~verl_traj.core.plan.bin_packing.pack_into` with ``fair_first=False``), the least-area runs with the cap
-  ignored repaired until they fit (:func:`~verl_traj.core.plan.bin_packing.repaired_bins`) -- where the count is
+  (:func:`~verl_traj.core.packing.bin_packing.pack_into` with ``fair_first=False``), the least-area runs with the cap
+  ignored repaired until they fit (:func:`~verl_traj.core.packing.bin_packing.repaired_bins`) -- where the count is
   tight, consecutive runs do not fit and an arbitrary packing pads much more -- and the partitioner's (verl's)
   own cut -- so at verl's count its padded positions are never above verl's. ``pass_cost=None`` keeps the token
   cost's count.
@@ -50,10 +50,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from verl_traj.core.plan.batch_packing import pack_fewest
-from verl_traj.core.plan.bin_packing import SEARCH_LIMIT, Partitioner, bin_lower_bound, fewest_bins
+from verl_traj.core.packing.batch_packing import pack_fewest
+from verl_traj.core.packing.bin_packing import SEARCH_LIMIT, Partitioner, bin_lower_bound, fewest_bins
 from verl_traj.core.errors import TrajInputError, check_choice, check_index, check_int
-from verl_traj.core.plan.padded_packing import Cost, least_area_runs, pack_padded, padded_runs, partitioner_count, split_to
+from verl_traj.core.packing.padded_packing import Cost, least_area_runs, pack_padded, padded_runs, partitioner_count, split_to
 from verl_traj.core.sorting import lex_order
 
 __all__ = [
@@ -124,7 +124,7 @@ def _checked_inputs(tokens: Any, block: Any, block_sync: Any, num_blocks: Any, c
 
 def min_micro_batches(sizes: list[int], cap: int, partitioner: Optional[Partitioner] = None) -> list[list[int]]:
     """Fewest micro-batches (token-sum cost) for one block; ``sizes`` sorted descending.
-    Returns bins of positions into ``sizes`` (:func:`~verl_traj.core.plan.bin_packing.fewest_bins`)."""
+    Returns bins of positions into ``sizes`` (:func:`~verl_traj.core.packing.bin_packing.fewest_bins`)."""
     return fewest_bins(sizes, cap, partitioner).bins
 
 
@@ -161,7 +161,7 @@ def _final_bins(bins: list[list[int]], want: int, sizes: list[int], cap: int, co
 
 def _batch_wide(sorted_tokens: np.ndarray, starts: np.ndarray, rows: np.ndarray, cap: int,
                 cost: Cost) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The token cost's batch-wide pass (:func:`~verl_traj.core.plan.batch_packing.pack_fewest`): ``(local [N] micro-batch
+    """The token cost's batch-wide pass (:func:`~verl_traj.core.packing.batch_packing.pack_fewest`): ``(local [N] micro-batch
     of each sorted row, done [B], count [B], lower bound [B])``; blocks not ``done`` are packed one by one."""
     if cost != "tokens":
         zeros = np.zeros(rows.size, dtype=np.int64)

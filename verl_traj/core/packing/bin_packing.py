@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from verl_traj.core.plan.balancing import lpt
+from verl_traj.core.packing.balancing import lpt
 
 __all__ = ["EXACT_UNSETTLED_COUNTS", "EXACT_WORK_BUDGET", "REPAIR_STEPS", "SEARCH_LIMIT", "BinPacking", "Partitioner", "bin_lower_bound",
            "fewest_bins", "fits", "pack_into", "repaired_bins"]

@@ -1,6 +1,6 @@
 """The padded costs' micro-batch cuts (no remove-padding: a micro-batch computes ``rows x longest row``
 positions): consecutive runs of length-sorted rows, their least padded area by a dynamic program, and the
-``cost="padded"`` choice among candidate packings (see :mod:`verl_traj.core.plan.packing`). Pure module (numpy)."""
+``cost="padded"`` choice among candidate packings (see :mod:`verl_traj.core.packing.packing`). Pure module (numpy)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Literal, Optional, Sequence
 
 import numpy as np
 
-from verl_traj.core.plan.bin_packing import Partitioner, fits, pack_into, repaired_bins
+from verl_traj.core.packing.bin_packing import Partitioner, fits, pack_into, repaired_bins
 
 __all__ = ["Cost", "area", "bin_cost", "least_area_runs", "pack_padded", "padded_runs", "partitioner_count",
            "split_to"]
