@@ -135,7 +135,8 @@ def test_the_read_sample_is_whole_trajectories_within_the_budget(trajectory, bud
     chosen = set(codes[rows].tolist())
     assert chosen and set(np.flatnonzero(np.isin(codes, list(chosen))).tolist()) == set(rows.tolist())  # whole
     largest = np.bincount(codes).max()
-    assert rows.size <= budget or (len(chosen) == 1 and rows.size == largest)
+    assert rows.size <= budget or len(chosen) == 1  # over it: the one trajectory taken first, alone
+    assert rows.size <= max(budget, largest)  # whichever trajectory comes first (hypothesis: a 2-row one, budget 1)
     assert np.array_equal(rows, sample_trajectory_rows(codes, budget, seed))  # deterministic
     order = np.random.default_rng(seed).permutation(codes.size)
     assert set(codes[order][sample_trajectory_rows(codes[order], budget, seed)].tolist()) == chosen  # row order
