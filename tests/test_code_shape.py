@@ -52,6 +52,16 @@ def test_no_integration_module_over_three_hundred_lines():
     assert not over, over
 
 
+MAX_MODULE_LINES = 400
+
+
+def test_no_module_over_four_hundred_lines():
+    """Issue 54, item 6: a module a reader takes in at once."""
+    long = {str(path.relative_to(PACKAGE)): n for path in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, long
+
+
 def test_the_v1_adapter_imports_at_the_top():
     local = [f"{path.name}:{node.lineno}" for path in sorted((PACKAGE / "integration" / "trainers").glob("v1*.py"))
              for fn in ast.walk(ast.parse(path.read_text())) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
