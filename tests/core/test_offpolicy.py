@@ -12,17 +12,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_traj.core.rollout.offpolicy import (HEALTH, HealthGate, HealthThresholds, gate_statistics, groups_over_lag, lag_stats,
-                                      max_lags, sample_trajectory_rows, weight_health)
+from verl_traj.core.rollout.offpolicy import (HEALTH, HealthGate, HealthThresholds, first_version, gate_statistics, groups_over_lag,
+                                      lag_stats, sample_trajectory_rows, weight_health)
 from verl_traj.core.rollout.staleness import version_tokens
 
 LEDGER = st.lists(st.tuples(st.integers(0, 6), st.integers(0, 40)), max_size=6).map(version_tokens)
 
 
-@given(st.lists(LEDGER, min_size=1, max_size=6), st.integers(6, 9))
-def test_max_lag_is_the_oldest_generated_tokens_lag(ledgers, trained):
-    expected = [max((trained - v for v, n in ledger if n > 0), default=0) for ledger in ledgers]
-    assert max_lags(ledgers, trained).tolist() == expected
+@given(st.lists(LEDGER, max_size=6))
+def test_first_version_is_the_oldest_generated_tokens(ledgers):
+    assert first_version(ledgers) == min((v for ledger in ledgers for v, n in ledger if n > 0), default=None)
 
 
 @given(st.dictionaries(st.sampled_from("abcdef"), st.lists(LEDGER, max_size=3), max_size=5), st.integers(6, 9),

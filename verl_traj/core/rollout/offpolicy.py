@@ -50,7 +50,7 @@ import torch
 from verl_traj.core.rollout.staleness import VersionTokens, flat_version_tokens
 
 __all__ = ["FALLBACKS", "HEALTH", "HealthGate", "HealthThresholds", "first_version", "gate_statistics",
-           "groups_over_lag", "lag_stats", "max_lags", "sample_trajectory_rows", "weight_health"]
+           "groups_over_lag", "lag_stats", "past_cap", "sample_trajectory_rows", "weight_health"]
 
 FALLBACKS = ("defer", "drop")  # traj.correct_fallback: what takes over past the cap, and while weights are unhealthy
 PREFIX = "traj_offpolicy"
@@ -64,26 +64,17 @@ def first_version(ledgers: Sequence[VersionTokens]) -> Optional[int]:
     return min(versions) if versions else None
 
 
-def max_lags(ledgers: Sequence[VersionTokens], trained_version: int) -> np.ndarray:
-    """``[T]`` int64: each trajectory's oldest generated token's lag against ``trained_version`` (0 for one that
-    generated nothing)."""
-    index, version, _ = flat_version_tokens(ledgers)
-    oldest = np.full(len(ledgers), trained_version, dtype=np.int64)
-    np.minimum.at(oldest, index, version)
-    return trained_version - oldest
+def past_cap(first: Optional[int], trained_version: int, cap: int) -> bool:
+    """Whether a group whose oldest generated token is of version ``first`` (:func:`first_version`; None: no token)
+    has a token more than ``cap`` versions behind ``trained_version``: the one rule of the cap, read by
+    :func:`groups_over_lag` and, from each finished group's cached ``first``, by the replay buffer's policy."""
+    return first is not None and trained_version - first > cap
 
 
 def groups_over_lag(ledgers: Mapping[str, Sequence[VersionTokens]], trained_version: int, cap: int) -> set[str]:
     """The groups (``uid`` -> its trajectories' version tokens) with a token more than ``cap`` versions behind
     ``trained_version``."""
-    uids = [uid for uid in ledgers if ledgers[uid]]
-    flat = [ledger for uid in uids for ledger in ledgers[uid]]
-    if not flat:
-        return set()
-    owner = np.repeat(np.arange(len(uids)), [len(ledgers[uid]) for uid in uids])
-    worst = np.zeros(len(uids), dtype=np.int64)
-    np.maximum.at(worst, owner, max_lags(flat, trained_version))
-    return {uids[i] for i in np.flatnonzero(worst > cap)}
+    return {uid for uid, group in ledgers.items() if past_cap(first_version(group), trained_version, cap)}
 
 
 def lag_stats(ledgers: Sequence[VersionTokens], trained_version: int) -> dict[str, float]:

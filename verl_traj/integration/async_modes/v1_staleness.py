@@ -30,7 +30,7 @@ from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServer
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.rollout.session_ledger import VERSION_TOKENS_TAG, current_ledger
 from verl_traj.integration.async_modes.correction import settle_correction
-from verl_traj.core.rollout.offpolicy import HealthGate, HealthThresholds, gate_statistics
+from verl_traj.core.rollout.offpolicy import HealthGate, HealthThresholds, gate_statistics, past_cap
 from verl_traj.core.rollout.staleness import groups_over_bound, groups_to_defer, staleness_of
 
 logger = logging.getLogger(__name__)
@@ -188,18 +188,18 @@ class StaleGroupPolicy:
         facts, trained = self._group_facts(partition_id, failed), global_steps - 1
         over = ({uid for uid, f in facts.items() if staleness_of(f.stalest, trained) > self.max_staleness}
                 if self._evicts_over_bound else set())
-        past_cap = ({uid for uid, f in facts.items() if f.first_version is not None
-                     and trained - f.first_version > self.lag_cap} if self.lag_cap is not None else set())
-        self._over_bound = (over | past_cap) - stale  # verl's own bound counts its own
-        self._past_cap = past_cap - stale  # past the cap, whether or not the open gate drops it for the bound too
-        return stale | over | past_cap, dapo, failed, counts
+        past = ({uid for uid, f in facts.items() if past_cap(f.first_version, trained, self.lag_cap)}
+                if self.lag_cap is not None else set())
+        self._over_bound = (over | past) - stale  # verl's own bound counts its own
+        self._past_cap = past - stale  # past the cap, whether or not the open gate drops it for the bound too
+        return stale | over | past, dapo, failed, counts
 
     def _evict_terminal_groups(self, global_steps: int, partition_id: str, eviction_reasons: tuple) -> tuple:
         dropped = eviction_reasons[0] & self.__dict__.pop("_over_bound", set())
-        past_cap = eviction_reasons[0] & self.__dict__.pop("_past_cap", set())
+        capped = eviction_reasons[0] & self.__dict__.pop("_past_cap", set())
         if dropped and partition_id != "val":
             self._log({"traj_staleness/groups_dropped_total": float(len(dropped)),
-                       "traj_offpolicy/groups_past_cap_dropped_total": float(len(past_cap))})
+                       "traj_offpolicy/groups_past_cap_dropped_total": float(len(capped))})
         return super()._evict_terminal_groups(global_steps, partition_id, eviction_reasons)
 
     @property
