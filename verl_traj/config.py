@@ -262,7 +262,8 @@ class TrajConfig:
             if not number or not (value <= 1 and (value >= 0 if name == "offpolicy_min_ess" else value > 0)):
                 raise TrajConfigError(
                     f"traj.{name}={value!r} is invalid: it is {what}. Fix: set a number there (default "
-                    f"{getattr(TrajConfig, name)}; 0 for offpolicy_min_ess never hands over on the ESS).",
+                    f"{getattr(TrajConfig, name)}" + ("; 0 never hands over on the ESS)." if name == "offpolicy_min_ess"
+                                                      else "; 1 hands over only where the weights are wild)."),
                     field=f"traj.{name}")
         if self.stale_groups != "correct":
             for name in ("correct_fallback", "offpolicy_min_ess", "offpolicy_max_log_ratio_m2"):
