@@ -139,7 +139,8 @@ def _line_offpolicy(rows: list[dict]) -> Optional[str]:
         values = _values(rows, key)
         return f"{pick(values):.3f}" if values else "n/a"
     past_cap = _total(rows, "traj_offpolicy/groups_past_cap_dropped_total")
-    return (f"- off-policy (correct): oldest trained token {max(lags):.0f} versions old (p99 at most "
+    oldest = f"{max(lags):.0f} version{'' if max(lags) == 1 else 's'}"
+    return (f"- off-policy (correct): oldest trained token {oldest} old (p99 at most "
             f"{max(_values(rows, 'traj_offpolicy/lag_p99') or [0.0]):.0f}); worst step: ESS of the truncated weights "
             f"{worst('traj_offpolicy/ess_truncated')}, mean squared log-ratio "
             f"{worst('traj_offpolicy/log_ratio_m2', max)}, untruncated ESS {worst('traj_offpolicy/ess')}; fallback "
