@@ -31,14 +31,8 @@ from verl_traj.core.rollout.offpolicy import FALLBACKS, HealthThresholds
 from verl_traj.core.rollout.staleness import STALE_GROUP_POLICIES, check_bound
 from verl_traj.stepwise.ratios import RATIO_SCOPES
 
-__all__ = [
-    "DEFAULT_MAX_LAG",
-    "GROUP_BY_CHOICES",
-    "MINI_BATCH_BALANCE_CHOICES",
-    "PADDED_CAP_CHOICES",
-    "TrajConfig",
-    "TrajConfigError",
-]
+__all__ = ["DEFAULT_MAX_LAG", "GROUP_BY_CHOICES", "MINI_BATCH_BALANCE_CHOICES", "PADDED_CAP_CHOICES", "TrajConfig",
+           "TrajConfigError"]
 
 # traj.max_lag under stale_groups=correct when unset: chosen by scripts/bench_async_bias.py (docs/trainers.md)
 DEFAULT_MAX_LAG = 8
@@ -135,6 +129,9 @@ class TrajConfig:
         step_group_baseline: ``gigpo``: the baseline of a step group: ``"gigpo"`` (default: the paper's mean and std
             over the group) or ``"leave_one_out"`` (the mean of the group's other calls, no std: unbiased where the
             anchor key is the state).
+        credit_rule_modules: dotted names of modules that register per-call credit rules
+            (:func:`verl_traj.stepwise.credit_rules.register_credit_rule`), imported in every process that needs them
+            (start-up, the trainer, the agent-loop workers); a rule's name is then an ``algorithm.adv_estimator``.
     """
 
     enable: bool = True
@@ -166,6 +163,7 @@ class TrajConfig:
     offpolicy_max_log_ratio_m2: float = 0.04
     step_advantage_weight: float = 1.0
     step_group_baseline: str = "gigpo"
+    credit_rule_modules: tuple[str, ...] = ()
 
     @property
     def lag_cap(self) -> Optional[int]:
@@ -216,6 +214,7 @@ class TrajConfig:
                 "Fix: set traj.max_staleness (a number >= 1), or remove traj.stale_groups.", field="traj.stale_groups")
         self._check_times()
         self._check_lag()
+        self._check_modules()
         for name in ("loss_agg_mode", "critic_loss_agg_mode"):
             if getattr(self, name) is not None:
                 _check_choice(f"traj.{name}", getattr(self, name), loss_weight_modes())
@@ -226,20 +225,17 @@ class TrajConfig:
                     f"traj.{name}={cap!r} is invalid: it is a number of tokens. Fix: set a positive integer number of "
                     "tokens per micro-batch per GPU (at least the longest prompt+response), or null to derive it from "
                     "verl's settings.",
-                    field=f"traj.{name}",
-                )
+                    field=f"traj.{name}")
         cost = self.pass_cost_tokens
         if cost is not None and (isinstance(cost, bool) or not isinstance(cost, int) or cost < 0):
             raise TrajConfigError(
                 f"traj.pass_cost_tokens={cost!r} is invalid. Fix: set the fixed cost of one forward/backward pass as "
                 "a non-negative number of padded positions (default 1024), or null for the fewest passes.",
-                field="traj.pass_cost_tokens",
-            )
+                field="traj.pass_cost_tokens")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise TrajConfigError(
                 f"traj.seed={self.seed!r} is invalid: the planner seeds numpy with seed + training step, which needs "
-                "a non-negative int. Fix: set traj.seed to an integer >= 0 (default 0).", field="traj.seed",
-            )
+                "a non-negative int. Fix: set traj.seed to an integer >= 0 (default 0).", field="traj.seed")
         self._check_keys()
 
     def _check_lag(self) -> None:
@@ -272,6 +268,17 @@ class TrajConfig:
                         f"traj.{name}={getattr(self, name)!r} applies only with traj.stale_groups=correct (it is "
                         f"{self.stale_groups!r}). Fix: set traj.stale_groups=correct, or remove traj.{name}.",
                         field=f"traj.{name}")
+
+    def _check_modules(self) -> None:
+        """``credit_rule_modules``: a list of dotted module names (kept as a tuple)."""
+        modules = self.credit_rule_modules
+        if isinstance(modules, str) or not hasattr(modules, "__iter__") or not all(
+                isinstance(m, str) and m for m in modules):
+            raise TrajConfigError(
+                f"traj.credit_rule_modules={modules!r} is invalid: it is a list of module names. Fix: write "
+                "traj.credit_rule_modules=[my_pkg.my_rules] (each an importable module), or [] for none.",
+                field="traj.credit_rule_modules")
+        object.__setattr__(self, "credit_rule_modules", tuple(modules))
 
     def _check_times(self) -> None:
         """``trajectory_timeout_s`` and ``replay_poll_s``: positive seconds."""
@@ -354,7 +361,6 @@ class TrajConfig:
             return parsed
         _PARSED[key] = (ref, parsed)
         return parsed
-
 
     @staticmethod
     def forget(config: Any) -> None:

@@ -8,7 +8,7 @@ from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.plan.estimators import ESTIMATORS, step_row_estimators
-from verl_traj.integration.rows.gigpo import register_gigpo
+from verl_traj.integration.rows.credit import register_rules_with_verl
 from verl_traj.integration.startup.verl_checks import validate_against_verl
 from verl_traj.stepwise.advantages import (StepwiseAdvantageError, broadcast_step_advantages, check_stepwise_estimator,
                                            last_step_rows)
@@ -199,9 +199,9 @@ def test_unknown_estimator_needs_opt_in_and_scalar_output():
 
 
 def test_all_known_scalar_estimators_are_registered_in_verl():
-    """verl's own, and ``gigpo`` once verl_traj registers it, as start-up does (regression: the test passed only
-    after another test file had imported the integration package)."""
-    register_gigpo()  # start-up's registration, here on its own
+    """verl's own, and the per-call credit rules (``gigpo``) once verl_traj registers them, as start-up does
+    (regression: the test passed only after another test file had imported the integration package)."""
+    register_rules_with_verl()  # start-up's registration, here on its own
     for name in step_row_estimators():
         assert callable(get_adv_estimator_fn(name))
 

@@ -3,6 +3,8 @@
 - ``advantages``: outcome estimators run once per trajectory, broadcast to each step row on its own
   ``response_mask`` (fixes the SkyRL 1492 class of bugs).
 - ``prefix_merge``: merge consecutive steps whose context is a token prefix of the next step's.
+- ``credit_rules``: the registry of per-call credit rules; ``step_groups`` registers GiGPO on it (imported here,
+  so a process that loads any step-wise module knows every built-in rule).
 - ``expand``: expand a rollout batch carrying per-step records into padded step rows (optionally
   prefix-merged), for the trainer's ``_balance_batch`` hook.
 """
@@ -30,3 +32,4 @@ from verl_traj.stepwise.prefix_merge import (  # noqa: F401
     can_merge_boundaries,
     merge_trajectory_steps,
 )
+from verl_traj.stepwise import step_groups  # noqa: F401,E402  (registers the built-in rule gigpo)

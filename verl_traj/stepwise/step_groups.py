@@ -40,8 +40,9 @@ import torch
 
 from verl_traj.core.errors import TrajInputError, check_finite, check_index
 from verl_traj.core.plan.estimators import STEP_GROUP_BASELINES as BASELINES
+from verl_traj.stepwise.credit_rules import CallCredit, CreditResult, register_credit_rule
 
-__all__ = ["BASELINES", "StepCalls", "StepGroupOptions", "combine_advantages", "discounted_step_returns", "gigpo_advantages",
+__all__ = ["BASELINES", "StepCalls", "StepGroupOptions", "combine_advantages", "discounted_step_returns", "gigpo_advantages", "gigpo_rule",
            "step_group_advantages", "step_group_ids", "step_group_metrics"]
 
 ANCHORS = "step_anchors"  # the per-token field (verl_traj.core.keys.STEP_ANCHORS)
@@ -277,3 +278,14 @@ def gigpo_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, traj_in
     step = step_group_advantages(returns, group, baseline=baseline, norm_by_std=norm_by_std, epsilon=epsilon)
     advantages = combine_advantages(calls, episode_adv, step, weight, response_mask)
     return advantages, step_group_metrics(calls, group, episode_adv, step, weight, response_mask)
+
+
+@register_credit_rule("gigpo", anchors=True, knobs=("step_advantage_weight", "step_group_baseline"))
+def gigpo_rule(calls: CallCredit) -> CreditResult:
+    """``algorithm.adv_estimator=gigpo``: :func:`gigpo_advantages` on the batch's calls, its knobs from ``traj:``
+    (metrics ``traj_gigpo/*``; the returns are the advantages, as verl's GRPO)."""
+    advantages, metrics = gigpo_advantages(
+        calls.rewards, calls.response_mask, calls.traj_index, calls.steps, calls.anchors, calls.traj_uid,
+        calls.episode_fn, gamma=calls.gamma, weight=calls.step_advantage_weight, baseline=calls.step_group_baseline,
+        norm_by_std=calls.norm_by_std)
+    return CreditResult(advantages, metrics=metrics)

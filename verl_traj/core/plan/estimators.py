@@ -18,10 +18,12 @@ Traits:
   so a turn gets credit from the turns after it.
 * ``padding_safe``: the real rows' outputs do not change when verl_traj's padding rows (groups of one with
   no loss token) are present, so the estimator may run on the whole batch (a test checks each).
-* ``step_groups``: per LLM call, from step rows only (``gigpo``: GiGPO's anchor-state step groups,
-  :mod:`verl_traj.stepwise.step_groups`); refused without ``traj.step_wise=true``.
+* ``per_call``: a per-call credit rule, from step rows only (``gigpo``: GiGPO's anchor-state step groups): declared
+  by :func:`verl_traj.stepwise.credit_rules.register_credit_rule` next to the rule, never here; refused without
+  ``traj.step_wise=true``.
+* ``anchors``: the rule reads each call's anchor key (the agent loops and v0's expansion record them).
 * ``step_rows``: allowed with ``traj.step_wise=true`` (scalar outcome: once per trajectory, broadcast; temporal: on
-  the timeline); ``refusal`` says why not where it is not.
+  the timeline; per call: the rule); ``refusal`` says why not where it is not.
 """
 
 from __future__ import annotations
@@ -43,12 +45,13 @@ class EstimatorTraits:
     length_aware: bool = False
     temporal: bool = False
     padding_safe: bool = False
-    step_groups: bool = False
+    per_call: bool = False
+    anchors: bool = False
     refusal: str = ""  # non-empty: why the estimator cannot run on step rows
 
     @property
     def step_rows(self) -> bool:
-        return (self.scalar_outcome or self.temporal or self.step_groups) and not self.refusal
+        return (self.scalar_outcome or self.temporal or self.per_call) and not self.refusal
 
 
 ESTIMATORS: dict[str, EstimatorTraits] = {}
@@ -116,9 +119,7 @@ for _name, _traits in {
     "reinforce_plus_plus_baseline": EstimatorTraits(temporal=True, padding_safe=True),
     "optimal_token_baseline": EstimatorTraits(refusal=_TOKEN_BASELINE),
     "tir_optimal_token_baseline": EstimatorTraits(refusal=_TOKEN_BASELINE),
-    # verl_traj's own (registered with verl by verl_traj.integration.rows.gigpo): GRPO per trajectory plus a step-level
-    # advantage per LLM call among the calls of its GRPO group that saw the same observation
-    "gigpo": EstimatorTraits(step_groups=True, padding_safe=True),
+    # verl_traj's per-call rules (gigpo, ...) declare their traits where they are registered (stepwise.credit_rules)
     "gdpo": EstimatorTraits(refusal="it whitens each reward dimension over a batch's rows, and reads per-dimension "
                                     "reward keys that exist per row, not per trajectory"),
 }.items():

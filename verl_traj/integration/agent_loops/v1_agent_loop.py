@@ -46,7 +46,7 @@ from verl_traj.core.rollout.session_ledger import current_ledger, session_ledger
 from verl_traj.integration.async_modes.v1_failures import run_session
 from verl_traj.integration.async_modes.v1_staleness import check_recording
 from verl_traj.integration.config.access import value_at
-from verl_traj.integration.rows.gigpo import uses_step_groups
+from verl_traj.integration.rows.credit import load_rules, records_anchors
 from verl_traj.stepwise.expand import (DEFAULT_STEPS_KEY, STEP_ANCHOR, TURN_REWARD, StepExpansionError,
                                        trajectory_step_rows)
 
@@ -167,7 +167,8 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
         super().__init__(*args, **kwargs)
         # read once per worker: every session below uses these (no per-session work that grows with the config)
         self.traj_config = traj_config = TrajConfig.of(self.config)
-        self.records_anchors = traj_config.enable and uses_step_groups(
+        load_rules(traj_config.credit_rule_modules)  # this worker's process knows every rule (traj.credit_rule_modules)
+        self.records_anchors = traj_config.enable and records_anchors(
             value_at(self.config, "algorithm.adv_estimator", "grpo"))
         rollout = self.config.actor_rollout_ref.rollout
         # full_determinism: each session's request priority from its sample and session (train / validation n)

@@ -28,12 +28,13 @@ from verl.trainer.ppo import core_algos
 from verl_traj.core.errors import check_finite
 from verl_traj.core.plan.estimators import estimator_traits
 from verl_traj.core.keys import IS_LAST_STEP, TRAJ_INDEX, TURN_REWARDS
-from verl_traj.integration.rows.gigpo import gigpo_advantage
+from verl_traj.integration.rows.credit import credit_advantage
 from verl_traj.stepwise.advantages import (StepwiseAdvantageError, check_stepwise_estimator,
                                            compute_trajectory_advantages)
 from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY, expand_step_rows
 from verl_traj.stepwise.inputs import checked_flags, checked_traj_index
 from verl_traj.stepwise.ratios import trajectory_ratio_metrics, trajectory_rollout_correction
+from verl_traj.stepwise.credit_rules import credit_rule
 from verl_traj.stepwise.step_groups import StepGroupOptions
 from verl_traj.stepwise.timeline import Timeline, timeline_advantages
 
@@ -195,8 +196,9 @@ def stepwise_advantage(verl_compute_advantage: Callable, step_index_key: str = "
     Outcome estimators run once per trajectory and are broadcast onto its rows (``reward_reduction``: ``"sum"`` when
     ``config.use_kl_in_reward``, KL penalties sitting on every step row, else ``"last_step"``). Temporal estimators
     (``gae``, REINFORCE++) run on each trajectory's timeline: credit across its rows (``step_index_key``: the
-    non-tensor field holding each row's step). ``gigpo`` (:mod:`verl_traj.integration.rows.gigpo`) groups each call with
-    the calls of its GRPO group that saw the same observation (``step_groups``: the ``traj:`` knobs)."""
+    non-tensor field holding each row's step). A per-call credit rule (``gigpo`` or any
+    registered one, :mod:`verl_traj.integration.rows.credit`) gives each call its own advantage (``step_groups``: the
+    ``traj:`` knobs)."""
 
     @functools.wraps(verl_compute_advantage)
     def compute_advantage(data: Any, adv_estimator: Any, gamma: float = 1.0, lam: float = 1.0, num_repeat: int = 1,
@@ -206,10 +208,11 @@ def stepwise_advantage(verl_compute_advantage: Callable, step_index_key: str = "
                                           norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, config=config)
         name = str(getattr(adv_estimator, "value", adv_estimator))
         td = data.batch
-        if estimator_traits(name).step_groups:  # per LLM call, from the rows' anchor keys (gigpo)
-            gigpo_advantage(data, _with_turn_rewards(data), row_steps(data, step_index_key),
-                            _uid(data.non_tensor_batch, td.batch_size[0]), gamma=gamma,
-                            episode=_estimator("grpo", norm_adv_by_std_in_grpo, config), options=step_groups)
+        rule = credit_rule(name)
+        if rule is not None:  # per LLM call (gigpo: from the rows' anchor keys)
+            credit_advantage(data, rule, _with_turn_rewards(data), row_steps(data, step_index_key),
+                             _uid(data.non_tensor_batch, td.batch_size[0]), gamma=gamma,
+                             episode=_estimator("grpo", norm_adv_by_std_in_grpo, config), options=step_groups)
             return data
         fn, extra = _estimator(name, norm_adv_by_std_in_grpo, config)
         if estimator_traits(name).temporal:

@@ -42,17 +42,18 @@ from typing import Any, Optional
 from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, AdvantageEstimator
 
 from verl_traj.config import TrajConfig, TrajConfigError
-from verl_traj.core.plan.estimators import estimator_name, estimator_traits
+from verl_traj.core.plan.estimators import estimator_name
 from verl_traj.integration.async_modes.separate_async import settle_parameter_sync_step
 from verl_traj.integration.async_modes.v1_failures import settle_failed_groups
 from verl_traj.integration.async_modes.v1_staleness import settle_staleness
 from verl_traj.integration.config.access import flag_at, sequence_parallel_sizes, ulysses_size, uses_critic, value_at
 from verl_traj.integration.config.attention_names import CPU_VARLEN
-from verl_traj.integration.rows.gigpo import GIGPO, register_gigpo
+from verl_traj.integration.rows.credit import load_rules
 from verl_traj.integration.startup.cpu_settings import (check_cpu_rollout_lora, select_cpu_attention,
                                                          settle_cpu_separate_async)
 from verl_traj.integration.startup.tree_checks import settle_prefix_tree
 from verl_traj.integration.startup.verl_checks import validate_against_verl
+from verl_traj.stepwise.credit_rules import CREDIT_RULES, RULE_KNOBS, credit_rule
 from verl_traj.stepwise.ratio_scope_advice import degenerates, expected_trajectory_ess
 
 logger = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ def known_adv_estimators() -> tuple[str, ...]:
 
 def check_adv_estimator(config: Any) -> None:
     """``algorithm.adv_estimator``: a name verl knows, with what it needs on this trainer."""
-    register_gigpo()  # verl_traj's own estimator, in verl's registry before the name is looked up
+    load_rules(TrajConfig.of(config).credit_rule_modules)  # per-call rules in verl's registry before the lookup
     given = value_at(config, ESTIMATOR)
     name, known = estimator_name(given), known_adv_estimators()
     if not isinstance(name, str) or name not in known:
@@ -166,20 +167,22 @@ def check_adv_estimator(config: Any) -> None:
 
 
 def _check_step_groups(config: Any, name: str) -> None:
-    """``gigpo`` needs verl_traj's step rows; its ``traj:`` knobs need ``gigpo`` (else they would do nothing)."""
-    traj = TrajConfig.of(config)
-    if estimator_traits(name).step_groups and not (traj.enable and traj.step_wise):
+    """A per-call credit rule (``gigpo``, any registered one) needs verl_traj's step rows; a rule's ``traj:`` knobs
+    need a rule that reads them (else they would do nothing)."""
+    traj, rule = TrajConfig.of(config), credit_rule(name)
+    if rule is not None and not (traj.enable and traj.step_wise):
         raise TrajConfigError(
-            f"{ESTIMATOR}={name!r} groups each LLM call with the calls of its GRPO group that saw the same observation: "
-            f"it needs verl_traj's step rows, but traj.enable={traj.enable} and traj.step_wise={traj.step_wise}. Fix: "
-            "set traj.enable=true traj.step_wise=true (with a step-recording agent loop: docs/agent_loops.md), or "
+            f"{ESTIMATOR}={name!r} is a per-call credit rule (each LLM call its own advantage): it needs verl_traj's "
+            f"step rows, but traj.enable={traj.enable} and traj.step_wise={traj.step_wise}. Fix: set traj.enable=true "
+            "traj.step_wise=true (with a step-recording agent loop: docs/agent_loops.md), or "
             f"{ESTIMATOR}=grpo.", field=ESTIMATOR)
-    default = TrajConfig()
-    for knob in ("step_advantage_weight", "step_group_baseline"):
-        if name != GIGPO and getattr(traj, knob) != getattr(default, knob):
+    for knob in RULE_KNOBS:
+        if knob not in (rule.knobs if rule else ()) and getattr(traj, knob) != getattr(TrajConfig, knob):
+            readers = sorted(r.name for r in CREDIT_RULES.values() if knob in r.knobs)
             raise TrajConfigError(
-                f"traj.{knob}={getattr(traj, knob)!r} is a knob of {ESTIMATOR}=gigpo, but {ESTIMATOR}={name!r}: it "
-                f"would do nothing. Fix: set {ESTIMATOR}=gigpo, or remove traj.{knob}.", field=f"traj.{knob}")
+                f"traj.{knob}={getattr(traj, knob)!r} is read only by the credit rules {readers}, but {ESTIMATOR}="
+                f"{name!r}: it would do nothing. Fix: set {ESTIMATOR} to one of them, or remove traj.{knob}.",
+                field=f"traj.{knob}")
 
 
 def _check_estimator_inputs(config: Any, name: str) -> None:

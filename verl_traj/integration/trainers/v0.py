@@ -45,7 +45,7 @@ from verl_traj.core.trees.token_rows import TokenRows
 from verl_traj.integration.config.access import value_at
 from verl_traj.integration.config.update_spec import UpdateSpec
 from verl_traj.integration.patches.scoped import fit_patches, patched
-from verl_traj.integration.rows.gigpo import uses_step_groups
+from verl_traj.integration.rows.credit import load_rules, records_anchors
 from verl_traj.integration.rows.real_rows import is_padding, real_rows
 from verl_traj.integration.rows.stepwise_rows import expand_dataproto_step_rows
 from verl_traj.integration.startup.tree_checks import settled_traj_config
@@ -98,6 +98,7 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
 
     def __init__(self, config, *args, **kwargs):
         self.traj_config = settled_traj_config(config)
+        load_rules(self.traj_config.credit_rule_modules)  # this process knows every per-call credit rule
         self.spec = UpdateSpec.prepare(config, self.traj_config) if self.traj_config.enable else None
         super().__init__(config, *args, **kwargs)
 
@@ -132,7 +133,7 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
             step_metrics = expand_dataproto_step_rows(
                 batch, merge_prefix=self.traj_config.merge_prefix, pad_token_id=self._pad_token_id(),
                 traj_id_key=self.traj_config.traj_id_key, step_index_key=self.traj_config.step_index_key,
-                step_anchors=uses_step_groups(value_at(self.config, "algorithm.adv_estimator", "grpo")),
+                step_anchors=records_anchors(value_at(self.config, "algorithm.adv_estimator", "grpo")),
             )
             if metrics is not None:
                 metrics.update(step_metrics)

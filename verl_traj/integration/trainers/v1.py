@@ -64,6 +64,7 @@ from verl_traj.integration.config.update_spec import UpdateSpec
 from verl_traj.integration.config.verl_config import prepare_v1_agent_loop
 from verl_traj.integration.patches.scoped import (llm_client_patches, patched, replay_buffer_patches,
                                                   v1_advantage_patches)
+from verl_traj.integration.rows.credit import load_rules
 from verl_traj.integration.startup.tree_checks import settled_traj_config
 from verl_traj.integration.trainers.checkpoints import CompleteCheckpoints
 from verl_traj.integration.trainers.step_plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
@@ -108,6 +109,7 @@ class TrajV1Mixin(CompleteCheckpoints):
 
     def __init__(self, config: Any):
         self.traj_config = settled_traj_config(config)
+        load_rules(self.traj_config.credit_rule_modules)  # this process knows every per-call credit rule
         self.spec = (dataclasses.replace(UpdateSpec.prepare(config, self.traj_config),
                                          reuses_old_log_probs=reuses_old_log_probs(type(self)))
                      if self.traj_config.enable else None)
