@@ -75,6 +75,10 @@ def _v1_view(data):
     return keys, scores, facts
 
 
+def _ignored(facts: PlanFacts) -> None:
+    """``hand_on`` where a test reads only the advantages."""
+
+
 @pytest.mark.parametrize("name", ["grpo", "rloo", "opo"])
 @pytest.mark.parametrize("kl_in_reward", [False, True])
 def test_planned_advantage_counts_the_copied_reward_once(name, kl_in_reward):
@@ -91,7 +95,7 @@ def test_planned_advantage_counts_the_copied_reward_once(name, kl_in_reward):
     v1 = as_dataproto({"token_level_scores": scores, "token_level_rewards": scores - penalty,
                        "response_mask": data.batch["response_mask"], "attention_mask": data.batch["attention_mask"],
                        "responses": data.batch["responses"]}, {"uid": parse_row_keys(keys).uid})
-    got = planned_advantage(facts, v1, keys, name, config=config).batch["advantages"]
+    got = planned_advantage(facts, v1, keys, name, config=config, hand_on=_ignored).batch["advantages"]
     torch.testing.assert_close(got, expected)
     assert torch.count_nonzero(got[facts.is_padding]) == 0
     assert torch.all((got != 0) <= (data.batch["response_mask"] != 0))  # only on each row's own loss tokens
@@ -112,13 +116,13 @@ def test_planned_advantage_puts_turn_rewards_where_v0_does(name, merge):
                "response_mask": data.batch["response_mask"], "attention_mask": data.batch["attention_mask"]}
     # (no "responses": v1's advantage batch has none, regression of the first run with turn rewards)
     got = planned_advantage(facts, as_dataproto(tensors, {"uid": parse_row_keys(keys).uid}), keys, name,
-                            gamma=0.9, lam=0.95, config=config).batch["advantages"]
+                            gamma=0.9, lam=0.95, config=config, hand_on=_ignored).batch["advantages"]
     expected = stepwise_advantage(ray_trainer.compute_advantage)(data, name, gamma=0.9, lam=0.95, config=config)
     torch.testing.assert_close(got, expected.batch["advantages"])
     outcome_only = dataclasses.replace(facts, turn_rewards=None)
     tensors["token_level_rewards"] = scores.clone()
     without = planned_advantage(outcome_only, as_dataproto(tensors, {"uid": parse_row_keys(keys).uid}), keys, name,
-                                gamma=0.9, lam=0.95, config=config).batch["advantages"]
+                                gamma=0.9, lam=0.95, config=config, hand_on=_ignored).batch["advantages"]
     assert not torch.allclose(got, without, atol=1e-4)  # the tags are read, not dropped
 
 
@@ -132,13 +136,13 @@ def test_planned_advantage_on_one_row_trajectories_is_verl_on_real_rows():
     facts = PlanFacts(tuple(keys), torch.cat([torch.arange(B), torch.tensor([-1, -1])]), ~pad, pad,
                       torch.zeros(B + 2, dtype=torch.long), torch.zeros(B + 2, dtype=torch.long), multi_row=False)
     data = as_dataproto(grow, {"uid": parse_row_keys(keys).uid})
-    got = planned_advantage(facts, data, keys, "grpo", num_repeat=4, config=OmegaConf.create({}))
+    got = planned_advantage(facts, data, keys, "grpo", num_repeat=4, config=OmegaConf.create({}), hand_on=_ignored)
     ref = ray_trainer.compute_advantage(as_dataproto(tensors, dict(non)), "grpo", num_repeat=4,
                                         config=OmegaConf.create({}))
     torch.testing.assert_close(got.batch["advantages"][:B], ref.batch["advantages"])
     assert torch.count_nonzero(got.batch["advantages"][B:]) == 0
-    with pytest.raises(RuntimeError, match="not the ones _balance_batch planned"):
-        planned_advantage(facts, data, list(reversed(keys)), "grpo", config=OmegaConf.create({}))
+    with pytest.raises(RuntimeError, match="not the ones _balance_batch planned"):  # the trainer's check
+        facts.check(list(reversed(keys)))
 
 
 def test_planned_advantage_records_each_rows_final_loss_tokens():
@@ -150,9 +154,14 @@ def test_planned_advantage_records_each_rows_final_loss_tokens():
     mask[:, -1] = 0
     v1 = as_dataproto({"token_level_scores": scores, "token_level_rewards": scores.clone(), "response_mask": mask,
                        "attention_mask": data.batch["attention_mask"]}, {"uid": parse_row_keys(keys).uid})
-    planned_advantage(facts, v1, keys, "grpo", config=OmegaConf.create({}))
-    assert torch.equal(facts.loss_tokens, mask.sum(-1) * ~facts.is_padding)
-    assert not torch.equal(facts.loss_tokens, data.batch["response_mask"].sum(-1) * ~facts.is_padding)
+    handed = []
+    planned_advantage(facts, v1, keys, "grpo", config=OmegaConf.create({}), hand_on=handed.append)
+    (final,) = handed  # a new value; the planned facts keep the planned counts
+    assert torch.equal(final.loss_tokens, mask.sum(-1) * ~facts.is_padding)
+    assert torch.equal(facts.loss_tokens, data.batch["response_mask"].sum(-1) * ~facts.is_padding)
+    assert not torch.equal(final.loss_tokens, facts.loss_tokens) and final.keys == facts.keys
+    with pytest.raises(TypeError):
+        final.advantage_metrics["x"] = 1.0  # read-only
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm",

@@ -102,7 +102,7 @@ def _run(monkeypatch, dp: int, steps: int = 2, seed: int = 3) -> dict:
     tr = ray_less_trainer(config, TrajConfig(), dp=dp, v1_class=PPOTrainerSync,
                           plan=PlanSettings(max_tokens=24, cost="tokens", derived=True, pad_row_tokens=2))
     batch = tr._balance_batch(KVBatchMeta(keys=list(keys), tags=list(tags), partition_id="train"), {})
-    pad = tr._plan_facts.is_padding
+    pad = tr._step_facts.current.is_padding
     # the log-prob passes write every row, padding rows included (a 1-token forward: some log-prob, masked out)
     fields = [log_probs.get(k, (torch.tensor([-0.7]), torch.tensor([-0.2]))) for k in batch.keys]
     transfer_queue.kv_batch_put(batch.keys, "train", TensorDict({

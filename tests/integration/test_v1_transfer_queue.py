@@ -115,7 +115,7 @@ def test_planned_batch_in_transfer_queue(tq):
         block = mb[rank * n // DP:(rank + 1) * n // DP]
         assert torch.equal(block, torch.sort(block).values)
     pad = torch.tensor([bool(t.get("is_padding")) for t in out.tags])
-    facts = tr._plan_facts
+    facts = tr._step_facts.current
     assert torch.equal(pad, facts.is_padding)
     assert pad.any() and stored["input_ids"].offsets().diff()[pad].tolist() == [2] * int(pad.sum())
     assert torch.equal(facts.loss_tokens, _dense(stored["response_mask"]).sum(-1))  # counted at planning
@@ -255,7 +255,7 @@ def test_a_planned_field_the_meta_does_not_name_is_refused_by_the_worker(tq, fie
     tr = _trainer(**STEP_ROWS_GSPO)
     rows = _store_rows(tq, np.random.default_rng(4), prefix=f"m{field.replace('_', '')}")
     meta = _as_verl_leaves_it(tq, tr._balance_batch(rows, {}))
-    with planned_update(meta, tr._plan_facts, tr.spec, ACTOR):
+    with planned_update(meta, tr._step_facts.current, tr.spec, ACTOR):
         assert check_planned_update(_as_a_worker_receives(meta)) == planned_update_fields(ratio_groups=True)
         meta.fields = [f for f in meta.fields if f != field]
         data = _as_a_worker_receives(meta)
@@ -273,10 +273,12 @@ def test_loss_weights_come_from_the_final_loss_token_counts(tq, monkeypatch):
 
     tr = _trainer(algorithm={"rollout_correction": {"rollout_rs": "token_k1", "rollout_rs_threshold": "0.98_1.02"}})
     out = tr._balance_batch(_store_rows(tq, np.random.default_rng(5), prefix="c", log_probs=True), {})
-    facts = tr._plan_facts
-    planned_counts = facts.loss_tokens.clone()
+    planned = tr._step_facts.current
+    planned_counts = planned.loss_tokens.clone()
     meta = tr._compute_advantage(out, {})
     final = _dense(_fetch(tq, meta, "response_mask")["response_mask"])
+    facts = tr._step_facts.current  # the advantage step's: a new value, the planned one unchanged (issue 54, item 3)
+    assert facts is not planned and torch.equal(planned.loss_tokens, planned_counts)
     assert torch.equal(facts.loss_tokens, final.sum(-1)) and not torch.equal(planned_counts, facts.loss_tokens)
 
     reads = []
@@ -347,3 +349,21 @@ def test_read_rows_gives_each_rows_ids_in_the_asked_order(tq):
     assert [r.tolist() for r in read_rows(meta).as_list()] == [v for _, v in rows]
     assert [r.tolist() for r in read_rows(meta, ["ro_d", "ro_c"]).as_list()] == [[3, 4], [1, 2]]
     tq.kv_clear(keys=[k for k, _ in rows], partition_id="train")
+
+
+def test_the_plan_facts_are_checked_once_per_batch_and_a_reordered_batch_is_refused(tq, monkeypatch):
+    """Issue 54, item 3: the batch's keys are checked against the plan's facts once (at the batch's first use after
+    planning), not at every step of the update; a batch whose rows were reordered since is refused at its first use."""
+    from verl_traj.integration.trainers.v1_plan_facts import PlanFacts
+
+    tr = _trainer()
+    out = tr._balance_batch(_store_rows(tq, np.random.default_rng(6), prefix="d"), {})
+    checks, check = [], PlanFacts.check
+    monkeypatch.setattr(PlanFacts, "check", lambda self, keys: checks.append(len(keys)) or check(self, keys))
+    meta = tr._compute_advantage(out, {})
+    for _ in range(3):  # the critic's and the actor's updates read the same facts
+        assert tr._step_facts.of(meta) is tr._step_facts.current
+    assert len(checks) == 1 + (meta.keys is not out.keys), checks
+    reordered = dataclasses.replace(meta, keys=list(reversed(meta.keys)))
+    with pytest.raises(RuntimeError, match="not the ones _balance_batch planned"):
+        tr._step_facts.of(reordered)

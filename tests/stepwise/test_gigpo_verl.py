@@ -72,13 +72,14 @@ def test_v1_planned_advantage_gives_v0s_gigpo(merge):
     facts = dataclasses.replace(facts, step_anchors=anchor_entries([anchor_tag(r) for r in data.batch[STEP_ANCHORS]]))
     tensors = {"token_level_scores": scores, "token_level_rewards": scores.clone(),
                "response_mask": data.batch["response_mask"], "attention_mask": data.batch["attention_mask"]}
-    options = StepGroupOptions(weight=1.0, baseline="leave_one_out")
+    options, handed = StepGroupOptions(weight=1.0, baseline="leave_one_out"), []
     got = planned_advantage(facts, as_dataproto(tensors, {"uid": parse_row_keys(keys).uid}), keys, "gigpo",
-                            gamma=0.95, config=OmegaConf.create({}), step_groups=options).batch["advantages"]
+                            gamma=0.95, config=OmegaConf.create({}), step_groups=options,
+                            hand_on=handed.append).batch["advantages"]
     expected = stepwise_advantage(ray_trainer.compute_advantage, step_groups=options)(data, "gigpo", gamma=0.95,
                                                                                        config=OmegaConf.create({}))
     torch.testing.assert_close(got, expected.batch["advantages"])
-    assert facts.advantage_metrics["traj_gigpo/steps_in_shared_groups"] > 0
+    assert handed[0].advantage_metrics["traj_gigpo/steps_in_shared_groups"] > 0
 
 
 def test_gigpo_without_the_traj_knobs_wired_is_an_error_not_a_default():

@@ -87,9 +87,10 @@ def test_v1_planned_advantage_gives_v0s(merge):
     keys, scores, facts = _v1_view(data)
     tensors = {"token_level_scores": scores, "token_level_rewards": scores.clone(),
                "response_mask": data.batch["response_mask"], "attention_mask": data.batch["attention_mask"]}
-    options = StepGroupOptions(weight=1.0, baseline="gigpo")
+    options, handed = StepGroupOptions(weight=1.0, baseline="gigpo"), []
     got = planned_advantage(facts, as_dataproto(tensors, {"uid": parse_row_keys(keys).uid}), keys, RULE,
-                            gamma=0.95, config=OmegaConf.create({}), step_groups=options).batch["advantages"]
+                            gamma=0.95, config=OmegaConf.create({}), step_groups=options,
+                            hand_on=handed.append).batch["advantages"]
     expected = stepwise_advantage(ray_trainer.compute_advantage, step_groups=options)(data, RULE, gamma=0.95,
                                                                                        config=OmegaConf.create({}))
     torch.testing.assert_close(got, expected.batch["advantages"])

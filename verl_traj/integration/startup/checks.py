@@ -77,7 +77,7 @@ def check_startup(config: Any, platform_device: str) -> TrajConfig:
     """The start-up checks (module doc), once per job, on the driver; ``platform_device`` is the platform verl picked
     in this process (``verl.utils.device.get_device_name()``). Returns the parsed ``traj:`` section."""
     check_platform(config, platform_device)
-    traj_config = TrajConfig.from_mapping(config.get("traj"))
+    traj_config = TrajConfig.of(config)
     check_adv_estimator(config)
     derived = settle_parameter_sync_step(config)  # before the mini-batch checks, which divide by it
     if derived:
@@ -92,7 +92,7 @@ def check_startup(config: Any, platform_device: str) -> TrajConfig:
     tree = settle_prefix_tree(traj_config, config, "cpu" if value_at(config, "trainer.device") == "cpu" else "cuda")
     if tree:
         logger.warning("verl_traj: %s", tree)
-    traj_config = TrajConfig.from_mapping(config.get("traj"))  # prefix_tree settled
+    traj_config = TrajConfig.of(config)  # prefix_tree settled (the settlement dropped the earlier parse)
     if traj_config.enable:
         check_models(config)
     check_sequence_parallel(config)

@@ -149,12 +149,12 @@ def settle_prefix_tree(traj_config: TrajConfig, config: Any, device: str) -> str
 def settled_traj_config(config: Any) -> TrajConfig:
     """A trainer's ``traj:`` section with ``prefix_tree`` settled: start-up settles it in the config; a trainer built
     without start-up (a script, a test) settles it here, the same way, and says so."""
-    traj_config = TrajConfig.from_mapping(config.get("traj"))
+    traj_config = TrajConfig.of(config)
     if traj_config.prefix_tree != "auto":
         return traj_config
     message = settle_prefix_tree(traj_config, config, "cpu" if value_at(config, "trainer.device") == "cpu" else "cuda")
     logger.warning("verl_traj: %s", message)
-    return TrajConfig.from_mapping(config.get("traj"))
+    return TrajConfig.of(config)
 
 
 def check_prefix_tree(traj_config: TrajConfig, config: Any, device: str) -> None:

@@ -75,7 +75,7 @@ from verl_traj.integration.trainers.v1_advantage import (corrected_per_trajector
 from verl_traj.integration.trainers.v1_metrics import (RolloutBusy, StepPadding, length_bias_metrics, length_budget,
                                                        offpolicy_metrics, stepwise_metrics, trajectory_metrics)
 from verl_traj.integration.trainers.v1_padding import write_padding_rows
-from verl_traj.integration.trainers.v1_plan_facts import PlanFacts, plan_facts
+from verl_traj.integration.trainers.v1_plan_facts import StepFacts, plan_facts
 from verl_traj.integration.trainers.v1_planning import (debug_rows, dispatch_dp_size, in_key_order, ordered_batch,
                                                         read_layout, read_rows, store_plan_ids)
 from verl_traj.integration.trainers.v1_updates import extra_info, planned_update
@@ -116,7 +116,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         if not self.traj_config.enable:
             # the agent-loop manager that gives each session its request priority
             prepare_v1_agent_loop(config, self.traj_config)
-        self._plan_facts: Optional[PlanFacts] = None  # the facts of the local update planned last
+        self._step_facts = StepFacts()  # the facts of the local update planned last
         self._step_padding = StepPadding()  # every row planned since the last step's metrics
         self._uid_draws = (-1, 0)  # (global step, prompts drawn in it): deterministic uids
         self._rollout_busy = RolloutBusy()  # rollout_pool/*_busy_share
@@ -187,7 +187,7 @@ class TrajV1Mixin(CompleteCheckpoints):
                                                 self.spec.plan.pad_row_tokens)
         out = ordered_batch(batch, plan, pad_keys, pad_tags)
         store_plan_ids(out, plan, rows)
-        self._plan_facts = plan_facts(out, plan, layout)
+        self._step_facts.planned(plan_facts(out, plan, layout))
         self._step_padding.record(out.keys, plan.is_padding.tolist())
         metrics.update(plan_step_metrics(plan, self.spec.epochs))
         debug_dump(int(self.global_steps), plan, debug_rows(out, plan, layout))
@@ -204,33 +204,31 @@ class TrajV1Mixin(CompleteCheckpoints):
         return stock_plan_metrics_of(self.config, keys.uid, keys.traj_id, pad,
                                      dispatch_dp_size(self.actor_rollout_wg, "actor"))
 
-    def _facts_of(self, batch: Any) -> PlanFacts:
-        """The plan's facts of ``batch`` (raises unless it is the batch planned last, rows in the planned order)."""
-        if self._plan_facts is None:
-            raise RuntimeError("no batch was planned: _balance_batch runs before every advantage and update")
-        self._plan_facts.check(batch.keys)
-        return self._plan_facts
-
     def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
         """verl's ``_compute_advantage`` (fetch, KL-in-reward, rollout correction, advantage, write back) with its
         advantage being :func:`~verl_traj.integration.trainers.v1_advantage.planned_advantage` of this batch's plan
         facts, and for step rows at ``traj.ratio_scope=trajectory`` its rollout correction per trajectory."""
         if not self.traj_config.enable:
             return super()._compute_advantage(batch, metrics)
-        facts = self._facts_of(batch)
+        facts = self._step_facts.of(batch)
         per_trajectory = self.spec.trajectory_ratios
         correction = functools.partial(corrected_per_trajectory, facts) if per_trajectory else None
-        advantage = functools.partial(planned_advantage, facts, step_groups=StepGroupOptions.of(self.traj_config))
+        advantage = functools.partial(planned_advantage, facts, step_groups=StepGroupOptions.of(self.traj_config),
+                                      hand_on=self._step_facts.hand_on)
         kl_penalty = functools.partial(kl_penalty_on_planned_rows, facts)  # KL-in-reward on real rows
         with patched(v1_advantage_patches(advantage, correction, kl_penalty=kl_penalty)):
             out = super()._compute_advantage(batch, metrics)
-        metrics.update(facts.advantage_metrics)
+        if self._step_facts.current is facts:
+            raise RuntimeError("verl's _compute_advantage did not run verl_traj's planned advantage (the patch of "
+                               "compute_advantage_for_multi_trajectories): the loss weights would count the planned "
+                               "loss tokens, not the corrected ones")
+        metrics.update(self._step_facts.current.advantage_metrics)
         return out
 
     def _update_critic(self, batch: Any, metrics: dict) -> Any:
         if not self.traj_config.enable:
             return super()._update_critic(batch, metrics)
-        with planned_update(batch, self._facts_of(batch), self.spec, CRITIC), self._trees(batch):
+        with planned_update(batch, self._step_facts.of(batch), self.spec, CRITIC), self._trees(batch):
             return super()._update_critic(batch, metrics)
 
     def _compute_values(self, batch: Any, metrics: dict) -> Any:
@@ -241,7 +239,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         if not self.traj_config.enable:
             return super()._update_actor(batch, metrics)
         local_step = int(getattr(self, "local_trigger_step", 0))
-        with planned_update(batch, self._facts_of(batch), self.spec, ACTOR, local_step), self._trees(batch):
+        with planned_update(batch, self._step_facts.of(batch), self.spec, ACTOR, local_step), self._trees(batch):
             return super()._update_actor(batch, metrics)
 
     def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:

@@ -43,7 +43,8 @@ def _count_reward_once(data: Any, facts: PlanFacts) -> None:
 
 def planned_advantage(facts: PlanFacts, data: Any, batch_keys: list[str], adv_estimator: Any, gamma: float = 1.0,
                       lam: float = 1.0, num_repeat: int = 1, norm_adv_by_std_in_grpo: bool = True,
-                      config: Optional[Any] = None, *, step_groups: Optional[StepGroupOptions] = None) -> Any:
+                      config: Optional[Any] = None, *, step_groups: Optional[StepGroupOptions] = None,
+                      hand_on: Callable[[PlanFacts], None]) -> Any:
     """v1's ``compute_advantage_for_multi_trajectories(data, batch_keys, adv_estimator, ...)`` for a planned batch
     (``facts`` bound first; ``data``: verl's ``DataProto`` of ``[B, R]`` fields in ``batch_keys`` order).
 
@@ -51,19 +52,21 @@ def planned_advantage(facts: PlanFacts, data: Any, batch_keys: list[str], adv_es
     counts the reward once, on its last step, plus the turn rewards on their tokens, then runs the step-wise
     advantage (outcome estimators once per trajectory, each row getting the trajectory's scalar on its own tokens;
     temporal ones on each trajectory's timeline of rows); otherwise verl's ``compute_advantage`` runs on the real
-    rows, as on v0. Also records each row's final loss tokens in ``facts`` (after verl's rollout correction), and the
-    advantage step's metrics (``gigpo``: ``traj_gigpo/*``; ``step_groups``: its ``traj:`` knobs, bound by the trainer)
-    in ``facts.advantage_metrics``."""
+    rows, as on v0. ``hand_on`` receives the facts after the step, a new value: each row's final loss tokens (after
+    verl's rollout correction) and the advantage step's metrics (``gigpo``: ``traj_gigpo/*``; ``step_groups``: its
+    ``traj:`` knobs, bound by the trainer)."""
     facts.attach(data, batch_keys)
-    facts.record_final_loss_tokens(data.batch["response_mask"])
+    final = facts.with_final_loss_tokens(data.batch["response_mask"])  # the correction ran before this step
     kwargs = dict(gamma=gamma, lam=lam, num_repeat=num_repeat, norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
                   config=config)
     if not facts.stepwise:
-        return advantage_on_real_rows(ray_trainer.compute_advantage)(data, adv_estimator, **kwargs)
-    _count_reward_once(data, facts)
-    estimator = stepwise_advantage(ray_trainer.compute_advantage, step_index_key=STEP_INDEX, step_groups=step_groups)
-    out = advantage_on_real_rows(estimator)(data, adv_estimator, **kwargs)
-    facts.advantage_metrics.update(data.meta_info.pop(ADVANTAGE_METRICS, {}))
+        out = advantage_on_real_rows(ray_trainer.compute_advantage)(data, adv_estimator, **kwargs)
+    else:
+        _count_reward_once(data, facts)
+        estimator = stepwise_advantage(ray_trainer.compute_advantage, step_index_key=STEP_INDEX,
+                                       step_groups=step_groups)
+        out = advantage_on_real_rows(estimator)(data, adv_estimator, **kwargs)
+    hand_on(final.with_advantage_metrics(data.meta_info.pop(ADVANTAGE_METRICS, {})))
     return out
 
 
@@ -74,7 +77,7 @@ def corrected_per_trajectory(facts: PlanFacts, verl_add_to_batch: Callable, data
     then verl's correction per trajectory
     (:func:`~verl_traj.integration.rows.stepwise_rows.trajectory_scoped_correction`). Returns ``(data, metrics)`` as
     verl's does."""
-    facts.attach(data, list(facts.keys))
+    facts.attach(data, list(facts.keys))  # the trainer checked the batch's keys
     return trajectory_scoped_correction(verl_add_to_batch, step_index_key=STEP_INDEX)(data, rollout_corr_config)
 
 

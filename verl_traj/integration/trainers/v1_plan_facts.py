@@ -3,8 +3,11 @@ batch planned last, kept on the trainer instead of in TransferQueue.
 
 v1's fields are fixed per batch (the workers pull the stored fields common to every row), and verl builds the
 advantage's ``DataProto`` from a fixed field list, so the facts ride from the planner to the advantage and the
-updates here, in dispatch order, checked against the batch's keys at every use. They are born in ``_balance_batch``
-(:func:`plan_facts`) and read by :mod:`~verl_traj.integration.trainers.v1_advantage` (advantage, rollout correction) and
+updates here, in dispatch order, checked against the batch's keys once per batch (the trainer's ``_facts_of``). They
+are immutable values: born in ``_balance_batch`` (:func:`plan_facts`), replaced by the advantage step's
+(:meth:`~PlanFacts.with_final_loss_tokens`, :meth:`~PlanFacts.with_advantage_metrics`: a new value handed back to the
+trainer), read
+by :mod:`~verl_traj.integration.trainers.v1_advantage` (advantage, rollout correction) and
 :mod:`~verl_traj.integration.trainers.v1_updates` (loss weights).
 
 Loss tokens per row are counted where the mask is born (planning: one fetch of ``response_mask``) and again where it
@@ -14,8 +17,10 @@ the loss weights need only these counts, never the ``[B, R]`` mask.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from types import MappingProxyType
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -25,7 +30,7 @@ from verl_traj.core.rollout.row_key import parse_row_keys
 from verl_traj.core.rollout.row_tags import anchor_entries
 from verl_traj.core.rollout.row_tags import turn_reward_entries
 
-__all__ = ["STEP_INDEX", "PlanFacts", "plan_facts", "row_loss_tokens"]
+__all__ = ["STEP_INDEX", "PlanFacts", "StepFacts", "plan_facts", "row_loss_tokens"]
 
 # the field the step-wise advantage reads each row's step from (on v1 fixed: traj.step_index_key is for v0 batches)
 STEP_INDEX = "step_index"
@@ -45,8 +50,8 @@ class PlanFacts:
     """The plan's per-row facts of the batch planned last, in dispatch order (``[B]`` CPU tensors each).
 
     Invariants: ``keys`` are the planned batch's row keys in dispatch order; padding rows have ``traj_index == -1``,
-    ``is_last_step`` False and ``loss_tokens == 0``. ``loss_tokens`` is the one mutable fact: counted at planning,
-    recounted in place from the final ``response_mask`` by :meth:`record_final_loss_tokens`."""
+    ``is_last_step`` False and ``loss_tokens == 0``. Immutable: ``loss_tokens`` is counted at planning, and the
+    advantage step hands on a new value with it recounted from the final mask (:meth:`with_final_loss_tokens`)."""
 
     keys: tuple[str, ...]
     traj_index: torch.Tensor  # int64, -1 on padding
@@ -58,7 +63,8 @@ class PlanFacts:
     all_atomic: bool = False  # every trajectory in one micro-batch on one rank (MiniBatchPlan.all_trajectories_atomic)
     turn_rewards: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # (row, position, reward) [K]
     step_anchors: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # (row, position, key) [K], gigpo
-    advantage_metrics: dict = field(default_factory=dict)  # the advantage step's (traj_gigpo/*), for the step's metrics
+    # the advantage step's (traj_gigpo/*), for the step's metrics; read-only
+    advantage_metrics: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def stepwise(self) -> bool:
@@ -79,9 +85,8 @@ class PlanFacts:
         """Carry the facts into a verl ``DataProto`` that verl built from TransferQueue for one driver step (its
         field lists are fixed, so the facts travel from here, as on v0 they travel in the batch): ``is_padding`` and
         ``traj_index`` tensors, ``is_last_step`` and ``step_index`` (the step of each row, read from its key), the
-        turn rewards on their tokens; after checking ``keys`` are the planned ones.
+        turn rewards on their tokens (``keys``: the batch's, which the trainer checked against the planned ones).
         :func:`verl_traj.integration.rows.real_rows.is_padding` then reads the padding flag, on both trainers."""
-        self.check(keys)
         td = data.batch
         td[IS_PADDING] = self.is_padding.to(td.device)
         td[TRAJ_INDEX] = self.traj_index.to(td.device)
@@ -96,13 +101,17 @@ class PlanFacts:
             dense = torch.zeros(td["response_mask"].shape, dtype=torch.int64)
             td[STEP_ANCHORS] = dense.index_put_((row, pos), key).to(td.device)
 
-    def record_final_loss_tokens(self, response_mask: torch.Tensor) -> None:
-        """Recount :attr:`loss_tokens` from the batch's final ``[B, R]`` ``response_mask`` (dispatch order; after
-        verl's rollout correction, which may zero tokens). In place: the facts object stays the planned one."""
+    def with_final_loss_tokens(self, response_mask: torch.Tensor) -> "PlanFacts":
+        """These facts with :attr:`loss_tokens` recounted from the batch's final ``[B, R]`` ``response_mask``
+        (dispatch order; after verl's rollout correction, which may zero tokens). A new value."""
         counts = row_loss_tokens(response_mask.detach().cpu())
         if counts.shape != self.loss_tokens.shape:
             raise RuntimeError(f"response_mask has {counts.numel()} rows, the plan {self.loss_tokens.numel()}")
-        self.loss_tokens.copy_(torch.where(self.is_padding, 0, counts))
+        return dataclasses.replace(self, loss_tokens=torch.where(self.is_padding, 0, counts))
+
+    def with_advantage_metrics(self, metrics: Mapping[str, float]) -> "PlanFacts":
+        """These facts with the advantage step's ``metrics`` (read-only). A new value."""
+        return dataclasses.replace(self, advantage_metrics=MappingProxyType(dict(metrics)))
 
 
 def plan_facts(batch: Any, plan: MiniBatchPlan, layout: BatchLayout) -> PlanFacts:
@@ -117,3 +126,29 @@ def plan_facts(batch: Any, plan: MiniBatchPlan, layout: BatchLayout) -> PlanFact
         multi_row=bool((layout.traj_num_steps > 1).any()), all_atomic=plan.all_trajectories_atomic, turn_rewards=turn_reward_entries(batch.tags),
         step_anchors=anchor_entries(batch.tags),
     )
+
+
+class StepFacts:
+    """The trainer's facts of the batch planned last: set at planning (:meth:`planned`), replaced by the advantage
+    step's new value (:meth:`hand_on`), checked against a batch's keys once per batch (:meth:`of`)."""
+
+    def __init__(self) -> None:
+        self.current: Optional[PlanFacts] = None
+        self._checked: Optional[list] = None  # the batch keys list checked against them
+
+    def planned(self, facts: PlanFacts) -> None:
+        self.current, self._checked = facts, None
+
+    def hand_on(self, facts: PlanFacts) -> None:
+        """The advantage step's facts replace the planned ones (the same rows, final loss tokens, its metrics)."""
+        self.current = facts
+
+    def of(self, batch: Any) -> PlanFacts:
+        """The facts of ``batch``: raises unless it is the batch planned last, rows in the planned order, checked
+        once per update (at its first use; its later steps see the same keys list)."""
+        if self.current is None:
+            raise RuntimeError("no batch was planned: _balance_batch runs before every advantage and update")
+        if batch.keys is not self._checked:
+            self.current.check(batch.keys)
+            self._checked = batch.keys
+        return self.current
