@@ -3,7 +3,8 @@
 The factories are the public functions of :mod:`verl_traj.integration.patches.scoped` returning ``list[Patch]`` and of
 :mod:`verl_traj.integration.patches.process` returning ``list[ProcessPatch]``; a new factory is found here
 without a change. ``update_patches`` lists only engine modules the process has loaded, so the engine modules
-are put in ``sys.modules`` (empty stand-ins) for a second call when they are not loaded.
+are put in ``sys.modules`` (empty stand-ins) for a second call when they are not loaded; a factory given an engine
+instance (``engine``) gets a stand-in of each engine class a seam names (:mod:`verl_traj.integration.engines`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ def _engine_modules_loaded():
             sys.modules.pop(name, None)
 
 
+def _engine_instance(path: str):
+    """An instance of a stand-in class named as the engine class ``path`` (a seam finds it by that name)."""
+    module, name = path.rsplit(".", 1)
+    return type(name, (), {"__module__": module, "__qualname__": name})()
+
+
 def factories() -> list:
     return [fn for module, returns in CATALOGUES for name, fn in sorted(vars(module).items())
             if inspect.isfunction(fn) and fn.__module__ == module.__name__ and not name.startswith("_")
@@ -42,14 +49,16 @@ def factories() -> list:
 
 def declared_patches() -> dict[tuple[str, str], list[str]]:
     """(module, name) -> the factories that declare it."""
-    def call(fn):  # every parameter, optional switches too (fit_patches(trajectory_ratios=...)); a sequence: one
-        return fn(**{name: [_placeholder] if str(p.annotation).startswith("Sequence") else _placeholder
-                     for name, p in inspect.signature(fn).parameters.items()})
+    def call(fn, engine):  # every parameter, optional switches too (fit_patches(trajectory_ratios=...)); a sequence: one
+        return fn(**{name: engine if name == "engine" else [_placeholder] if str(p.annotation).startswith("Sequence")
+                     else _placeholder for name, p in inspect.signature(fn).parameters.items()})
 
     out: dict[tuple[str, str], list[str]] = {}
-    found = [(fn, call(fn)) for fn in factories()]  # first outside: whatever a factory imports is the real module
+    engines = [_engine_instance(path) for path in patches.TREE_ENGINES]
+    # first outside: whatever a factory imports is the real module
+    found = [(fn, call(fn, engine)) for fn in factories() for engine in engines]
     with _engine_modules_loaded():
-        found += [(fn, call(fn)) for fn in factories()]
+        found += [(fn, call(fn, engine)) for fn in factories() for engine in engines]
     for fn, patch_list in found:
         for patch in patch_list:
             names = out.setdefault((patch.module, patch.name), [])

@@ -550,6 +550,12 @@ def test_the_docs_name_every_core_folder():
         text = (PACKAGE.parent / "docs" / doc).read_text()
         row = next(line for line in text.splitlines() if line.startswith("| `verl_traj/core/` |"))
         assert all(f"`{name}/`" in row for name in _core_folders()), (doc, sorted(_core_folders()))
+    adapters = sorted(p.name for p in (PACKAGE / "integration").iterdir() if (p / "__init__.py").exists())
+    table = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    assert all(f"\n| `{name}/` |" in table for name in adapters), adapters  # the adapters' table: a row each
+    row = next(line for line in (PACKAGE.parent / "docs" / "design.md").read_text().splitlines()
+               if line.startswith("| `verl_traj/integration/` |"))
+    assert all(name in row for name in adapters), adapters
 
 
 def test_every_core_import_is_one_its_folder_allows_and_they_form_an_order():

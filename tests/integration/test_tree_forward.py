@@ -117,12 +117,21 @@ def _settled(tree, checks: dict) -> None:
     log.settle()
 
 
+def _fsdp_engine(**attributes):
+    """An FSDP engine instance (its seam finds it by class) with only ``attributes`` set."""
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    engine = object.__new__(FSDPEngineWithLMHead)
+    engine.__dict__.update(attributes)
+    return engine
+
+
 def test_the_tree_from_the_plans_facts_is_the_rows_tree_and_what_it_does_not_carry_is_refused():
     from types import SimpleNamespace
 
     check, tree_batch = tree_forward_module._check_micro_batch, tree_forward_module._tree_batch
     rows = _rows(torch.Generator().manual_seed(2))
-    engine = SimpleNamespace(use_ulysses_sp=False, module=SimpleNamespace(
+    engine = _fsdp_engine(use_ulysses_sp=False, module=SimpleNamespace(
         config=SimpleNamespace(_attn_implementation="flash_attention_2")))
     check(engine, _micro_batch(rows))
     tree, ref = tree_forward_module.micro_batch_tree(_micro_batch(rows)), build_prefix_tree(rows)
@@ -140,10 +149,12 @@ def test_the_tree_from_the_plans_facts_is_the_rows_tree_and_what_it_does_not_car
                             ({"distillation_use_topk": True}, "distillation_use_topk")):
         with pytest.raises(TreeAttentionError, match=match):
             check(engine, _micro_batch(rows, **settings))
-    check(SimpleNamespace(use_ulysses_sp=True, module=engine.module), _micro_batch(rows))  # Ulysses is served
+    check(_fsdp_engine(use_ulysses_sp=True, module=engine.module), _micro_batch(rows))  # Ulysses is served
     with pytest.raises(TreeAttentionError, match="'sdpa', not the flash-attention path"):
-        check(SimpleNamespace(use_ulysses_sp=False, module=SimpleNamespace(
+        check(_fsdp_engine(use_ulysses_sp=False, module=SimpleNamespace(
             config=SimpleNamespace(_attn_implementation="sdpa"))), _micro_batch(rows))
+    with pytest.raises(TreeAttentionError, match="no engine seam serves with trees"):  # issue 54, item 5
+        check(SimpleNamespace(use_ulysses_sp=False, module=engine.module), _micro_batch(rows))
     shifted = _micro_batch(rows)
     shifted["position_ids"] = torch.nested.as_nested_tensor([torch.arange(len(r)) + 1 for r in rows], layout=torch.jagged)
     moved = tree_forward_module.micro_batch_tree(shifted)

@@ -88,6 +88,41 @@ def test_megatron_plans_no_micro_batches_and_reports_none():
     assert set(PlannedUpdate(seed=0, fields=()).metrics(epochs=1)) == {"num_optimizer_steps", "num_mini_batches"}
 
 
+def test_a_second_engine_is_one_seam():
+    """Issue 54, item 5: what is engine-specific is one registered seam per engine. FSDP's serves ``fsdp`` / ``fsdp2``;
+    a strategy without one (Megatron) is refused for trees naming the field; a toy seam registered here gets planned
+    micro-batches, its module's ``prepare_micro_batches`` patched and its engine class's tree hooks, and nothing
+    else had to change."""
+    import sys
+    import types
+
+    from verl_traj.config import TrajConfigError
+    from verl_traj.integration.engines import ENGINES, FSDP, EngineSeam, engine_for, register_engine
+    from verl_traj.integration.patches.scoped import micro_batch_patches, tree_forward_patches
+    from verl_traj.integration.startup.tree_checks import check_prefix_tree
+
+    assert engine_for("fsdp2") is FSDP and engine_for("fsdp") is FSDP and engine_for("megatron") is None
+    cfg = _cpu(TREE + ["actor_rollout_ref.actor.strategy=megatron"])
+    with pytest.raises(TrajConfigError, match="strategy='megatron'") as err:
+        check_prefix_tree(TrajConfig.from_mapping(cfg.traj), cfg, "cpu")
+    assert err.value.field == "actor_rollout_ref.actor.strategy"
+    toy_engine = type("ToyEngine", (), {"__module__": "toy_engine"})
+    register_engine(EngineSeam("toy", ("toy",), micro_batch_modules=("toy_engine",), tree_engine="toy_engine.ToyEngine",
+                               model_config=lambda engine: None))
+    sys.modules["toy_engine"] = types.ModuleType("toy_engine")
+    try:
+        assert _prepared(["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.strategy=toy"])[1].engine_runs_plan
+        assert "toy_engine" in {p.module for p in micro_batch_patches(lambda mb: mb)}
+        hooks = (lambda verl: verl, lambda verl: verl)
+        assert {p.module for p in tree_forward_patches(toy_engine(), *hooks)} == {"toy_engine.ToyEngine"}
+        with pytest.raises(TypeError, match="no engine seam serves"):
+            tree_forward_patches(object(), *hooks)
+        with pytest.raises(ValueError, match="already have a seam"):
+            register_engine(EngineSeam("toy2", ("fsdp2",)))
+    finally:
+        del ENGINES["toy"], sys.modules["toy_engine"]
+
+
 def test_a_gpu_job_is_never_turned_into_a_cpu_job():
     """Regression (issue 21): the CPU plugin picks the CPU platform in any process without an accelerator, so a GPU
     job driven from a CPU-only head node started as a CPU job. Now the driver refuses the mismatch and names the

@@ -5,6 +5,7 @@ verl's trainers, workers and agent loops. Each folder's docstring says what runs
 line, which other folders it may import (``tests/test_code_shape.py`` reads those lines and checks every import,
 at module level and inside functions). The order, bottom to top::
 
+    engines                                    each training engine's seam (verl's FSDP engine)
     config   rows                              verl's config read once; verl's batch functions on planned rows
     patches                                    the catalogue of every change to verl's modules
     tree     async_modes                       the prefix tree's engine path; staleness and failed groups

@@ -6,5 +6,5 @@
 * :mod:`.attention_names`: the attention implementations verl_traj registers, by name (start-up chooses among them,
   the CPU plugin registers them).
 
-May import: nothing else in verl_traj.integration.
+May import: engines (the strategies whose micro-batches are planned).
 """

@@ -38,6 +38,7 @@ from verl.utils.import_utils import load_class_from_fqn
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core import PAD_ROW_TOKENS
 from verl_traj.integration.config.access import ulysses_size, uses_critic
+from verl_traj.integration.engines import planned_strategies
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +79,6 @@ class MicroBatchPass:
 
 
 ACTOR, CRITIC = "actor_rollout_ref.actor", "critic"
-# engines whose micro-batches are the plan's (integration/patches/scoped.py ENGINE_MODULES: verl's FSDP engine)
-PLANNED_MICRO_BATCH_STRATEGIES = ("fsdp", "fsdp2")
 MICRO_BATCH_PASSES = (
     MicroBatchPass(ACTOR, "use_dynamic_bsz", (("ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu"),), ACTOR),
     MicroBatchPass("actor_rollout_ref.rollout", "log_prob_use_dynamic_bsz",
@@ -182,7 +181,8 @@ def _plan_settings(config: Any, traj_config: TrajConfig) -> PlanSettings:
     rmpad = bool((arr.get("model", None) or {}).get("use_remove_padding", False)) and (
         not use_critic or bool((critic.get("model", None) or {}).get("use_remove_padding", False)))
     cost = "tokens" if rmpad else "padded" if traj_config.padded_cap == "tokens" else "padded_area"
-    runs = all(str(s.get("strategy", "fsdp")) in PLANNED_MICRO_BATCH_STRATEGIES for s in sections)
+    # engines whose micro-batches are the plan's (each engine's seam, integration/engines: verl's FSDP engine)
+    runs = all(str(s.get("strategy", "fsdp")) in planned_strategies() for s in sections)
     return PlanSettings(cap, cost, traj_config.micro_batch_max_tokens is None, pad_row_tokens(config), runs)
 
 

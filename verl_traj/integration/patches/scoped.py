@@ -41,7 +41,8 @@ The patch sets, each in the order it is installed (a later patch of the same nam
   subclass of the client class the trainer asks for (each generate attempt's policy version recorded).
 * :func:`update_patches` -- actor / critic worker, during one planned ``train_mini_batch``:
   1. ``tensordict_utils.make_iterator`` <- the plan's mini-batches (same order on every rank);
-  2. ``prepare_micro_batches`` of every loaded FSDP engine module <- the plan's micro-batches
+  2. ``prepare_micro_batches`` of every loaded engine module (each engine's seam, :mod:`..engines`: verl's FSDP
+     engine) <- the plan's micro-batches
      (:func:`micro_batch_patches`; alone, for the duration of one ``infer_batch``, on a batch marked for the prefix
      tree: its log-prob and reference passes run the plan's micro-batches too).
 * :func:`gspo_prepass_patches` -- actor worker, during one planned ``train_mini_batch`` with ``ratio_group`` (GSPO at
@@ -50,7 +51,7 @@ The patch sets, each in the order it is installed (a later patch of the same nam
   verl's call. An instance attribute: restored to the instance's own attribute if it had one, else removed, so the
   class's method shows through again.
 * :func:`tree_forward_patches` -- actor / reference / critic worker, for one pass on prefix trees
-  (:func:`~verl_traj.integration.tree.tree_forward.tree_pass`): the FSDP engine *instance*'s
+  (:func:`~verl_traj.integration.tree.tree_forward.tree_pass`): the engine *instance*'s (its seam's ``tree_engine``)
   ``prepare_model_inputs`` and ``prepare_model_outputs`` <- the same over a micro-batch marked ``prefix_tree``
   forwarded as its one tree (inputs: the tree's tokens as a one-row micro-batch; outputs: gathered back into the
   rows); any other micro-batch runs verl's methods. Instance attributes, removed on exit as above.
@@ -73,6 +74,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+from verl_traj.integration.engines import engine_of, micro_batch_modules, tree_engines
+
 __all__ = ["Patch", "UPSTREAM", "patched", "fit_patches", "gspo_prepass_patches", "llm_client_patches", "micro_batch_patches",
            "replay_buffer_patches", "task_runner_patches", "tree_forward_patches", "update_patches", "v1_advantage_patches",
            "v1_task_runner_patches", "ENGINE_MODULES"]
@@ -82,10 +85,10 @@ ROLLOUT_CORR = "verl.trainer.ppo.rollout_corr_helper"  # v0's fit imports from i
 V1_TRAINER = "verl.trainer.ppo.v1.trainer_base"
 METRIC_FUNCTIONS = ("compute_data_metrics", "compute_timing_metrics", "compute_throughout_metrics",
                     "compute_variance_proxy_metrics")
-# Engines whose forward_backward_batch cuts micro-batches with a module-level prepare_micro_batches and
-# runs them as a plain loop (Megatron's pipeline schedule is not one of them).
-ENGINE_MODULES = ("verl.workers.engine.fsdp.transformer_impl",)
-FSDP_ENGINE = "verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead"  # the engine the prefix tree runs on
+# Engines whose forward_backward_batch cuts micro-batches with a module-level prepare_micro_batches and runs them as
+# a plain loop, and the engine classes a prefix-tree pass wraps: each engine's seam (integration/engines)
+ENGINE_MODULES = micro_batch_modules()
+TREE_ENGINES = tree_engines()
 
 
 
@@ -122,9 +125,10 @@ UPSTREAM = {
        for name in ENGINE_MODULES},
     ("verl.workers.engine.base.BaseEngine", "forward_backward_batch"): "a hook before each optimizer step's forward "
                                                                        "in TrainingWorker.train_mini_batch",
-    (FSDP_ENGINE, "prepare_model_inputs"): "an input-transform hook of the engine's forward_step (a micro-batch's "
-                                           "tokens forwarded in another layout, its outputs mapped back)",
-    (FSDP_ENGINE, "prepare_model_outputs"): "the same input-transform hook (its inverse on the outputs)",
+    **{(name, "prepare_model_inputs"): "an input-transform hook of the engine's forward_step (a micro-batch's tokens "
+                                       "forwarded in another layout, its outputs mapped back)" for name in TREE_ENGINES},
+    **{(name, "prepare_model_outputs"): "the same input-transform hook (its inverse on the outputs)"
+       for name in TREE_ENGINES},
 }
 
 
@@ -266,10 +270,10 @@ def update_patches(make_iterator: Callable[[Any], Any], prepare_micro_batches: C
 
 
 def micro_batch_patches(prepare_micro_batches: Callable[[Any], Any]) -> list[Patch]:
-    """``prepare_micro_batches`` of every loaded FSDP engine module <- the plan's micro-batches (an update's, or a
+    """``prepare_micro_batches`` of every loaded engine module with a seam <- the plan's micro-batches (an update's, or a
     prefix-tree log-prob / reference pass's: :mod:`~verl_traj.integration.tree.tree_forward`)."""
     return [Patch(name, "prepare_micro_batches", prepare_micro_batches, "run the plan's micro-batches")
-            for name in ENGINE_MODULES if name in sys.modules]
+            for name in micro_batch_modules() if name in sys.modules]
 
 
 def gspo_prepass_patches(engine: Any, wrap: Callable[[Callable], Callable]) -> list[Patch]:
@@ -283,8 +287,12 @@ def tree_forward_patches(engine: Any, prepare_inputs: Callable[[Callable], Calla
                          prepare_outputs: Callable[[Callable], Callable]) -> list[Patch]:
     """Worker, one pass on prefix trees: ``engine``'s ``prepare_model_inputs`` <- ``prepare_inputs(verl's)`` and
     ``prepare_model_outputs`` <- ``prepare_outputs(verl's)`` (:mod:`~verl_traj.integration.tree.tree_forward` passes
-    its hooks in)."""
-    return [Patch(FSDP_ENGINE, "prepare_model_inputs", prepare_inputs,
+    its hooks in; ``engine``'s seam names its class)."""
+    seam = engine_of(engine)
+    if seam is None:
+        raise TypeError(f"a prefix-tree pass on {type(engine).__qualname__}, which no engine seam serves "
+                        f"(integration/engines: {list(TREE_ENGINES)}); start-up refuses traj.prefix_tree=true there")
+    return [Patch(seam.tree_engine, "prepare_model_inputs", prepare_inputs,
                   "forward micro-batches marked prefix_tree as one prefix tree", target=engine),
-            Patch(FSDP_ENGINE, "prepare_model_outputs", prepare_outputs,
+            Patch(seam.tree_engine, "prepare_model_outputs", prepare_outputs,
                   "gather a tree micro-batch's per-token outputs back into its rows", target=engine)]

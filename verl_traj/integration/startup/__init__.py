@@ -3,5 +3,5 @@
 (:mod:`.verl_checks`); ``traj.prefix_tree`` settled (:mod:`.tree_checks`); what the CPU platform settles
 (:mod:`.cpu_settings`: attention, LoRA on the CPU rollout, ``separate_async``'s pool and weight sync).
 
-May import: config, rows, tree, async_modes.
+May import: config, rows, tree, async_modes, engines.
 """

@@ -25,6 +25,7 @@ from omegaconf import open_dict
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.integration.config.access import flag_at, uses_critic, value_at
 from verl_traj.integration.config.attention_names import CPU_VARLEN, TORCH_VARLEN
+from verl_traj.integration.engines import tree_strategies
 from verl_traj.integration.startup.cpu_settings import set_attention
 
 __all__ = ["TREE_ATTENTION", "check_prefix_tree", "settle_prefix_tree", "settled_traj_config"]
@@ -49,9 +50,9 @@ def _engine(model: str, sections: tuple[str, ...], config: Any) -> list[Reason]:
     out = []
     for path in sections:
         strategy = value_at(config, f"{path}.strategy", "fsdp")
-        if strategy not in ("fsdp", "fsdp2"):
-            out.append((f"{path}.strategy", f"runs on verl's FSDP engine only ({path}.strategy={strategy!r})",
-                        f"set {path}.strategy=fsdp2"))
+        if strategy not in tree_strategies():
+            out.append((f"{path}.strategy", f"runs on an engine with a tree seam ({list(tree_strategies())}) only "
+                        f"({path}.strategy={strategy!r})", f"set {path}.strategy=fsdp2"))
     if not flag_at(config, f"{model}.use_remove_padding", False):
         out.append((f"{model}.use_remove_padding", f"runs on verl's remove-padding path ({model}.use_remove_padding="
                     "false)", f"set {model}.use_remove_padding=true"))

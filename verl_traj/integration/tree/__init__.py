@@ -5,5 +5,5 @@ The trees' facts are built on the driver (:mod:`verl_traj.integration.trainers.t
 plan; the flash-attention path in torch that serves the tree on a CUDA machine without flash-attn is installed by the
 plugin in every process (:mod:`verl_traj.cpu.torch_flash`).
 
-May import: patches.
+May import: patches, engines.
 """

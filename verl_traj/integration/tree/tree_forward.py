@@ -65,6 +65,7 @@ from verl_traj.core.kernels.tree_kernel import (TREE_KWARG, TreeAttentionInput, 
                                         refuse_tree, tree_aware_attention)
 from verl_traj.core.kernels.tree_pass import (TreeForwardLog, TreeTotals, check_all_tree, check_marked, tree_metric_totals,
                                       tree_metrics_of)
+from verl_traj.integration.engines import engine_of, tree_strategies
 from verl_traj.integration.patches.process import install, prefix_tree_attention_patches
 from verl_traj.integration.patches.scoped import patched, tree_forward_patches
 
@@ -100,7 +101,11 @@ def _check_micro_batch(engine: Any, micro_batch: TensorDict) -> None:
     mm = micro_batch.get("multi_modal_inputs", None)
     if mm is not None and any(bool(getattr(x, "data", x)) for x in mm):
         refuse_tree("the micro-batch has multi-modal inputs", "forward multi-modal rows without the tree")
-    impl = getattr(getattr(engine.module, "config", None), "_attn_implementation", None)
+    seam = engine_of(engine)
+    if seam is None:
+        refuse_tree(f"the engine is a {type(engine).__qualname__}, which no engine seam serves with trees",
+                    "set the role's strategy to one of " + ", ".join(tree_strategies()))
+    impl = getattr(seam.model_config(engine), "_attn_implementation", None)
     if ALL_ATTENTION_FUNCTIONS.get(impl) is not flash_attention_forward:
         refuse_tree(f"the model's attention is {impl!r}, not the flash-attention path (sdpa / eager would read the tree "
                 "as separate sequences)", "set override_config.attn_implementation=cpu_varlen (CPU) or "

@@ -13,7 +13,7 @@ duration of the call (:func:`verl_traj.integration.patches.scoped.update_patches
 * ``make_iterator`` yields the plan's mini-batches -- the contiguous blocks of each rank's rows with one
   ``mini_batch_id`` (the rank-major layout guarantees contiguity), in a seeded per-epoch order that
   is the same on every rank -- instead of verl's fixed-size slices (whose shuffle differs per rank);
-* ``prepare_micro_batches`` of the FSDP engine returns the plan's micro-batches (``micro_batch_id``)
+* ``prepare_micro_batches`` of the engine (its seam, :mod:`verl_traj.integration.engines`: verl's FSDP engine) returns the plan's micro-batches (``micro_batch_id``)
   instead of re-cutting them.
 
 Two steps of the same path where the plan asks for them: a batch marked for the prefix tree runs inside
