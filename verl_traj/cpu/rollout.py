@@ -42,6 +42,7 @@ from typing import Any, Generator, Optional
 
 import ray
 import torch
+from transformers import DynamicCache
 
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
@@ -129,8 +130,6 @@ class CPUGenerationServer:
     @torch.no_grad()
     def _generate_batch_sync(self, requests: list[dict]) -> list[TokenOutput]:
         """Static batch: left-padded prompts, one KV cache, per-row sampling parameters and stops."""
-        from transformers import DynamicCache
-
         t0 = time.perf_counter()
         state = DecodeState(requests)
         input_ids, mask = (t.to(self.device) for t in left_padded(requests))
