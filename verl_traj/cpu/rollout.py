@@ -45,11 +45,10 @@ import torch
 from transformers import DynamicCache
 
 from verl.workers.rollout.base import BaseRollout
-from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
+from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 from verl.workers.rollout.utils import ensure_async_iterator
 
-from verl_traj.cpu.decoding import (DETERMINISTIC_BATCH, DecodeState, cfg_get, fixed_shape_chunks, left_padded,
-                                      load_model, serving_device)
+from verl_traj.cpu.decoding import DecodeState, cfg_get, fixed_shape_chunks, left_padded, load_model, serving_device
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
