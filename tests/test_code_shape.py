@@ -2,6 +2,7 @@
 
 * no function over 60 lines; no module of ``verl_traj/integration`` over 300 lines;
 * the v1 adapter's modules (``integration/trainers/v1*.py``) import at the top (a reader sees every dependency there);
+  in the whole package at most 20 imports sit inside functions, each saying why on a ``# local:`` comment;
 * ``verl_traj/integration`` is folders only, at most 12 modules each, each opening with what runs there and the
   folders it may import (its ``May import:`` line); every import follows those lines, and they form an order;
 * driver code (config, rows, start-up, trainers) imports no module that runs only in worker or agent-loop processes;
@@ -67,6 +68,28 @@ def test_the_v1_adapter_imports_at_the_top():
              for fn in ast.walk(ast.parse(path.read_text())) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
              for node in ast.walk(fn) if isinstance(node, (ast.Import, ast.ImportFrom))]
     assert not local, local
+
+
+MAX_LOCAL_IMPORTS = 20
+
+
+def _says_why(lines: list[str], line: int) -> bool:
+    """``# local: <why>`` at the end of the import's first line or on the line above it."""
+    return lines[line - 1].partition("#")[2].strip().startswith("local:") or lines[line - 2].strip().startswith("# local:")
+
+
+def test_function_local_imports_are_few_and_say_why():
+    """Imports go at the top of the module; one inside a function stays only for a reason it states (``# local:``):
+    an optional dependency, a lazy loader, a module every ``import verl`` loads kept light, a pure module kept pure."""
+    local = {}  # "path:line" -> whether it says why (an import in a nested function counts once)
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for fn in ast.walk(ast.parse(path.read_text())):
+            for node in ast.walk(fn) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) else ():
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    local[f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"] = _says_why(lines, node.lineno)
+    assert len(local) <= MAX_LOCAL_IMPORTS, sorted(local)
+    assert all(local.values()), [where for where, why in sorted(local.items()) if not why]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,6 +9,13 @@ Layout (the split is deliberate):
 - ``verl_traj.config``: the validated ``traj:`` section.
 """
 
+from pathlib import Path
+
+try:
+    from omegaconf import OmegaConf
+except ImportError:  # pragma: no cover - omegaconf comes with verl
+    OmegaConf = None
+
 __version__ = "0.1.0"
 
 
@@ -16,12 +23,8 @@ def _register_config_resolvers() -> None:
     """Absolute paths in configs (Ray workers do not run in the launch directory): ``${verl_traj_pkg:}`` =
     the installed ``verl_traj`` package directory, ``${verl_traj_repo:}`` = the directory holding it (the
     checkout). Registered on any ``import verl_traj...``, so they exist in the driver and the task runner."""
-    try:
-        from omegaconf import OmegaConf
-    except ImportError:  # pragma: no cover - omegaconf comes with verl
+    if OmegaConf is None:
         return
-    from pathlib import Path
-
     pkg = Path(__file__).resolve().parent
     for name, path in (("verl_traj_pkg", str(pkg)), ("verl_traj_repo", str(pkg.parent))):
         if not OmegaConf.has_resolver(name):

@@ -20,19 +20,32 @@ OPTIONAL_ENGINES = ("torchtitan", "veomni", "automodel", "mindspeed", "megatron"
 warnings.filterwarnings("ignore", message=rf"({'|'.join(OPTIONAL_ENGINES)}) engine is not available")
 
 import hydra  # noqa: E402
+import psutil  # noqa: E402
 import ray  # noqa: E402
 
+import verl.trainer.main_ppo as verl_main_ppo  # noqa: E402
+import verl.utils.device as verl_device  # noqa: E402
+from verl.trainer import main_ppo_v0  # noqa: E402
+from verl.trainer.main_ppo import TaskRunnerV1  # noqa: E402
 from verl.trainer.main_ppo_v0 import BaseTaskRunner  # noqa: E402
+from verl.trainer.ppo.ray_trainer import Role  # noqa: E402
+from verl.trainer.ppo.utils import need_critic, need_reference_policy  # noqa: E402
+from verl.utils.config import validate_config  # noqa: E402
 
 from verl_traj.config import TrajConfig  # noqa: E402
+from verl_traj.integration.config.verl_config import ray_init_address  # noqa: E402
+from verl_traj.integration.patches.scoped import patched, task_runner_patches, v1_task_runner_patches  # noqa: E402
+from verl_traj.integration.startup.checks import check_startup  # noqa: E402
+from verl_traj.integration.trainers.v0 import TrajRayPPOTrainer  # noqa: E402
+from verl_traj.integration.trainers.v1 import traj_trainer_class  # noqa: E402
+from verl_traj.integration.workers.engine_workers import (TrajActorRolloutRefWorker, TrajCriticWorker,  # noqa: E402
+                                                          traj_role_worker)
 
 CONFIG_DIR = os.environ.get("VERL_TRAJ_CONFIG_DIR", str(Path(__file__).resolve().parent / "configs"))
 
 
 def _verl_task_runner_run():
     """verl's v0 ``TaskRunner.run`` (the function of the class ``ray.remote`` wrapped)."""
-    from verl.trainer import main_ppo_v0
-
     return main_ppo_v0.TaskRunner.__ray_actor_class__.run
 
 
@@ -42,8 +55,6 @@ class TrajTaskRunnerImpl(BaseTaskRunner):
     (:func:`verl_traj.integration.patches.scoped.task_runner_patches`)."""
 
     def add_actor_rollout_worker(self, config):
-        from verl_traj.integration.workers.engine_workers import TrajActorRolloutRefWorker
-
         actor_rollout_cls, group_cls = super().add_actor_rollout_worker(config)
         if not TrajConfig.of(config).enable:
             return actor_rollout_cls, group_cls
@@ -53,18 +64,11 @@ class TrajTaskRunnerImpl(BaseTaskRunner):
         return TrajActorRolloutRefWorker, group_cls
 
     def add_critic_worker(self, config):
-        from verl.trainer.ppo.ray_trainer import Role
-
-        from verl_traj.integration.workers.engine_workers import TrajCriticWorker
-
         super().add_critic_worker(config)
         if TrajConfig.of(config).enable:
             self.role_worker_mapping[Role.Critic] = ray.remote(TrajCriticWorker)
 
     def run(self, config):
-        from verl_traj.integration.patches.scoped import patched, task_runner_patches
-        from verl_traj.integration.trainers.v0 import TrajRayPPOTrainer
-
         with patched(task_runner_patches(TrajRayPPOTrainer)):
             return _verl_task_runner_run()(self, config)
 
@@ -72,23 +76,13 @@ class TrajTaskRunnerImpl(BaseTaskRunner):
 TrajTaskRunner = ray.remote(num_cpus=1)(TrajTaskRunnerImpl)
 
 
-def _verl_v1_task_runner() -> type:
-    from verl.trainer.main_ppo import TaskRunnerV1
-
-    return TaskRunnerV1.__ray_actor_class__
-
-
-class TrajTaskRunnerV1Impl(_verl_v1_task_runner()):
+class TrajTaskRunnerV1Impl(TaskRunnerV1.__ray_actor_class__):
     """verl's v1 task runner; the trainer class of ``trainer.v1.trainer_mode`` gets verl_traj's mixin
     (:func:`verl_traj.integration.patches.scoped.v1_task_runner_patches`) and the worker class of each role
     (:func:`~verl_traj.integration.workers.engine_workers.traj_role_worker`: the entry wires the workers of both
     trainers, so driver code imports no worker module)."""
 
     def run(self, config):
-        from verl_traj.integration.patches.scoped import patched, v1_task_runner_patches
-        from verl_traj.integration.trainers.v1 import traj_trainer_class
-        from verl_traj.integration.workers.engine_workers import traj_role_worker
-
         with patched(v1_task_runner_patches(functools.partial(traj_trainer_class, role_worker=traj_role_worker))):
             return super().run(config)
 
@@ -110,24 +104,15 @@ def transfer_queue_threads(environ: dict) -> None:
     """TransferQueue's storage asks torch for 8 threads and warns, once per transfer, where the machine has fewer
     physical cores (128 warnings a quick-start run on 2 cores): ask for what there is (``TQ_NUM_THREADS``, read by
     Ray's workers, which inherit the driver's environment; the user's own setting wins)."""
-    import psutil
-
     environ.setdefault("TQ_NUM_THREADS", str(min(8, psutil.cpu_count(logical=False) or os.cpu_count() or 1)))
 
 
 def run(config) -> None:
     """Check ``traj:`` and verl's config on the driver (once:
-    :func:`~verl_traj.integration.startup.checks.check_startup`), then run training on Ray."""
-    from verl.trainer.main_ppo import run_ppo
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import validate_config
-    from verl.utils.device import auto_set_device, get_device_name
-
-    from verl_traj.integration.startup.checks import check_startup
-    from verl_traj.integration.config.verl_config import ray_init_address
-
-    check_startup(config, get_device_name())  # before verl's auto_set_device rewrites trainer.device
-    auto_set_device(config)
+    :func:`~verl_traj.integration.startup.checks.check_startup`), then run training on Ray. verl's ``run_ppo`` and
+    device functions are looked up on their modules at call time (tests replace them there)."""
+    check_startup(config, verl_device.get_device_name())  # before verl's auto_set_device rewrites trainer.device
+    verl_device.auto_set_device(config)
     if config.trainer.get("device") == "cpu":
         # Ray prestarts one idle Python worker per logical CPU when the driver connects; the CPU presets declare
         # 16 logical CPUs for placement (configs/platform/cpu.yaml), and 16 processes importing verl on a 2-core
@@ -137,7 +122,7 @@ def run(config) -> None:
     transfer_queue_threads(os.environ)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     ray_init_address(config)
-    run_ppo(config, task_runner_class=TrajTaskRunnerV1 if config.trainer.get("use_v1", False) else TrajTaskRunner)
+    verl_main_ppo.run_ppo(config, task_runner_class=TrajTaskRunnerV1 if config.trainer.get("use_v1", False) else TrajTaskRunner)
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="traj_ppo", version_base=None)

@@ -28,9 +28,11 @@ PANELS = [
 
 def plot_run(rows: list[dict], output: str | Path, title: str = "verl_traj run", window: int = 5) -> Path:
     """Write the panels of ``rows`` (:func:`verl_traj.metrics_log.load_metrics`) to ``output``; returns it."""
+    # local: optional dependency (the `plot` extra); quickstart catches the ImportError and runs without a plot
     import matplotlib
 
     matplotlib.use("Agg")
+    # local: optional (as above), and pyplot must be imported after matplotlib.use("Agg") picks the backend
     import matplotlib.pyplot as plt
 
     panels = [(name, [k for k in (keys or [reward_key(rows)]) if any(k in r for r in rows)], label)

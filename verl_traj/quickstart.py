@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from verl_traj.metrics_log import load_metrics
+from verl_traj.plots import plot_run
 from verl_traj.summary import summarize
 
 
@@ -73,8 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     rows = load_metrics(str(metrics))
     plot = ""
     try:
-        from verl_traj.plots import plot_run
-
         plot = str(plot_run(rows, out / "run.png", "verl_traj quick start: calculator agent, step-wise rows"))
     except ImportError:
         print("[quickstart] matplotlib is not installed (pip install 'verl_traj[plot]'): no plot", flush=True)

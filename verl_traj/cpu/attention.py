@@ -79,6 +79,7 @@ def flash_path() -> Any:
     """transformers' ``flash_attention_forward`` (the attention function of its flash-attention implementations),
     registered as :data:`CPU_VARLEN`: it calls ``_flash_attention_forward`` by its module global, which verl's
     Ulysses patch replaces by its all-to-all wrapper."""
+    # local: every process's `import verl` loads this module (plugin); only CPU/torch_varlen ones need transformers'
     from transformers.integrations.flash_attention import flash_attention_forward
 
     return flash_attention_forward
@@ -86,6 +87,7 @@ def flash_path() -> Any:
 
 def flash_mask() -> Any:
     """transformers' flash-attention mask function (``None`` when fully causal, else the 2-D padding mask)."""
+    # local: as in flash_path: every `import verl` loads this module; only CPU/torch_varlen processes need the mask
     from transformers.masking_utils import flash_attention_mask
 
     return flash_attention_mask

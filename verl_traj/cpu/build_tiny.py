@@ -29,6 +29,15 @@ import os
 import random
 from pathlib import Path
 
+import pandas as pd
+import torch
+import yaml
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+from verl_traj.cpu.warm_start import supervised_warm_start
+
 DEFAULT_HOME = "~/.cache/verl_traj"  # $VERL_TRAJ_HOME's default; the tiny artifacts live in its tiny/
 BUILD_VERSION = "2"
 
@@ -120,9 +129,6 @@ def _corpus(rng: random.Random, n: int = 4000) -> list[str]:
 
 def build_tokenizer(out_dir: Path, vocab_size: int, seed: int, extra_corpus: list[str] | None = None):
     """Train the byte-level BPE tokenizer; ``extra_corpus`` adds a recipe's own text (shorter sequences)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     rng = random.Random(seed)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -151,9 +157,6 @@ def build_tokenizer(out_dir: Path, vocab_size: int, seed: int, extra_corpus: lis
 
 def build_model(out_dir: Path, tokenizer, seed: int, hidden: int, layers: int, kv_heads: int = 2):
     """A random-init Qwen2 causal LM (4 attention heads, ``kv_heads`` key/value heads) saved to ``out_dir``."""
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
-
     torch.manual_seed(seed)
     vocab = len(tokenizer)
     vocab = (vocab + 63) // 64 * 64  # verl/FSDP are happier with a rounded vocab
@@ -183,8 +186,6 @@ def build_model(out_dir: Path, tokenizer, seed: int, hidden: int, layers: int, k
 
 
 def build_data(data_dir: Path, seed: int, n_train: int, n_test: int) -> None:
-    import pandas as pd
-
     rng = random.Random(seed + 1)
     system = "You are a helpful assistant."
 
@@ -223,8 +224,6 @@ def build_tool_config(path: Path) -> None:
             }
         ]
     }
-    import yaml
-
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
 
 
@@ -247,9 +246,6 @@ def build_tool_caller(home: str | None = None, steps: int = 150, lr: float = 3e-
     """A copy of the tiny model taught (a few seconds of supervised fine-tuning) to answer the first
     user turn with ``<tool_call>{"name": "digits", ...}</tool_call>`` and a tool response with digits,
     so verl's ``tool_agent`` loop really runs several turns (``model_tool/``)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     root = home_dir(home)
     out_dir = root / "model_tool"
     if not force and (out_dir / "model.safetensors").exists():
@@ -284,8 +280,6 @@ def build_tool_caller(home: str | None = None, steps: int = 150, lr: float = 3e-
             ids += seg
             labels += seg if train else [-100] * len(seg)
         return ids, labels
-
-    from verl_traj.cpu.warm_start import supervised_warm_start
 
     losses = supervised_warm_start(model, example, steps=steps, lr=lr, pad_id=tok.pad_token_id, batch_size=8)
     out_dir.mkdir(parents=True, exist_ok=True)

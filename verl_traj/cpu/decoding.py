@@ -9,6 +9,9 @@ import asyncio
 from typing import Any, Optional
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from verl.utils.fs import copy_to_local
 
 from verl_traj.cpu.detect import cpu_platform_wanted
 from verl_traj.integration.config.attention_names import TORCH_VARLEN
@@ -79,8 +82,6 @@ def eos_ids(local_path: str, hf_config: Any, tokenizer: Any) -> list[int]:
 
     add(getattr(hf_config, "eos_token_id", None))
     try:
-        from transformers import GenerationConfig
-
         add(GenerationConfig.from_pretrained(local_path).eos_token_id)
     except Exception:  # no generation_config.json: fine
         pass
@@ -99,10 +100,6 @@ def serving_device() -> torch.device:
 
 def load_model(config: Any, model_config: Any, device: torch.device = torch.device("cpu")):
     """``(model, hf_config, tokenizer or None, eos ids)``: the causal LM on ``device``, in eval mode, no grad."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from verl.utils.fs import copy_to_local
-
     local_path = copy_to_local(cfg_get(model_config, "local_path") or cfg_get(model_config, "path"))
     override = dict(cfg_get(model_config, "override_config", {}) or {})
     trust = bool(cfg_get(model_config, "trust_remote_code", False))

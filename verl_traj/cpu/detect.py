@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import os
 
+import torch
+
+from verl.plugin.platform.platform_manager import PlatformRegistry
+
 __all__ = ["accelerator_present", "cpu_platform_wanted"]
 
 
 def accelerator_present() -> bool:
     """True when any accelerator verl knows about is visible to this host."""
     try:
-        import torch
-
         if torch.cuda.is_available():
             return True
         for attr in ("xpu", "npu", "mlu", "musa"):
@@ -23,8 +25,6 @@ def accelerator_present() -> bool:
     except Exception:  # pragma: no cover
         return True  # be conservative: never turn a broken GPU setup into a CPU run
     try:
-        from verl.plugin.platform.platform_manager import PlatformRegistry
-
         for name in PlatformRegistry.registered_names():
             if name == "cpu":
                 continue

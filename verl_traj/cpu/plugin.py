@@ -35,10 +35,14 @@ import logging
 import os
 import sys
 import threading
+from datetime import timedelta
 from typing import Callable
+
+import torch.distributed
 
 from verl_traj.cpu.attention import CPU_VARLEN, flash_mask, flash_path, varlen_attention
 from verl_traj.cpu.detect import cpu_platform_wanted
+from verl_traj.cpu.platform import PLATFORM_NAME, PlatformCPU
 from verl_traj.integration.patches.process import ON_IMPORT, cpu_platform_patches, cpu_rollout_registrations, install
 from verl_traj.cpu import torch_flash
 
@@ -108,6 +112,7 @@ def _register_rollout() -> None:
 
     def add_replica(registry: type) -> None:
         def _load():
+            # local: a lazy loader: the rollout backend is imported where a config selects it, not on `import verl`
             from verl_traj.cpu.rollout import CPUReplica
 
             return CPUReplica
@@ -137,10 +142,6 @@ def _gloo_process_group_ray(orig_ray):
 
 def _gloo_process_group(_verl_init):
     def initialize_global_process_group(timeout_second=36000):
-        import torch.distributed
-
-        from datetime import timedelta
-
         torch.distributed.init_process_group(
             backend="gloo",
             timeout=timedelta(seconds=timeout_second),
@@ -177,6 +178,7 @@ def _register_engines(registry) -> None:
 def cpu_valuehead_model(local_path, torch_dtype, model_config, trust_remote_code):
     """verl's value-model load (``AutoModelForTokenClassification``, ``num_labels=1`` set by the caller) with
     the config's attention implementation instead of verl's hard-coded ``flash_attention_2``, and no trl."""
+    # local: this plugin loads on every `import verl`; transformers' auto classes (~0.4 s) only where a critic loads
     from transformers import AutoModelForTokenClassification
 
     attn = getattr(model_config, "_attn_implementation", None) or "sdpa"
@@ -198,8 +200,6 @@ def _copying_save(verl_save):
 
 
 def _register_platform() -> None:
-    from verl_traj.cpu.platform import PLATFORM_NAME, PlatformCPU
-
     def current_platform(current):
         # verl falls back to 'nvidia' when nothing is detected; make the choice explicit.
         return current if current is not None and current.device_name == "cpu" else PlatformCPU()

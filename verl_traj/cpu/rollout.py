@@ -42,13 +42,13 @@ from typing import Any, Generator, Optional
 
 import ray
 import torch
+from transformers import DynamicCache
 
 from verl.workers.rollout.base import BaseRollout
-from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
+from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 from verl.workers.rollout.utils import ensure_async_iterator
 
-from verl_traj.cpu.decoding import (DETERMINISTIC_BATCH, DecodeState, cfg_get, fixed_shape_chunks, left_padded,
-                                      load_model, serving_device)
+from verl_traj.cpu.decoding import DecodeState, cfg_get, fixed_shape_chunks, left_padded, load_model, serving_device
 
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
@@ -129,8 +129,6 @@ class CPUGenerationServer:
     @torch.no_grad()
     def _generate_batch_sync(self, requests: list[dict]) -> list[TokenOutput]:
         """Static batch: left-padded prompts, one KV cache, per-row sampling parameters and stops."""
-        from transformers import DynamicCache
-
         t0 = time.perf_counter()
         state = DecodeState(requests)
         input_ids, mask = (t.to(self.device) for t in left_padded(requests))

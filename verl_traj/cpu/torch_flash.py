@@ -21,6 +21,9 @@ import importlib.util
 import os
 from typing import Any, Callable
 
+import torch
+import torch.nn.functional as F
+
 from verl_traj.cpu.attention import flash_mask, flash_path, varlen_attention
 from verl_traj.integration.config.attention_names import TORCH_VARLEN
 from verl_traj.integration.patches.process import NOW, fused_logprobs_patches, torch_varlen_patches
@@ -38,16 +41,12 @@ def wanted() -> bool:
         return True
     if importlib.util.find_spec("flash_attn") is not None:
         return False
-    import torch
-
     return torch.cuda.is_available()
 
 
 def fused_logprobs(logits: Any, labels: Any, inplace_backward: bool = True) -> Any:
     """``[..., V]`` logits, ``[...]`` labels -> ``[...]`` fp32 log-probs of the labels, one ``cross_entropy``
     (flash-attn's fused kernel's numbers, without flash-attn)."""
-    import torch.nn.functional as F
-
     flat = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
     return -flat.view(labels.shape)
 

@@ -22,6 +22,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from verl_traj.core import build_layout_from_counts
+from verl_traj.testing.swebench import DATA_FILE, load_step_rows
+
 __all__ = [
     "RandomBatch",
     "random_batch",
@@ -57,8 +60,6 @@ class RandomBatch:
 
     def layout(self):
         """The core's :class:`~verl_traj.core.BatchLayout` of these rows."""
-        from verl_traj.core import build_layout_from_counts
-
         return build_layout_from_counts(self.num_tokens, self.loss_len, self.uid, self.traj_id, self.step_index,
                                         self.is_last_step, self.is_padding)
 
@@ -108,8 +109,6 @@ def random_batch(seed: int, num_groups: int, max_traj_per_group: int, max_steps:
 
 def swebench_batch(path=None) -> RandomBatch:
     """One row per step of the SWE-bench trajectories; uid = consecutive trajectories of one repository."""
-    from verl_traj.testing.swebench import DATA_FILE, load_step_rows
-
     rows = load_step_rows(path or DATA_FILE)
     step = np.asarray(rows["step_index"], dtype=np.int64)
     last = np.ones(step.shape[0], dtype=bool)
@@ -219,6 +218,7 @@ def rl_batch(groups: int, n: int, *, prompt_len: int = 5, response_len: int = 6,
 
 def as_dataproto(tensors: dict[str, torch.Tensor], non_tensors: dict[str, np.ndarray]):
     """verl ``DataProto`` of the dicts (``meta_info["global_token_num"]`` as verl's ``fit`` sets it)."""
+    # local: batches.py is pure torch/numpy (module doc): the core's property tests use it without importing verl
     from verl import DataProto
 
     gtn = tensors["attention_mask"].sum(-1).tolist()

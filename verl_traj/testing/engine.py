@@ -17,7 +17,27 @@ import socket
 from functools import partial
 from typing import Any, Optional, Sequence
 
-from verl_traj.cpu.torch_flash import TORCH_VARLEN  # attn_implementation name of :func:`register_torch_varlen`
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from verl.utils import tensordict_utils as tu
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.config import TrainingWorkerConfig
+from verl.workers.engine_workers import TrainingWorker
+from verl.workers.utils.losses import ppo_loss
+from verl.workers.utils.padding import left_right_2_no_padding
+
+from verl_traj.config import TrajConfig
+from verl_traj.configs import CONFIG_DIR
+from verl_traj.core.keys import IS_PADDING, LOSS_WEIGHT, MINI_BATCH_ID, PLANNED_FIELDS, TRAJ_INDEX, planned_update_fields
+from verl_traj.cpu.torch_flash import TORCH_VARLEN, attention_patches  # TORCH_VARLEN: re-exported
+from verl_traj.integration.config.update_spec import UpdateSpec
+from verl_traj.integration.patches.process import install
+from verl_traj.integration.workers.engine_workers import TrajActorTrainingWorker, TrajCriticWorker
+from verl_traj.integration.workers.losses import traj_ppo_loss, traj_value_loss
+from verl_traj.testing.trainers import ray_less_trainer
 
 __all__ = ["free_port", "init_rank", "compose_config", "cpu_config", "gpu_config", "register_torch_varlen", "TORCH_VARLEN",
            "actor_worker", "critic_worker", "rank_tensordict", "plan_for_update"]
@@ -37,9 +57,6 @@ def init_rank(rank: int, world: int, port: int, home: str, threads: int = 1, dev
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank) if cuda else "0",
                        "LOCAL_WORLD_SIZE": str(world) if cuda else "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port), "VERL_TRAJ_HOME": str(home)})
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(max(1, threads))
     if cuda:
         torch.cuda.set_device(rank)
@@ -67,9 +84,6 @@ def register_torch_varlen(name: str = TORCH_VARLEN) -> str:
     """transformers' flash-attention path under ``name`` with the torch variable-length kernel where verl's
     remove-padding wrapper calls flash-attn (:mod:`verl_traj.cpu.torch_flash`; the plugin installs the same
     in every CUDA process without flash-attn), installed now in this process; idempotent. Returns ``name``."""
-    from verl_traj.integration.patches.process import install
-    from verl_traj.cpu.torch_flash import attention_patches
-
     install(attention_patches(name), on_import=None)
     return name
 
@@ -78,11 +92,6 @@ def compose_config(name: str, overrides: Sequence[str] = (), *, resolve: bool = 
     """A shipped preset (``traj_ppo``: verl's own ``ppo_trainer`` plus ``traj:``) with hydra overrides; with
     ``resolve=False`` verl's interpolations (``${oc.select:actor_rollout_ref.actor...}``) are kept, as the trainer
     receives them."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from verl_traj.configs import CONFIG_DIR
-
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         cfg = compose(config_name=name, overrides=list(overrides))
     if resolve:
@@ -91,8 +100,6 @@ def compose_config(name: str, overrides: Sequence[str] = (), *, resolve: bool = 
 
 
 def _worker(cls: type, model_type: str, model_config: Any, section_config: Any, cap: int, loss_fn: Any) -> Any:
-    from verl.workers.config import TrainingWorkerConfig
-
     twc = TrainingWorkerConfig(model_type=model_type, model_config=model_config, engine_config=section_config.engine,
                                optimizer_config=section_config.optim, checkpoint_config=section_config.checkpoint)
     twc.engine_config.use_dynamic_bsz = True
@@ -107,13 +114,6 @@ def _worker(cls: type, model_type: str, model_config: Any, section_config: Any, 
 
 def actor_worker(cfg: Any, planned: bool) -> Any:
     """The actor's engine worker: ``TrajActorTrainingWorker`` + ``traj_ppo_loss`` or verl's own pair."""
-    from verl.utils.config import omega_conf_to_dataclass
-    from verl.workers.engine_workers import TrainingWorker
-    from verl.workers.utils.losses import ppo_loss
-
-    from verl_traj.integration.workers.losses import traj_ppo_loss
-    from verl_traj.integration.workers.engine_workers import TrajActorTrainingWorker
-
     model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
     actor_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     actor_config.model_config = model_config
@@ -124,11 +124,6 @@ def actor_worker(cfg: Any, planned: bool) -> Any:
 
 def critic_worker(cfg: Any) -> Any:
     """The critic's engine worker (value model): ``TrajCriticWorker`` + ``traj_value_loss``."""
-    from verl.utils.config import omega_conf_to_dataclass
-
-    from verl_traj.integration.workers.losses import traj_value_loss
-    from verl_traj.integration.workers.engine_workers import TrajCriticWorker
-
     critic_config = omega_conf_to_dataclass(cfg.critic)
     return _worker(TrajCriticWorker, "value_model", critic_config.model, critic_config,
                    int(cfg.critic.ppo_max_token_len_per_gpu), traj_value_loss)
@@ -142,11 +137,6 @@ def plan_for_update(batch: Any, cfg: Any, dp: int, *, mode: str = "token-mean", 
     ``ratio_group`` too, which the caller attaches), left attached. ``prefix_tree``: the micro-batches planned and
     marked as prefix trees, or rows (stated, not ``auto``: the worker the caller built must match). ``traj_options``:
     further ``traj:`` settings. Returns the plan."""
-    from verl_traj.config import TrajConfig
-    from verl_traj.core.keys import IS_PADDING, LOSS_WEIGHT, MINI_BATCH_ID, PLANNED_FIELDS, TRAJ_INDEX, planned_update_fields
-    from verl_traj.integration.config.update_spec import UpdateSpec
-    from verl_traj.testing.trainers import ray_less_trainer
-
     traj_config = TrajConfig(group_by=group_by, loss_agg_mode=mode, seed=seed, prefix_tree=prefix_tree, **traj_options)
     spec = UpdateSpec.prepare(cfg, traj_config)
     trainer = ray_less_trainer(cfg, traj_config, plan=spec.plan, dp=dp)  # derives the same spec from the prepared cfg
@@ -161,9 +151,6 @@ def plan_for_update(batch: Any, cfg: Any, dp: int, *, mode: str = "token-mean", 
 def rank_tensordict(batch: Any, rank: int, dp: int, mini_batch_rows: int, *, epochs: int = 1, shuffle: bool = False,
                     extra: Optional[dict] = None) -> Any:
     """Rank ``rank``'s block of ``batch`` as verl's ``_update_actor`` dispatches it."""
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import left_right_2_no_padding
-
     td = left_right_2_no_padding(batch.to_tensordict())
     tu.assign_non_tensor(
         td, calculate_entropy=False, global_batch_size=mini_batch_rows, mini_batch_size=mini_batch_rows,

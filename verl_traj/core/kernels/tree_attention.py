@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Sequence
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from verl_traj.core.errors import TrajInputError, show_value
 
@@ -218,8 +219,6 @@ def tree_block_mask(subtree_end: torch.Tensor, block: int = 128):
     min / max of ``subtree_end`` (O(N + (N / block)^2)): key block ``[k0, k1)`` before query block ``[q0, q1)`` is
     visible iff ``max(subtree_end) >= q0`` and fully visible iff ``min(subtree_end) >= q1 - 1``; diagonal blocks
     and blocks cut by ``N`` are partial (``mask_mod`` decides per pair)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     se, n = subtree_end.long(), int(subtree_end.numel())
     nb = -(-n // block)
     padded = torch.nn.functional.pad(se, (0, nb * block - n), value=-1)  # padding keys see nothing

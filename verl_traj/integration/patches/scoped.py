@@ -172,18 +172,18 @@ def fit_patches(step_wise: bool, real_row_mask: Callable[[], Any] = lambda: None
     batch the trainer planned last (for functions that get arrays, not the batch); ``step_index_key``: the field of
     each step row's step (``traj.step_index_key``); ``trajectory_ratios``: ``traj.ratio_scope=trajectory``;
     ``step_groups``: GiGPO's ``traj:`` knobs (:class:`~verl_traj.stepwise.step_groups.StepGroupOptions`)."""
-    from verl_traj.integration.rows import real_rows
+    # local: workers import this catalogue too; rows/ (driver code, ~0.3 s) loads only where v0's fit builds its list
+    from verl_traj.integration.rows import real_rows, stepwise_rows
 
     out = []
     if step_wise:
-        from verl_traj.integration.rows.stepwise_rows import stepwise_advantage, trajectory_scoped_correction
-
         out.append(Patch(RAY_TRAINER, "compute_advantage",
-                         functools.partial(stepwise_advantage, step_index_key=step_index_key, step_groups=step_groups),
+                         functools.partial(stepwise_rows.stepwise_advantage, step_index_key=step_index_key,
+                                           step_groups=step_groups),
                          "advantages per trajectory on step-wise rows (outcome once, temporal on its timeline)"))
         if trajectory_ratios:
             out.append(Patch(ROLLOUT_CORR, "compute_rollout_correction_and_add_to_batch",
-                             functools.partial(trajectory_scoped_correction, step_index_key=step_index_key),
+                             functools.partial(stepwise_rows.trajectory_scoped_correction, step_index_key=step_index_key),
                              "verl's sequence-level rollout correction per trajectory (traj.ratio_scope)"))
     out += [
         Patch(RAY_TRAINER, "compute_advantage", real_rows.advantage_on_real_rows, "compute advantages on real rows only"),

@@ -39,7 +39,11 @@ import logging
 import os
 from typing import Any, Optional
 
+from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING
+
 from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, AdvantageEstimator
+from verl.utils.import_utils import is_trl_available
 
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.plan.estimators import estimator_name
@@ -239,11 +243,6 @@ def _check_model_dir(key: str, path: Any) -> Optional[str]:
 
 def _check_value_head(key: str, local: str) -> None:
     """verl builds value models as ``AutoModelForTokenClassification`` (trl's value head as a fallback)."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING
-
-    from verl.utils.import_utils import is_trl_available
-
     hf_config = AutoConfig.from_pretrained(local, trust_remote_code=True)
     if type(hf_config) not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING and not is_trl_available():
         raise TrajConfigError(

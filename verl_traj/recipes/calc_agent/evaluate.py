@@ -21,6 +21,13 @@ import json
 import random
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from verl.experimental.agent_loop.tool_parser import ToolParser
+from verl.tools.function_tool import normalize_function_tool_return
+from verl.tools.schemas import OpenAIFunctionCallSchema, OpenAIFunctionParsedSchema
+
 from verl_traj.core.rollout.session_ledger import session_ledger
 from verl_traj.integration.agent_loops.stepwise_agent_loop import counting_tool_parser
 from verl_traj.integration.agent_loops.tool_call_checks import check_tool_call
@@ -34,8 +41,6 @@ async def call_tool(tools: dict, call) -> str:
     the tool's schema refuses) answered with what is wrong and counted malformed in the session
     (:func:`~verl_traj.integration.agent_loops.tool_call_checks.check_tool_call`), the others by verl's ``_call_tool``,
     with its error text for a tool that raises."""
-    from verl.tools.function_tool import normalize_function_tool_return
-
     problem = check_tool_call(call, tools)
     if problem is not None:
         return problem
@@ -49,8 +54,6 @@ async def call_tool(tools: dict, call) -> str:
 
 def _assistant_message(content: str, call) -> dict:
     """The assistant message verl's loop appends for a turn with one tool call."""
-    from verl.tools.schemas import OpenAIFunctionCallSchema, OpenAIFunctionParsedSchema
-
     parsed, decode_error = OpenAIFunctionCallSchema.from_openai_function_parsed_schema(
         OpenAIFunctionParsedSchema(name=call.name, arguments=call.arguments))
     function = {"name": call.name, "arguments": call.arguments} if decode_error else parsed.model_dump()
@@ -59,8 +62,6 @@ def _assistant_message(content: str, call) -> dict:
 
 def _generate_turn(model, tokenizer, texts: list[str], sampling: dict, max_new_tokens: int) -> list[list[int]]:
     """One assistant turn for each chat text: the new ids up to (not including) the first end-of-turn token."""
-    import torch
-
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
@@ -93,9 +94,6 @@ def play(model, tokenizer, problems: list[task.Problem], tools: dict, *, tempera
     hermes ``ToolParser`` (counting, :func:`_turn`) and its first call (verl's default ``max_parallel_calls: 1``)
     executed by ``call_tool``; a turn without a call ends the episode, as in verl's ``tool_agent`` loop.
     """
-    import torch
-    from verl.experimental.agent_loop.tool_parser import ToolParser
-
     parser = counting_tool_parser(ToolParser.get_tool_parser("hermes", tokenizer))
     schemas = [tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True) for tool in tools.values()]
     torch.manual_seed(seed)
@@ -140,9 +138,6 @@ def _result(problem: task.Problem, response: str, calls: int, messages: list[dic
 def evaluate_model(model_dir: Path, *, samples: int, temperature: float, seed: int, max_operand: int = 9,
                    max_turns: int = 5, batch: int = 64) -> dict:
     """Accuracy and mean reward of the model at ``model_dir`` on ``samples`` fresh problems."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

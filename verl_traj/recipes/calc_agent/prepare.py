@@ -26,7 +26,15 @@ import random
 import time
 from pathlib import Path
 
+import pandas as pd
+import torch
+from tokenizers import Tokenizer, models
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from verl_traj.cpu.build_tiny import CHAT_TEMPLATE, build_model, build_tokenizer
+from verl_traj.cpu.warm_start import supervised_warm_start
 from verl_traj.recipes.calc_agent import task
+from verl_traj.recipes.calc_agent.evaluate import evaluate_model
 
 HERE = Path(__file__).resolve().parent
 
@@ -37,8 +45,6 @@ def tool_schemas() -> list[dict]:
 
 
 def write_data(data_dir: Path, n_train: int, n_test: int, seed: int, max_operand: int) -> None:
-    import pandas as pd
-
     rng = random.Random(seed)
 
     def rows(n: int, split: str) -> list[dict]:
@@ -80,11 +86,6 @@ def encode_transcript(tokenizer, messages: list[dict], tools: list[dict]) -> tup
 
 def warm_start(model_dir: Path, steps: int, seed: int, max_operand: int, batch_size: int = 16, lr: float = 1e-3) -> dict:
     """Supervised warm start on correct transcripts (assistant tokens only); returns loss figures."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from verl_traj.cpu.warm_start import supervised_warm_start
-
     torch.manual_seed(seed)
     rng = random.Random(seed + 7)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -105,18 +106,12 @@ def warm_start(model_dir: Path, steps: int, seed: int, max_operand: int, batch_s
 
 def _bootstrap_tokenizer():
     """A throwaway character-level tokenizer, only to render chat-template text for the corpus."""
-    from tokenizers import Tokenizer, models
-
     return Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
 
 
 def recipe_tokenizer(model_dir: Path, seed: int, max_operand: int = 9):
     """The recipe's byte-level BPE tokenizer (1,024 ids) saved in ``model_dir``: trained on the tiny corpus and on the
     recipe's own rendered episodes, so they stay short (also the tokenizer of ``scripts/gpu_e2e.py``'s random model)."""
-    from transformers import PreTrainedTokenizerFast
-
-    from verl_traj.cpu.build_tiny import CHAT_TEMPLATE, build_tokenizer
-
     render = PreTrainedTokenizerFast(tokenizer_object=_bootstrap_tokenizer())
     render.chat_template = CHAT_TEMPLATE
     rng = random.Random(seed + 1)
@@ -152,14 +147,10 @@ def main(argv=None) -> None:
     write_data(home / "data", args.n_train, args.n_test, args.seed, args.max_operand)
     stamp = home / "model" / "WARM_START.json"
     if not args.data_only and (args.force or not stamp.exists()):
-        from verl_traj.cpu.build_tiny import build_model
-
         (home / "model").mkdir(parents=True, exist_ok=True)
         tokenizer = recipe_tokenizer(home / "model", args.seed, args.max_operand)
         build_model(home / "model", tokenizer, seed=args.seed, hidden=args.hidden, layers=args.layers, kv_heads=4)
         figures = warm_start(home / "model", args.sft_steps, args.seed, args.max_operand)
-        from verl_traj.recipes.calc_agent.evaluate import evaluate_model
-
         for name, temperature in (("greedy", 0.0), ("sampled", 1.0)) if args.eval_samples > 0 else ():
             result = evaluate_model(home / "model", samples=args.eval_samples, temperature=temperature, seed=args.seed,
                                     max_operand=args.max_operand)

@@ -21,6 +21,7 @@ import operator
 import random
 import re
 import threading
+from pathlib import Path
 from typing import NamedTuple
 
 SYSTEM_PROMPT = (
@@ -138,8 +139,7 @@ def calc_tools() -> list:
     """The recipe's function tools (``calculator``), loaded by verl's own ``load_function_tools_from_path``,
     as its agent loop loads ``multi_turn.function_tool_path``; verl caches by path, so every caller in a
     process shares one registration."""
-    from pathlib import Path
-
+    # local: task.py imports no verl (module doc: the reward function and data preparation stay pure Python)
     from verl.tools.function_tool import load_function_tools_from_path
 
     return load_function_tools_from_path(str(Path(__file__).resolve().parent / "tool.py"))
