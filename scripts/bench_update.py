@@ -349,15 +349,15 @@ def _fused_logprobs_wanted(args) -> bool:
 def _install_fused_logprobs() -> None:
     """verl's engine computes log-probs with flash-attn's fused cross-entropy kernel where flash-attn is installed,
     else ``logprobs_from_logits_v2``, a Python loop over the tokens (one log-softmax each): on a GPU without flash-attn
-    that loop, not the model, would set the time. In this process the engine gets one vectorised fp32 log-softmax
-    (``cross_entropy``: the fused kernel's numbers) instead, for rows and trees alike (what the plugin gives every CUDA
-    process without flash-attn: :mod:`verl_traj.cpu.torch_flash`)."""
+    that loop, not the model, would set the time. In this process the engine gets the chunked fp32 log-softmax (the
+    fused kernel's numbers, bounded scratch) instead, for rows and trees alike (what a CUDA process without flash-attn
+    gets when its model selects torch_varlen: :mod:`verl_traj.cpu.torch_flash`)."""
     import verl.workers.engine.fsdp.transformer_impl  # noqa: F401  (installed now: the module must be loaded)
 
+    from verl_traj.core.kernels.chunked_logprobs import chunked_logprobs
     from verl_traj.integration.patches.process import fused_logprobs_patches, install
-    from verl_traj.cpu.torch_flash import fused_logprobs
 
-    install(fused_logprobs_patches(lambda _verl: fused_logprobs), on_import=None)
+    install(fused_logprobs_patches(lambda _verl: chunked_logprobs), on_import=None)
 
 
 def _proc(rank: int, dp: int, port: int, args, out_path: str):
@@ -500,7 +500,7 @@ def _device_config(args) -> dict:
     gpu = torch.cuda.get_device_name() if args.device == "cuda" and torch.cuda.is_available() else None
     return {"device": args.device, "gpu": gpu, "model": args.model, "rows_attention": args.rows_attention,
             "tree_attention": ("torch_varlen" if args.device == "cuda" else "cpu_varlen") if args.tree else None,
-            "logprobs": "fused (vectorised fp32 log-softmax)" if _fused_logprobs_wanted(args) else "verl's",
+            "logprobs": "chunked fp32 log-softmax" if _fused_logprobs_wanted(args) else "verl's",
             "torch": torch.__version__}
 
 

@@ -17,10 +17,11 @@ rollout servers). Importing it:
 ``VERL_TRAJ_CPU=1`` forces the CPU platform, ``VERL_TRAJ_CPU=0`` disables it. An explicit
 ``VERL_PLATFORM`` other than ``cpu`` also disables it.
 
-* in a CUDA process without flash-attn (and without the CPU platform), gives transformers the attention
+* in a CUDA process without flash-attn (and without the CPU platform), registers with transformers the attention
   ``torch_varlen`` (the flash-attention path with the CPU platform's torch kernel, so verl's remove-padding path and the
-  prefix tree run there) and verl's engine vectorised log-probs (:mod:`verl_traj.cpu.torch_flash`;
-  ``VERL_TRAJ_TORCH_VARLEN=1`` / ``0`` forces it on / off).
+  prefix tree run there); its first call installs the kernel and verl's engine chunked log-probs
+  (:mod:`verl_traj.cpu.torch_flash`: nothing of verl's changes until a model selects it; ``VERL_TRAJ_TORCH_VARLEN=1`` /
+  ``0`` forces it on / off).
 
 Every change to a verl module is declared in :mod:`verl_traj.integration.patches.process` (what, why,
 when; process-lifetime, never restored) and installed from there; this module supplies the replacements.

@@ -37,12 +37,15 @@ replacements in; this module imports nothing of verl_traj (it lists patches, it 
   ``verl.models.transformers.monkey_patch._flash_attention_forward`` (the kernel verl's remove-padding / Ulysses
   path calls; entry 10 on CPU) <- a tree-aware wrapper of it: a call carrying a prefix tree runs the exact tree
   attention, any other runs the wrapped kernel after refusing tree-shaped position ids.
-* :func:`torch_varlen_patches` -- in a CUDA process without flash-attn (:mod:`verl_traj.cpu.torch_flash`:
-  every such process through the plugin, after each module is imported; ``scripts/bench_update.py --device cuda``,
-  now): entries 9 (under the name ``torch_varlen``) and 10 (verl's module only, kept where the tree-aware wrapper
-  already is) of the CPU platform, so verl's remove-padding path and the prefix-tree forward run there.
-* :func:`fused_logprobs_patches` -- there too: ``verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits``
-  <- one vectorised fp32 log-softmax (flash-attn's fused cross-entropy's numbers; verl's fallback loops over tokens).
+* :func:`torch_varlen_patches` -- in a CUDA process without flash-attn (:mod:`verl_traj.cpu.torch_flash`): its
+  registrations (entry 9 under the name ``torch_varlen``) in every such process through the plugin, after each module
+  is imported; entry 10 (verl's module only; where the tree-aware wrapper already is, that wrapper of the torch kernel)
+  when the ``torch_varlen`` attention is first called, now; ``scripts/bench_update.py --device cuda`` all of it, now:
+  so verl's remove-padding path and the prefix-tree forward run there, and a process whose model does not select it
+  keeps verl's functions.
+* :func:`fused_logprobs_patches` -- with entry 10: ``verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits``
+  <- the chunked fp32 log-softmax (flash-attn's fused cross-entropy's numbers, scratch bounded; verl's fallback loops
+  over tokens).
 * :func:`tool_parser_log_patches` -- in an agent-loop worker process, when the first
   :class:`~verl_traj.integration.agent_loops.stepwise_agent_loop.StepwiseToolAgentLoop` is built, and in the calculator
   recipe's offline evaluation (both through ``counting_tool_parser``), now (idempotent):
@@ -236,10 +239,10 @@ def torch_varlen_patches(name: str, register_attention: Callable[[Any], None],
 
 def fused_logprobs_patches(logprobs_from_logits: Callable[[Callable], Callable],
                            when: str = NOW) -> list[ProcessPatch]:
-    """A CUDA process without flash-attn (order: module docstring): verl's engine log-probs <- one vectorised fp32
+    """A CUDA process without flash-attn (order: module docstring): verl's engine log-probs <- the chunked fp32
     log-softmax (verl's fallback is a Python loop over the tokens, which would set the time)."""
     return [ProcessPatch(FSDP_ENGINE, "logprobs_from_logits", logprobs_from_logits,
-                         "one vectorised fp32 log-softmax where flash-attn's fused cross-entropy is missing",
+                         "the chunked fp32 log-softmax where flash-attn's fused cross-entropy is missing",
                          when=when)]
 
 
