@@ -373,13 +373,15 @@ def test_validation_runs_once_on_the_driver_and_the_trainer_only_adapts(monkeypa
 TREE = ["traj.prefix_tree=true", "actor_rollout_ref.model.use_remove_padding=true"]
 
 
-def test_prefix_tree_selects_the_cpu_flash_attention_path(started):
+def test_prefix_tree_selects_the_cpu_flash_attention_path(started, tmp_path):
     """``traj.prefix_tree=true`` on the CPU platform: the actor's model (and the critic's, with one) gets cpu_varlen
     (the kernel the tree attention replaces), not sdpa, which would read a tree as separate sequences."""
     from verl_traj.integration.startup.tree_checks import check_prefix_tree
 
     assert _attn(started(TREE), ACTOR_ATTN) == "cpu_varlen"
-    cfg = _cpu(TREE + ["algorithm.adv_estimator=gae", "critic.model.use_remove_padding=true"], name="cpu_tiny_ppo")
+    cfg = _cpu(TREE + ["algorithm.adv_estimator=gae", "critic.model.use_remove_padding=true",
+                       f"actor_rollout_ref.model.path={tmp_path}", f"critic.model.path={tmp_path}"],
+               name="cpu_tiny_ppo")
     check_prefix_tree(TrajConfig.from_mapping(cfg.traj), cfg, "cpu")
     assert _attn(cfg, ACTOR_ATTN) == _attn(cfg, CRITIC_ATTN) == "cpu_varlen"
 
@@ -441,13 +443,42 @@ def test_prefix_tree_true_refuses_what_the_model_needs_at_start_up(started, extr
     assert err.value.field == field and "traj.prefix_tree=false" in str(err.value)
 
 
-def test_a_trainer_built_without_start_up_settles_auto_itself():
+def test_a_trainer_built_without_start_up_settles_auto_itself(tmp_path):
     """A script that builds the trainer's config without ``main_ppo`` gets the same choice, not rows in silence."""
     from verl_traj.integration.startup.tree_checks import settled_traj_config
 
-    cfg = _cpu()
+    (tmp_path / "config.json").write_text("{}")
+    cfg = _cpu([f"actor_rollout_ref.model.path={tmp_path}"])
     assert cfg.traj.prefix_tree == "auto" and settled_traj_config(cfg).trees and cfg.traj.prefix_tree is True
-    assert not settled_traj_config(_cpu([f"{RMPAD}=false"])).trees
+    assert not settled_traj_config(_cpu([f"{RMPAD}=false", f"actor_rollout_ref.model.path={tmp_path}"])).trees
+
+
+def test_a_hub_id_is_checked_from_the_local_cache_or_trains_on_rows(started, tmp_path, monkeypatch, caplog):
+    """Issue 55, item 2: a model given as a hub id is read from the local Hugging Face cache at start-up (a sliding
+    window there is refused for ``true``, before any rollout); one whose config cannot be read offline takes rows under
+    ``auto``, saying why, and is refused under ``true``, naming ``model.path``."""
+    import logging
+
+    import huggingface_hub.constants as hub
+
+    from verl_traj.config import TrajConfigError
+
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = tmp_path / "hub" / "models--org--windowed" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text('{"sliding_window": 4096, "use_sliding_window": true}')
+    (tmp_path / "hub" / "models--org--windowed" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--windowed" / "refs" / "main").write_text("abc")
+    with pytest.raises(TrajConfigError) as err:
+        started([*TREE, "actor_rollout_ref.model.path=org/windowed"])
+    assert err.value.field == "actor_rollout_ref.model.override_config.use_sliding_window"
+    with pytest.raises(TrajConfigError, match="none readable offline") as err:
+        started([*TREE, "actor_rollout_ref.model.path=org/not-downloaded"])
+    assert err.value.field == "actor_rollout_ref.model.path"
+    with caplog.at_level(logging.WARNING, logger="verl_traj.integration.startup.checks"):
+        cfg = started([f"{RMPAD}=true", "actor_rollout_ref.model.path=org/not-downloaded"])
+    assert cfg.traj.prefix_tree is False
+    assert any("rows, because" in r.getMessage() and "model.path" in r.getMessage() for r in caplog.records)
 
 
 SEPARATE = ["trainer.v1.trainer_mode=separate_async"]

@@ -20,6 +20,7 @@ import logging
 import os
 from typing import Any
 
+from huggingface_hub import try_to_load_from_cache
 from omegaconf import open_dict
 
 from verl_traj.config import TrajConfig, TrajConfigError
@@ -74,15 +75,32 @@ def _attention(model: str, config: Any, device: str) -> list[Reason]:
              f"{given!r} would read a tree as separate sequences", f"set {field}={allowed[0]}")]
 
 
+def _model_config_file(path: str) -> str | None:
+    """The model's ``config.json`` readable now, offline: in a local directory, or a hub id's in the local cache."""
+    local = os.path.join(os.path.expanduser(path), "config.json")
+    if os.path.isfile(local):
+        return local
+    try:
+        cached = try_to_load_from_cache(path, "config.json") if path and "://" not in path else None
+    except ValueError:  # not a valid repo id
+        cached = None
+    return cached if isinstance(cached, str) else None
+
+
 def _architecture(model: str, config: Any) -> list[Reason]:
     """Attention dropout, a sliding window or soft-capping in the model's ``config.json`` (``override_config`` on
-    top): the tree's interval mask serves none of them. Nothing where the model is not a local directory."""
-    path = os.path.expanduser(str(value_at(config, f"{model}.path") or ""))
+    top): the tree's interval mask serves none of them. A model whose config cannot be read offline (a hub id not in
+    the local cache, a remote path) is a reason too: start-up cannot rule them out (``auto``: rows, said)."""
+    path = str(value_at(config, f"{model}.path") or "")
+    found = _model_config_file(path)
     try:
-        with open(os.path.join(path, "config.json")) as f:
+        with open(found or "") as f:
             hf = json.load(f)
     except (OSError, ValueError):
-        return []
+        return [(f"{model}.path", f"needs the model's config.json at start-up to rule out attention dropout, a sliding "
+                 f"window and soft-capping, and {model}.path={path!r} has none readable offline (not a local directory "
+                 "with config.json, nor a hub id in the local Hugging Face cache)",
+                 f"download the model (or its config.json) and set {model}.path to that directory")]
     hf.update(dict(value_at(config, f"{model}.override_config") or {}))
     out = []
     if float(hf.get("attention_dropout") or 0) > 0:
