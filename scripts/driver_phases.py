@@ -174,7 +174,7 @@ def _plan(tr, batch, args, meter: Meter):
         with meter.phase("tree_facts"):  # as plan_batch_in_place: the planner's rows by plan.order, padding read
             pads = np.flatnonzero(plan.order.numpy() < 0)
             pad_rows = attended_rows(batch.batch["input_ids"][pads], batch.batch["attention_mask"][pads])
-            for key, value in dense_tree_facts(rows, pad_rows, plan).items():
+            for key, value in dense_tree_facts(rows, pad_rows, plan, tr.spec.plan.tree_cost)[0].items():
                 batch.batch[key] = value
     del rows
     return plan

@@ -84,17 +84,14 @@ class TrajConfig:
         ratio_scope: what verl's sequence-level off-policy quantities (``algorithm.rollout_correction``: the
             ``rollout_is=sequence`` weight, ``seq_*`` rejection, the per-sequence diagnostics) are computed over with
             step rows: ``"row"`` (verl's: each step row alone; the default) or ``"trajectory"`` (all loss tokens of
-            the trajectory, applied to every row of it; GSPO's ratio too). The default is chosen by
-            ``scripts/bench_ratio_scope.py``: a product of token ratios over a long trajectory degenerates (expected
-            ESS below 0.5 once loss tokens x s^2 > 1.95, s the per-token spread), row scope does not grow with turns.
-        prefix_tree: forward the rows of each micro-batch as one prefix tree (every shared prefix once: a GRPO
-            group's prompt, a trajectory's earlier turns) in the log-prob, reference, value and update passes; the
-            planner keeps each group (or trajectory, ``group_by``) in one micro-batch on one rank where its tree fits
-            the cap, and counts the cap in tree tokens. ``"auto"`` (default): trees wherever they are exact and served
-            (verl's FSDP engine on its remove-padding path with the flash-attention path's kernel, no fused kernels,
-            no attention dropout, sliding window or soft-capping), rows elsewhere; start-up settles it to ``true`` or
-            ``false`` in the config and says which and why (docs/prefix_tree.md). ``true`` refuses what it cannot
-            serve; read :attr:`trees` (``"auto"`` not yet settled is rows).
+            the trajectory, applied to every row of it; GSPO's ratio too); the default by
+            ``scripts/bench_ratio_scope.py`` (docs/stepwise.md).
+        prefix_tree: forward each micro-batch's rows as one prefix tree (every shared prefix once) in every pass;
+            ``"auto"`` (default): where exact and served, settled to ``true`` / ``false`` at start-up, said
+            (docs/prefix_tree.md); ``true`` refuses what cannot serve it; read :attr:`trees`.
+        tree_token_cost / tree_margin: with trees, each micro-batch forwards as a tree only where the tree is predicted
+            cheaper than its rows by ``tree_margin`` (:mod:`verl_traj.core.trees.tree_cost`: ``tree_token_cost`` is a
+            tree token's cost in row tokens; ``None``: the device's measured figure).
         failed_groups: v1: what happens to a GRPO group in which a rollout failed (its agent loop raised or timed out):
             ``"drop"`` (default: the whole group leaves the batch, a fresh prompt replaces it) or ``"keep_survivors"``
             (train the finished sessions, the baseline over them; a group with none is dropped).
@@ -115,20 +112,15 @@ class TrajConfig:
             one trained), over which a group gets the ``stale_groups`` policy (``correct``: ``correct_fallback``).
             ``None``: none, except under ``correct``, which caps at :data:`DEFAULT_MAX_LAG` (:attr:`lag_cap`).
             :mod:`verl_traj.core.rollout.offpolicy`.
-        correct_fallback: ``correct``: what a group past ``max_lag`` gets, and every group over ``max_staleness``
-            while the importance weights are unhealthy: ``"defer"`` (default: the trainer waits for it, no length
-            bias) or ``"drop"``.
-        offpolicy_min_ess: ``correct``: the off-policy tokens' effective sample size of their truncated weights
-            (``traj_offpolicy/ess_truncated``, verl's ESS) below which the fallback takes over for the next samplings
-            (back after 3 steps at 1.5x it); 0.3 is where verl's docs warn.
-        offpolicy_max_log_ratio_m2: ``correct``: the off-policy tokens' mean squared log-ratio
-            (``traj_offpolicy/log_ratio_m2``) above which the fallback takes over (back after 3 steps at half of it);
-            0.04 is M2PO's bound.
+        correct_fallback: ``correct``: what a group past ``max_lag``, or over ``max_staleness`` while the weights are
+            unhealthy, gets: ``"defer"`` (default: waited for, no length bias) or ``"drop"``.
+        offpolicy_min_ess / offpolicy_max_log_ratio_m2: ``correct``: the ESS of the off-policy tokens' truncated
+            weights below which (0.3, where verl's docs warn), or their mean squared log-ratio above which (0.04,
+            M2PO's bound), the fallback takes over (:attr:`health_thresholds`; docs/trainers.md).
         step_advantage_weight: ``algorithm.adv_estimator=gigpo``: GiGPO's omega, the weight of the step-level advantage
             added to the episode-level one (``>= 0``; 0 is GRPO on step rows). :mod:`verl_traj.stepwise.step_groups`.
-        step_group_baseline: ``gigpo``: the baseline of a step group: ``"gigpo"`` (default: the paper's mean and std
-            over the group) or ``"leave_one_out"`` (the mean of the group's other calls, no std: unbiased where the
-            anchor key is the state).
+        step_group_baseline: ``gigpo``: a step group's baseline: ``"gigpo"`` (the paper's mean and std, default) or
+            ``"leave_one_out"`` (the others' mean, no std: unbiased where the anchor key is the state).
         credit_rule_modules: dotted names of modules that register per-call credit rules
             (:func:`verl_traj.stepwise.credit_rules.register_credit_rule`), imported in every process that needs them
             (start-up, the trainer, the agent-loop workers); a rule's name is then an ``algorithm.adv_estimator``.
@@ -152,6 +144,8 @@ class TrajConfig:
     seed: int = 0
     ratio_scope: str = "row"
     prefix_tree: Union[bool, str] = "auto"
+    tree_token_cost: Optional[float] = None
+    tree_margin: float = 0.1
     failed_groups: str = "drop"
     trajectory_timeout_s: Optional[float] = None
     replay_poll_s: float = 2.0
@@ -189,10 +183,9 @@ class TrajConfig:
         for name in _BOOL_FIELDS:
             _check_bool(f"traj.{name}", getattr(self, name))
         if not isinstance(self.prefix_tree, bool) and self.prefix_tree != "auto":
-            raise TrajConfigError(
-                f"traj.prefix_tree={self.prefix_tree!r} is invalid. Fix: set traj.prefix_tree=auto (trees where they "
-                "are served, the default), true (trees, refusing what cannot serve them) or false (rows).",
-                field="traj.prefix_tree")
+            raise TrajConfigError(f"traj.prefix_tree={self.prefix_tree!r} is invalid. Fix: set traj.prefix_tree=auto "
+                                  "(trees where they are served, the default), true (trees, refusing what cannot serve "
+                                  "them) or false (rows).", field="traj.prefix_tree")
         _check_choice("traj.group_by", self.group_by, GROUP_BY_CHOICES)
         _check_choice("traj.mini_batch_balance", self.mini_batch_balance, MINI_BATCH_BALANCE_CHOICES)
         _check_choice("traj.workload", self.workload, WORKLOAD_MODELS)
@@ -215,6 +208,13 @@ class TrajConfig:
         self._check_times()
         self._check_lag()
         self._check_modules()
+        for name, high, what in (("tree_token_cost", float("inf"), "> 0 (a tree token's cost in row tokens)"),
+                                 ("tree_margin", 1.0, "in [0, 1) (what a tree must win by)")):
+            value = getattr(self, name)
+            if (value is not None or name == "tree_margin") and (isinstance(value, bool) or not isinstance(
+                    value, (int, float)) or not 0 <= value < high or (name == "tree_token_cost" and value == 0)):
+                raise TrajConfigError(f"traj.{name}={value!r} is invalid. Fix: set a number {what}, or leave it out "
+                                      "for the default.", field=f"traj.{name}")
         for name in ("loss_agg_mode", "critic_loss_agg_mode"):
             if getattr(self, name) is not None:
                 _check_choice(f"traj.{name}", getattr(self, name), loss_weight_modes())

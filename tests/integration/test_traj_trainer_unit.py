@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from verl.trainer.ppo import ray_trainer as rt
 
 from tests.integration import grad_harness as H
+from verl_traj.core.trees.tree_cost import tree_cost_model
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core.plan.estimators import estimator_traits
 from verl_traj.core.keys import planned_update_fields
@@ -271,12 +272,15 @@ def test_the_packing_cost_follows_the_attention_path_and_padded_cap(rmpad, padde
     assert micro.cost == cost
 
 
+GPU_TREE_COST = tree_cost_model("cuda")  # verl's trainer.device default: the device's tree cost model
+
+
 def test_prepare_config_forces_planner_and_sets_only_training_caps():
     cfg = _verl_config()
     with pytest.warns(UserWarning, match="balance_batch"):
         micro = prepare_config(cfg, TrajConfig(micro_batch_max_tokens=100))
     assert cfg.trainer.balance_batch is True
-    assert micro == PlanSettings(100, "padded", derived=False)  # no use_remove_padding: least padded area
+    assert micro == PlanSettings(100, "padded", derived=False, tree_cost=GPU_TREE_COST)  # no use_remove_padding: least padded area
     a, r, ref = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref
     assert a.use_dynamic_bsz and a.ppo_max_token_len_per_gpu == 100
     # inference passes keep verl's own bound (fixed sizes -> dynamic with the same memory bound)
@@ -292,7 +296,7 @@ def test_prepare_config_inference_cap_and_critic():
     assert cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu == 500
     assert cfg.critic.ppo_infer_max_token_len_per_gpu == 500  # what verl 0.9.1 reads for the value pass
     # the update cap: the smaller of actor (fixed 2 x 80 -> 160) and critic, token cost with remove-padding
-    assert micro == PlanSettings(160, "tokens", derived=True)
+    assert micro == PlanSettings(160, "tokens", derived=True, tree_cost=GPU_TREE_COST)
 
 
 @pytest.mark.parametrize("enable, estimator", [(None, "gae"), (None, "grpo"), (True, "grpo"), (False, "gae")])
@@ -336,7 +340,7 @@ def test_prepare_config_fixed_micro_batches_become_dynamic_with_same_bound():
     a, r = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
     assert a.use_dynamic_bsz and a.ppo_max_token_len_per_gpu == 2 * 80
     assert r.log_prob_use_dynamic_bsz and r.log_prob_max_token_len_per_gpu == 4 * 80
-    assert micro == PlanSettings(160, "padded", derived=True)
+    assert micro == PlanSettings(160, "padded", derived=True, tree_cost=GPU_TREE_COST)
 
 
 def test_prepare_config_errors_name_the_fix():

@@ -219,12 +219,12 @@ def _batch(rows: list):
     return as_dataproto(tensors, {"uid": np.array(uid, dtype=object)})
 
 
-def _planned(batch, cap: int, world: int):
+def _planned(batch, cap: int, world: int, **traj):
     """``batch`` planned in place as the trainer plans it with ``traj.prefix_tree`` (one mini-batch; micro-batches
-    under ``cap`` tree tokens; each one's tree facts attached)."""
+    under ``cap`` tree tokens; each one's tree facts attached; ``traj``: further ``traj:`` settings)."""
     from verl_traj.testing.engine import plan_for_update
 
-    plan_for_update(batch, _config(cap), world, prefix_tree=True)
+    plan_for_update(batch, _config(cap), world, prefix_tree=True, **traj)
     return batch
 
 
@@ -308,7 +308,7 @@ def _compare(worker, batch, rank, world) -> dict:
             "response_log_probs_max_abs": float((resp * td["response_mask"]).abs().max()),
             "grad_rel": float((g_tree - g_ref).norm() / g_ref.norm()), "grad_max_abs": float((g_tree - g_ref).abs().max()),
             "grad_norm": float(g_ref.norm()), "tree_tokens": log.tree_tokens, "row_tokens": log.row_tokens,
-            "rows": log.rows, "branch_copies": log.branch_copies, "forwarded_tokens": log.forwarded_tokens,
+            "rows": log.rows, "row_micro_batches": log.row_micro_batches, "branch_copies": log.branch_copies, "forwarded_tokens": log.forwarded_tokens,
             "train_attention_calls": spy.call_count, "checkpointing": worker.engine.module.is_gradient_checkpointing,
             "restored": "prepare_model_inputs" not in vars(worker.engine)}
 
@@ -365,7 +365,8 @@ def _config(cap: int, extra=()):
                        "actor_rollout_ref.actor.ppo_mini_batch_size=4", *extra])
 
 
-def _proc(rank: int, world: int, port: int, home: str, cap: int, out_path: str, extra: tuple, more: bool) -> None:
+def _proc(rank: int, world: int, port: int, home: str, cap: int, out_path: str, extra: tuple, more: bool,
+          traj: tuple) -> None:
     import torch.distributed as dist
 
     from verl_traj.testing.engine import actor_worker, init_rank
@@ -373,7 +374,8 @@ def _proc(rank: int, world: int, port: int, home: str, cap: int, out_path: str, 
     init_rank(rank, world, port, home)
     try:
         worker = actor_worker(_config(cap, extra), planned=False)
-        batch = _planned(_batch(_shared_prefix_rows(int(worker.model_config.hf_config.vocab_size))), cap, world)
+        batch = _planned(_batch(_shared_prefix_rows(int(worker.model_config.hf_config.vocab_size))), cap, world,
+                         **dict(traj))
         res = _compare(worker, batch, rank, world)
         if more:
             res.update(padded=_padded(worker, batch, rank, world), refused=_refusals(worker, batch, rank, world))
@@ -383,9 +385,10 @@ def _proc(rank: int, world: int, port: int, home: str, cap: int, out_path: str, 
         dist.destroy_process_group()
 
 
-def _run(home, world: int, cap: int, tmp_path, extra=(), more=False) -> list[dict]:
+def _run(home, world: int, cap: int, tmp_path, extra=(), more=False, traj=()) -> list[dict]:
     out = str(tmp_path / f"tree_w{world}_{cap}.json")
-    mp.spawn(_proc, args=(world, free_port(), str(home), cap, out, tuple(extra), more), nprocs=world, join=True)
+    mp.spawn(_proc, args=(world, free_port(), str(home), cap, out, tuple(extra), more, tuple(traj)), nprocs=world,
+             join=True)
     res = []
     for rank in range(world):
         with open(f"{out}.{rank}") as f:
@@ -429,6 +432,20 @@ def test_real_engine_tree_forward_equals_rows_dp2_capped_checkpointed(tiny_home,
         assert res["train_attention_calls"] == 4 * len(res["rows"]) // 2, res
     assert sum(sum(r["tree_tokens"]) for r in ranks) < sum(sum(r["row_tokens"]) for r in ranks)
     assert ranks[0]["grad_rel"] == pytest.approx(ranks[1]["grad_rel"], rel=1e-6)  # one gradient, all-reduced
+
+
+@pytest.mark.dist
+def test_real_engine_a_mix_of_tree_and_row_micro_batches_equals_rows(tiny_home, tmp_path):
+    """Issue 55: the cost model decides per micro-batch. At ``traj.tree_token_cost=1`` (a tree token as dear as a row
+    token) a micro-batch that shares nothing runs as rows, in the same passes as the tree micro-batches beside it
+    (rank 0: one of each; a micro-batch whose rows would pass the 60-token cap stays a tree); log-probs, entropy and
+    the all-reduced gradient still equal the rows-only forward."""
+    ranks = _run(tiny_home.parent, 2, 60, tmp_path, traj=(("tree_token_cost", 1.0),))
+    print(json.dumps(ranks))
+    for res in ranks:
+        _assert_exact(res)
+    assert ranks[0]["row_micro_batches"] == 2 and len(ranks[0]["rows"]) == 2, ranks[0]  # log-prob and training pass
+    assert ranks[1]["row_micro_batches"] == 0 and len(ranks[1]["rows"]) == 4, ranks[1]
 
 
 @pytest.mark.dist

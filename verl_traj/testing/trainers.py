@@ -102,6 +102,8 @@ def ray_less_trainer(config: Mapping, traj_config: Union[Mapping, TrajConfig, No
         tr.tokenizer = tokenizer
     tr.actor_rollout_wg = tr.critic_wg = worker_group_stand_in(dp or 1)
     tr.global_steps = 1
+    if plan is not None and tr.spec is not None:  # the requested tree cost model (start-up's is the device's)
+        tr.spec = dataclasses.replace(tr.spec, plan=dataclasses.replace(tr.spec.plan, tree_cost=plan.tree_cost))
     if plan is not None and tr.spec is not None and tr.spec.plan != plan:
         raise ValueError(f"the config gives the planner {tr.spec.plan}, not the requested {plan}: a setting of the "
                          "config (a critic's cap, sequence parallelism, Megatron) overrides it")

@@ -37,6 +37,7 @@ from verl.utils.import_utils import load_class_from_fqn
 
 from verl_traj.config import TrajConfig, TrajConfigError
 from verl_traj.core import PAD_ROW_TOKENS
+from verl_traj.core.trees.tree_cost import DEVICE_COSTS, TreeCostModel, tree_cost_model
 from verl_traj.integration.config.access import ulysses_size, uses_critic
 from verl_traj.integration.engines import planned_strategies
 
@@ -60,6 +61,8 @@ class PlanSettings:
     derived: bool
     pad_row_tokens: int = PAD_ROW_TOKENS
     engine_runs_plan: bool = True  # False: an engine that cuts its own micro-batches (Megatron's pipeline schedule)
+    # with trees: which micro-batches forward as trees (core/trees/tree_cost.py), the device's figures by default
+    tree_cost: TreeCostModel = DEVICE_COSTS["cpu"]
 
 
 def _max_row_tokens(config: Any) -> int:
@@ -183,7 +186,9 @@ def _plan_settings(config: Any, traj_config: TrajConfig) -> PlanSettings:
     cost = "tokens" if rmpad else "padded" if traj_config.padded_cap == "tokens" else "padded_area"
     # engines whose micro-batches are the plan's (each engine's seam, integration/engines: verl's FSDP engine)
     runs = all(str(s.get("strategy", "fsdp")) in planned_strategies() for s in sections)
-    return PlanSettings(cap, cost, traj_config.micro_batch_max_tokens is None, pad_row_tokens(config), runs)
+    tree_cost = tree_cost_model(str(config.trainer.get("device", "cuda")), traj_config.tree_token_cost,
+                                traj_config.tree_margin)
+    return PlanSettings(cap, cost, traj_config.micro_batch_max_tokens is None, pad_row_tokens(config), runs, tree_cost)
 
 
 def _force_balance_batch(config: Any) -> None:

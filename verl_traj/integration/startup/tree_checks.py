@@ -24,6 +24,7 @@ from huggingface_hub import try_to_load_from_cache
 from omegaconf import open_dict
 
 from verl_traj.config import TrajConfig, TrajConfigError
+from verl_traj.core.trees.tree_cost import tree_cost_model
 from verl_traj.integration.config.access import flag_at, uses_critic, value_at
 from verl_traj.integration.config.attention_names import CPU_VARLEN, TORCH_VARLEN
 from verl_traj.integration.engines import tree_strategies
@@ -161,8 +162,11 @@ def settle_prefix_tree(traj_config: TrajConfig, config: Any, device: str) -> str
         named = "" if field in what else f" ({field})"
         return (f"traj.prefix_tree=auto: rows, because the prefix tree {what}{named}. To forward every shared prefix "
                 f"once: {fix}.")
+    cost = tree_cost_model(device, traj_config.tree_token_cost, traj_config.tree_margin)
     return ("traj.prefix_tree=auto: prefix trees (verl's FSDP engine, remove-padding, the flash-attention path's "
-            "kernel): every prefix a micro-batch's rows share is forwarded once. traj.prefix_tree=false for rows.")
+            "kernel): every prefix a micro-batch's rows share is forwarded once, in each micro-batch that shares at "
+            f"least {cost.break_even_sharing(1e12):.0%} of its row tokens (the {device} cost model's break-even: "
+            "traj.tree_token_cost, traj.tree_margin), the others as rows. traj.prefix_tree=false for rows.")
 
 
 def settled_traj_config(config: Any) -> TrajConfig:

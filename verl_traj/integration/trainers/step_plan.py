@@ -55,11 +55,10 @@ def plan_layout(layout: BatchLayout, traj_config: TrajConfig, num_mini_batches: 
 
 def plan_step_metrics(plan: MiniBatchPlan, epochs: int) -> dict[str, float]:
     """The ``traj_plan/*`` metrics of one step, with the optimizer steps verl's config promises
-    (mini-batches x ``actor.ppo_epochs``), and ``actor/tree_share``: the share of the step's micro-batches the
-    actor's passes forward as prefix trees (``traj.prefix_tree`` as start-up settled it)."""
+    (mini-batches x ``actor.ppo_epochs``). ``actor/tree_share`` (the share of the step's micro-batches forwarded as
+    prefix trees) comes with the tree facts, where the cost model decides it per micro-batch."""
     return {**plan.metrics("traj_plan"),
-            "traj_plan/expected_optimizer_steps": float(plan.num_mini_batches * epochs),
-            "actor/tree_share": float(bool(plan.spec.prefix_tree))}
+            "traj_plan/expected_optimizer_steps": float(plan.num_mini_batches * epochs)}
 
 
 def check_same_dp_size(actor_dp: int, critic_dp: Optional[int]) -> int:

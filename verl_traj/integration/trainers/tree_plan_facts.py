@@ -27,40 +27,68 @@ import torch
 from tensordict import TensorDict
 
 from verl_traj.core.keys import TREE_INDEX, TREE_SIZE
+from verl_traj.core.trees.tree_cost import TreeCostModel
 from verl_traj.core.trees.tree_facts import TreeFacts, plan_sources, planned_tree_facts
 
-__all__ = ["dense_tree_facts", "nested_tree_facts", "plan_tree_facts"]
+__all__ = ["dense_tree_facts", "nested_tree_facts", "plan_tree_facts", "tree_choice"]
 
 
-def plan_tree_facts(rows: Any, pad_rows: Any, plan: Any) -> tuple[TreeFacts, np.ndarray]:
-    """The planned micro-batches' tree facts in the planner's rows' order and each planned row's source in them
-    (:func:`~verl_traj.core.trees.tree_facts.plan_sources`): ``rows`` the planner's rows, ``pad_rows`` the padding rows the
-    plan wrote (dispatch order); a micro-batch is the rows of one (rank, mini-batch, micro-batch)."""
+def tree_choice(facts: TreeFacts, source: np.ndarray, part: np.ndarray, cost: TreeCostModel,
+                cap: Any) -> tuple[TreeFacts, dict[str, float]]:
+    """The facts with ``size`` 0 on the rows of every micro-batch that forwards as rows (the cost model's decision
+    per micro-batch, :mod:`verl_traj.core.trees.tree_cost`), and the step's ``actor/tree_share`` (micro-batches as
+    trees) and ``actor/tree_token_share`` (their row tokens' share)."""
+    _, inverse = np.unique(part, return_inverse=True)
+    row_tokens = np.bincount(inverse, weights=np.diff(facts.offsets)[source])
+    tree_tokens = np.zeros(row_tokens.size)
+    tree_tokens[inverse] = facts.size[source]
+    trees = cost.trees(tree_tokens, row_tokens, cap)
+    size = facts.size.copy()
+    size[source] = np.where(trees[inverse], facts.size[source], 0)
+    share = float(trees.mean()) if trees.size else 0.0
+    total = float(row_tokens.sum())
+    return (TreeFacts(facts.index, facts.offsets, size),
+            {"actor/tree_share": share,
+             "actor/tree_token_share": float(row_tokens[trees].sum()) / total if total > 0 else share})
+
+
+def plan_tree_facts(rows: Any, pad_rows: Any, plan: Any,
+                    cost: TreeCostModel) -> tuple[TreeFacts, np.ndarray, dict[str, float]]:
+    """The planned micro-batches' tree facts in the planner's rows' order, each planned row's source in them
+    (:func:`~verl_traj.core.trees.tree_facts.plan_sources`) and the trees' metrics: ``rows`` the planner's rows,
+    ``pad_rows`` the padding rows the plan wrote (dispatch order); a micro-batch is the rows of one (rank, mini-batch,
+    micro-batch); a micro-batch the cost model sends to rows has tree size 0 (:func:`tree_choice`)."""
     micro = plan.micro_batch_id.numpy()
     width = int(micro.max(initial=0)) + 1
     part = (plan.rank.numpy() * plan.num_mini_batches + plan.mini_batch_id.numpy()) * width + micro
     sources, source = plan_sources(rows, plan.order.numpy(), pad_rows)
-    return planned_tree_facts(sources, source, part), source
+    facts, metrics = tree_choice(planned_tree_facts(sources, source, part), source, part, cost,
+                                 plan.spec.micro_batch_max_tokens)
+    return facts, source, metrics
 
 
-def dense_tree_facts(rows: Any, pad_rows: Any, plan: Any) -> dict[str, torch.Tensor]:
+def dense_tree_facts(rows: Any, pad_rows: Any, plan: Any,
+                     cost: TreeCostModel) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """v0's fields (a ``DataProto`` holds ``[B, ...]`` tensors), dispatch order: ``TREE_INDEX`` ``[B, W]`` int32
-    (``-1`` past a row's end) and ``TREE_SIZE`` ``[B]`` int64; the source rows' dense facts, rows gathered once."""
-    facts, source = plan_tree_facts(rows, pad_rows, plan)
+    (``-1`` past a row's end) and ``TREE_SIZE`` ``[B]`` int64; the source rows' dense facts, rows gathered once; and
+    the trees' metrics."""
+    facts, source, metrics = plan_tree_facts(rows, pad_rows, plan, cost)
     lengths = np.diff(facts.offsets)
     width = max(int(lengths.max(initial=0)), 1)
     dense = np.full((lengths.size, width), -1, dtype=np.int32)
     dense[np.arange(width)[None, :] < lengths[:, None]] = facts.index  # row-major: each row's tokens, left-aligned
-    return {TREE_INDEX: torch.from_numpy(dense[source]), TREE_SIZE: torch.from_numpy(facts.size[source])}
+    return {TREE_INDEX: torch.from_numpy(dense[source]), TREE_SIZE: torch.from_numpy(facts.size[source])}, metrics
 
 
-def nested_tree_facts(rows: Any, pad_rows: Any, plan: Any) -> TensorDict:
+def nested_tree_facts(rows: Any, pad_rows: Any, plan: Any,
+                      cost: TreeCostModel) -> tuple[TensorDict, dict[str, float]]:
     """v1's fields (TransferQueue keeps rows unpadded), dispatch order: ``TREE_INDEX`` nested ``[B, L_r]`` int32 and
-    ``TREE_SIZE`` ``[B]`` int64, as a TensorDict of ``B`` rows."""
-    facts, source = plan_tree_facts(rows, pad_rows, plan)
+    ``TREE_SIZE`` ``[B]`` int64, as a TensorDict of ``B`` rows; and the trees' metrics."""
+    facts, source, metrics = plan_tree_facts(rows, pad_rows, plan, cost)
     lengths = np.diff(facts.offsets)[source]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     at = np.arange(int(offsets[-1]), dtype=np.int64)
     at += np.repeat(facts.offsets[source] - offsets[:-1], lengths)
     index = torch.nested.nested_tensor_from_jagged(torch.from_numpy(facts.index[at]), torch.from_numpy(offsets))
-    return TensorDict({TREE_INDEX: index, TREE_SIZE: torch.from_numpy(facts.size[source])}, batch_size=[source.size])
+    return TensorDict({TREE_INDEX: index, TREE_SIZE: torch.from_numpy(facts.size[source])},
+                      batch_size=[source.size]), metrics

@@ -66,10 +66,11 @@ def attended_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Toke
 
 
 def plan_batch_in_place(batch: DataProto, spec: UpdateSpec, dp_size: int, *, pad_token_id: int = 0,
-                        seed: int = 0) -> MiniBatchPlan:
+                        seed: int = 0) -> tuple[MiniBatchPlan, dict[str, float]]:
     """Plan a verl batch with the core and apply the plan IN PLACE on the DataProto (rows reordered
     rank-major, padding rows appended, the plan's per-row facts added as tensors; with ``traj.prefix_tree`` the
-    planned micro-batches' tree facts too, from the planned rows). Returns the plan."""
+    planned micro-batches' tree facts too, from the planned rows). Returns the plan and the trees' metrics
+    (``actor/tree_share``: the micro-batches the cost model forwards as trees)."""
     traj_config, nt = spec.traj_config, batch.non_tensor_batch
     step_wise = traj_config.traj_id_key in nt and traj_config.step_index_key in nt
     layout = build_layout(
@@ -88,9 +89,11 @@ def plan_batch_in_place(batch: DataProto, spec: UpdateSpec, dp_size: int, *, pad
     if traj_config.trees:  # the trees of the planner's rows by plan.order; only the padding rows are read
         pads = np.flatnonzero(plan.order.numpy() < 0)
         pad_rows = attended_rows(batch.batch["input_ids"][pads], batch.batch["attention_mask"][pads])
-        for key, value in dense_tree_facts(rows, pad_rows, plan).items():
+        fields, trees = dense_tree_facts(rows, pad_rows, plan, spec.plan.tree_cost)
+        for key, value in fields.items():
             batch.batch[key] = value.to(batch.batch.device) if batch.batch.device is not None else value
-    return plan
+        return plan, trees
+    return plan, {"actor/tree_share": 0.0}
 
 
 class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
@@ -145,13 +148,13 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
 
     def plan_and_apply(self, batch: DataProto, dp_size: int, metrics: Optional[dict] = None) -> MiniBatchPlan:
         """Plan ``batch`` and apply the plan in place (rows reordered, padding rows appended)."""
-        plan = plan_batch_in_place(batch, self.spec, dp_size, pad_token_id=self._pad_token_id(),
-                                   seed=self.spec.plan_seed(int(getattr(self, "global_steps", 0) or 0)))
+        plan, trees = plan_batch_in_place(batch, self.spec, dp_size, pad_token_id=self._pad_token_id(),
+                                          seed=self.spec.plan_seed(int(getattr(self, "global_steps", 0) or 0)))
         self._real_row_mask = ~plan.is_padding.numpy()
         batch.meta_info[PLAN_ATOMIC] = plan.all_trajectories_atomic  # GSPO's trajectory ratio from the loss
         batch.meta_info.update(pass_markers(self.spec))  # every pass of this batch (log-probs, values, updates)
         if metrics is not None:
-            metrics.update(plan_step_metrics(plan, self.spec.epochs))
+            metrics.update(plan_step_metrics(plan, self.spec.epochs), **trees)
         self._debug_dump(batch, plan)
         return plan
 

@@ -186,10 +186,10 @@ class TrajV1Mixin(CompleteCheckpoints):
         pad_keys, pad_tags = write_padding_rows(batch, int(plan.is_padding.sum()), self.tokenizer.eos_token_id,
                                                 self.spec.plan.pad_row_tokens)
         out = ordered_batch(batch, plan, pad_keys, pad_tags)
-        store_plan_ids(out, plan, rows)
+        trees = store_plan_ids(out, plan, rows, self.spec.plan.tree_cost)
         self._step_facts.planned(plan_facts(out, plan, layout))
         self._step_padding.record(out.keys, plan.is_padding.tolist())
-        metrics.update(plan_step_metrics(plan, self.spec.epochs))
+        metrics.update(plan_step_metrics(plan, self.spec.epochs), **trees)
         debug_dump(int(self.global_steps), plan, debug_rows(out, plan, layout))
         return out
 

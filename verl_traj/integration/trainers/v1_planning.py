@@ -26,6 +26,7 @@ from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID
 from verl_traj.core.rollout.row_key import parse_row_keys, row_key_order
 from verl_traj.core.trees.token_rows import TokenRows
+from verl_traj.core.trees.tree_cost import TreeCostModel
 from verl_traj.integration.trainers.tree_plan_facts import nested_tree_facts
 from verl_traj.integration.trainers.v1_plan_facts import row_loss_tokens
 
@@ -86,21 +87,26 @@ def ordered_batch(batch: KVBatchMeta, plan: MiniBatchPlan, pad_keys: list[str], 
                        fields=batch.fields, extra_info=batch.extra_info)
 
 
-def store_plan_ids(batch: KVBatchMeta, plan: MiniBatchPlan, rows: Optional[TokenRows] = None) -> None:
+def store_plan_ids(batch: KVBatchMeta, plan: MiniBatchPlan, rows: Optional[TokenRows] = None,
+                   tree_cost: Optional[TreeCostModel] = None) -> dict[str, float]:
     """``mini_batch_id`` and ``micro_batch_id`` (``[B]`` int64, dispatch order) as fields of every row of the
     planned ``batch``; with a prefix-tree plan also each planned micro-batch's tree facts (``TREE_INDEX`` nested per
     row, ``TREE_SIZE`` ``[B]``) from the planned rows (``rows``: the source rows :func:`read_rows` gave the planner;
-    only the padding rows are fetched). Named in its field list when it has one (the workers fetch exactly those)."""
-    fields = {MINI_BATCH_ID: plan.mini_batch_id, MICRO_BATCH_ID: plan.micro_batch_id}
+    only the padding rows are fetched; ``tree_cost`` decides which micro-batches forward as trees). Named in its field
+    list when it has one (the workers fetch exactly those). Returns the trees' metrics (``actor/tree_share``)."""
+    fields, trees = {MINI_BATCH_ID: plan.mini_batch_id, MICRO_BATCH_ID: plan.micro_batch_id}, {"actor/tree_share": 0.0}
     if plan.spec.prefix_tree:
-        if rows is None:
-            raise TrajInputError("store_plan_ids: a prefix-tree plan needs the rows it was planned from (rows=None). "
-                                 "Fix: pass read_rows(batch), the rows the planner costed.", field="rows")
-        fields.update(nested_tree_facts(rows, pad_rows(batch, plan), plan).items())
+        if rows is None or tree_cost is None:
+            raise TrajInputError("store_plan_ids: a prefix-tree plan needs the rows it was planned from and the tree "
+                                 "cost model (rows=None or tree_cost=None). Fix: pass read_rows(batch), the rows the "
+                                 "planner costed, and the update's PlanSettings.tree_cost.", field="rows")
+        tree_fields, trees = nested_tree_facts(rows, pad_rows(batch, plan), plan, tree_cost)
+        fields.update(tree_fields.items())
     tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
                     fields=TensorDict(fields, batch_size=[plan.num_rows]))
     if batch.fields is not None:
         batch.fields = list(dict.fromkeys([*batch.fields, *fields]))
+    return trees
 
 
 def debug_rows(batch: KVBatchMeta, plan: MiniBatchPlan, layout: BatchLayout) -> dict[str, list]:

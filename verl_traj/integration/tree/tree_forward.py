@@ -150,6 +150,9 @@ def _prepare_inputs(verl_prepare: Callable, engine: Any, log: TreeForwardLog, mi
     """``engine.prepare_model_inputs`` (module docstring, hook 2)."""
     if not tu.get_non_tensor_data(data=micro_batch, key=TREE_KEY, default=False):
         return verl_prepare(micro_batch=micro_batch)
+    if tu.get_non_tensor_data(data=micro_batch, key=TREE_SIZE_KEY, default=None) == 0:  # the plan chose rows
+        log.row_micro_batches += 1
+        return verl_prepare(micro_batch=micro_batch)
     _check_micro_batch(engine, micro_batch)
     with record_function("verl_traj.tree.build"):
         tree = micro_batch_tree(micro_batch)
