@@ -50,11 +50,13 @@ def factories() -> list:
 def declared_patches() -> dict[tuple[str, str], list[str]]:
     """(module, name) -> the factories that declare it."""
     def call(fn, engine):  # every parameter, optional switches too (fit_patches(trajectory_ratios=...)); a sequence: one
-        return fn(**{name: engine if name == "engine" else [_placeholder] if str(p.annotation).startswith("Sequence")
-                     else _placeholder for name, p in inspect.signature(fn).parameters.items()})
+        given = {"engine": engine[0], "engine_class": engine[1]}
+        return fn(**{name: given[name] if name in given else [_placeholder]
+                     if str(p.annotation).startswith("Sequence") else _placeholder
+                     for name, p in inspect.signature(fn).parameters.items()})
 
     out: dict[tuple[str, str], list[str]] = {}
-    engines = [_engine_instance(path) for path in patches.TREE_ENGINES]
+    engines = [(_engine_instance(path), path) for path in patches.TREE_ENGINES]
     # first outside: whatever a factory imports is the real module
     found = [(fn, call(fn, engine)) for fn in factories() for engine in engines]
     with _engine_modules_loaded():

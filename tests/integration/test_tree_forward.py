@@ -129,11 +129,13 @@ def _fsdp_engine(**attributes):
 def test_the_tree_from_the_plans_facts_is_the_rows_tree_and_what_it_does_not_carry_is_refused():
     from types import SimpleNamespace
 
+    from verl_traj.integration.engines import FSDP
+
     check, tree_batch = tree_forward_module._check_micro_batch, tree_forward_module._tree_batch
     rows = _rows(torch.Generator().manual_seed(2))
     engine = _fsdp_engine(use_ulysses_sp=False, module=SimpleNamespace(
         config=SimpleNamespace(_attn_implementation="flash_attention_2")))
-    check(engine, _micro_batch(rows))
+    check(engine, FSDP, _micro_batch(rows))
     tree, ref = tree_forward_module.micro_batch_tree(_micro_batch(rows)), build_prefix_tree(rows)
     for name in ("input_ids", "position_ids", "subtree_end", "row_index"):
         assert torch.equal(getattr(tree, name), getattr(ref, name)), name
@@ -148,13 +150,13 @@ def test_the_tree_from_the_plans_facts_is_the_rows_tree_and_what_it_does_not_car
                             ({"use_fused_kernels": True}, "use_fused_kernels"),
                             ({"distillation_use_topk": True}, "distillation_use_topk")):
         with pytest.raises(TreeAttentionError, match=match):
-            check(engine, _micro_batch(rows, **settings))
-    check(_fsdp_engine(use_ulysses_sp=True, module=engine.module), _micro_batch(rows))  # Ulysses is served
+            check(engine, FSDP, _micro_batch(rows, **settings))
+    check(_fsdp_engine(use_ulysses_sp=True, module=engine.module), FSDP, _micro_batch(rows))  # Ulysses is served
     with pytest.raises(TreeAttentionError, match="'sdpa', not the flash-attention path"):
         check(_fsdp_engine(use_ulysses_sp=False, module=SimpleNamespace(
-            config=SimpleNamespace(_attn_implementation="sdpa"))), _micro_batch(rows))
+            config=SimpleNamespace(_attn_implementation="sdpa"))), FSDP, _micro_batch(rows))
     with pytest.raises(TreeAttentionError, match="no engine seam serves with trees"):  # issue 54, item 5
-        check(SimpleNamespace(use_ulysses_sp=False, module=engine.module), _micro_batch(rows))
+        check(SimpleNamespace(use_ulysses_sp=False, module=engine.module), None, _micro_batch(rows))
     shifted = _micro_batch(rows)
     shifted["position_ids"] = torch.nested.as_nested_tensor([torch.arange(len(r)) + 1 for r in rows], layout=torch.jagged)
     moved = tree_forward_module.micro_batch_tree(shifted)
@@ -233,10 +235,11 @@ def _trees(engine):
     """What a verl_traj worker does in a marked pass: the plan's micro-batches, each forwarded as its tree."""
     from verl_traj.integration.patches.scoped import micro_batch_patches, patched
     from verl_traj.integration.workers.planned_update import PlannedUpdate
+    from verl_traj.integration.engines import engine_of
     from verl_traj.integration.tree.tree_forward import tree_forward
 
     with patched(micro_batch_patches(PlannedUpdate(seed=0, fields=()).prepare_micro_batches)), \
-            tree_forward(engine) as log:
+            tree_forward(engine, engine_of(engine)) as log:
         yield log
 
 

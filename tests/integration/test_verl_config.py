@@ -97,7 +97,7 @@ def test_a_second_engine_is_one_seam():
     import types
 
     from verl_traj.config import TrajConfigError
-    from verl_traj.integration.engines import ENGINES, FSDP, EngineSeam, engine_for, register_engine
+    from verl_traj.integration.engines import ENGINES, FSDP, EngineSeam, engine_for, engine_of, register_engine
     from verl_traj.integration.patches.scoped import micro_batch_patches, tree_forward_patches
     from verl_traj.integration.startup.tree_checks import check_prefix_tree
 
@@ -107,16 +107,15 @@ def test_a_second_engine_is_one_seam():
         check_prefix_tree(TrajConfig.from_mapping(cfg.traj), cfg, "cpu")
     assert err.value.field == "actor_rollout_ref.actor.strategy"
     toy_engine = type("ToyEngine", (), {"__module__": "toy_engine"})
-    register_engine(EngineSeam("toy", ("toy",), micro_batch_modules=("toy_engine",), tree_engine="toy_engine.ToyEngine",
-                               model_config=lambda engine: None))
+    toy = register_engine(EngineSeam("toy", ("toy",), micro_batch_modules=("toy_engine",),
+                                     tree_engine="toy_engine.ToyEngine"))
     sys.modules["toy_engine"] = types.ModuleType("toy_engine")
     try:
         assert _prepared(["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.strategy=toy"])[1].engine_runs_plan
         assert "toy_engine" in {p.module for p in micro_batch_patches(lambda mb: mb)}
+        assert engine_of(toy_engine()) is toy and engine_of(object()) is None  # what a worker resolves once
         hooks = (lambda verl: verl, lambda verl: verl)
-        assert {p.module for p in tree_forward_patches(toy_engine(), *hooks)} == {"toy_engine.ToyEngine"}
-        with pytest.raises(TypeError, match="no engine seam serves"):
-            tree_forward_patches(object(), *hooks)
+        assert {p.module for p in tree_forward_patches(toy_engine(), toy.tree_engine, *hooks)} == {toy.tree_engine}
         with pytest.raises(ValueError, match="already have a seam"):
             register_engine(EngineSeam("toy2", ("fsdp2",)))
     finally:

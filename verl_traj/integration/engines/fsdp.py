@@ -2,21 +2,15 @@
 ``forward_backward_batch`` cuts micro-batches with the module-level ``prepare_micro_batches`` and runs them as a plain
 loop, so the plan's micro-batches replace that one function; ``FSDPEngineWithLMHead``'s ``prepare_model_inputs`` /
 ``prepare_model_outputs`` are the input-transform hooks a prefix-tree pass wraps; ``engine.module`` is the wrapped
-Hugging Face model."""
+Hugging Face model (the seam's default ``model_attribute``)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from verl_traj.integration.engines.seam import EngineSeam, register_engine
 
 __all__ = ["FSDP"]
 
 
-def _model_config(engine: Any) -> Any:
-    return getattr(engine.module, "config", None)
-
-
 FSDP = register_engine(EngineSeam(
     name="fsdp", strategies=("fsdp", "fsdp2"), micro_batch_modules=("verl.workers.engine.fsdp.transformer_impl",),
-    tree_engine="verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead", model_config=_model_config))
+    tree_engine="verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead"))

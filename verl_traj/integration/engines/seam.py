@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 __all__ = ["ENGINES", "EngineSeam", "engine_for", "engine_of", "micro_batch_modules", "planned_strategies",
            "register_engine", "tree_engines", "tree_strategies"]
@@ -20,14 +20,17 @@ class EngineSeam:
     * ``tree_engine``: the engine class (dotted path) whose instance's ``prepare_model_inputs`` /
       ``prepare_model_outputs`` a prefix-tree pass wraps (:mod:`~verl_traj.integration.tree.tree_forward`); ``None``:
       no trees on this engine (``traj.prefix_tree=auto`` settles to rows, ``true`` is refused);
-    * ``model_config``: the Hugging Face config of the model an engine instance trains (its attention implementation
-      is checked before a tree pass)."""
+    * ``model_attribute``: the engine's attribute holding the model it trains (its Hugging Face ``config``'s attention
+      implementation is checked before a tree pass).
+
+    Data only: the workers resolve their engine's seam once, when they are built (:func:`engine_of`), so an update
+    calls nothing here."""
 
     name: str
     strategies: tuple[str, ...]
     micro_batch_modules: tuple[str, ...] = ()
     tree_engine: Optional[str] = None
-    model_config: Callable[[Any], Any] = lambda engine: None
+    model_attribute: str = "module"
 
 
 ENGINES: dict[str, EngineSeam] = {}

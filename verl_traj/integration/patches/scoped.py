@@ -74,7 +74,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from verl_traj.integration.engines import engine_of, micro_batch_modules, tree_engines
+from verl_traj.integration.engines import ENGINES, micro_batch_modules, tree_engines
 
 __all__ = ["Patch", "UPSTREAM", "patched", "fit_patches", "gspo_prepass_patches", "llm_client_patches", "micro_batch_patches",
            "replay_buffer_patches", "task_runner_patches", "tree_forward_patches", "update_patches", "v1_advantage_patches",
@@ -273,7 +273,7 @@ def micro_batch_patches(prepare_micro_batches: Callable[[Any], Any]) -> list[Pat
     """``prepare_micro_batches`` of every loaded engine module with a seam <- the plan's micro-batches (an update's, or a
     prefix-tree log-prob / reference pass's: :mod:`~verl_traj.integration.tree.tree_forward`)."""
     return [Patch(name, "prepare_micro_batches", prepare_micro_batches, "run the plan's micro-batches")
-            for name in micro_batch_modules() if name in sys.modules]
+            for seam in ENGINES.values() for name in seam.micro_batch_modules if name in sys.modules]
 
 
 def gspo_prepass_patches(engine: Any, wrap: Callable[[Callable], Callable]) -> list[Patch]:
@@ -283,16 +283,12 @@ def gspo_prepass_patches(engine: Any, wrap: Callable[[Callable], Callable]) -> l
                   "give GSPO each row's trajectory-wide sequence ratio (traj.ratio_scope=trajectory)", target=engine)]
 
 
-def tree_forward_patches(engine: Any, prepare_inputs: Callable[[Callable], Callable],
+def tree_forward_patches(engine: Any, engine_class: str, prepare_inputs: Callable[[Callable], Callable],
                          prepare_outputs: Callable[[Callable], Callable]) -> list[Patch]:
     """Worker, one pass on prefix trees: ``engine``'s ``prepare_model_inputs`` <- ``prepare_inputs(verl's)`` and
     ``prepare_model_outputs`` <- ``prepare_outputs(verl's)`` (:mod:`~verl_traj.integration.tree.tree_forward` passes
-    its hooks in; ``engine``'s seam names its class)."""
-    seam = engine_of(engine)
-    if seam is None:
-        raise TypeError(f"a prefix-tree pass on {type(engine).__qualname__}, which no engine seam serves "
-                        f"(integration/engines: {list(TREE_ENGINES)}); start-up refuses traj.prefix_tree=true there")
-    return [Patch(seam.tree_engine, "prepare_model_inputs", prepare_inputs,
+    its hooks in; ``engine_class``: the engine class its seam names, :mod:`~verl_traj.integration.engines`)."""
+    return [Patch(engine_class, "prepare_model_inputs", prepare_inputs,
                   "forward micro-batches marked prefix_tree as one prefix tree", target=engine),
-            Patch(seam.tree_engine, "prepare_model_outputs", prepare_outputs,
+            Patch(engine_class, "prepare_model_outputs", prepare_outputs,
                   "gather a tree micro-batch's per-token outputs back into its rows", target=engine)]

@@ -65,7 +65,7 @@ from verl_traj.core.kernels.tree_kernel import (TREE_KWARG, TreeAttentionInput, 
                                         refuse_tree, tree_aware_attention)
 from verl_traj.core.kernels.tree_pass import (TreeForwardLog, TreeTotals, check_all_tree, check_marked, tree_metric_totals,
                                       tree_metrics_of)
-from verl_traj.integration.engines import engine_of, tree_strategies
+from verl_traj.integration.engines import EngineSeam, tree_strategies
 from verl_traj.integration.patches.process import install, prefix_tree_attention_patches
 from verl_traj.integration.patches.scoped import patched, tree_forward_patches
 
@@ -91,7 +91,7 @@ def install_tree_attention() -> None:
     install(prefix_tree_attention_patches(tree_aware_attention), _no_deferred_install)
 
 
-def _check_micro_batch(engine: Any, micro_batch: TensorDict) -> None:
+def _check_micro_batch(engine: Any, seam: Optional[EngineSeam], micro_batch: TensorDict) -> None:
     """Refuse what the tree forward does not carry (module docstring)."""
     flags = {key: bool(tu.get_non_tensor_data(data=micro_batch, key=key, default=key == "use_remove_padding"))
              for key in ("use_remove_padding", "use_fused_kernels", "distillation_use_topk", "distillation_only")}
@@ -101,11 +101,11 @@ def _check_micro_batch(engine: Any, micro_batch: TensorDict) -> None:
     mm = micro_batch.get("multi_modal_inputs", None)
     if mm is not None and any(bool(getattr(x, "data", x)) for x in mm):
         refuse_tree("the micro-batch has multi-modal inputs", "forward multi-modal rows without the tree")
-    seam = engine_of(engine)
-    if seam is None:
+    if seam is None or seam.tree_engine is None:
         refuse_tree(f"the engine is a {type(engine).__qualname__}, which no engine seam serves with trees",
                     "set the role's strategy to one of " + ", ".join(tree_strategies()))
-    impl = getattr(seam.model_config(engine), "_attn_implementation", None)
+    model = getattr(engine, seam.model_attribute, None)
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if ALL_ATTENTION_FUNCTIONS.get(impl) is not flash_attention_forward:
         refuse_tree(f"the model's attention is {impl!r}, not the flash-attention path (sdpa / eager would read the tree "
                 "as separate sequences)", "set override_config.attn_implementation=cpu_varlen (CPU) or "
@@ -146,14 +146,15 @@ def _tree_batch(micro_batch: TensorDict, tree: DeviceTree) -> tuple[TensorDict, 
     return tu.get_tensordict(tensors, settings), checks
 
 
-def _prepare_inputs(verl_prepare: Callable, engine: Any, log: TreeForwardLog, micro_batch: TensorDict):
+def _prepare_inputs(verl_prepare: Callable, engine: Any, seam: Optional[EngineSeam], log: TreeForwardLog,
+                    micro_batch: TensorDict):
     """``engine.prepare_model_inputs`` (module docstring, hook 2)."""
     if not tu.get_non_tensor_data(data=micro_batch, key=TREE_KEY, default=False):
         return verl_prepare(micro_batch=micro_batch)
     if tu.get_non_tensor_data(data=micro_batch, key=TREE_SIZE_KEY, default=None) == 0:  # the plan chose rows
         log.row_micro_batches += 1
         return verl_prepare(micro_batch=micro_batch)
-    _check_micro_batch(engine, micro_batch)
+    _check_micro_batch(engine, seam, micro_batch)
     with record_function("verl_traj.tree.build"):
         tree = micro_batch_tree(micro_batch)
     with record_function("verl_traj.tree.inputs"):
@@ -187,28 +188,32 @@ def _prepare_outputs(verl_prepare: Callable, output: Any, output_args: dict, mic
 
 
 @contextlib.contextmanager
-def tree_forward(engine: Any) -> Iterator[TreeForwardLog]:
-    """Within: ``engine`` forwards micro-batches marked ``prefix_tree=True`` as prefix trees (hooks 1 and 2).
-    Yields the log of the tree micro-batches run, settled on exit (its one device read; a mismatch raises)."""
+def tree_forward(engine: Any, seam: Optional[EngineSeam]) -> Iterator[TreeForwardLog]:
+    """Within: ``engine`` (of the engine seam ``seam``, which the worker resolved when it was built) forwards
+    micro-batches marked ``prefix_tree=True`` as prefix trees (hooks 1 and 2); an engine no seam serves with trees is
+    refused. Yields the log of the tree micro-batches run, settled on exit (its one device read; a mismatch raises)."""
+    if seam is None or seam.tree_engine is None:
+        refuse_tree(f"the engine is a {type(engine).__qualname__}, which no engine seam serves with trees",
+                    "set the role's strategy to one of " + ", ".join(tree_strategies()))
     install_tree_attention()
     log = TreeForwardLog()
-    hooks = (lambda verl: functools.partial(_prepare_inputs, verl, engine, log),
+    hooks = (lambda verl: functools.partial(_prepare_inputs, verl, engine, seam, log),
              lambda verl: functools.partial(_prepare_outputs, verl))
-    with patched(tree_forward_patches(engine, *hooks)):
+    with patched(tree_forward_patches(engine, seam.tree_engine, *hooks)):
         yield log
     log.settle()
 
 
 @contextlib.contextmanager
-def tree_pass(engine: Any, data: TensorDict, counts: Callable[[], int], what: str,
+def tree_pass(engine: Any, seam: Optional[EngineSeam], data: TensorDict, counts: Callable[[], int], what: str,
               into: Optional[TreeTotals] = None) -> Iterator[TreeForwardLog]:
-    """Within: ``engine`` forwards every micro-batch of the marked ``data`` (its ids and facts checked:
+    """Within: ``engine`` (its ``seam``) forwards every micro-batch of the marked ``data`` (its ids and facts checked:
     :func:`~verl_traj.core.kernels.tree_pass.check_marked`) as a tree; on exit (no error) the pass's log is settled and
     ``counts()`` micro-batches (the planned ones the pass ran) must all have been trees
     (:func:`~verl_traj.core.kernels.tree_pass.check_all_tree`). ``into``: totals the pass is added to (a worker's log-prob /
     value passes, which its next update reports)."""
     check_marked(data.keys())
-    with tree_forward(engine) as log:
+    with tree_forward(engine, seam) as log:
         yield log
     check_all_tree(log, counts(), what)
     if into is not None:

@@ -4,5 +4,5 @@ they check and run, with what its losses record (:mod:`.planned_update`), and th
 trajectory-wide sequence ratio is a step of the actor's update (its pre-pass:
 :class:`~.engine_workers.TrajActorTrainingWorker`, the arithmetic in :mod:`verl_traj.stepwise.ratios`).
 
-May import: patches, tree.
+May import: patches, tree, engines.
 """

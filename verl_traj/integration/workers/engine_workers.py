@@ -54,6 +54,7 @@ from verl_traj.core.keys import (CRITIC_UNION_KEY, OLD_LOG_PROBS_AT_START, RATIO
 from verl_traj.core.kernels.tree_pass import TreeTotals
 from verl_traj.stepwise.ratios import (bounded_group_sums, check_ratio_groups, nonfinite_rows, presummed_ratio_shift,
                                        ratio_group_bound, row_log_ratio_sums, stochastic_in_training)
+from verl_traj.integration.engines import engine_of
 from verl_traj.integration.patches.scoped import gspo_prepass_patches, micro_batch_patches, patched, update_patches
 from verl_traj.integration.tree.tree_forward import tree_metrics, tree_pass
 from verl_traj.integration.workers.losses import traj_ppo_loss, traj_value_loss
@@ -81,6 +82,10 @@ def tree_marked(data: TensorDict) -> bool:
 
 class TrajTrainingWorker(TrainingWorker):
     """verl's ``TrainingWorker`` that runs the trainer's planned mini-batches and micro-batches."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.engine_seam = engine_of(self.engine)  # resolved once: its engine's seam (integration/engines)
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
     def train_mini_batch(self, data: TensorDict) -> TensorDict:
@@ -126,7 +131,7 @@ class TrajTrainingWorker(TrainingWorker):
             return contextlib.nullcontext()
         if infer and self._infer_trees is None:
             self._infer_trees = TreeTotals()
-        return tree_pass(self.engine, data, counts, what, self._infer_trees if infer else None)
+        return tree_pass(self.engine, self.engine_seam, data, counts, what, self._infer_trees if infer else None)
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
     def infer_batch(self, data: TensorDict) -> TensorDict:
