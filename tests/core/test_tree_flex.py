@@ -134,3 +134,25 @@ def test_a_length_off_the_bucket_grid_is_refused():
     with pytest.raises(TreeAttentionError, match="multiple of 1024") as err:
         flex_tree_attention(q, k, v, FlexTree(se).block_mask)
     assert err.value.field == "q" and "Fix:" in str(err.value)
+
+
+def test_a_tree_micro_batch_past_the_recompile_limit_runs_the_blocked_kernel_and_training_goes_on(eager_calls, caplog):
+    """Issue 55, item 2: where a new flex kernel would pass the recompile limit, the tree call takes the blocked
+    kernel (exact: the same output as it), counted per micro-batch (``fallbacks``) and warned once; it neither raises
+    nor compiles nor runs flex's eager path."""
+    import logging
+
+    from verl_traj.core.kernels import tree_kernel
+
+    se = _tree(2)
+    q, k, v = _qkv(se.numel(), 4, torch.float64)
+    tree = tree_kernel.TreeAttentionInput(se)
+    tree.flex, tree.blocks = FlexTree(se), None  # what a CUDA micro-batch holds (flex, no key sets yet)
+    before = int(counters["stats"]["unique_graphs"])
+    with torch._dynamo.config.patch(recompile_limit=len(flex_kernels())), torch.no_grad(), \
+            caplog.at_level(logging.WARNING, logger=tree_kernel.__name__):
+        outs = [tree_kernel._tree_call(tree, q[None], k[None], v[None], None, {}) for _ in range(2)]
+    torch.testing.assert_close(outs[0][0], tree_attention(q, k, v, se))
+    assert tree.fallbacks == 2 and tree.calls == 2 and tree.blocks is not None
+    assert int(counters["stats"]["unique_graphs"]) == before and not eager_calls
+    assert sum("recompile_limit" in r.getMessage() for r in caplog.records) <= 1

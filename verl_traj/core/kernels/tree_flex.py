@@ -15,7 +15,8 @@ known number of kernels, whatever its tree sizes:
 * **One kernel per** :class:`FlexKernel` **key** (device, dtype, head layout, scale, grad mode, which inputs need
   grad): a training run has two per dtype (the no-grad passes and the update). The keys seen are counted
   (:func:`flex_kernels`); a call that would compile a new kernel past the recompile limit raises
-  :class:`TreeAttentionError` before compiling, and the kernel is compiled with ``fullgraph=True``, so a limit hit
+  :class:`TreeAttentionError` before compiling (the engine's tree call asks :func:`flex_admits` first and takes the
+  blocked kernel instead: :mod:`~verl_traj.core.kernels.tree_kernel`), and the kernel is compiled with ``fullgraph=True``, so a limit hit
   dynamo reaches anyway (say another user of ``flex_attention`` in the process filled its cache) raises too, never
   the eager path. No global dynamo setting is changed.
 
@@ -36,7 +37,8 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from verl_traj.core.kernels.tree_attention import TreeAttentionError, tree_block_mask
 
-__all__ = ["BUCKET", "FlexKernel", "FlexTree", "bucketed", "flex_kernels", "flex_tree_attention", "tree_attention_flex"]
+__all__ = ["BUCKET", "FlexKernel", "FlexTree", "bucketed", "flex_admits", "flex_kernels", "flex_tree_attention",
+           "tree_attention_flex"]
 
 BUCKET = 1024  # tree sizes are padded up to a multiple of this (block-aligned lengths; no compile per size)
 _COMPILED: dict = {}
@@ -83,6 +85,18 @@ def _flex() -> Callable:
     return _COMPILED["flex"]
 
 
+def _key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float]) -> FlexKernel:
+    """The kernel a call compiles for: ``q`` ``[., Hq, ., D]`` / ``[N, Hq, D]`` alike (heads at dim 1)."""
+    return FlexKernel(str(q.device), q.dtype, (q.shape[1], k.shape[1], q.shape[-1]), scale, torch.is_grad_enabled(),
+                      (q.requires_grad, k.requires_grad, v.requires_grad))
+
+
+def flex_admits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None) -> bool:
+    """Whether a :func:`tree_attention_flex` call on ``q`` / ``k`` / ``v`` (``[N, H, D]``) runs a compiled kernel: one
+    compiled already, or a new one within dynamo's recompile limit (else the caller takes the blocked kernel)."""
+    return _key(q, k, v, scale) in _KERNELS or len(_KERNELS) < int(torch._dynamo.config.recompile_limit)
+
+
 def _admit(key: FlexKernel) -> None:
     """Count ``key``; raise if it is a new kernel past dynamo's recompile limit (the module docstring)."""
     limit = int(torch._dynamo.config.recompile_limit)
@@ -105,8 +119,7 @@ def flex_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block
         raise TreeAttentionError(f"flex_tree_attention: q {tuple(q.shape)}, k {tuple(k.shape)}: not [1, H, L, D] with "
                                  f"L a multiple of {BUCKET} (only those lengths share the compiled kernel). Fix: pad "
                                  "the tree with FlexTree and call tree_attention_flex.", field="q")
-    key = FlexKernel(str(q.device), q.dtype, (q.shape[1], k.shape[1], q.shape[-1]), scale, torch.is_grad_enabled(),
-                     (q.requires_grad, k.requires_grad, v.requires_grad))
+    key = _key(q, k, v, scale)
     _admit(key)
     try:
         return _flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])

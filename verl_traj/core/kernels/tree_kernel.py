@@ -18,6 +18,7 @@ Pure module (torch).
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from typing import Any, Callable
 
@@ -28,7 +29,9 @@ from verl_traj.core.keys import TREE_KEY
 from verl_traj.core.kernels.tree_attention import (TreeAttentionError, refuse_tree_in_plain_attention, tree_attention,
                                            tree_attention_blocks)
 from verl_traj.core.trees.tree_facts import DeviceTree
-from verl_traj.core.kernels.tree_flex import FlexTree, tree_attention_flex
+from verl_traj.core.kernels.tree_flex import FlexTree, flex_admits, tree_attention_flex
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["LABELED_OUTPUTS", "TREE_KWARG", "TreeAttentionInput", "padded_subtree_end", "per_row_outputs",
            "refuse_tree", "tree_aware_attention"]
@@ -45,16 +48,17 @@ def refuse_tree(what: str, fix: str) -> None:
 
 class TreeAttentionInput:
     """One micro-batch's tree for the attention: ``subtree_end`` ``[S]`` global over the sequence the attention sees,
-    built once and shared by every layer: ``flex`` on CUDA, else ``blocks``; ``calls``: attention calls served. A
-    plain class: FSDP passes it through unchanged."""
+    built once and shared by every layer: ``flex`` on CUDA, else ``blocks``; ``calls``: attention calls served;
+    ``fallbacks``: calls that took the blocked kernel because a new flex kernel would pass dynamo's recompile limit.
+    A plain class: FSDP passes it through unchanged."""
 
-    __slots__ = ("subtree_end", "blocks", "flex", "calls")
+    __slots__ = ("subtree_end", "blocks", "flex", "calls", "fallbacks", "block")
 
     def __init__(self, subtree_end: torch.Tensor, block: int = 128) -> None:
-        self.subtree_end = subtree_end
+        self.subtree_end, self.block = subtree_end, block
         self.flex = FlexTree(subtree_end, block) if subtree_end.is_cuda else None
         self.blocks = None if self.flex is not None else tree_attention_blocks(subtree_end, block)
-        self.calls = 0
+        self.calls = self.fallbacks = 0
 
 
 def padded_subtree_end(subtree_end: torch.Tensor, length: int) -> torch.Tensor:
@@ -78,14 +82,31 @@ def _tree_call(tree: TreeAttentionInput, query: torch.Tensor, key: torch.Tensor,
         refuse_tree(f"the attention got query {tuple(query.shape)} for a tree of {tree.subtree_end.numel()} tokens (a "
                     "sequence-parallel layout other than verl's Ulysses all-to-all?)", "forward the tree with Ulysses "
                     "or without sequence parallelism")
+    scale = kwargs.get("softmax_scale")
     with record_function("verl_traj.tree.attention"):
-        if tree.flex is not None:  # CUDA: compiled flex attention, one compile per tree-size bucket
-            out = tree_attention_flex(query[0], key[0], value[0], tree.flex, scale=kwargs.get("softmax_scale"))
+        if tree.flex is not None and flex_admits(query[0], key[0], value[0], scale):  # CUDA: compiled flex attention
+            out = tree_attention_flex(query[0], key[0], value[0], tree.flex, scale=scale)
         else:
-            out = tree_attention(query[0], key[0], value[0], tree.subtree_end, scale=kwargs.get("softmax_scale"),
-                                 blocks=tree.blocks)
+            if tree.flex is not None:  # a new flex kernel would pass dynamo's limit: the blocked kernel, exact
+                _fallback(tree)
+            out = tree_attention(query[0], key[0], value[0], tree.subtree_end, scale=scale, blocks=tree.blocks)
     tree.calls += 1
     return out.unsqueeze(0)
+
+
+def _fallback(tree: TreeAttentionInput) -> None:
+    """Count a flex call that takes the blocked kernel (its key sets built once per tree), and warn once a process."""
+    if tree.blocks is None:
+        tree.blocks = tree_attention_blocks(tree.subtree_end, tree.block)
+    tree.fallbacks += 1
+    if not _WARNED:
+        _WARNED.append(True)
+        logger.warning("verl_traj: a prefix-tree micro-batch needs a flex_attention kernel past dynamo's recompile_limit="
+                       "%s; it and any like it run the blocked tree kernel (exact, slower; never flex's eager path). "
+                       "Counted in actor/tree_fallback_micro_batches.", torch._dynamo.config.recompile_limit)
+
+
+_WARNED: list = []  # the fallback's warning, once per process
 
 
 def tree_aware_attention(kernel: Callable) -> Callable:

@@ -53,6 +53,7 @@ class TreeForwardLog:
     row_attention_pairs: list = field(default_factory=list)
     checks: list = field(default_factory=list)  # [{name: 0-d device count}] per unsettled micro-batch
     row_micro_batches: int = 0  # the pass's micro-batches the plan's cost model sent to rows (tree size 0)
+    fallback_micro_batches: int = 0  # tree micro-batches that took the blocked kernel (flex past its recompile limit)
 
     def add(self, tree: DeviceTree, forwarded: int, checks: dict) -> None:
         self.rows.append(tree.num_rows)
@@ -156,12 +157,12 @@ def check_all_tree(log: TreeForwardLog, micro_batches_run: int, what: str) -> No
 
 
 def tree_metric_totals(log: TreeForwardLog, infer: Optional[TreeTotals]) -> list[float]:
-    """``[9]`` this rank's sums, in :func:`tree_metrics_of`'s order, of a settled update ``log`` and the inference
+    """``[10]`` this rank's sums, in :func:`tree_metrics_of`'s order, of a settled update ``log`` and the inference
     passes ``infer`` (``None``: none ran) since the worker's last update."""
     infer = infer or TreeTotals()
     return [sum(log.row_tokens), sum(log.tree_tokens), sum(log.branch_copies), len(log.tree_tokens),
             infer.micro_batches, infer.tree_tokens, sum(log.attention_pairs), sum(log.row_attention_pairs),
-            log.row_micro_batches]
+            log.row_micro_batches, log.fallback_micro_batches]
 
 
 def tree_metrics_of(totals: list[float], ranks: int) -> dict[str, list]:
@@ -169,8 +170,8 @@ def tree_metrics_of(totals: list[float], ranks: int) -> dict[str, list]:
     tokens, tree tokens (what the model forwarded, verl's tail padding aside), branch copies, tree micro-batches (per
     rank: their mean), row tokens per tree token, the (query, key) pairs of the trees' attention and of the per-row
     attention over the same rows, and the inference passes' micro-batches and tree tokens."""
-    rows, tree, copies, micro, infer_micro, infer_tree, pairs, row_pairs, row_micro = totals
-    return {"tree_planned_row_micro_batches": [row_micro / ranks],"tree_row_tokens": [rows], "tree_tokens": [tree], "tree_branch_copies": [copies],
+    rows, tree, copies, micro, infer_micro, infer_tree, pairs, row_pairs, row_micro, fallback = totals
+    return {"tree_planned_row_micro_batches": [row_micro / ranks], "tree_fallback_micro_batches": [fallback],"tree_row_tokens": [rows], "tree_tokens": [tree], "tree_branch_copies": [copies],
             "tree_attention_pairs": [pairs], "tree_row_attention_pairs": [row_pairs],
             "tree_micro_batches": [micro / ranks], "tree_row_tokens_per_tree_token": [rows / max(tree, 1.0)],
             "tree_infer_micro_batches": [infer_micro / ranks], "tree_infer_tokens": [infer_tree]}

@@ -171,7 +171,7 @@ def _prepare_inputs(verl_prepare: Callable, engine: Any, seam: Optional[EngineSe
     return model_inputs, output_args
 
 
-def _prepare_outputs(verl_prepare: Callable, output: Any, output_args: dict, micro_batch: TensorDict,
+def _prepare_outputs(verl_prepare: Callable, log: TreeForwardLog, output: Any, output_args: dict, micro_batch: TensorDict,
                      logits_processor_func: Any) -> dict:
     """``engine.prepare_model_outputs`` (module docstring, hook 2)."""
     state = output_args.get(_STATE)
@@ -181,6 +181,7 @@ def _prepare_outputs(verl_prepare: Callable, output: Any, output_args: dict, mic
     if state.attention.calls == 0:
         refuse_tree("the forward never reached the tree attention (another attention read the tree as separate "
                     "sequences)", "run the model's attention through the flash-attention path with tree_forward entered")
+    log.fallback_micro_batches += int(state.attention.fallbacks > 0)  # flex past its limit: the blocked kernel
     model_output = verl_prepare(output=output, output_args=output_args, micro_batch=state.batch,
                                 logits_processor_func=logits_processor_func)
     with record_function("verl_traj.tree.outputs"):
@@ -198,7 +199,7 @@ def tree_forward(engine: Any, seam: Optional[EngineSeam]) -> Iterator[TreeForwar
     install_tree_attention()
     log = TreeForwardLog()
     hooks = (lambda verl: functools.partial(_prepare_inputs, verl, engine, seam, log),
-             lambda verl: functools.partial(_prepare_outputs, verl))
+             lambda verl: functools.partial(_prepare_outputs, verl, log))
     with patched(tree_forward_patches(engine, seam.tree_engine, *hooks)):
         yield log
     log.settle()
