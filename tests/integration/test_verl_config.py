@@ -97,11 +97,12 @@ def test_a_second_engine_is_one_seam():
     import types
 
     from verl_traj.config import TrajConfigError
-    from verl_traj.integration.engines import ENGINES, FSDP, EngineSeam, engine_for, engine_of, register_engine
+    from verl_traj.integration.engines import (ENGINES, FSDP, EngineSeam, engine_of, planned_strategies, register_engine,
+                                               tree_strategies)
     from verl_traj.integration.patches.scoped import micro_batch_patches, tree_forward_patches
     from verl_traj.integration.startup.tree_checks import check_prefix_tree
 
-    assert engine_for("fsdp2") is FSDP and engine_for("fsdp") is FSDP and engine_for("megatron") is None
+    assert FSDP.strategies == ("fsdp", "fsdp2") == planned_strategies() == tree_strategies()  # Megatron: none
     cfg = _cpu(TREE + ["actor_rollout_ref.actor.strategy=megatron"])
     with pytest.raises(TrajConfigError, match="strategy='megatron'") as err:
         check_prefix_tree(TrajConfig.from_mapping(cfg.traj), cfg, "cpu")

@@ -99,7 +99,7 @@ def register_credit_rule(name: str, *, anchors: bool = False, knobs: Sequence[st
             raise TrajInputError(f"credit rule {name!r} is already registered ({CREDIT_RULES[name].fn.__module__}."
                                  f"{CREDIT_RULES[name].fn.__qualname__}). Fix: choose another name, or pass "
                                  "override=True to replace it.", field="name")
-        register_estimator_traits(name, EstimatorTraits(per_call=True, anchors=rule.anchors, padding_safe=True),
+        register_estimator_traits(name, EstimatorTraits(per_call=True, padding_safe=True),
                                   override=override or name in CREDIT_RULES)
         CREDIT_RULES[name] = rule
         return fn

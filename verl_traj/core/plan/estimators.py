@@ -21,7 +21,6 @@ Traits:
 * ``per_call``: a per-call credit rule, from step rows only (``gigpo``: GiGPO's anchor-state step groups): declared
   by :func:`verl_traj.stepwise.credit_rules.register_credit_rule` next to the rule, never here; refused without
   ``traj.step_wise=true``.
-* ``anchors``: the rule reads each call's anchor key (the agent loops and v0's expansion record them).
 * ``step_rows``: allowed with ``traj.step_wise=true`` (scalar outcome: once per trajectory, broadcast; temporal: on
   the timeline; per call: the rule); ``refusal`` says why not where it is not.
 """
@@ -46,7 +45,6 @@ class EstimatorTraits:
     temporal: bool = False
     padding_safe: bool = False
     per_call: bool = False
-    anchors: bool = False
     refusal: str = ""  # non-empty: why the estimator cannot run on step rows
 
     @property

@@ -11,8 +11,8 @@ May import: nothing else in verl_traj.integration.
 """
 
 from verl_traj.integration.engines.fsdp import FSDP
-from verl_traj.integration.engines.seam import (ENGINES, EngineSeam, engine_for, engine_of, micro_batch_modules,
+from verl_traj.integration.engines.seam import (ENGINES, EngineSeam, engine_of, micro_batch_modules,
                                                 planned_strategies, register_engine, tree_engines, tree_strategies)
 
-__all__ = ["ENGINES", "FSDP", "EngineSeam", "engine_for", "engine_of", "micro_batch_modules", "planned_strategies",
+__all__ = ["ENGINES", "FSDP", "EngineSeam", "engine_of", "micro_batch_modules", "planned_strategies",
            "register_engine", "tree_engines", "tree_strategies"]

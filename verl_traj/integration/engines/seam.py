@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["ENGINES", "EngineSeam", "engine_for", "engine_of", "micro_batch_modules", "planned_strategies",
+__all__ = ["ENGINES", "EngineSeam", "engine_of", "micro_batch_modules", "planned_strategies",
            "register_engine", "tree_engines", "tree_strategies"]
 
 
@@ -43,11 +43,6 @@ def register_engine(seam: EngineSeam) -> EngineSeam:
         raise ValueError(f"engine seam {seam.name!r}: strategies {taken} already have a seam")
     ENGINES[seam.name] = seam
     return seam
-
-
-def engine_for(strategy: Any) -> Optional[EngineSeam]:
-    """The seam of ``strategy`` (a ``<role>.strategy`` value); ``None`` where verl_traj has none."""
-    return next((e for e in ENGINES.values() if str(strategy) in e.strategies), None)
 
 
 def engine_of(engine: Any) -> Optional[EngineSeam]:

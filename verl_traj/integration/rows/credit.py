@@ -23,9 +23,8 @@ from verl.trainer.ppo import core_algos
 
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import ADVANTAGE_METRICS, IS_LAST_STEP, STEP_ANCHORS, TRAJ_INDEX
-from verl_traj.core.plan.estimators import estimator_name, estimator_traits
 from verl_traj.stepwise.advantages import last_step_rows, run_outcome_estimator
-from verl_traj.stepwise.credit_rules import CREDIT_RULES, CallCredit, CreditRule, load_credit_rule_modules
+from verl_traj.stepwise.credit_rules import CREDIT_RULES, CallCredit, CreditRule, credit_rule, load_credit_rule_modules
 from verl_traj.stepwise.step_groups import StepGroupOptions
 
 __all__ = ["ADVANTAGE_METRICS", "credit_advantage", "load_rules", "records_anchors", "register_rules_with_verl"]
@@ -65,7 +64,8 @@ def load_rules(credit_rule_modules: Sequence[str]) -> None:
 
 def records_anchors(adv_estimator: Any) -> bool:
     """The estimator is a rule that reads each call's anchor key (the step rows must carry them)."""
-    return estimator_traits(estimator_name(adv_estimator)).anchors
+    rule = credit_rule(adv_estimator)
+    return rule is not None and rule.anchors
 
 
 def _anchors(td: Any, rule: CreditRule) -> Optional[torch.Tensor]:

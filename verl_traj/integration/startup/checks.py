@@ -165,8 +165,8 @@ def check_adv_estimator(config: Any) -> None:
             f"{ESTIMATOR}={given!r} is not an advantage estimator verl knows: training would start and fail after the "
             f"first rollout (verl: 'Unknown advantage estimator simply: {name}'). Known: {list(known)}"
             + (f" (did you mean {close[0]!r}?)" if close else "") + f". Fix: set {ESTIMATOR} to one of them, or "
-            "register your own with verl.trainer.ppo.core_algos.register_adv_est in a module imported before "
-            "start-up.", field=ESTIMATOR)
+            "register your own (a per-call rule with register_credit_rule, or verl's register_adv_est) in a module "
+            "named by traj.credit_rule_modules=[my_pkg.my_rules] (docs/stepwise.md).", field=ESTIMATOR)
     _check_estimator_inputs(config, name)
 
 
