@@ -75,6 +75,13 @@ CASES = {
     # turn's row repeating the trajectory so far (64-token turns, 64-token tool results)
     "gspo": dict(groups=4, n=4, steps=4, mini_batches=2, shared_len=512, turn_len=64, obs_len=64, cap=4096,
                  source="step_rows", loss_mode="gspo"),
+    # the break-even sweep (scripts/bench_tree_break_even.py): GRPO 8 x 8, each group's samples sharing the first
+    # `share` of their group's prompt (up to 512 tokens), the rest of every prompt distinct; `low_share`: every prompt
+    # distinct behind one 32-token system prompt (a chat agent's tasks, little to share)
+    **{f"share_{p}": dict(groups=8, n=8, mini_batches=2, prompt_len=512, response_len=128, cap=4096,
+                          source="partial_share", share=p / 100, system=0) for p in (0, 25, 50, 75, 100)},
+    "low_share": dict(groups=8, n=8, mini_batches=2, prompt_len=512, response_len=128, cap=4096,
+                      source="partial_share", share=0.0, system=32),
 }
 
 
@@ -166,7 +173,31 @@ def make_batch(case: dict, vocab: int, seed: int, dp: int):
                                     vocab=vocab)
     if case["source"] == "shared_prompt":  # GRPO as agents have it: a group's n samples behind one long prompt
         share_group_prompts(tensors, case["n"], case["prompt_len"])
+    if case["source"] == "partial_share":
+        share_group_prompts(tensors, case["n"], case["prompt_len"])
+        redraw_prompt_tails(tensors, case["prompt_len"], case["share"], case["system"], vocab, seed)
     return as_dataproto(tensors, non_tensors)
+
+
+def redraw_prompt_tails(tensors: dict, prompt_len: int, share: float, system: int, vocab: int, seed: int) -> None:
+    """In place, after :func:`share_group_prompts`: each row keeps the first ``share`` of its group's prompt tokens
+    (real tokens, ``[B]`` left-padded prompts) and gets the rest drawn anew, so a group's rows share exactly that
+    prefix; with ``system > 0`` every row's first ``system`` prompt tokens are then one system prompt for the whole
+    batch. ``responses`` are untouched; ``prompts`` follows ``input_ids``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    ids, mask = tensors["input_ids"], tensors["attention_mask"][:, :prompt_len]
+    real = mask.sum(-1, keepdim=True)
+    at = torch.arange(prompt_len)[None, :] - (prompt_len - real)  # position within the real prompt (<0: padding)
+    fresh = torch.randint(3, vocab, (ids.shape[0], prompt_len), generator=g)
+    redraw = at >= torch.round(share * real)
+    ids[:, :prompt_len] = torch.where(redraw, fresh, ids[:, :prompt_len]) * mask
+    if system:
+        system_ids = torch.randint(3, vocab, (system,), generator=g)
+        inside = (at >= 0) & (at < system)
+        ids[:, :prompt_len] = torch.where(inside, system_ids[at.clamp(0, system - 1)], ids[:, :prompt_len])
+    tensors["prompts"] = ids[:, :prompt_len].clone()
 
 
 def share_group_prompts(tensors: dict, n: int, prompt_len: int) -> None:
@@ -237,16 +268,24 @@ STOCK = {"stock": "v1", "stock_v0": "v0"}  # stock variant -> the trainer whose 
 SCOPE = " scope=trajectory"  # the suffix of a GSPO variant at traj.ratio_scope=trajectory
 
 
+ALWAYS_TREE = 1e-6  # traj.tree_token_cost that makes every micro-batch a tree (a tree token all but free)
+
+
 def variants(pass_costs: list[Optional[int]], remove_padding: bool = False, tree: bool = False,
-             case: Optional[dict] = None) -> dict[str, Optional[dict]]:
+             case: Optional[dict] = None, tree_costs: tuple = ()) -> dict[str, Optional[dict]]:
     """Variant name -> ``traj:`` options (None: stock verl, :data:`STOCK`): ``traj`` with each pass cost, then
     ``traj_area``; with remove-padding only ``traj`` (the cost is the token sum), and with ``tree`` ``traj_tree``
-    (``traj.prefix_tree``: each micro-batch forwarded as its prefix tree). A GSPO case (``loss_mode=gspo``) adds
+    (``traj.prefix_tree``: every micro-batch forwarded as its prefix tree) and ``traj_auto`` (the default: each
+    micro-batch a tree or rows by the device's cost model, ``core/trees/tree_cost.py``), plus ``traj_auto cost=X``
+    for each of ``tree_costs`` (``traj.tree_token_cost=X``). A GSPO case (``loss_mode=gspo``) adds
     each verl_traj variant at ``traj.ratio_scope=trajectory`` (``ratio_groups``: each row's sequence ratio over its
     trajectory; on rows through the pre-pass, on trees from the loss where every trajectory is atomic)."""
     out: dict[str, Optional[dict]] = {name: None for name in STOCK}
     if remove_padding:
-        out.update({"traj": {}, **({"traj_tree": {"prefix_tree": True}} if tree else {})})
+        trees = {"traj_tree": {"prefix_tree": True, "tree_token_cost": ALWAYS_TREE},
+                 "traj_auto": {"prefix_tree": True},
+                 **{f"traj_auto cost={c:g}": {"prefix_tree": True, "tree_token_cost": c} for c in tree_costs}}
+        out.update({"traj": {}, **(trees if tree else {})})
         if (case or {}).get("loss_mode") == "gspo":
             out.update({f"{name}{SCOPE}": {**out[name], "ratio_groups": True}
                         for name in [v for v in out if v not in STOCK]})
@@ -371,7 +410,7 @@ def _proc(rank: int, dp: int, port: int, args, out_path: str):
     for name in args.cases:
         case = CASES[name]
         runs = {}
-        chosen = variants(args.pass_cost, args.remove_padding, args.tree, case)
+        chosen = variants(args.pass_cost, args.remove_padding, args.tree, case, tuple(args.tree_costs))
         for variant, options in {v: o for v, o in chosen.items() if v in STOCK or not args.variants
                                  or v in args.variants}.items():
             cfg = _config(case, args.remove_padding, _attention(args, options), args.device, args.model)
@@ -452,7 +491,10 @@ def _summary(run: dict) -> dict:
             "optimizer_steps": len(grad) if isinstance(grad, list) else None,
             "micro_batches_run": (m.get("micro_batches_per_epoch") or [None])[0],
             "prepass_micro_batches": (m.get("prepass_micro_batches_per_epoch") or [None])[0],
-            "tree_tokens": (m.get("tree_tokens") or [None])[0], **run["info"],
+            "tree_tokens": (m.get("tree_tokens") or [None])[0],
+            # a mixed update: the tree micro-batches' row tokens (the rest ran as rows), micro-batches run as rows
+            "tree_row_tokens": (m.get("tree_row_tokens") or [None])[0],
+            "row_micro_batches": (m.get("tree_planned_row_micro_batches") or [None])[0], **run["info"],
             **({"profile": run["profile"]} if run.get("profile") else {})}
 
 
@@ -465,6 +507,9 @@ def _paired(times: list[float], base: list[float]) -> float:
 def _forwarded(r: dict) -> str:
     """Tokens one epoch forwards: the tree's (both ranks) for a tree variant, else the rows' attended tokens."""
     atomic = f", {r['atomic_share']:.0%} of trajectories atomic" if r.get("atomic_share") is not None else ""
+    if r.get("row_micro_batches"):  # a mixed update: the trees' tokens plus the rows' of the row micro-batches
+        forwarded = r["tree_tokens"] + r["row_tokens"] - r["tree_row_tokens"]
+        return f"{forwarded:,.0f} (trees and {r['row_micro_batches']:.0f} row micro-batches/rank{atomic})"
     return f"{r['tree_tokens']:,.0f} (tree{atomic})" if r.get("tree_tokens") else f"{r['row_tokens']:,}"
 
 
@@ -507,7 +552,8 @@ def _device_config(args) -> dict:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dp", type=int, default=2)
-    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--cases", nargs="+", default=list(CASES)[:5], choices=list(CASES),
+                    help="default: the first five; share_* and low_share are the break-even sweep's")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--seed", type=int, default=0)
@@ -519,6 +565,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tree", action="store_true",
                     help="with --remove-padding: add traj_tree (traj.prefix_tree=true); every variant then runs the "
                          "CPU platform's flash-attention path (cpu_varlen), where the tree attention sits")
+    ap.add_argument("--tree-costs", nargs="*", type=float, default=[],
+                    help="with --tree: add 'traj_auto cost=X' for each X (traj.tree_token_cost=X: the cost model of "
+                         "another device, e.g. 2.19, the CUDA figure, to see a mixed update here)")
     ap.add_argument("--variants", nargs="+", default=None,
                     help="run only these verl_traj variants (the stock ones always run: the baseline), e.g. "
                          "'traj_tree' 'traj_tree scope=trajectory'")
@@ -538,11 +587,8 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv=None) -> int:
-    ap = _parser()
-    args = ap.parse_args(argv)
-    if args.tree and not args.remove_padding:
-        ap.error("--tree needs --remove-padding (the prefix tree runs on verl's remove-padding path)")
+def run(args) -> dict:
+    """The report (``config`` and per-case ``results``) of the parsed ``args``: every rank's updates, timed."""
     if args.device == "cuda" and args.rows_attention is None:
         args.rows_attention = "sdpa"  # no cpu_varlen there: transformers' sdpa masks packed sequences by position ids
     if args.model is None and not (Path(args.home) / "tiny" / "model").exists():
@@ -563,6 +609,15 @@ def main(argv=None) -> int:
                          "remove_padding": args.remove_padding, "tree": args.tree, "cases": {c: CASES[c] for c in args.cases},
                          **_device_config(args)},
               "results": results}
+    return report
+
+
+def main(argv=None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.tree and not args.remove_padding:
+        ap.error("--tree needs --remove-padding (the prefix tree runs on verl's remove-padding path)")
+    report = run(args)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -22,6 +22,9 @@ from verl_traj.core.errors import TrajInputError
 from verl_traj.core.packing.packing import PackingError
 from verl_traj.core.trees.prefix_tree import tree_token_count
 from verl_traj.core.plan.tree_planning import _cut, unit_pieces
+from verl_traj.core.trees.tree_cost import TreeCostModel, tree_cost_model
+from verl_traj.core.trees.tree_facts import micro_batch_tree_facts
+from verl_traj.integration.trainers.tree_plan_facts import tree_choice
 
 PROPS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PAD_ID = 0
@@ -55,7 +58,7 @@ def _rows_of(plan, rows, sel):
     return [rows[s] if s >= 0 else [PAD_ID] * plan.spec.pad_row_tokens for s in plan.order.numpy()[sel].tolist()]
 
 
-def check_tree_plan(plan, rows, lay, m_count, dp, group_by, cap):
+def check_tree_plan(plan, rows, lay, m_count, dp, group_by, cap, cost=None):
     order, mb, mi = plan.order.numpy(), plan.mini_batch_id.numpy(), plan.micro_batch_id.numpy()
     rank, pad = plan.rank.numpy(), plan.is_padding.numpy()
     assert sorted(order[~pad].tolist()) == list(range(len(rows)))
@@ -79,8 +82,10 @@ def check_tree_plan(plan, rows, lay, m_count, dp, group_by, cap):
         place.setdefault(unit[order[i]], set()).add((mb[i], rank[i], mi[i]))
     for u, where in place.items():
         assert len({w[0] for w in where}) == 1  # whole units per mini-batch
-        tokens, _ = tree_token_count([rows[j] for j in np.flatnonzero(unit == u).tolist()])
-        if cap is None or tokens <= cap:
+        members = [rows[j] for j in np.flatnonzero(unit == u).tolist()]
+        tokens, _ = tree_token_count(members)
+        pays = cost is None or bool(cost.pays(np.array([tokens]), np.array([sum(map(len, members))]))[0])
+        if (cap is None or tokens <= cap) and pays:
             assert len(where) == 1  # atomic: one micro-batch on one rank
     planned = int(s.tree_tokens.sum())
     held = sum(tree_token_count(_rows_of(plan, rows, (mb == m) & (rank == r) & (mi == k) & ~pad))[0]
@@ -89,8 +94,8 @@ def check_tree_plan(plan, rows, lay, m_count, dp, group_by, cap):
     metrics = plan.metrics("p")
     assert all(math.isfinite(v) for v in metrics.values())
     assert 0.0 <= metrics["p/atomic_trajectory_share"] <= 1.0
-    if cap is None or all(tree_token_count([rows[j] for j in np.flatnonzero(unit == u).tolist()])[0] <= cap
-                          for u in place):
+    if cost is None and (cap is None or all(tree_token_count([rows[j] for j in np.flatnonzero(unit == u).tolist()])[0]
+                                            <= cap for u in place)):
         assert metrics["p/atomic_trajectory_share"] == 1.0
 
 
@@ -106,6 +111,57 @@ def test_tree_plan_invariants(batch, dp, cap, group_by, balance, seed):
     plan = plan_mini_batches(lay, m_count, dp, group_by=group_by, balance_dp=balance, micro_batch_max_tokens=cap,
                              seed=seed, prefix_tree=True, rows=rows)
     check_tree_plan(plan, rows, lay, m_count, dp, group_by, cap)
+
+
+@PROPS
+@given(batch=tree_batches(), dp=st.integers(1, 3), cap=st.sampled_from([None, 24, 40]),
+       tree_token=st.floats(0.3, 3.0), margin=st.floats(0.0, 0.5), seed=st.integers(0, 3))
+def test_a_piece_whose_tree_does_not_pay_is_placed_as_rows(batch, dp, cap, tree_token, margin, seed):
+    """Issue 55, item 1: with the device's cost model the planner keeps a unit whole (one tree) where its tree pays,
+    and cuts it into its rows where it does not, so a micro-batch of such rows fits the cap as rows and the decision per
+    micro-batch can run it as rows. Every tree-plan invariant still holds (a cut unit is not atomic)."""
+    rows, uid, traj, step = batch
+    lay = _layout(rows, uid, traj, step)
+    cap = None if cap is None else max(cap, max(len(r) for r in rows) + 2)
+    cost = TreeCostModel(tree_token=tree_token, margin=margin)
+    m_count = min(2, lay.num_groups)
+    plan = plan_mini_batches(lay, m_count, dp, micro_batch_max_tokens=cap, seed=seed, prefix_tree=True, rows=rows,
+                             tree_cost=cost)
+    check_tree_plan(plan, rows, lay, m_count, dp, "group", cap, cost)
+    order, pad = plan.order.numpy(), plan.is_padding.numpy()
+    unit = lay.group_index.numpy()
+    members = [[rows[j] for j in np.flatnonzero(unit == u)] for u in range(lay.num_groups)]
+    whole = [tree_token_count(m)[0] <= (cap or 10**9) for m in members]
+    pays = [bool(cost.pays(np.array([tree_token_count(m)[0]]), np.array([sum(map(len, m))]))[0]) for m in members]
+    where = plan.rank.numpy() * 10**6 + plan.mini_batch_id.numpy() * 10**3 + plan.micro_batch_id.numpy()
+    for w in np.unique(where[~pad]).tolist():
+        sel = (where == w) & ~pad
+        if cap is not None and all(whole[unit[o]] and not pays[unit[o]] for o in order[sel]):
+            assert sum(len(rows[o]) for o in order[sel]) <= cap  # rows that do not pay fit as rows
+
+
+def test_low_sharing_groups_over_the_cap_run_as_rows_where_trees_do_not_pay():
+    """Regression (issue 55): GRPO groups sharing 10 of 100 tokens per row, each group's rows over the cap. Priced in
+    tree tokens only, every micro-batch held a whole group whose rows exceed the cap, so the per-micro-batch decision
+    could never choose rows (a full micro-batch stays a tree). With the CUDA cost model the groups are cut into rows and
+    every micro-batch runs as rows; with the CPU model (trees pay at any sharing) nothing changes."""
+    rows = [[1000 + g] * 10 + [g * 100 + i] * 90 for g in range(8) for i in range(4)]
+    uid = [f"g{i // 4}" for i in range(32)]
+    lay = _layout(rows, uid, [f"t{i}" for i in range(32)], [0] * 32)
+    cap = 380  # a group's tree is 370 tokens, its rows 400
+
+    def share(cost):
+        plan = plan_mini_batches(lay, 2, 2, micro_batch_max_tokens=cap, prefix_tree=True, rows=rows, tree_cost=cost)
+        check_tree_plan(plan, rows, lay, 2, 2, "group", cap, cost)
+        part = (plan.rank * 100 + plan.mini_batch_id * 10 + plan.micro_batch_id).numpy()
+        planned = _rows_of(plan, rows, np.ones(len(part), dtype=bool))
+        _, metrics = tree_choice(micro_batch_tree_facts(planned, part), np.arange(len(part)), part,
+                                     cost or tree_cost_model("cuda"), cap)
+        return metrics["actor/tree_share"]
+
+    assert share(None) == 1.0  # stuck: every micro-batch's rows exceed the cap
+    assert share(tree_cost_model("cuda")) == 0.0
+    assert share(tree_cost_model("cpu")) == 1.0
 
 
 def test_grpo_group_is_one_tree_and_rows_pay_the_prompt_once():

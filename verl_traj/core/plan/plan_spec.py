@@ -15,6 +15,7 @@ from verl_traj.core.errors import TrajInputError, check_choice, check_int
 from verl_traj.core.packing.balancing import WORKLOAD_MODELS
 from verl_traj.core.packing.packing import MICRO_BATCH_COSTS
 from verl_traj.core.plan.plan_metrics import plan_metrics
+from verl_traj.core.trees.tree_cost import TreeCostModel
 
 __all__ = ["GROUP_BY_CHOICES", "MINI_BATCH_BALANCE_CHOICES", "PAD_ROW_TOKENS", "PAD_UID_PREFIX", "MiniBatchPlan",
            "MiniBatchStats", "PlanError", "PlanSpec", "checked_spec"]
@@ -48,6 +49,9 @@ class PlanSpec:
     pad_row_tokens: int = PAD_ROW_TOKENS
     seed: int = 0
     prefix_tree: bool = False  # place units as prefix trees (:mod:`verl_traj.core.plan.tree_planning`); needs ``rows``
+    # with prefix_tree: the device's cost model; a piece whose tree does not pay is cut into its rows, placed as the
+    # rows path places them (None: every piece a tree; :func:`~verl_traj.core.plan.tree_planning.tree_pieces`)
+    tree_cost: Optional[TreeCostModel] = None
 
     def __post_init__(self) -> None:
         """Every field checked (a :class:`PlanError` naming it) and normalised (numpy ints -> int)."""
@@ -72,6 +76,9 @@ def checked_spec(spec: PlanSpec) -> dict:
         if not isinstance(getattr(spec, name), (bool, np.bool_)):
             raise PlanError.invalid(name, getattr(spec, name), "is not a bool", f"pass {name}=True or False")
         out[name] = bool(getattr(spec, name))
+    if spec.tree_cost is not None and not isinstance(spec.tree_cost, TreeCostModel):
+        raise PlanError.invalid("tree_cost", spec.tree_cost, "is not a TreeCostModel",
+                                "pass verl_traj.core.trees.tree_cost.tree_cost_model(device), or None")
     if spec.micro_batch_max_tokens is not None:
         out["micro_batch_max_tokens"] = whole("micro_batch_max_tokens", 1, "tokens per micro-batch, or None for no cap")
     pass_cost = spec.micro_batch_pass_cost

@@ -6,6 +6,9 @@ With ``PlanSpec.prefix_tree`` the planner places *pieces*, not rows, on ranks an
   cap; a larger one is cut depth-first (its distinct rows in lexicographic order, consecutive runs) into pieces whose
   trees fit, each re-paying the ancestor path it shares with the piece before (:func:`unit_pieces`). A unit's cost
   when the planner assigns it to a mini-batch is its whole tree (the distinct prefixes of its rows);
+* with the device's cost model (``PlanSpec.tree_cost``) a piece whose tree does not pay against its rows is cut into
+  its rows, each a piece of its own tokens (:func:`rows_where_trees_do_not_pay`): their micro-batches fit the cap as
+  rows, and the decision per micro-batch runs them as rows;
 * a mini-batch's pieces go to ranks by LPT on tree tokens, then each rank's pieces into the fewest micro-batches whose
   tree tokens fit the cap (:func:`~verl_traj.core.packing.packing.min_micro_batches`). Every rank of a mini-batch runs the
   same number of micro-batches (FSDP's collectives run per pass): a rank short of pieces splits a micro-batch of
@@ -263,7 +266,25 @@ def tree_pieces(layout: Any, spec: Any, rows: Any) -> TreePieces:
                                      "pass the attended token ids of the rows the layout was built from, in its order")
     real, unit, num_units = real_units(layout, spec.group_by)
     real_rows = rows if real.size == rows.num_rows else rows.take(real)
-    return unit_pieces(real_rows, unit, num_units, spec.micro_batch_max_tokens)
+    pieces = unit_pieces(real_rows, unit, num_units, spec.micro_batch_max_tokens)
+    return pieces if spec.tree_cost is None else rows_where_trees_do_not_pay(pieces, real_rows.lengths, spec.tree_cost)
+
+
+def rows_where_trees_do_not_pay(pieces: TreePieces, lengths: np.ndarray, cost: Any) -> TreePieces:
+    """``pieces`` with every piece whose tree does not pay against its rows (``cost``, a
+    :class:`~verl_traj.core.trees.tree_cost.TreeCostModel`; ``lengths`` ``[R]`` each row's attended tokens) cut into
+    one piece per row, costing its tokens: placement then packs those rows as the rows path would, so their
+    micro-batches fit the cap as rows and the per-micro-batch decision
+    (:func:`~verl_traj.integration.trainers.tree_plan_facts.tree_choice`) can run them as rows. Pieces stay in unit
+    order, a cut piece's rows in row order; a paying piece is kept whole (atomic, its tree tokens)."""
+    row_tokens = np.bincount(pieces.of_row, weights=lengths, minlength=pieces.tokens.size)
+    cut = ~cost.pays(pieces.tokens, row_tokens)
+    if not cut.any():
+        return pieces
+    alone = np.where(cut[pieces.of_row], np.arange(pieces.of_row.size), -1)  # a cut piece's row: its own piece
+    kept, of_row = np.unique(np.stack([pieces.of_row, alone], axis=1), axis=0, return_inverse=True)
+    tokens = np.where(kept[:, 1] >= 0, lengths[kept[:, 1].clip(min=0)], pieces.tokens[kept[:, 0]]).astype(np.int64)
+    return TreePieces(of_row.reshape(-1), pieces.unit[kept[:, 0]], tokens, pieces.unit_tokens)
 
 
 def place_tree_pieces(pieces: TreePieces, row_mini_batch: np.ndarray, spec: Any,

@@ -36,12 +36,16 @@ class TreeCostModel:
     micro_batch: float = 0.0
     margin: float = 0.1
 
+    def pays(self, tree_tokens: np.ndarray, row_tokens: np.ndarray) -> np.ndarray:
+        """``[k]`` bool: the tree of each (``tree_tokens`` / ``row_tokens`` ``[k]``) is predicted to win by the
+        margin: ``tree_token x tree_tokens + micro_batch <= (1 - margin) x row_tokens``."""
+        return self.tree_token * tree_tokens + self.micro_batch <= (1.0 - self.margin) * row_tokens
+
     def trees(self, tree_tokens: np.ndarray, row_tokens: np.ndarray, cap: Optional[int]) -> np.ndarray:
-        """``[k]`` bool: each micro-batch (``tree_tokens`` / ``row_tokens`` ``[k]``) forwards as a tree. A micro-batch
-        whose rows exceed ``cap`` stays a tree (its memory was planned in tree tokens)."""
-        tree_cost = self.tree_token * tree_tokens + self.micro_batch
-        pays = tree_cost <= (1.0 - self.margin) * row_tokens
-        return pays | (row_tokens > cap if cap is not None else False)
+        """``[k]`` bool: each micro-batch (``tree_tokens`` / ``row_tokens`` ``[k]``) forwards as a tree where it pays.
+        A micro-batch whose rows exceed ``cap`` stays a tree (its memory was planned in tree tokens; the planner cuts
+        the pieces that do not pay into rows, :mod:`verl_traj.core.plan.tree_planning`, so this is a mixed one)."""
+        return self.pays(tree_tokens, row_tokens) | (row_tokens > cap if cap is not None else False)
 
     def break_even_sharing(self, row_tokens: float) -> float:
         """The share of row tokens a tree must save to run as one, for a micro-batch of ``row_tokens`` (0: always)."""

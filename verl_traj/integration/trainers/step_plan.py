@@ -50,6 +50,7 @@ def plan_layout(layout: BatchLayout, traj_config: TrajConfig, num_mini_batches: 
         pad_row_tokens=micro.pad_row_tokens if micro is not None else PAD_ROW_TOKENS,
         partitioner=verl_partitioner if micro is not None else None,
         prefix_tree=traj_config.trees, rows=rows,
+        tree_cost=micro.tree_cost if micro is not None and traj_config.trees else None,
     )
 
 
