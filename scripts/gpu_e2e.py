@@ -1,18 +1,19 @@
 """One whole GRPO training run through ``python -m verl_traj.main_ppo`` on one GPU: the default path (prefix trees,
-``traj.prefix_tree: auto``) side by side with rows (``traj.prefix_tree=false``), for a GPU machine without a package
-index. Called by ``scripts/gpu_e2e.sh`` (usage there); the standard library only, until the bundle is installed.
+``traj.prefix_tree: auto``) side by side with rows (``traj.prefix_tree=false``) and with stock verl
+(``traj.enable=false``, the attention stock verl runs on the machine: :func:`stock_attention`), for a GPU machine
+without a package index. Called by ``scripts/gpu_e2e.sh`` (usage there); the standard library only, until the bundle is installed.
 
 What runs: the calculator recipe's data (``verl_traj.recipes.calc_agent.prepare --data-only``), a randomly initialised
 Qwen2 made on the spot (:data:`SHAPES`; the recipe's tokenizer), the project's torch rollout server (rollout name
 ``cpu``, generating on the GPU where the CPU platform is off: ``verl_traj/cpu/rollout.py``), verl's FSDP2 engine with
 NCCL on one GPU and verl's bf16 mixed precision (``configs/calc_agent_gpu.yaml``); without flash-attn the actor's
 attention is ``torch_varlen`` for the tree run (the flash-attention path in torch: ``cpu/torch_flash.py``)
-and sdpa for the rows run. ``DEVICE=cpu``: the same stages on the CPU presets (``calc_agent_cpu``; Ray as the bundle
+and sdpa for the rows and stock runs; with it, flash-attn's for all three. ``DEVICE=cpu``: the same stages on the CPU presets (``calc_agent_cpu``; Ray as the bundle
 carries it, linked from this interpreter's: ``gpu_bundle.py strip-installed``), the suite's dry run.
 
 Per run it reports the step time (after the first step), the actor update's time, the tokens one pass forwards, the
 rollout-vs-actor log-prob gap, step 1's gradient norm, the largest |ppo_kl| and the reward per step; and the tree run
-against the rows run. Results in ``$OUT``: ``gpu_e2e.json``, ``gpu_e2e.txt``, each run's ``metrics_<run>.jsonl`` and
+against the rows run and against stock (whole step and update). Results in ``$OUT``: ``gpu_e2e.json``, ``gpu_e2e.txt``, each run's ``metrics_<run>.jsonl`` and
 the last 400 lines of its log, ``summary.txt`` (each stage's exit code and seconds).
 """
 
@@ -31,7 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = ("tree", "rows")  # the default (traj.prefix_tree: auto -> trees), and rows
+# the default (traj.prefix_tree: auto -> trees), rows, and stock verl (traj.enable=false) with the attention stock
+# verl runs on the machine (flash_attention_2, verl's default, where flash-attn is installed, else sdpa)
+RUNS = ("tree", "rows", "stock")
 # (hidden, intermediate, layers, heads, kv heads): Qwen2.5-0.5B's shape; tiny for the CPU dry run
 SHAPES = {"0.5b": (896, 4864, 24, 14, 2), "tiny": (64, 128, 2, 4, 2)}
 GPU_BATCH = ["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.rollout.n=4",
@@ -89,7 +92,8 @@ class Settings:
     model: Path | None = None  # an existing model instead of a random one
     calc_home: Path | None = None  # an existing prepared recipe home instead of --data-only
     python: str = sys.executable
-    overrides: list = field(default_factory=list)  # appended to both runs
+    overrides: list = field(default_factory=list)  # appended to every run
+    runs: tuple = RUNS  # which of RUNS (the CPU dry run: tree and rows)
 
     @property
     def home(self) -> Path:
@@ -109,8 +113,18 @@ class Stage:
     log: str = ""  # file under work for its output ("" -> the summary's console)
 
 
+def stock_attention(run: str) -> str:
+    """A GPU run's ``attn_implementation``: flash-attn's kernel wherever it is installed (verl's default); without it
+    stock verl gets sdpa (what a stock user sets), verl_traj's rows sdpa and its trees the flash-attention path in torch
+    (``torch_varlen``, where the tree kernel sits)."""
+    if importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "torch_varlen" if run == "tree" else "sdpa"
+
+
 def run_overrides(s: Settings, run: str) -> list[str]:
-    """The hydra overrides of one run (``tree``: the default path; ``rows``: traj.prefix_tree=false)."""
+    """The hydra overrides of one run (``tree``: the default path; ``rows``: traj.prefix_tree=false; ``stock``:
+    traj.enable=false, stock verl)."""
     common = [f"actor_rollout_ref.model.path={s.model_path}", f"data.train_files={s.home}/data/train.parquet",
               f"data.val_files={s.home}/data/test.parquet", f"trainer.total_training_steps={s.steps}",
               "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
@@ -118,12 +132,12 @@ def run_overrides(s: Settings, run: str) -> list[str]:
     if s.device == "cpu":
         device = CPU_BATCH
     else:
-        flash = importlib.util.find_spec("flash_attn") is not None
-        attention = "flash_attention_2" if flash else ("torch_varlen" if run == "tree" else "sdpa")
+        attention = stock_attention(run)
         device = [*GPU_BATCH, "actor_rollout_ref.rollout.name=cpu", "actor_rollout_ref.rollout.dtype=bfloat16",
                   "actor_rollout_ref.rollout.checkpoint_engine.backend=naive",
                   f"+actor_rollout_ref.model.override_config.attn_implementation={attention}"]
-    return [*common, *device, *(["traj.prefix_tree=false"] if run == "rows" else []), *s.overrides]
+    own = {"tree": [], "rows": ["traj.prefix_tree=false"], "stock": ["traj.enable=false"]}[run]
+    return [*common, *device, *own, *s.overrides]
 
 
 def _env(s: Settings, **extra: str) -> dict:
@@ -146,11 +160,11 @@ def stages(s: Settings) -> list[Stage]:
     if s.model is None:
         out.append(Stage("model", [py, "-c", MODEL, str(s.model_path), json.dumps(SHAPES[s.shape])], _env(s)))
     config = "calc_agent_cpu" if s.device == "cpu" else "calc_agent_gpu"
-    for i, run in enumerate(RUNS):
+    for i, run in enumerate(s.runs):
         run_dir = s.work / run
         env = _env(s, VERL_FILE_LOGGER_PATH=str(run_dir / "metrics.jsonl"), VERL_TRAJ_CKPT_DIR=str(run_dir / "ckpt"))
         out.append(Stage(f"run_{run}", [py, "-m", "verl_traj.main_ppo", "--config-name", config,
-                                        *run_overrides(s, run)], env, share=1.0 / (len(RUNS) - i), log=f"{run}.log"))
+                                        *run_overrides(s, run)], env, share=1.0 / (len(s.runs) - i), log=f"{run}.log"))
     return out
 
 
@@ -211,16 +225,18 @@ def _ratio(a, b) -> float | None:
     return a / b if a is not None and b else None
 
 
-def report(s: Settings) -> dict:
-    runs = {run: summarise(_metrics(s.work / run / "metrics.jsonl")) for run in RUNS}
-    t, r = runs["tree"], runs["rows"]
+def _over(t: dict, r: dict) -> dict:
+    """The tree run against another: step, update and tokens per pass as ratios, step 1's gradient norm's gap."""
     gap = (abs(t["grad_norm_step1"] - r["grad_norm_step1"]) / max(abs(r["grad_norm_step1"]), 1e-12)
            if t["grad_norm_step1"] is not None and r["grad_norm_step1"] is not None else None)
+    return {"step_s": _ratio(t["step_s"], r["step_s"]), "update_actor_s": _ratio(t["update_actor_s"], r["update_actor_s"]),
+            "tokens_per_pass": _ratio(t["tokens_per_pass"], r["tokens_per_pass"]), "grad_norm_step1_rel_diff": gap}
+
+
+def report(s: Settings) -> dict:
+    runs = {run: summarise(_metrics(s.work / run / "metrics.jsonl")) for run in s.runs}
     out = {"device": s.device, "steps": s.steps, "shape": s.shape if s.model is None else str(s.model), "runs": runs,
-           "tree_over_rows": {"step_s": _ratio(t["step_s"], r["step_s"]),
-                              "update_actor_s": _ratio(t["update_actor_s"], r["update_actor_s"]),
-                              "tokens_per_pass": _ratio(t["tokens_per_pass"], r["tokens_per_pass"]),
-                              "grad_norm_step1_rel_diff": gap}}
+           **{f"tree_over_{base}": _over(runs["tree"], runs[base]) for base in ("rows", "stock") if base in runs}}
     lines = [f"{'run':6} {'steps':>5} {'step s':>8} {'update s':>9} {'tree':>5} {'tokens/pass':>12} {'lp gap max':>11} "
              f"{'grad1':>10} {'|ppo_kl|':>9}  reward per step"]
     for run, f in runs.items():
@@ -229,8 +245,9 @@ def report(s: Settings) -> dict:
                      f"{fmt(f['tree_share'], '5.2f')} {fmt(f['tokens_per_pass'], '12,.0f')} "
                      f"{fmt(f['rollout_probs_diff_max'], '11.2e')} {fmt(f['grad_norm_step1'], '10.4g')} "
                      f"{fmt(f['ppo_kl_abs_max'], '9.1e')}  {' '.join(fmt(v, '.3f') for v in f['reward_per_step'])}")
-    ratios = out["tree_over_rows"]
-    lines.append("tree / rows: " + ", ".join(f"{k} {v:.3g}" for k, v in ratios.items() if v is not None))
+    for base in ("rows", "stock"):
+        ratios = out.get(f"tree_over_{base}") or {}
+        lines.append(f"tree / {base}: " + ", ".join(f"{k} {v:.3g}" for k, v in ratios.items() if v is not None))
     out["table"] = "\n".join(lines)
     return out
 
@@ -249,11 +266,16 @@ def settings(argv=None) -> tuple[Settings, bool]:
     ap.add_argument("--deadline", type=int, default=int(env.get("DEADLINE", 560)))
     ap.add_argument("--model", type=Path, help="an existing model directory instead of a random one")
     ap.add_argument("--calc-home", type=Path, help="an existing prepared calculator-recipe home (data/ in it)")
-    ap.add_argument("overrides", nargs="*", help="hydra overrides appended to both runs")
+    ap.add_argument("--runs", nargs="+", choices=RUNS, default=env.get("RUNS", "").split() or None,
+                    help="which runs (default: all three on cuda, tree and rows on cpu); env RUNS")
+    ap.add_argument("overrides", nargs="*", help="hydra overrides appended to every run")
     a = ap.parse_args(argv)
     shape = a.shape or ("tiny" if a.device == "cpu" else "0.5b")
+    runs = tuple(a.runs or (RUNS if a.device == "cuda" else ("tree", "rows")))
+    if "tree" not in runs:
+        ap.error(f"--runs {' '.join(runs)}: the tree run is what the others are compared with; add tree")
     return Settings(a.device, a.steps, shape, a.out, a.work, a.site, a.whl, a.deadline, a.model, a.calc_home,
-                    os.environ.get("PYTHON", sys.executable), a.overrides), a.dry_run
+                    os.environ.get("PYTHON", sys.executable), a.overrides, runs), a.dry_run
 
 
 def main(argv=None) -> int:
@@ -284,7 +306,7 @@ def main(argv=None) -> int:
             failed.append(stage.name)
             if not stage.name.startswith("run_"):
                 break  # nothing after a failed install, import, data or model stage can run
-    for run in RUNS:
+    for run in s.runs:
         for src, dest in ((s.work / run / "metrics.jsonl", s.out / f"metrics_{run}.jsonl"), (s.work / f"{run}.log", s.out / f"{run}.log")):
             if src.exists():
                 lines = src.read_text(errors="replace").splitlines()

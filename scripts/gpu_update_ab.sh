@@ -4,7 +4,8 @@
 # verl_traj rows (traj) and the verl_traj prefix tree (traj_tree), remove-padding, bf16 mixed precision (verl's own
 # GPU defaults), a randomly initialised Qwen2 of Qwen2.5-0.5B's shape. Results into $OUT:
 #   1. facts, wheel install, versions, `import verl, verl_traj` and the update's modules      -> $OUT/env.txt
-#   2. the model (built here, saved bf16) and the rows attention: flex_attention / sdpa on the
+#   2. the model (built here, saved bf16) and the rows attention, stock verl's on this machine: flash_attention_2
+#      where flash-attn is installed (verl's default), else sdpa, else flex_attention, each on the
 #      packed layout vs each row alone (fp32 + bf16, forward + backward); the first exact one   -> $OUT/model_check.json
 #   3. one bench_update.py run per case ($CASES), merged                                       -> $OUT/bench_update.{json,txt}
 #      (.txt: the table, and per case traj_tree over traj and over stock; stderr of 2 and 3    -> $OUT/bench_update.log)
@@ -15,7 +16,8 @@
 # The machine has no verl: the wheels in .whl travel (`carry: [".whl"]`), installed with --no-deps into $SITE. Ray is
 # imported by verl at module level but never used on this path, and its wheel is too large to carry: a stub (below)
 # stands in, and raises on any real use. Make .whl here (with PyPI):  bash scripts/gpu_update_ab.sh --download
-# Usage on the GPU machine (repo root):  OUT=/some/dir bash scripts/gpu_update_ab.sh
+# Usage on the GPU machine (repo root):  OUT=/some/dir bash scripts/gpu_update_ab.sh  (the whole step against stock:
+# scripts/gpu_e2e.sh, trees, rows and stock verl through main_ppo)
 # Knobs (environment): SHAPE (0.5b | 1.5b | tiny), CASES, REPEATS, ROWS_ATTENTION (skip the choice), PROFILE=1 (one more
 # update per variant under torch's profiler: $OUT/profile/<case>_<variant>.txt, the tree stages' seconds in the JSON:
 # where the tree update loses against its token ratio), DEVICE (cuda | cpu:
@@ -226,7 +228,7 @@ def main():
     ap.add_argument("out", type=Path)
     ap.add_argument("--shape", default="0.5b", choices=list(SHAPES))
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--impls", nargs="+", default=["flex_attention", "sdpa"])
+    ap.add_argument("--impls", nargs="+", default=["sdpa", "flex_attention"])
     ap.add_argument("--lengths", nargs="+", type=int, default=[300, 517, 129, 1000])
     ap.add_argument("--report", type=Path, required=True)
     ap.add_argument("--choice", type=Path, required=True)
@@ -262,8 +264,12 @@ if __name__ == "__main__":
     main()
 EOF
 echo "=== model_check" >>"$LOG"
+# the rows' attention is what stock verl runs here: flash-attn's kernel (verl's default) where it is installed, else
+# sdpa (what a stock user sets without flash-attn); flex_attention only where neither is exact on the packed layout
+IMPLS="sdpa flex_attention"
+"$PY" -c "import flash_attn" 2>/dev/null && IMPLS="flash_attention_2 $IMPLS"
 stage model "$(cap 120)" "$PY" "$WORK/model_check.py" "$WORK/model" --shape "$SHAPE" --device "$DEVICE" \
-  --report "$OUT/model_check.json" --choice "$WORK/rows_attention" >>"$LOG" 2>&1
+  --impls $IMPLS --report "$OUT/model_check.json" --choice "$WORK/rows_attention" >>"$LOG" 2>&1
 grep -E '^(\{|torch\.|rows attention)' "$LOG"
 ROWS="${ROWS_ATTENTION:-$(cat "$WORK/rows_attention" 2>/dev/null || echo sdpa)}"
 echo "rows attention: $ROWS" | tee -a "$SUMMARY"

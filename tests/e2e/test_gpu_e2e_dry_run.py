@@ -53,10 +53,11 @@ def _lines(*args: str, **env: str) -> dict[str, str]:
 
 def test_the_gpu_command_lines():
     """On the GPU: the wheels installed offline into a site directory, the recipe's data, a random Qwen2 of
-    Qwen2.5-0.5B's shape, and two runs of the GPU recipe that differ only in the prefix tree (and, without flash-attn,
-    in the attention: the flash-attention path in torch for trees, sdpa for rows)."""
+    Qwen2.5-0.5B's shape, and three runs of the GPU recipe: trees and rows, which differ only in the prefix tree (and,
+    without flash-attn, in the attention: the flash-attention path in torch for trees, sdpa for rows), and stock verl
+    (traj.enable=false) with the attention a stock user runs there (sdpa without flash-attn)."""
     lines = _lines()
-    assert list(lines) == ["install", "imports", "data", "model", "run_tree", "run_rows"]
+    assert list(lines) == ["install", "imports", "data", "model", "run_tree", "run_rows", "run_stock"]
     assert "--no-index --no-deps" in lines["install"] and ".whl_e2e" in lines["install"]
     assert "--data-only" in lines["data"] and "[896, 4864, 24, 14, 2]" in lines["model"]
     tree, rows = lines["run_tree"], lines["run_rows"]
@@ -65,6 +66,12 @@ def test_the_gpu_command_lines():
         assert "actor_rollout_ref.rollout.name=cpu" in line and "rollout.dtype=bfloat16" in line
     assert "traj.prefix_tree" not in tree and "traj.prefix_tree=false" in rows
     assert "attn_implementation=torch_varlen" in tree and "attn_implementation=sdpa" in rows  # no flash-attn here
+    stock = lines["run_stock"]  # stock verl with the attention a stock user runs without flash-attn
+    assert "traj.enable=false" in stock and "attn_implementation=sdpa" in stock and "traj.prefix_tree" not in stock
+    def overrides(line: str) -> set:  # the run's hydra overrides but the attention
+        return {t for t in line.split("verl_traj.main_ppo")[1].split() if "attn_implementation" not in t}
+
+    assert overrides(stock) == overrides(tree) | {"traj.enable=false"}
 
 
 @pytest.fixture(scope="module")
