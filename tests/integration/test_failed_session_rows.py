@@ -35,6 +35,7 @@ class SpyKV:
 
     def __init__(self) -> None:
         self.tags: dict[str, dict] = {}
+        self.stored: dict[str, tuple[list, list]] = {}  # key -> (input_ids, response_mask) as verl stored them
         self.cleared: list[list[str]] = []
         self.hold: Optional[str] = None  # a key whose put, once its keys exist, never returns
 
@@ -44,6 +45,9 @@ class SpyKV:
     async def async_kv_batch_put(self, keys: list, partition_id: str, fields=None, tags=None, **_) -> None:
         for key, tag in zip(keys, tags or [{}] * len(keys)):
             self.tags.setdefault(key, {}).update(tag)
+        if fields is not None:
+            self.stored.update({k: (fields["input_ids"][i].tolist(), fields["response_mask"][i].tolist())
+                                for i, k in enumerate(keys)})
         if self.hold in keys:
             await asyncio.Event().wait()
 
@@ -150,3 +154,18 @@ def test_a_session_that_fails_before_storing_clears_nothing(spy):
     with pytest.raises((asyncio.TimeoutError, TimeoutError)):
         asyncio.run(main())
     assert spy.cleared == [] and list(spy.tags) == ["g"]
+
+
+@pytest.mark.parametrize("step_wise", [True, False])
+def test_every_stored_training_row_carries_its_facts_for_the_plan(spy, step_wise):
+    """Issue 55, item 4: each row verl stores (step rows, or verl's own rows of a list output) is tagged with its loss
+    tokens and prefix block hashes, computed from what was stored, so the trainer plans without fetching them."""
+    from verl_traj.core.rollout.row_tags import LOSS_TOKENS_TAG, PREFIX_HASH_TAG, row_fact_tags
+
+    asyncio.run(_run(_worker(step_wise), "g", 0, 3))
+    keys = sorted(k for k in spy.stored if k.startswith("g_"))
+    assert len(keys) == (2 if step_wise else 3)  # step-wise: the 3 calls merge into 2 rows (context rewritten once)
+    want = row_fact_tags(*zip(*(spy.stored[k] for k in keys)))
+    for key, facts in zip(keys, want):
+        assert spy.tags[key][LOSS_TOKENS_TAG] == facts[LOSS_TOKENS_TAG] == sum(spy.stored[key][1])
+        assert spy.tags[key][PREFIX_HASH_TAG] == facts[PREFIX_HASH_TAG]

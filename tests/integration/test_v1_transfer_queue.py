@@ -367,3 +367,49 @@ def test_the_plan_facts_are_checked_once_per_batch_and_a_reordered_batch_is_refu
     reordered = dataclasses.replace(meta, keys=list(reversed(meta.keys)))
     with pytest.raises(RuntimeError, match="not the ones _balance_batch planned"):
         tr._step_facts.of(reordered)
+
+
+def test_rows_written_with_their_facts_are_planned_as_trees_without_a_per_token_fetch(tq, monkeypatch):
+    """Issue 55, item 4: the agent loop records each row's loss tokens and prefix block hashes in its tags
+    (``row_fact_tags``), so a prefix-tree plan fetches neither ``response_mask`` nor ``input_ids`` (only verl's
+    padding template row); the trees it stores are valid for the real rows (no mismatch in any micro-batch's device
+    tree) and the loss tokens are the rows' own. A row written without the tags is fetched, alone."""
+    import transfer_queue
+
+    from verl_traj.core.keys import TREE_INDEX, TREE_SIZE
+    from verl_traj.core.rollout.row_tags import row_fact_tags
+    from verl_traj.core.trees.tree_facts import tree_from_facts
+
+    rng = np.random.default_rng(3)
+    batch = _store_rows(tq, rng, prefix="hf")
+    stored = _fetch(tq, batch, "input_ids", "response_mask")
+    ids = [r.tolist() for r in stored["input_ids"].unbind()]
+    facts = row_fact_tags(ids, [m.tolist() for m in stored["response_mask"].unbind()])
+    facts[0] = {}  # one row written without them (another agent loop)
+    tq.kv_batch_put(keys=batch.keys, partition_id="train", tags=facts)
+    batch.tags = [{**t, **f} for t, f in zip(batch.tags, facts)]
+    fetched = []
+    get = transfer_queue.kv_batch_get
+
+    def counted(keys, partition_id, select_fields=None):
+        fetched.append((len(keys), tuple(select_fields or ("*",))))
+        return get(keys=keys, partition_id=partition_id, select_fields=select_fields)
+
+    monkeypatch.setattr(transfer_queue, "kv_batch_get", counted)
+    tr = _trainer({"prefix_tree": True})
+    out = tr._balance_batch(batch, {})
+    monkeypatch.setattr(transfer_queue, "kv_batch_get", get)
+    assert sorted(fetched) == sorted([(1, ("response_mask",)), (1, ("input_ids",)), (1, ("*",))]), fetched
+    assert torch.equal(tr._step_facts.current.loss_tokens[:len(batch)].sort().values,
+                       _dense(_fetch(tq, out, "response_mask")["response_mask"]).sum(-1)[:len(batch)].sort().values)
+    rows = _fetch(tq, out, "input_ids", "position_ids", TREE_INDEX, TREE_SIZE, MINI_BATCH_ID, MICRO_BATCH_ID)
+    n = len(out)
+    part = (torch.arange(n) // (n // DP)) * 1000 + rows[MINI_BATCH_ID] * 100 + rows[MICRO_BATCH_ID]
+    for key in part.unique().tolist():
+        members = (part == key).nonzero().flatten().tolist()
+        row_ids = [rows["input_ids"][i] for i in members]
+        lengths = torch.tensor([len(r) for r in row_ids])
+        tree = tree_from_facts(torch.cat(row_ids), torch.cat([torch.arange(len(r)) for r in row_ids]),
+                               torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+                               torch.cat([rows[TREE_INDEX][i] for i in members]), int(rows[TREE_SIZE][members[0]]))
+        assert {k: int(v) for k, v in tree.checks.items()} == {"tree_index": 0, "position_ids": 0}

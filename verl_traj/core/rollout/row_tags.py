@@ -7,17 +7,52 @@ Pure module (torch). Values keep their Python type (an int64 anchor key stays ex
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
-__all__ = ["MERGE_TAG", "STEP_ANCHOR_TAG", "TURN_REWARD_TAG", "anchor_entries", "anchor_tag", "sparse_tag", "tag_entries",
+from verl_traj.core.trees.prefix_hashes import prefix_block_hashes
+from verl_traj.core.trees.token_rows import TokenRows
+
+__all__ = ["LOSS_TOKENS_TAG", "MERGE_TAG", "PREFIX_HASH_TAG", "STEP_ANCHOR_TAG", "TURN_REWARD_TAG", "anchor_entries",
+           "anchor_tag", "row_fact_tags", "sparse_tag", "tag_entries", "tagged_hashes", "tagged_loss_tokens",
            "turn_reward_entries", "turn_reward_tag"]
 
 # v1's row tags, written by the agent-loop worker, read by the trainer's plan facts and metrics
 MERGE_TAG = "traj_merge"  # tag of a session's first row: its MergeStats as a dict
 TURN_REWARD_TAG = "traj_turn_rewards"  # tag of a row with turn rewards: [[response position, reward], ...]
 STEP_ANCHOR_TAG = "traj_step_anchors"  # tag of a row's calls' GiGPO anchor keys: [[response position, key], ...]
+# every training row's facts, recorded where it is written so the trainer's plan reads no per-token field of it
+LOSS_TOKENS_TAG = "traj_loss_tokens"  # the row's loss tokens (its response_mask's sum) as written
+PREFIX_HASH_TAG = "traj_prefix_hashes"  # its prefix block hashes (core/trees/prefix_hashes.py), int64 bytes
+
+
+def row_fact_tags(rows: Sequence[Sequence[int]], response_masks: Sequence[Sequence[int]]) -> list[dict]:
+    """``{LOSS_TOKENS_TAG, PREFIX_HASH_TAG}`` of each written row: ``rows`` each row's attended ids (prompt then
+    response, as TransferQueue stores ``input_ids``), ``response_masks`` its response mask. One hash pass over all."""
+    lengths = np.array([len(r) for r in rows], dtype=np.int64)
+    ids = np.fromiter((t for r in rows for t in r), dtype=np.int64, count=int(lengths.sum()))
+    hashes, offsets = prefix_block_hashes(TokenRows(ids, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)))
+    return [{LOSS_TOKENS_TAG: int(sum(m)), PREFIX_HASH_TAG: hashes[a:b].tobytes()}
+            for m, a, b in zip(response_masks, offsets[:-1].tolist(), offsets[1:].tolist())]
+
+
+def tagged_loss_tokens(tags: Sequence[dict]) -> np.ndarray:
+    """``[B]`` int64 each row's recorded loss tokens, ``-1`` where its tag has none (a row the agent loop did not
+    write: read its ``response_mask``)."""
+    return np.fromiter((t.get(LOSS_TOKENS_TAG, -1) for t in tags), dtype=np.int64, count=len(tags))
+
+
+def tagged_hashes(tags: Sequence[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(hashes [H] int64, offsets [B + 1], recorded [B] bool)`` of the rows' recorded prefix hashes
+    (:func:`~verl_traj.core.trees.prefix_hashes.prefix_block_hashes`' form); a row without has none and is not
+    ``recorded``."""
+    blobs = [t.get(PREFIX_HASH_TAG) for t in tags]
+    recorded = np.array([b is not None for b in blobs], dtype=bool)
+    counts = np.array([len(b) // 8 if b is not None else 0 for b in blobs], dtype=np.int64)
+    hashes = np.frombuffer(b"".join(b for b in blobs if b is not None), dtype=np.int64)
+    return hashes, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), recorded
 
 
 def sparse_tag(name: str, per_token: torch.Tensor) -> dict:

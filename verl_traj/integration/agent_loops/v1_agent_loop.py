@@ -41,7 +41,7 @@ from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorke
 
 from verl_traj.config import TrajConfig
 from verl_traj.core.rollout.row_key import row_key
-from verl_traj.core.rollout.row_tags import MERGE_TAG, TURN_REWARD_TAG, anchor_tag, turn_reward_tag
+from verl_traj.core.rollout.row_tags import MERGE_TAG, TURN_REWARD_TAG, anchor_tag, row_fact_tags, turn_reward_tag
 from verl_traj.core.rollout.session_ledger import current_ledger, session_ledger
 from verl_traj.integration.async_modes.v1_failures import run_session
 from verl_traj.integration.async_modes.v1_staleness import check_recording
@@ -155,6 +155,13 @@ def session_priority(sample_index: Any, session_id: int, n: int) -> int:
     return base * max(int(n), 1) + int(session_id)
 
 
+def written_row_tags(outputs: list[AgentLoopOutput]) -> list[dict]:
+    """Each training row's facts for the trainer's plan, from what verl's ``AgentLoopWorkerTQ`` stores of it
+    (``input_ids`` = prompt ids then response ids): its loss tokens and prefix block hashes
+    (:func:`~verl_traj.core.rollout.row_tags.row_fact_tags`), so planning fetches no per-token field."""
+    return row_fact_tags([[*o.prompt_ids, *o.response_ids] for o in outputs], [o.response_mask for o in outputs])
+
+
 class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
     """verl's v1 agent-loop worker that stores a step-wise session as its step rows (module docstring), and
     gives each session its own request priority under ``rollout.full_determinism`` (v0 numbers its samples;
@@ -205,13 +212,15 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
         if validate or not traj_config.step_wise or not recorded:  # verl's rows: validation, a list, no records
             if not isinstance(output, list):
                 output.extra_fields.pop(DEFAULT_STEPS_KEY, None)
-            last = len(output) - 1 if isinstance(output, list) else 0
+            rows = output if isinstance(output, list) else [output]
+            keys = [row_key(kwargs["uid"], kwargs["session_id"], i) for i in range(len(rows))]
             if ledger is not None:  # recorded before the put: a failure cutting it clears them (run_session)
-                ledger.stored_keys.extend(row_key(kwargs["uid"], kwargs["session_id"], i) for i in range(last + 1))
+                ledger.stored_keys.extend(keys)
             await super()._agent_loop_postprocess(output, validate, **kwargs)
-            if ledger_tags and last >= 0:
-                await tq.async_kv_put(key=row_key(kwargs["uid"], kwargs["session_id"], last), partition_id="train",
-                                      tag=ledger_tags)
+            if not validate and traj_config.enable and rows:  # the rows' facts for the plan (and the ledger's)
+                tags = written_row_tags(rows)
+                tags[-1].update(ledger_tags)
+                await tq.async_kv_batch_put(keys=keys, partition_id="train", tags=tags)
             return
         await self._compute_score([output], kwargs=kwargs)
         stock = not traj_config.enable  # stock verl on step rows: one row per call, as verl's list outputs give it
@@ -222,11 +231,10 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
         if ledger is not None:  # recorded before the put: a failure cutting it clears them (run_session)
             ledger.stored_keys.extend(keys)
         await super()._agent_loop_postprocess(outputs, validate, **kwargs)
+        tags = [{**t, **facts} for t, facts in zip(tags, written_row_tags(outputs))]
         tags[0] = {**tags[0], MERGE_TAG: stats}
         tags[-1] = {**tags[-1], **ledger_tags}
-        tagged = [i for i, t in enumerate(tags) if t]
-        await tq.async_kv_batch_put(keys=[keys[i] for i in tagged], partition_id="train",
-                                    tags=[tags[i] for i in tagged])
+        await tq.async_kv_batch_put(keys=keys, partition_id="train", tags=tags)
 
 
 class TrajAgentLoopManagerTQ(AgentLoopManagerTQ):

@@ -74,10 +74,10 @@ from verl_traj.integration.trainers.v1_advantage import (corrected_per_trajector
                                                          planned_advantage)
 from verl_traj.integration.trainers.v1_metrics import (RolloutBusy, StepPadding, length_bias_metrics, length_budget,
                                                        offpolicy_metrics, stepwise_metrics, trajectory_metrics)
-from verl_traj.integration.trainers.v1_padding import write_padding_rows
+from verl_traj.integration.trainers.v1_padding import padding_ids, write_padding_rows
 from verl_traj.integration.trainers.v1_plan_facts import StepFacts, plan_facts
 from verl_traj.integration.trainers.v1_planning import (debug_rows, dispatch_dp_size, in_key_order, ordered_batch,
-                                                        read_layout, read_rows, store_plan_ids)
+                                                        read_layout, read_tree_rows, store_plan_ids)
 from verl_traj.integration.trainers.v1_updates import extra_info, planned_update
 from verl_traj.stepwise.step_groups import StepGroupOptions
 
@@ -181,12 +181,13 @@ class TrajV1Mixin(CompleteCheckpoints):
         batch = in_key_order(batch)
         metrics.update(stepwise_metrics(batch.tags))
         layout = read_layout(batch)
-        rows = read_rows(batch) if self.traj_config.trees else None
+        rows = read_tree_rows(batch) if self.traj_config.trees else None
         plan = self._plan(layout, rows)
         pad_keys, pad_tags = write_padding_rows(batch, int(plan.is_padding.sum()), self.tokenizer.eos_token_id,
                                                 self.spec.plan.pad_row_tokens)
         out = ordered_batch(batch, plan, pad_keys, pad_tags)
-        trees = store_plan_ids(out, plan, rows, self.spec.plan.tree_cost)
+        trees = store_plan_ids(out, plan, rows, self.spec.plan.tree_cost,
+                               padding_ids(self.tokenizer.eos_token_id, self.spec.plan.pad_row_tokens).numpy())
         self._step_facts.planned(plan_facts(out, plan, layout))
         self._step_padding.record(out.keys, plan.is_padding.tolist())
         metrics.update(plan_step_metrics(plan, self.spec.epochs), **trees)

@@ -22,7 +22,13 @@ from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
 from verl_traj.core.rollout.row_key import row_key
 
-__all__ = ["padding_row", "write_padding_rows"]
+__all__ = ["padding_ids", "padding_row", "write_padding_rows"]
+
+
+def padding_ids(eos_token_id: int, length: int) -> torch.Tensor:
+    """``[length]`` int64: a padding row's attended ids (``length - 1`` prompt EOS, one response EOS); the tree
+    planner builds the padding rows' trees from these without reading them back."""
+    return torch.full((length,), eos_token_id, dtype=torch.int64)
 
 
 def padding_row(source: dict, tag: dict, eos_token_id: int, length: int) -> tuple[dict, dict]:
@@ -30,9 +36,8 @@ def padding_row(source: dict, tag: dict, eos_token_id: int, length: int) -> tupl
     rewards 0) with ``source``'s schema: verl's ``construct_minimal_padding_template`` (128 tokens), shortened.
     Returns ``(fields, tag)``; ``source`` and ``tag`` are not changed."""
     sample, pad_tag = construct_minimal_padding_template(source, tag, eos_token_id)
-    prompts = torch.full((length - 1,), eos_token_id, dtype=torch.int64)
-    responses = torch.full((1,), eos_token_id, dtype=torch.int64)
-    input_ids = torch.cat([prompts, responses])
+    input_ids = padding_ids(eos_token_id, length)
+    prompts, responses = input_ids[:-1], input_ids[-1:]
     attention_mask = torch.ones_like(input_ids)
     sample.update(prompts=prompts, responses=responses, input_ids=input_ids, attention_mask=attention_mask,
                   position_ids=build_padding_position_ids(source.get("position_ids"), attention_mask))

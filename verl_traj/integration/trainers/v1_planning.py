@@ -4,11 +4,13 @@ loss tokens; the planned batch meta in dispatch order; the plan's ids stored as 
 A row key is ``{uid}_{session}_{index}`` (:mod:`verl_traj.core.rollout.row_key`): ``uid`` is the prompt (the GRPO group),
 ``{uid}_{session}`` one trajectory, ``index`` its step. The planner itself is the core's
 (:func:`~verl_traj.integration.trainers.step_plan.plan_layout`); these functions move its input out of TransferQueue and
-its output back in. The only ``[B, R]`` reads are :func:`read_layout`'s fetch of ``response_mask``, counted to ``[B]``,
-and with ``traj.prefix_tree`` :func:`read_rows`' fetch of ``input_ids`` (the tree planner's costs), which
-:func:`store_plan_ids` reuses, fetching only the padding rows, to build each planned micro-batch's tree once per step
-(the tree facts the workers rebuild them from on the device in every pass,
-:mod:`verl_traj.integration.trainers.tree_plan_facts`).
+its output back in. Each row's loss tokens and prefix block hashes were recorded in its tags where the agent loop wrote
+it (:func:`~verl_traj.core.rollout.row_tags.row_fact_tags`), so planning reads no per-token field: :func:`read_layout`
+counts the loss tokens from the tags, and with ``traj.prefix_tree`` :func:`read_tree_rows` gives the tree planner
+stand-in rows built from the hashes (:mod:`~verl_traj.core.trees.prefix_hashes`), which :func:`store_plan_ids` reuses
+with the padding rows' known ids to build each planned micro-batch's tree once per step (the tree facts the workers
+rebuild them from on the device in every pass, :mod:`verl_traj.integration.trainers.tree_plan_facts`). A row written
+without them (another agent loop) has its ``response_mask`` / ``input_ids`` fetched, and only that row.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ from verl_traj.core import BatchLayout, MiniBatchPlan, build_layout_from_counts
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID
 from verl_traj.core.rollout.row_key import parse_row_keys, row_key_order
+from verl_traj.core.rollout.row_tags import PREFIX_HASH_TAG, tagged_hashes, tagged_loss_tokens
+from verl_traj.core.trees.prefix_hashes import hashed_rows, prefix_block_hashes
 from verl_traj.core.trees.token_rows import TokenRows
 from verl_traj.core.trees.tree_cost import TreeCostModel
 from verl_traj.integration.trainers.tree_plan_facts import nested_tree_facts
 from verl_traj.integration.trainers.v1_plan_facts import row_loss_tokens
 
-__all__ = ["debug_rows", "dispatch_dp_size", "in_key_order", "ordered_batch", "read_layout", "read_rows",
-           "store_plan_ids"]
+__all__ = ["debug_rows", "dispatch_dp_size", "in_key_order", "ordered_batch", "read_layout", "read_loss_tokens",
+           "read_rows", "read_tree_rows", "store_plan_ids"]
 
 
 def dispatch_dp_size(worker_group: Any, mesh: str) -> int:
@@ -48,14 +52,50 @@ def in_key_order(batch: KVBatchMeta) -> KVBatchMeta:
     return batch
 
 
+def _seq_len(batch: KVBatchMeta) -> np.ndarray:
+    return np.fromiter((int(t["seq_len"]) for t in batch.tags), dtype=np.int64, count=len(batch))
+
+
 def read_layout(batch: KVBatchMeta) -> BatchLayout:
     """The planner's input: groups, trajectories and steps from the keys, attended tokens from the ``seq_len`` tags,
-    loss tokens from one fetch of ``response_mask`` (counted per row)."""
+    loss tokens from the tags (:func:`read_loss_tokens`)."""
     keys = parse_row_keys(batch.keys)
-    seq_len = torch.tensor([int(t["seq_len"]) for t in batch.tags], dtype=torch.int64)
-    mask = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["response_mask"])
-    return build_layout_from_counts(seq_len, row_loss_tokens(mask["response_mask"]), keys.uid,
-                                    traj_id=keys.traj_id, step_index=keys.step)
+    return build_layout_from_counts(torch.from_numpy(_seq_len(batch)), torch.from_numpy(read_loss_tokens(batch)),
+                                    keys.uid, traj_id=keys.traj_id, step_index=keys.step)
+
+
+def read_loss_tokens(batch: KVBatchMeta) -> np.ndarray:
+    """``[B]`` int64 each row's loss tokens: as the agent loop recorded them, else (a row written without them) from a
+    fetch of that row's ``response_mask``."""
+    counts = tagged_loss_tokens(batch.tags)
+    missing = np.flatnonzero(counts < 0)
+    if missing.size:
+        mask = tq.kv_batch_get(keys=[batch.keys[i] for i in missing.tolist()], partition_id=batch.partition_id,
+                               select_fields=["response_mask"])["response_mask"]
+        counts[missing] = row_loss_tokens(mask).numpy()
+    return counts
+
+
+def read_tree_rows(batch: KVBatchMeta) -> TokenRows:
+    """The tree planner's rows (:func:`~verl_traj.core.trees.prefix_hashes.hashed_rows`): stand-ins built from each
+    row's recorded prefix hashes and its ``seq_len``; a row without them has its ``input_ids`` fetched and hashed
+    here. Raises :class:`TrajInputError` (field ``traj_prefix_hashes``) where a row's hashes do not fit its length."""
+    hashes, offsets, recorded = tagged_hashes(batch.tags)
+    missing = np.flatnonzero(~recorded)
+    if missing.size:  # hash the fetched rows and splice them in, each at its row
+        extra, extra_offsets = prefix_block_hashes(read_rows(batch, [batch.keys[i] for i in missing.tolist()]))
+        counts = np.diff(offsets)
+        counts[missing] = np.diff(extra_offsets)
+        start = offsets[:-1].copy()
+        start[missing] = hashes.size + extra_offsets[:-1]
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        at = np.arange(int(offsets[-1]), dtype=np.int64) + np.repeat(start - offsets[:-1], counts)
+        hashes = np.concatenate([hashes, extra])[at]
+    try:
+        return hashed_rows(hashes, offsets, _seq_len(batch))
+    except ValueError as e:
+        raise TrajInputError(f"{PREFIX_HASH_TAG}: {e}. Fix: leave the rows as the agent loop wrote them, or drop the "
+                             f"{PREFIX_HASH_TAG} tag of a row rewritten after it.", field=PREFIX_HASH_TAG) from e
 
 
 def read_rows(batch: KVBatchMeta, keys: Optional[list[str]] = None) -> TokenRows:
@@ -70,10 +110,13 @@ def read_rows(batch: KVBatchMeta, keys: Optional[list[str]] = None) -> TokenRows
     return TokenRows.of_flat(ids.values(), ids.offsets().diff())
 
 
-def pad_rows(batch: KVBatchMeta, plan: MiniBatchPlan) -> TokenRows:
-    """The padding rows the plan wrote into the planned ``batch`` (``plan.order < 0``, dispatch order), fetched: the
-    trees take the source rows read for planning by ``plan.order`` and these."""
-    return read_rows(batch, [k for k, o in zip(batch.keys, plan.order.tolist()) if o < 0])
+def pad_rows(plan: MiniBatchPlan, pad_ids: np.ndarray) -> TokenRows:
+    """The padding rows the plan wrote (``plan.order < 0``), each ``pad_ids`` (one padding row's attended ids, as
+    :func:`~verl_traj.integration.trainers.v1_padding.padding_ids` writes them): the trees take the source rows read
+    for planning by ``plan.order`` and these, with nothing fetched."""
+    count = int((plan.order < 0).sum())
+    return TokenRows(np.tile(np.asarray(pad_ids, dtype=np.int64), count),
+                     np.arange(count + 1, dtype=np.int64) * len(pad_ids))
 
 
 def ordered_batch(batch: KVBatchMeta, plan: MiniBatchPlan, pad_keys: list[str], pad_tags: list[dict]) -> KVBatchMeta:
@@ -88,19 +131,21 @@ def ordered_batch(batch: KVBatchMeta, plan: MiniBatchPlan, pad_keys: list[str], 
 
 
 def store_plan_ids(batch: KVBatchMeta, plan: MiniBatchPlan, rows: Optional[TokenRows] = None,
-                   tree_cost: Optional[TreeCostModel] = None) -> dict[str, float]:
+                   tree_cost: Optional[TreeCostModel] = None, pad_ids: Optional[np.ndarray] = None) -> dict[str, float]:
     """``mini_batch_id`` and ``micro_batch_id`` (``[B]`` int64, dispatch order) as fields of every row of the
     planned ``batch``; with a prefix-tree plan also each planned micro-batch's tree facts (``TREE_INDEX`` nested per
-    row, ``TREE_SIZE`` ``[B]``) from the planned rows (``rows``: the source rows :func:`read_rows` gave the planner;
-    only the padding rows are fetched; ``tree_cost`` decides which micro-batches forward as trees). Named in its field
-    list when it has one (the workers fetch exactly those). Returns the trees' metrics (``actor/tree_share``)."""
+    row, ``TREE_SIZE`` ``[B]``) from the planned rows (``rows``: the source rows :func:`read_tree_rows` gave the
+    planner; ``pad_ids``: one padding row's ids; ``tree_cost`` decides which micro-batches forward as trees). Named in
+    its field list when it has one (the workers fetch exactly those). Returns the trees' metrics
+    (``actor/tree_share``)."""
     fields, trees = {MINI_BATCH_ID: plan.mini_batch_id, MICRO_BATCH_ID: plan.micro_batch_id}, {"actor/tree_share": 0.0}
     if plan.spec.prefix_tree:
-        if rows is None or tree_cost is None:
-            raise TrajInputError("store_plan_ids: a prefix-tree plan needs the rows it was planned from and the tree "
-                                 "cost model (rows=None or tree_cost=None). Fix: pass read_rows(batch), the rows the "
-                                 "planner costed, and the update's PlanSettings.tree_cost.", field="rows")
-        tree_fields, trees = nested_tree_facts(rows, pad_rows(batch, plan), plan, tree_cost)
+        if rows is None or tree_cost is None or pad_ids is None:
+            raise TrajInputError("store_plan_ids: a prefix-tree plan needs the rows it was planned from, the tree cost "
+                                 "model and the padding rows' ids (rows, tree_cost or pad_ids is None). Fix: pass "
+                                 "read_tree_rows(batch), the update's PlanSettings.tree_cost and "
+                                 "padding_ids(eos, pad_row_tokens).", field="rows")
+        tree_fields, trees = nested_tree_facts(rows, pad_rows(plan, pad_ids), plan, tree_cost)
         fields.update(tree_fields.items())
     tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
                     fields=TensorDict(fields, batch_size=[plan.num_rows]))
