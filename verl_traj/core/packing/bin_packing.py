@@ -14,7 +14,10 @@ bound it knows:
   longest-processing-time (LPT) repaired by a local search of moves and swaps (:func:`repaired_bins`: it finds the
   tight packings of many similar rows that a depth-first search cannot reach in budget) and the caller's
   partitioner (the verl adapter passes verl's own Karmarkar-Karp, so the count never exceeds verl's
-  ``rearrange_micro_batches`` on the same rows); best-fit decreasing (BFD) ends the scan.
+  ``rearrange_micro_batches`` on the same rows) where ``rows x k <= PARTITIONER_LIMIT`` (verl's Karmarkar-Karp
+  builds ``rows x k`` Python objects: 1.6 s for a block of 780 rows into 390 micro-batches, seven such blocks 11 s
+  of a 10^5-row step; past the limit one micro-batch more than verl's cut is possible, a small share of that many);
+  best-fit decreasing (BFD) ends the scan.
 
 So the count equals the bound wherever the exact search finishes, and mostly where it does not: on the lengths
 agent rows have (many rows, each well under the cap) it finishes in a few thousand steps. Pure module (numpy).
@@ -38,6 +41,7 @@ EXACT_WORK_BUDGET = 20_000  # steps of one exact search (per count and order); a
 SEARCH_LIMIT = 10 * EXACT_WORK_BUDGET  # rows x bins of the largest block the exact search runs on
 EXACT_UNSETTLED_COUNTS = 2  # counts the exact search may leave unsettled per block before only heuristics run
 REPAIR_STEPS = 64  # local-search exchanges after LPT where the exact search did not settle a count
+PARTITIONER_LIMIT = 64_000  # rows x bins of the largest block the caller's partitioner is asked for (about 0.3 s)
 # (row lengths, number of parts) -> parts as lists of row positions (may return parts over the cap)
 Partitioner = Callable[[list[int], int], Sequence[Sequence[int]]]
 
@@ -266,7 +270,7 @@ def fewest_bins(sizes: list[int], cap: int, partitioner: Optional[Partitioner] =
         bins = repaired_bins(sizes, k, cap, REPAIR_STEPS if searching else 0)  # 0 steps: LPT
         if fits(bins, sizes, cap):
             return BinPacking(bins, lower)
-        if partitioner is not None:  # asked only here: verl's Karmarkar-Karp costs O(rows x k) Python objects
+        if partitioner is not None and len(sizes) * k <= PARTITIONER_LIMIT:  # verl's KK: rows x k Python objects
             bins = [list(p) for p in partitioner(sizes, k) if len(p)]
             if len(bins) <= k and fits(bins, sizes, cap):
                 return BinPacking(bins, lower)

@@ -27,7 +27,8 @@ DEBUG_DUMP_ENV = "VERL_TRAJ_DEBUG_DUMP"  # a directory: one JSON line per step w
 
 def verl_partitioner(sizes: list[int], k: int) -> list[list[int]]:
     """verl's own micro-batch partition (Karmarkar-Karp on its workload model, ``equal_size=False``), offered
-    to the planner as a candidate so a planned count never exceeds verl's ``rearrange_micro_batches``."""
+    to the planner as a candidate so a planned count never exceeds verl's ``rearrange_micro_batches`` (in blocks of
+    at most ``PARTITIONER_LIMIT`` rows x micro-batches, :mod:`~verl_traj.core.packing.bin_packing`)."""
     workloads = calculate_workload(torch.tensor(sizes, dtype=torch.long)).tolist()
     return get_seqlen_balanced_partitions(workloads, k, equal_size=False)
 
