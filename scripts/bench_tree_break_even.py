@@ -44,9 +44,10 @@ def _ratio(r: dict, base: dict) -> float:
     return statistics.median(t / b for t, b in zip(r["seconds_all"], base["seconds_all"]))
 
 
-def _tree_share(r: dict, planned: int) -> float:
-    """The share of a variant's micro-batches that ran as trees (``row_micro_batches`` per rank of ``planned``)."""
-    return 1.0 - float(r.get("row_micro_batches") or 0.0) / max(planned, 1)
+def _tree_share(r: dict) -> float:
+    """The share of a variant's micro-batches that ran as trees (its ``row_micro_batches`` per rank of its planned
+    ones: the planner cuts units whose trees do not pay into rows, so each variant has its own count)."""
+    return 1.0 - float(r.get("row_micro_batches") or 0.0) / max(r["micro_batches_planned"], 1)
 
 
 def curve(report: dict) -> list[dict]:
@@ -62,7 +63,7 @@ def curve(report: dict) -> list[dict]:
             "tree_over_rows": _ratio(tree, rows), "implied_tree_token_cost": _ratio(tree, rows) / token_ratio,
             "auto_over_rows": {v: _ratio(r, rows) for v, r in autos.items()},
             "auto_over_stock": {v: _ratio(r, res["stock"]) for v, r in autos.items()},
-            "auto_tree_share": {v: _tree_share(r, tree["micro_batches_planned"]) for v, r in autos.items()},
+            "auto_tree_share": {v: _tree_share(r) for v, r in autos.items()},
         })
     return points
 

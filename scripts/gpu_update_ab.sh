@@ -18,7 +18,8 @@
 # stands in, and raises on any real use. Make .whl here (with PyPI):  bash scripts/gpu_update_ab.sh --download
 # Usage on the GPU machine (repo root):  OUT=/some/dir bash scripts/gpu_update_ab.sh  (the whole step against stock:
 # scripts/gpu_e2e.sh, trees, rows and stock verl through main_ppo)
-# Knobs (environment): SHAPE (0.5b | 1.5b | tiny), CASES, REPEATS, ROWS_ATTENTION (skip the choice), PROFILE=1 (one more
+# Knobs (environment): SHAPE (0.5b | 1.5b | tiny), CASES (e.g. share_0 share_50 share_100 low_share: the break-even),
+# VARIANTS (traj traj_tree traj_auto), REPEATS, ROWS_ATTENTION (skip the choice), PROFILE=1 (one more
 # update per variant under torch's profiler: $OUT/profile/<case>_<variant>.txt, the tree stages' seconds in the JSON:
 # where the tree update loses against its token ratio), DEVICE (cuda | cpu:
 # the CPU dry run, with PYTHON, WHL and SITE pointing at a CPU interpreter and its wheels), DEADLINE.
@@ -332,7 +333,7 @@ while [ $# -gt 0 ]; do
   fi
   echo "=== bench $name (rows attention $ROWS)" >>"$LOG"
   stage "bench_$name" "$limit" "$PY" scripts/bench_update.py --device "$DEVICE" --dp 1 --model "$WORK/model" \
-    --remove-padding --tree --rows-attention "$ROWS" --cases "$name" --variants traj traj_tree --repeats "$REPEATS" \
+    --remove-padding --tree --rows-attention "$ROWS" --cases "$name" --variants ${VARIANTS:-traj traj_tree traj_auto} --repeats "$REPEATS" \
     --home "$WORK/home" ${PROFILE:+--profile "$OUT/profile"} --json >"$WORK/case_$name.json" 2>>"$LOG"
   rc=$?
   if [ "$rc" -ne 0 ]; then
