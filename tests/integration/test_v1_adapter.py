@@ -205,8 +205,12 @@ def test_padding_row_has_the_source_schema_and_no_loss():
               "response_mask": torch.ones(3, dtype=torch.long), "loss_mask": torch.ones(3, dtype=torch.long),
               "rm_scores": torch.tensor([0.0, 0.0, 1.0]), "rollout_log_probs": -torch.ones(3), "uid": "g",
               "session_id": 1, "num_turns": 3, "data_source": "d"}
-    tag = {"status": "success", "seq_len": 8, "min_global_steps": 2, "max_global_steps": 3}
+    tag = {"status": "success", "seq_len": 8, "min_global_steps": 2, "max_global_steps": 3,
+           # the source session's verl_traj tags, which verl's template copies: a padding row carries none of them
+           "traj_turn_rewards": [[2, 1.0]], "traj_step_anchors": [[0, 99]], "traj_loss_tokens": 3,
+           "traj_prefix_hashes": b"\x00" * 8, "traj_merge": {"rows_before": 3}}
     row, pad_tag = padding_row(source, tag, eos_token_id=7, length=2)
+    assert not [k for k in pad_tag if k.startswith("traj_")] and "traj_turn_rewards" in tag
     assert set(row) == set(source)
     assert row["input_ids"].tolist() == [7, 7] and row["attention_mask"].tolist() == [1, 1]
     assert row["response_mask"].tolist() == [0] and float(row["rm_scores"].abs().sum()) == 0

@@ -33,8 +33,9 @@ def padding_ids(eos_token_id: int, length: int) -> torch.Tensor:
 
 def padding_row(source: dict, tag: dict, eos_token_id: int, length: int) -> tuple[dict, dict]:
     """One padding row of ``length`` attended tokens (``length - 1`` prompt EOS + one response EOS, masks and
-    rewards 0) with ``source``'s schema: verl's ``construct_minimal_padding_template`` (128 tokens), shortened.
-    Returns ``(fields, tag)``; ``source`` and ``tag`` are not changed."""
+    rewards 0) with ``source``'s schema: verl's ``construct_minimal_padding_template`` (128 tokens), shortened; its
+    tag verl's copy of ``tag`` without verl_traj's ``traj_*`` entries. Returns ``(fields, tag)``; ``source`` and
+    ``tag`` are not changed."""
     sample, pad_tag = construct_minimal_padding_template(source, tag, eos_token_id)
     input_ids = padding_ids(eos_token_id, length)
     prompts, responses = input_ids[:-1], input_ids[-1:]
@@ -43,6 +44,9 @@ def padding_row(source: dict, tag: dict, eos_token_id: int, length: int) -> tupl
                   position_ids=build_padding_position_ids(source.get("position_ids"), attention_mask))
     if "routed_experts" in sample:
         sample["routed_experts"] = build_padding_routed_experts(source.get("routed_experts"), length)
+    # verl copies the source row's whole tag: drop verl_traj's ("traj_*": the source session's turn rewards, GiGPO
+    # anchors, row facts, versions), which a padding row must not carry into plans, credit or metrics
+    pad_tag = {k: v for k, v in pad_tag.items() if not str(k).startswith("traj_")}
     pad_tag.update(is_padding=True, prompt_len=length - 1, response_len=1, seq_len=length)
     return sample, pad_tag
 
