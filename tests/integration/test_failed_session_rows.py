@@ -169,3 +169,14 @@ def test_every_stored_training_row_carries_its_facts_for_the_plan(spy, step_wise
     for key, facts in zip(keys, want):
         assert spy.tags[key][LOSS_TOKENS_TAG] == facts[LOSS_TOKENS_TAG] == sum(spy.stored[key][1])
         assert spy.tags[key][PREFIX_HASH_TAG] == facts[PREFIX_HASH_TAG]
+
+
+def test_a_run_without_prefix_trees_stores_no_prefix_hashes(spy):
+    """``traj.prefix_tree=false``: the rows carry their loss tokens only (no hashing, nothing in the controller)."""
+    from verl_traj.core.rollout.row_tags import LOSS_TOKENS_TAG, PREFIX_HASH_TAG
+
+    worker = _worker(True)
+    worker.traj_config = TrajConfig(step_wise=True, prefix_tree=False)
+    asyncio.run(_run(worker, "g", 0, 3))
+    rows = [k for k in spy.stored if k.startswith("g_")]
+    assert rows and all(LOSS_TOKENS_TAG in spy.tags[k] and PREFIX_HASH_TAG not in spy.tags[k] for k in rows)

@@ -400,6 +400,9 @@ def test_rows_written_with_their_facts_are_planned_as_trees_without_a_per_token_
     out = tr._balance_batch(batch, {})
     monkeypatch.setattr(transfer_queue, "kv_batch_get", get)
     assert sorted(fetched) == sorted([(1, ("response_mask",)), (1, ("input_ids",)), (1, ("*",))]), fetched
+    from verl_traj.core.rollout.row_tags import PREFIX_HASH_TAG
+
+    assert not [t for t in out.tags if PREFIX_HASH_TAG in t]  # read by planning, not carried to every worker call
     assert torch.equal(tr._step_facts.current.loss_tokens[:len(batch)].sort().values,
                        _dense(_fetch(tq, out, "response_mask")["response_mask"]).sum(-1)[:len(batch)].sort().values)
     rows = _fetch(tq, out, "input_ids", "position_ids", TREE_INDEX, TREE_SIZE, MINI_BATCH_ID, MICRO_BATCH_ID)

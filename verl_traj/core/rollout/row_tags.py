@@ -28,13 +28,18 @@ LOSS_TOKENS_TAG = "traj_loss_tokens"  # the row's loss tokens (its response_mask
 PREFIX_HASH_TAG = "traj_prefix_hashes"  # its prefix block hashes (core/trees/prefix_hashes.py), int64 bytes
 
 
-def row_fact_tags(rows: Sequence[Sequence[int]], response_masks: Sequence[Sequence[int]]) -> list[dict]:
+def row_fact_tags(rows: Sequence[Sequence[int]], response_masks: Sequence[Sequence[int]],
+                  hashes: bool = True) -> list[dict]:
     """``{LOSS_TOKENS_TAG, PREFIX_HASH_TAG}`` of each written row: ``rows`` each row's attended ids (prompt then
-    response, as TransferQueue stores ``input_ids``), ``response_masks`` its response mask. One hash pass over all."""
-    lengths = np.array([len(r) for r in rows], dtype=np.int64)
-    ids = np.fromiter((t for r in rows for t in r), dtype=np.int64, count=int(lengths.sum()))
+    response, as TransferQueue stores ``input_ids``), ``response_masks`` its response mask. One hash pass over all;
+    ``hashes=False`` (a run without prefix trees): the loss tokens only."""
+    if not hashes:
+        return [{LOSS_TOKENS_TAG: int(np.count_nonzero(m))} for m in response_masks]
+    parts = [np.asarray(r, dtype=np.int64) for r in rows]
+    lengths = np.array([p.size for p in parts], dtype=np.int64)
+    ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     hashes, offsets = prefix_block_hashes(TokenRows(ids, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)))
-    return [{LOSS_TOKENS_TAG: int(sum(m)), PREFIX_HASH_TAG: hashes[a:b].tobytes()}
+    return [{LOSS_TOKENS_TAG: int(np.count_nonzero(m)), PREFIX_HASH_TAG: hashes[a:b].tobytes()}
             for m, a, b in zip(response_masks, offsets[:-1].tolist(), offsets[1:].tolist())]
 
 

@@ -155,11 +155,13 @@ def session_priority(sample_index: Any, session_id: int, n: int) -> int:
     return base * max(int(n), 1) + int(session_id)
 
 
-def written_row_tags(outputs: list[AgentLoopOutput]) -> list[dict]:
+def written_row_tags(outputs: list[AgentLoopOutput], hashes: bool = True) -> list[dict]:
     """Each training row's facts for the trainer's plan, from what verl's ``AgentLoopWorkerTQ`` stores of it
-    (``input_ids`` = prompt ids then response ids): its loss tokens and prefix block hashes
+    (``input_ids`` = prompt ids then response ids): its loss tokens and, where the run may plan prefix trees
+    (``hashes``: ``traj.prefix_tree`` not false), its prefix block hashes
     (:func:`~verl_traj.core.rollout.row_tags.row_fact_tags`), so planning fetches no per-token field."""
-    return row_fact_tags([[*o.prompt_ids, *o.response_ids] for o in outputs], [o.response_mask for o in outputs])
+    return row_fact_tags([[*o.prompt_ids, *o.response_ids] for o in outputs], [o.response_mask for o in outputs],
+                         hashes)
 
 
 class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
@@ -218,7 +220,7 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
                 ledger.stored_keys.extend(keys)
             await super()._agent_loop_postprocess(output, validate, **kwargs)
             if not validate and traj_config.enable and rows:  # the rows' facts for the plan (and the ledger's)
-                tags = written_row_tags(rows)
+                tags = written_row_tags(rows, self.traj_config.prefix_tree is not False)
                 tags[-1].update(ledger_tags)
                 await tq.async_kv_batch_put(keys=keys, partition_id="train", tags=tags)
             return
@@ -231,7 +233,8 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
         if ledger is not None:  # recorded before the put: a failure cutting it clears them (run_session)
             ledger.stored_keys.extend(keys)
         await super()._agent_loop_postprocess(outputs, validate, **kwargs)
-        tags = [{**t, **facts} for t, facts in zip(tags, written_row_tags(outputs))]
+        hashes = traj_config.prefix_tree is not False
+        tags = [{**t, **facts} for t, facts in zip(tags, written_row_tags(outputs, hashes))]
         tags[0] = {**tags[0], MERGE_TAG: stats}
         tags[-1] = {**tags[-1], **ledger_tags}
         await tq.async_kv_batch_put(keys=keys, partition_id="train", tags=tags)

@@ -121,8 +121,11 @@ def pad_rows(plan: MiniBatchPlan, pad_ids: np.ndarray) -> TokenRows:
 
 def ordered_batch(batch: KVBatchMeta, plan: MiniBatchPlan, pad_keys: list[str], pad_tags: list[dict]) -> KVBatchMeta:
     """A new meta: ``batch``'s keys and tags with the padding rows appended, in the plan's rank-major order
-    (``plan.order``: source row per planned row, ``-1`` for padding; padding rows fill those slots in order)."""
-    keys, tags = batch.keys + pad_keys, batch.tags + pad_tags
+    (``plan.order``: source row per planned row, ``-1`` for padding; padding rows fill those slots in order). The
+    prefix hashes are left out of its tags: planning has read them, and the meta rides along with every call to the
+    workers (about 7 KB a row of 14K tokens; the controller keeps them)."""
+    keys = batch.keys + pad_keys
+    tags = [{k: v for k, v in t.items() if k != PREFIX_HASH_TAG} for t in batch.tags] + pad_tags
     order = plan.order.numpy().copy()
     pads = np.flatnonzero(order < 0)
     order[pads] = len(batch) + np.arange(pads.size)
