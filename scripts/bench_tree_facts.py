@@ -7,8 +7,10 @@ Torch (and numpy) only: no verl. Variants, each per micro-batch (medians of ``--
 * ``worker/rows``  -- what every tree pass did per micro-batch before: the ids copied to the host, the trie built
   there (:func:`~verl_traj.core.trees.prefix_tree.build_prefix_tree`) and checked
   (:func:`~verl_traj.core.kernels.tree_attention.check_tree`), the tree copied back to the device;
-* ``worker/facts`` -- now: :func:`~verl_traj.core.trees.tree_facts.tree_from_facts` on the rows' device (scatters and a
-  cumulative sum, the exactness checks counted there);
+* ``worker/facts`` -- now: each row token's tree index from the rows' segments
+  (:func:`~verl_traj.core.trees.tree_facts.segment_tree_index`), then
+  :func:`~verl_traj.core.trees.tree_facts.tree_from_facts` on the rows' device (scatters and a cumulative sum, the
+  exactness checks counted there);
 * ``driver/facts`` -- :func:`~verl_traj.core.trees.tree_facts.micro_batch_tree_facts` on the host, once per step for all
   passes (old log-probs, reference, values, every update epoch).
 
@@ -43,7 +45,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from verl_traj.core.trees.prefix_tree import build_prefix_tree  # noqa: E402
 from verl_traj.core.kernels.tree_attention import check_tree  # noqa: E402
-from verl_traj.core.trees.tree_facts import micro_batch_tree_facts, tree_from_facts  # noqa: E402
+from verl_traj.core.trees.tree_facts import segment_tree_index, micro_batch_tree_facts, tree_from_facts  # noqa: E402
 
 VOCAB = 32000
 
@@ -78,7 +80,7 @@ def _inputs(rows: list[list[int]], device: str) -> dict:
     return {"ids": torch.tensor([t for r in rows for t in r], device=device),
             "pos": torch.cat([torch.arange(n) for n in lengths]).to(device),
             "offsets": torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), device=device),
-            "index": torch.from_numpy(facts.index).to(device), "size": int(facts.size[0]), "rows": rows}
+            "segment": torch.from_numpy(facts.segment).to(device), "size": int(facts.size[0]), "rows": rows}
 
 
 def worker_rows(x: dict) -> torch.Tensor:
@@ -91,13 +93,14 @@ def worker_rows(x: dict) -> torch.Tensor:
 
 
 def worker_facts(x: dict) -> torch.Tensor:
-    """Now: the tree from the plan's facts on the rows' device."""
-    return tree_from_facts(x["ids"], x["pos"], x["offsets"], x["index"], x["size"]).subtree_end
+    """Now: the tree from the plan's facts (each row's segment) on the rows' device."""
+    index = segment_tree_index(x["offsets"], x["segment"], x["ids"].shape[0])
+    return tree_from_facts(x["ids"], x["pos"], x["offsets"], index, x["size"]).subtree_end
 
 
 def driver_facts(x: dict) -> torch.Tensor:
     """The driver, once per step: the micro-batch's tree facts from the host rows."""
-    return torch.from_numpy(micro_batch_tree_facts(x["rows"], np.zeros(len(x["rows"]), dtype=np.int64)).index)
+    return torch.from_numpy(micro_batch_tree_facts(x["rows"], np.zeros(len(x["rows"]), dtype=np.int64)).segment)
 
 
 VARIANTS = {"worker/rows": worker_rows, "worker/facts": worker_facts, "driver/facts": driver_facts}

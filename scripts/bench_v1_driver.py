@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """The v1 driver's tree work at the users' size (issue 55, item 4): one step's ``_balance_batch`` on a batch held in a
-real TransferQueue, verl_traj vs stock verl 0.9.1, seconds per phase and bytes moved through TransferQueue.
+real TransferQueue, and what verl_traj adds to the update call, verl_traj vs stock verl 0.9.1, seconds per phase and
+bytes moved through TransferQueue.
 
 Set-up (not timed): Ray (``address="local"``) and TransferQueue (SimpleStorage, ``--storage-units`` units sized for
 the rows) in this process, as ``tests/integration/test_v1_transfer_queue.py`` starts them; then ``--rows`` step rows
@@ -32,10 +33,12 @@ sum to the whole call): ``key_order`` (``in_key_order``), ``read_layout`` (keys,
 from the row facts' tags; with ``--no-row-facts`` one fetch of ``response_mask``), ``read_rows`` (trees only: the
 stand-in rows from the recorded prefix hashes; with ``--no-row-facts`` the fetch of every row's ``input_ids``, hashed),
 ``plan`` (the planner; stock: ``calculate_workload`` + ``get_seqlen_balanced_partitions``), ``padding`` (writing the
-padding rows, their template row fetched), ``tree_facts`` (``nested_tree_facts``; the padding rows' ids are known,
-not fetched), ``store``
-(``store_plan_ids``' put of the plan's ids, with trees the per-token ``TREE_INDEX``), ``other`` (the rest: the
-metrics, the planned meta, the plan's facts; stock: its tag read, meta reorder and balance metrics). Bytes: every
+padding rows, their template row fetched), ``tree_facts`` (``row_tree_facts``; the padding rows' ids are known,
+not fetched), ``ship``
+(the actor's update call shipping the plan's per-row fields, with trees each row's tree segment, and the loss weights
+to the ranks: ``rank_payloads``, one Ray put per rank; an inference pass on trees ships the same but the weights),
+``other`` (the rest: the metrics, the planned meta, the plan's facts, the update's loss weights; stock: its tag read,
+meta reorder and balance metrics). Bytes: every
 ``transfer_queue.kv_batch_get`` / ``kv_batch_put`` of the call, the tensors' ``nbytes`` (nested: values and
 offsets; non-tensor fields not counted). Between runs (not timed) the padding rows are cleared and the template
 rows re-put as written, so every run sees the rows as the agent loop left them.
@@ -77,7 +80,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import driver_workload as workload  # noqa: E402
 
 VARIANTS = ("stock", "traj rows", "traj trees")
-PHASES = ("key_order", "read_layout", "read_rows", "plan", "padding", "tree_facts", "store", "other")
+PHASES = ("key_order", "read_layout", "read_rows", "plan", "padding", "tree_facts", "ship", "other")
 PARTITION = "train"
 # the fields stored a row: verl's AgentLoopWorkerTQ's, or what the planning reads (a row's schema is also what its
 # padding rows copy); None: all
@@ -160,14 +163,14 @@ def _span_targets(variant: str) -> list[tuple[Any, str, str]]:
     """(module or class, attribute, span) wrapped for a variant: the functions ``_balance_batch`` calls by name."""
     from verl.trainer.ppo.v1 import trainer_base
 
-    from verl_traj.integration.trainers import v1, v1_planning
+    from verl_traj.integration.trainers import v1, v1_planning, v1_updates
 
     if variant == "stock":
         return [(trainer_base, "upsample_batch_to_divisible_size", "padding"),
                 (trainer_base, "calculate_workload", "plan"), (trainer_base, "get_seqlen_balanced_partitions", "plan")]
     return [(v1, "in_key_order", "key_order"), (v1, "read_layout", "read_layout"), (v1, "read_tree_rows", "read_rows"),
-            (v1, "plan_layout", "plan"), (v1, "write_padding_rows", "padding"), (v1, "store_plan_ids", "store"),
-            (v1_planning, "pad_rows", "tree_facts"), (v1_planning, "nested_tree_facts", "tree_facts"),
+            (v1, "plan_layout", "plan"), (v1, "write_padding_rows", "padding"), (v1_updates, "rank_payloads", "ship"),
+            (v1_planning, "pad_rows", "tree_facts"), (v1_planning, "row_tree_facts", "tree_facts"),
             (v1, "debug_rows", "debug_rows"), (v1, "plan_facts", "plan_facts"), (v1, "ordered_batch", "ordered_batch")]
 
 
@@ -341,12 +344,19 @@ def build_trainer(args, prompts: int, traj: dict) -> Any:
 
 def balance(tr: Any, variant: str, meta: Any) -> Any:
     """One step's ``_balance_batch``: verl's own for ``stock`` (its class's, past the inactive mixin), else the
-    mixin's."""
+    mixin's, then what verl_traj adds to the actor's update call: its plan fields and loss weights shipped to the
+    ranks (``planned_update``; stock's update call ships nothing of its own)."""
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    from verl_traj.integration.trainers.update_contract import ACTOR
+    from verl_traj.integration.trainers.v1_updates import planned_update
 
     if variant == "stock":
         return PPOTrainer._balance_batch(tr, meta, {})
-    return tr._balance_batch(meta, {})
+    out = tr._balance_batch(meta, {})
+    with planned_update(out, tr._step_facts.current, tr.spec, ACTOR, tr._traj_dp_size()):
+        pass
+    return out
 
 
 @dataclass

@@ -154,7 +154,7 @@ def _plan(tr, batch, args, meter: Meter):
     from verl_traj.core.keys import IS_LAST_STEP
     from verl_traj.integration.trainers.step_plan import plan_layout
     from verl_traj.integration.trainers.v0 import attended_rows
-    from verl_traj.integration.trainers.tree_plan_facts import dense_tree_facts
+    from verl_traj.integration.trainers.tree_plan_facts import row_tree_facts
 
     cfg, nt = tr.spec.traj_config, batch.non_tensor_batch
     with meter.phase("layout"):
@@ -174,7 +174,7 @@ def _plan(tr, batch, args, meter: Meter):
         with meter.phase("tree_facts"):  # as plan_batch_in_place: the planner's rows by plan.order, padding read
             pads = np.flatnonzero(plan.order.numpy() < 0)
             pad_rows = attended_rows(batch.batch["input_ids"][pads], batch.batch["attention_mask"][pads])
-            for key, value in dense_tree_facts(rows, pad_rows, plan, tr.spec.plan.tree_cost)[0].items():
+            for key, value in row_tree_facts(rows, pad_rows, plan, tr.spec.plan.tree_cost)[0].items():
                 batch.batch[key] = value
     del rows
     return plan

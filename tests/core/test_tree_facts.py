@@ -19,25 +19,20 @@ from hypothesis import strategies as st
 from tests.core.test_prefix_tree import PROPS, row_sets
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.trees.prefix_tree import attention_pairs, build_prefix_tree, row_attention_pairs
-from verl_traj.core.trees.tree_facts import micro_batch_tree_facts, plan_sources, tree_from_facts
+from verl_traj.core.keys import TREE_SEGMENT
+from verl_traj.core.trees.tree_facts import micro_batch_tree_facts, plan_sources, segment_tree_index, tree_from_facts
 
 
-def _inputs(rows: list, facts, members: list, dense: bool = False, device: str = "cpu"):
+def _inputs(rows: list, facts, members: list, device: str = "cpu"):
     """What a worker holds for the micro-batch of ``members``: packed ids, position ids, row offsets, the rows'
-    tree indices (packed, or ``[R, W]`` with -1 past each row) and ``N``."""
+    tree indices as the worker computes them from the rows' segments (:func:`segment_tree_index`) and ``N``."""
     lengths = [len(rows[i]) for i in members]
     ids = torch.tensor([t for i in members for t in rows[i]], dtype=torch.int64)
     pos = torch.cat([torch.arange(n) for n in lengths]) if lengths else torch.zeros(0, dtype=torch.int64)
     offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
-    parts = [torch.from_numpy(facts.index[facts.offsets[i]:facts.offsets[i + 1]]) for i in members]
-    if dense:
-        index = torch.full((len(members), max(max(lengths), 1)), -1, dtype=torch.int32)
-        for r, p in enumerate(parts):
-            index[r, :p.numel()] = p
-    else:
-        index = torch.cat(parts)
+    index = segment_tree_index(offsets.to(device), torch.from_numpy(facts.segment[members]).to(device), int(sum(lengths)))
     size = int(facts.size[members[0]])
-    return tuple(t.to(device) for t in (ids, pos, offsets, index)) + (size,)
+    return tuple(t.to(device) for t in (ids, pos, offsets)) + (index, size)
 
 
 @PROPS
@@ -52,14 +47,16 @@ def test_the_device_tree_from_the_facts_is_the_builders_tree(rows, data):
             continue
         ref = build_prefix_tree([torch.tensor(rows[i], dtype=torch.int64) for i in members])
         order = data.draw(st.permutations(members))  # the worker may hold the micro-batch's rows in any order
-        for dense in (False, True):
-            tree = tree_from_facts(*_inputs(rows, facts, order, dense))
-            for name in ("input_ids", "position_ids", "subtree_end"):
-                assert torch.equal(getattr(tree, name), getattr(ref, name)), name
-            assert {k: int(v) for k, v in tree.checks.items()} == {"tree_index": 0, "position_ids": 0}
-            assert int(tree.stats["branch_copies"]) == ref.num_branch_copies
-            assert int(tree.stats["attention_pairs"]) == attention_pairs(ref)
-            assert int(tree.stats["row_attention_pairs"]) == row_attention_pairs(ref)
+        tree = tree_from_facts(*_inputs(rows, facts, order))
+        for name in ("input_ids", "position_ids", "subtree_end"):
+            assert torch.equal(getattr(tree, name), getattr(ref, name)), name
+        assert {k: int(v) for k, v in tree.checks.items()} == {"tree_index": 0, "position_ids": 0}
+        assert int(tree.stats["branch_copies"]) == ref.num_branch_copies
+        assert int(tree.stats["attention_pairs"]) == attention_pairs(ref)
+        assert int(tree.stats["row_attention_pairs"]) == row_attention_pairs(ref)
+        ref_rows = {i: ref.row_index[a:b].tolist() for i, a, b in zip(members, ref.row_offsets[:-1].tolist(),
+                                                                     ref.row_offsets[1:].tolist())}
+        assert facts.index_of(order).tolist() == [t for i in order for t in ref_rows[i]]  # the builder's row_index
         back = [tree.input_ids[tree.row_index[a:b]].tolist() for a, b in zip(tree.row_offsets[:-1].tolist(),
                                                                           tree.row_offsets[1:].tolist())]
         assert back == [rows[i] for i in order]
@@ -117,7 +114,26 @@ def test_an_index_of_another_batchs_length_is_refused_before_any_indexing(index)
     ids = torch.tensor([5, 6, 5, 6, 7])
     with pytest.raises(TrajInputError) as raised:
         tree_from_facts(ids, torch.tensor([0, 1, 0, 1, 2]), torch.tensor([0, 2, 5]), index, 3)
-    assert raised.value.field == "prefix_tree_index" and "planned batch unmodified" in str(raised.value)
+    assert raised.value.field == TREE_SEGMENT and "planned batch unmodified" in str(raised.value)
+
+
+@pytest.mark.parametrize("segment", [torch.zeros(3, 3, dtype=torch.long), torch.zeros(2, 2, dtype=torch.long),
+                                     torch.zeros(2, dtype=torch.long)])
+def test_segments_of_another_batchs_rows_are_refused_naming_the_field(segment):
+    """Segments for 3 rows, of 2 ints, or 1-D, for a micro-batch of 2 rows: refused before any indexing."""
+    with pytest.raises(TrajInputError) as raised:
+        segment_tree_index(torch.tensor([0, 2, 5]), segment, 5)
+    assert raised.value.field == TREE_SEGMENT and "planned batch unmodified" in str(raised.value)
+
+
+def test_segments_are_three_ints_a_row_whatever_the_rows_lengths():
+    """The facts the plan ships do not grow with the tokens: 8 rows of 4,000 tokens sharing a 3,000-token prefix,
+    24 ints; the worker's index from them is the builder's."""
+    rows = [[1] * 3000 + [2 + i] * 1000 for i in range(8)]
+    facts = micro_batch_tree_facts(rows, np.zeros(8, dtype=np.int64))
+    assert facts.segment.shape == (8, 3) and int(facts.size[0]) == 3000 + 8 * 1000 + 7  # 7 branch copies
+    ref = build_prefix_tree([torch.tensor(r) for r in rows])
+    assert facts.index_of(range(8)).tolist() == ref.row_index.tolist()
 
 
 def test_plan_sources_reads_only_the_padding_rows_again():

@@ -161,7 +161,7 @@ def _infer_log(worker, cfg, vocab: int) -> dict:
     """Inference passes on trees (as a reference worker runs them), then an update on a rank without output."""
     from verl.utils import tensordict_utils as tu
 
-    from verl_traj.core.keys import TREE_INDEX
+    from verl_traj.core.keys import TREE_SEGMENT
     from verl_traj.testing.engine import rank_tensordict
 
     batch = _planned(cfg, 2, vocab, tree=True)
@@ -179,8 +179,8 @@ def _infer_log(worker, cfg, vocab: int) -> dict:
         sizes.append(_held(worker._infer_trees))
     counted = worker._infer_trees.micro_batches
     raised = {}
-    for name, changes in (("missing", {TREE_INDEX: None}),
-                          ("corrupt", {TREE_INDEX: torch.roll(batch.batch[TREE_INDEX], 1, 0)})):
+    for name, changes in (("missing", {TREE_SEGMENT: None}),
+                          ("corrupt", {TREE_SEGMENT: torch.roll(batch.batch[TREE_SEGMENT], 1, 0)})):
         try:
             infer(**changes)
         except Exception as e:  # noqa: BLE001 -- the test reports what was raised
@@ -225,7 +225,7 @@ def _no_more_than_stock(res: dict, name: str) -> None:
 
 
 def test_rows_and_trees_read_the_device_no_more_than_stock_and_tree_logs_stay_bounded(tiny_home, tmp_path):
-    from verl_traj.core.keys import TREE_INDEX
+    from verl_traj.core.keys import TREE_SEGMENT
 
     res = _run(tiny_home.parent, tmp_path, gspo=False)
     print(json.dumps(res))
@@ -236,8 +236,8 @@ def test_rows_and_trees_read_the_device_no_more_than_stock_and_tree_logs_stay_bo
     log = res["infer_log"]
     assert log["counted"] == 3 * MINI_BATCHES and len(set(log["sizes"])) == 1, log  # three passes, constant size
     assert log["no_output"] and log["after_update"] == 0, log  # reset on a rank that returns nothing
-    assert log["raised"]["missing"][:2] == ["TrajInputError", TREE_INDEX], log
-    assert log["raised"]["corrupt"][:2] == ["TrajInputError", TREE_INDEX], log
+    assert log["raised"]["missing"][:2] == ["TrajInputError", TREE_SEGMENT], log
+    assert log["raised"]["corrupt"][:2] == ["TrajInputError", TREE_SEGMENT], log
 
 
 def test_gspo_at_trajectory_scope_reads_the_device_no_more_than_stock_gspo(tiny_home, tmp_path):

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from verl_traj.core.kernels import tree_kernel
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.keys import TREE_INDEX, TREE_SIZE_KEY
+from verl_traj.core.keys import TREE_SEGMENT, TREE_SIZE_KEY
 from verl_traj.core.trees.prefix_tree import build_prefix_tree, gather_flat
 from verl_traj.core.kernels.tree_attention import TreeAttentionError, per_row_causal_attention, refuse_tree_in_plain_attention
 from verl_traj.core.trees.tree_facts import micro_batch_tree_facts
@@ -104,8 +104,7 @@ def _micro_batch(rows: list, **settings):
     facts = micro_batch_tree_facts(rows, np.zeros(len(rows), dtype=np.int64))
     nested = {"input_ids": torch.nested.as_nested_tensor(rows, layout=torch.jagged),
               "position_ids": torch.nested.as_nested_tensor([torch.arange(len(r)) for r in rows], layout=torch.jagged),
-              TREE_INDEX: torch.nested.nested_tensor_from_jagged(torch.from_numpy(facts.index),
-                                                                 torch.from_numpy(facts.offsets))}
+              TREE_SEGMENT: torch.from_numpy(facts.segment)}
     return tu.get_tensordict(nested, {"use_remove_padding": True, "temperature": 1.0,
                                       TREE_SIZE_KEY: int(facts.size[0]), **settings})
 
@@ -140,9 +139,9 @@ def test_the_tree_from_the_plans_facts_is_the_rows_tree_and_what_it_does_not_car
     for name in ("input_ids", "position_ids", "subtree_end", "row_index"):
         assert torch.equal(getattr(tree, name), getattr(ref, name)), name
     _settled(tree, tree.checks)
-    for missing in (TREE_INDEX, TREE_SIZE_KEY):
+    for missing in (TREE_SEGMENT, TREE_SIZE_KEY):
         bare = _micro_batch(rows)
-        bare.pop(missing) if missing == TREE_INDEX else bare.set_non_tensor(missing, None)
+        bare.pop(missing) if missing == TREE_SEGMENT else bare.set_non_tensor(missing, None)
         with pytest.raises(TrajInputError, match=missing) as raised:
             tree_forward_module.micro_batch_tree(bare)
         assert raised.value.field == missing

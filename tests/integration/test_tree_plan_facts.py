@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.core.test_prefix_tree import PROPS, row_sets
-from verl_traj.core.keys import TREE_INDEX, TREE_SIZE
+from verl_traj.core.keys import TREE_SEGMENT, TREE_SIZE
 from verl_traj.core.trees.tree_cost import TreeCostModel
 from verl_traj.core.trees.tree_facts import TreeFacts, micro_batch_tree_facts
-from verl_traj.integration.trainers.tree_plan_facts import dense_tree_facts, nested_tree_facts, tree_choice
+from verl_traj.integration.trainers.tree_plan_facts import row_tree_facts, tree_choice
 
 
 @PROPS
@@ -34,14 +34,10 @@ def test_facts_from_the_source_rows_equal_the_facts_of_the_rows_in_dispatch_orde
     part = ((plan.rank * 2 + plan.mini_batch_id) * 3 + plan.micro_batch_id).numpy()
     want = micro_batch_tree_facts(planned, part)
     always = TreeCostModel(tree_token=0.5, margin=0.0)  # a tree costs at most half its rows: every micro-batch
-    (dense, trees), (nested, _) = dense_tree_facts(rows, pad_rows, plan, always), nested_tree_facts(rows, pad_rows,
-                                                                                                     plan, always)
+    fields, trees = row_tree_facts(rows, pad_rows, plan, always)
     assert trees["actor/tree_share"] == 1.0 == trees["actor/tree_token_share"]
-    assert dense[TREE_SIZE].tolist() == want.size.tolist() == nested[TREE_SIZE].tolist()
-    for i in range(b):
-        row = want.index[want.offsets[i]:want.offsets[i + 1]].tolist()
-        assert dense[TREE_INDEX][i].tolist() == row + [-1] * (dense[TREE_INDEX].shape[1] - len(row))
-        assert nested[TREE_INDEX][i].tolist() == row
+    assert fields[TREE_SIZE].tolist() == want.size.tolist()
+    assert fields[TREE_SEGMENT].tolist() == want.segment.tolist()
 
 
 @settings(max_examples=60, deadline=None)
@@ -56,7 +52,7 @@ def test_each_micro_batch_runs_as_a_tree_only_where_the_cost_model_says_it_pays(
     shared = data.draw(st.lists(st.integers(0, 5), min_size=4, max_size=4))
     row_tokens = np.bincount(part, weights=lengths, minlength=4)
     size = np.array([max(1, int(row_tokens[p]) - shared[p]) for p in part], dtype=np.int64)
-    facts = TreeFacts(np.zeros(offsets[-1], dtype=np.int32), offsets, size)
+    facts = TreeFacts(np.zeros((len(lengths), 3), dtype=np.int64), offsets, size)
     cost = TreeCostModel(tree_token=data.draw(st.floats(0.3, 3.0)), micro_batch=data.draw(st.floats(0, 4)),
                          margin=data.draw(st.floats(0, 0.5)))
     cap = data.draw(st.none() | st.integers(1, 20))

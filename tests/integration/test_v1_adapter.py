@@ -189,7 +189,9 @@ def test_plan_facts_follow_the_plan_order():
                                       parsed.uid, traj_id=parsed.traj_id, step_index=parsed.step)
     plan = plan_mini_batches(layout, 2, 2)
     out_keys = [keys[i] if i >= 0 else f"pad{j}_0_0" for j, i in enumerate(plan.order.tolist())]
-    facts = plan_facts(SimpleNamespace(keys=out_keys, tags=[{}] * len(out_keys)), plan, layout)
+    fields, lengths = {"mini_batch_id": plan.mini_batch_id}, torch.arange(len(out_keys))
+    facts = plan_facts(SimpleNamespace(keys=out_keys, tags=[{}] * len(out_keys)), plan, layout, fields, lengths)
+    assert dict(facts.row_fields) == fields and facts.row_length is lengths and torch.equal(facts.rank, plan.rank)
     last_key = {"g0_0": "g0_0_1", "g0_1": "g0_1_0", "g1_0": "g1_0_0", "g1_1": "g1_1_2"}
     expected = [not k.startswith("pad") and last_key[k.rsplit("_", 1)[0]] == k for k in out_keys]
     assert facts.is_last_step.tolist() == expected

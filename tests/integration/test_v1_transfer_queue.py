@@ -20,7 +20,8 @@ from omegaconf import OmegaConf
 
 from verl_traj.config import TrajConfig
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.keys import LOSS_WEIGHT, MICRO_BATCH_ID, MINI_BATCH_ID, PLANNED_FIELDS, planned_update_fields
+from verl_traj.core.keys import (LOSS_WEIGHT, MICRO_BATCH_ID, MINI_BATCH_ID, PLANNED_FIELDS, ROW_FIELDS, ROW_LENGTH,
+                                 planned_update_fields)
 from verl_traj.integration.config.verl_config import PlanSettings
 from verl_traj.testing.trainers import ray_less_trainer
 
@@ -97,9 +98,26 @@ def _dense(t):
     return t.to_padded_tensor(0) if t.is_nested else t
 
 
+def _worker_blocks(tq, out, dp: int = DP) -> list:
+    """What each data-parallel rank's worker holds in a call on ``out`` (the planned meta carrying the call's
+    ``extra_info``): verl's equal chunk of the rows, fetched from TransferQueue, with the call's non-tensor data, after
+    the worker's own :func:`take_row_fields`."""
+    from verl.utils import tensordict_utils as tu
+
+    from verl_traj.integration.workers.planned_update import take_row_fields
+
+    blocks = []
+    for rank, chunk in enumerate(out.chunk(dp)):
+        data = _fetch(tq, chunk, "input_ids", "response_mask")
+        tu.assign_non_tensor(data, **chunk.extra_info)
+        take_row_fields(data, rank)
+        blocks.append(data)
+    return blocks
+
+
 def test_planned_batch_in_transfer_queue(tq):
     from verl_traj.integration.trainers.update_contract import ACTOR
-    from verl_traj.integration.trainers.v1_updates import put_update_fields
+    from verl_traj.integration.trainers.v1_updates import planned_update
 
     batch = _store_rows(tq, np.random.default_rng(0))
     tr, metrics = _trainer(), {}
@@ -108,28 +126,54 @@ def test_planned_batch_in_transfer_queue(tq):
     assert n % DP == 0 and metrics["traj_plan/split_groups"] == 0 and metrics["traj_plan/split_trajectories"] == 0
     assert set(out.keys) >= set(batch.keys) and n - len(batch) == metrics["traj_plan/padding_rows"]
 
-    stored = tq.kv_batch_get(keys=out.keys, partition_id="train")  # what a worker pulls: every common field
-    assert {MINI_BATCH_ID, MICRO_BATCH_ID, "input_ids", "response_mask", "rm_scores", "uid"} <= set(stored.keys())
-    mb = stored[MINI_BATCH_ID]
-    for rank in range(DP):  # dispatch hands rank r the r-th block: mini-batches in order within it
-        block = mb[rank * n // DP:(rank + 1) * n // DP]
-        assert torch.equal(block, torch.sort(block).values)
+    stored = tq.kv_batch_get(keys=out.keys, partition_id="train")  # every stored field: the plan wrote none
+    assert {"input_ids", "response_mask", "rm_scores", "uid"} <= set(stored.keys())
+    assert not {MINI_BATCH_ID, MICRO_BATCH_ID, LOSS_WEIGHT} & set(stored.keys())
     pad = torch.tensor([bool(t.get("is_padding")) for t in out.tags])
     facts = tr._step_facts.current
     assert torch.equal(pad, facts.is_padding)
     assert pad.any() and stored["input_ids"].offsets().diff()[pad].tolist() == [2] * int(pad.sum())
     assert torch.equal(facts.loss_tokens, _dense(stored["response_mask"]).sum(-1))  # counted at planning
+
+    with planned_update(out, facts, tr.spec, ACTOR, DP):  # the update call: each rank gets its own rows' fields
+        blocks = _worker_blocks(tq, out)
+    assert ROW_FIELDS not in out.extra_info  # for that call only
+    mb = torch.cat([b[MINI_BATCH_ID] for b in blocks])
+    assert torch.equal(mb, facts.mini_batch_id)
+    for block in blocks:  # dispatch hands rank r the r-th block: mini-batches in order within it
+        assert torch.equal(block[MINI_BATCH_ID], torch.sort(block[MINI_BATCH_ID]).values)
     for key_set in ({k.rsplit("_", 2)[0] for k in out.keys}, {k.rsplit("_", 1)[0] for k in out.keys}):
         for unit in key_set:  # groups, trajectories: one mini-batch each
             ids = {int(m) for k, m in zip(out.keys, mb) if k.startswith(unit + "_")}
             assert len(ids) == 1 or unit.startswith("pad")
-
-    put_update_fields(out, facts, tr.spec, ACTOR)
-    w = _fetch(tq, out, LOSS_WEIGHT, "response_mask")
-    loss_tokens = _dense(w["response_mask"]).sum(-1).double()
-    per_mb = torch.zeros(int(mb.max()) + 1, dtype=torch.float64).index_add_(0, mb, w[LOSS_WEIGHT].double() * loss_tokens)
+    weight = torch.cat([b[LOSS_WEIGHT] for b in blocks]).double()
+    loss_tokens = torch.cat([_dense(b["response_mask"]).sum(-1) for b in blocks]).double()
+    per_mb = torch.zeros(int(mb.max()) + 1, dtype=torch.float64).index_add_(0, mb, weight * loss_tokens)
     torch.testing.assert_close(per_mb, torch.ones_like(per_mb))
-    assert torch.all(w[LOSS_WEIGHT][pad] == 0)
+    assert torch.all(weight[pad] == 0)
+
+
+def test_a_worker_given_another_ranks_fields_refuses_naming_the_field(tq):
+    """verl cuts a call's meta into equal chunks in order; a worker whose rows are not the block shipped for its rank
+    (another rank's, or a batch cut differently) raises naming ``traj_row_length``, before any fields are set."""
+    from verl.utils import tensordict_utils as tu
+
+    from verl_traj.core.errors import TrajInputError
+    from verl_traj.integration.trainers.update_contract import ACTOR
+    from verl_traj.integration.trainers.v1_updates import planned_update
+    from verl_traj.integration.workers.planned_update import take_row_fields
+
+    tr = _trainer()
+    out = tr._balance_batch(_store_rows(tq, np.random.default_rng(0)), {})
+    with planned_update(out, tr._step_facts.current, tr.spec, ACTOR, DP):
+        chunks = out.chunk(DP)
+        lengths = [torch.tensor([int(t["seq_len"]) for t in c.tags]) for c in chunks]
+        other = next(r for r in range(1, DP) if not torch.equal(lengths[r], lengths[0]))
+        data = _fetch(tq, chunks[other], "input_ids")
+        tu.assign_non_tensor(data, **chunks[other].extra_info)
+        with pytest.raises(TrajInputError) as raised:
+            take_row_fields(data, 0)
+    assert raised.value.field == ROW_LENGTH and MINI_BATCH_ID not in data.keys()
 
 
 def test_a_step_of_several_local_updates_reads_every_plans_padding(tq):
@@ -179,19 +223,24 @@ def _as_a_worker_receives(meta):
 
 
 class _WorkerGroup:
-    """The worker side of one update dispatch, in this process: what verl's worker receives for the meta, then
-    verl_traj's worker check of the planned fields
-    (:func:`~verl_traj.integration.workers.engine_workers.check_planned_update`)."""
+    """The worker side of one update dispatch, in this process: verl's equal chunk of the meta per data-parallel
+    rank, what verl's worker receives for it, then verl_traj's worker taking its rank's plan fields and checking the
+    planned fields (:func:`~verl_traj.integration.workers.engine_workers.check_planned_update`)."""
+
+    _dispatch_info = {"actor": list(range(DP)), "train": list(range(DP))}
 
     def __init__(self):
         self.received, self.checked = [], []
 
     def _run(self, meta) -> dict:
         from verl_traj.integration.workers.engine_workers import check_planned_update
+        from verl_traj.integration.workers.planned_update import take_row_fields
 
-        data = _as_a_worker_receives(meta)
-        self.received.append(data)
-        self.checked.append(check_planned_update(data))
+        for rank, chunk in enumerate(meta.chunk(DP)):
+            data = _as_a_worker_receives(chunk)
+            take_row_fields(data, rank)
+            self.received.append(data)
+            self.checked.append(check_planned_update(data))
         return {"metrics": {"mfu": [0.0], "loss": [1.0]}}
 
     def update_actor(self, meta):  # actor_rollout_wg: returns the metrics
@@ -210,7 +259,7 @@ def _as_verl_leaves_it(tq, out):
     adv = torch.zeros(len(out), 1)
     meta = tq.kv_batch_put(keys=out.keys, partition_id=out.partition_id,
                            fields=TensorDict({"advantages": adv, "returns": adv}, batch_size=[len(out)]))
-    assert meta.fields is not None and LOSS_WEIGHT not in meta.fields and MINI_BATCH_ID in meta.fields
+    assert meta.fields is not None and not {LOSS_WEIGHT, MINI_BATCH_ID} & set(meta.fields)  # none stored
     return meta
 
 
@@ -223,8 +272,9 @@ CRITIC_UNION = dict(algorithm={"adv_estimator": "gae"}, critic={"ppo_mini_batch_
                                                        ("critic", CRITIC_UNION, False)])
 def test_a_planned_update_reaches_the_worker_through_the_meta(tq, role, setup, ratio_groups):
     """Regression: the workers fetch exactly the fields the meta names, and the meta verl hands an update lists only
-    the fields stored before it; verl_traj's trainer names every planned field (``loss_weight``, ``ratio_group``
-    written for the update), so the worker gets all of them, and the update's contract keys leave with the call."""
+    the fields stored before it; verl_traj's planned fields (the plan's ids, ``loss_weight``, ``ratio_group``) are
+    not stored but shipped with the call, so every rank's worker gets all of them for its own rows, and the update's
+    contract keys leave with the call."""
     from verl_traj.core.keys import CRITIC_UNION_KEY
 
     tr = _trainer(**setup)
@@ -238,30 +288,33 @@ def test_a_planned_update_reaches_the_worker_through_the_meta(tq, role, setup, r
     metrics = {}
     getattr(tr, f"_update_{role}")(meta, metrics)
     planned = planned_update_fields(ratio_groups)
-    assert worker.checked == [planned] and set(planned) <= set(worker.received[0].keys())
+    assert worker.checked == [planned] * DP and all(set(planned) <= set(d.keys()) for d in worker.received)
     assert (CRITIC_UNION_KEY in worker.received[0].keys()) == (role == "critic")  # critic steps on unions of 2
     assert PLANNED_FIELDS not in meta.extra_info and CRITIC_UNION_KEY not in meta.extra_info
     assert f"perf/mfu/{role}" in metrics
 
 
 @pytest.mark.parametrize("field", planned_update_fields(ratio_groups=True))
-def test_a_planned_field_the_meta_does_not_name_is_refused_by_the_worker(tq, field):
-    """Each planned field in turn left out of the meta's field list (a subclass that rebuilds the meta): the worker
-    does not receive it and refuses the update, naming the field; with every field named the check passes."""
+def test_a_planned_field_that_does_not_reach_the_worker_is_refused(tq, field):
+    """Each planned field in turn missing from what a worker holds (a subclass that rebuilds the call's data): the
+    worker refuses the update, naming the field; with every field there the check passes."""
     from verl_traj.integration.trainers.update_contract import ACTOR
     from verl_traj.integration.trainers.v1_updates import planned_update
     from verl_traj.integration.workers.engine_workers import check_planned_update
+    from verl_traj.integration.workers.planned_update import take_row_fields
 
     tr = _trainer(**STEP_ROWS_GSPO)
     rows = _store_rows(tq, np.random.default_rng(4), prefix=f"m{field.replace('_', '')}")
     meta = _as_verl_leaves_it(tq, tr._balance_batch(rows, {}))
-    with planned_update(meta, tr._step_facts.current, tr.spec, ACTOR):
-        assert check_planned_update(_as_a_worker_receives(meta)) == planned_update_fields(ratio_groups=True)
-        meta.fields = [f for f in meta.fields if f != field]
-        data = _as_a_worker_receives(meta)
-    assert field not in data.keys()
+    with planned_update(meta, tr._step_facts.current, tr.spec, ACTOR, DP):
+        chunk = meta.chunk(DP)[0]
+        data, again = _as_a_worker_receives(chunk), _as_a_worker_receives(chunk)
+    take_row_fields(data, 0)
+    assert check_planned_update(data) == planned_update_fields(ratio_groups=True)
+    take_row_fields(again, 0)
+    again.pop(field)
     with pytest.raises(TrajInputError, match=f"lacks field '{field}'") as err:
-        check_planned_update(data)
+        check_planned_update(again)
     assert err.value.field == field
 
 
@@ -285,10 +338,10 @@ def test_loss_weights_come_from_the_final_loss_token_counts(tq, monkeypatch):
     verl_get = transfer_queue.kv_batch_get
     monkeypatch.setattr(transfer_queue, "kv_batch_get",
                         lambda **kw: reads.append(kw.get("select_fields")) or verl_get(**kw))
-    tr.actor_rollout_wg = _WorkerGroup()
+    tr.actor_rollout_wg = worker = _WorkerGroup()
     tr._update_actor(meta, {})
     assert not any("response_mask" in (fields or ["response_mask"]) for fields in reads)  # no mask pulled
-    weights = _fetch(tq, meta, LOSS_WEIGHT)[LOSS_WEIGHT]
+    weights = torch.cat([d[LOSS_WEIGHT] for d in worker.received])
     expected = tr.spec.actor_loss.weights(final, facts.mini_batch_id, facts.traj_index, facts.is_padding)
     torch.testing.assert_close(weights, expected)
 
@@ -376,9 +429,9 @@ def test_rows_written_with_their_facts_are_planned_as_trees_without_a_per_token_
     tree) and the loss tokens are the rows' own. A row written without the tags is fetched, alone."""
     import transfer_queue
 
-    from verl_traj.core.keys import TREE_INDEX, TREE_SIZE
+    from verl_traj.core.keys import TREE_SEGMENT, TREE_SIZE
     from verl_traj.core.rollout.row_tags import row_fact_tags
-    from verl_traj.core.trees.tree_facts import tree_from_facts
+    from verl_traj.core.trees.tree_facts import segment_tree_index, tree_from_facts
 
     rng = np.random.default_rng(3)
     batch = _store_rows(tq, rng, prefix="hf")
@@ -405,14 +458,16 @@ def test_rows_written_with_their_facts_are_planned_as_trees_without_a_per_token_
     assert not [t for t in out.tags if PREFIX_HASH_TAG in t]  # read by planning, not carried to every worker call
     assert torch.equal(tr._step_facts.current.loss_tokens[:len(batch)].sort().values,
                        _dense(_fetch(tq, out, "response_mask")["response_mask"]).sum(-1)[:len(batch)].sort().values)
-    rows = _fetch(tq, out, "input_ids", "position_ids", TREE_INDEX, TREE_SIZE, MINI_BATCH_ID, MICRO_BATCH_ID)
+    rows = _fetch(tq, out, "input_ids")
+    f = tr._step_facts.current.row_fields  # what the tree passes ship to the workers
     n = len(out)
-    part = (torch.arange(n) // (n // DP)) * 1000 + rows[MINI_BATCH_ID] * 100 + rows[MICRO_BATCH_ID]
+    part = (torch.arange(n) // (n // DP)) * 1000 + f[MINI_BATCH_ID] * 100 + f[MICRO_BATCH_ID]
     for key in part.unique().tolist():
         members = (part == key).nonzero().flatten().tolist()
         row_ids = [rows["input_ids"][i] for i in members]
         lengths = torch.tensor([len(r) for r in row_ids])
-        tree = tree_from_facts(torch.cat(row_ids), torch.cat([torch.arange(len(r)) for r in row_ids]),
-                               torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
-                               torch.cat([rows[TREE_INDEX][i] for i in members]), int(rows[TREE_SIZE][members[0]]))
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        index = segment_tree_index(offsets, f[TREE_SEGMENT][members], int(offsets[-1]))
+        tree = tree_from_facts(torch.cat(row_ids), torch.cat([torch.arange(len(r)) for r in row_ids]), offsets,
+                               index, int(f[TREE_SIZE][members[0]]))
         assert {k: int(v) for k, v in tree.checks.items()} == {"tree_index": 0, "position_ids": 0}

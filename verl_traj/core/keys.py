@@ -37,7 +37,7 @@ SEQ_RATIO_SHIFT = "seq_ratio_shift"  # [b] per-row shift of old log-probs that m
 TURN_REWARDS = "turn_rewards"  # [B, R] per-step (turn) rewards of step rows, each on its call's last response token
 STEP_ANCHORS = "step_anchors"  # [B, R] int64: each LLM call's anchor key on its first response token (GiGPO), else 0
 
-TREE_INDEX = "prefix_tree_index"  # per row token: its tree token in its micro-batch's tree (traj.prefix_tree)
+TREE_SEGMENT = "prefix_tree_segment"  # [B, 3] per row: rank, start, first tree token of its segment (traj.prefix_tree)
 TREE_SIZE = "prefix_tree_size"  # [B] per row: the tree tokens of its micro-batch's tree
 TREE_KEY = "prefix_tree"  # non-tensor of a planned pass: forward each of its micro-batches as a prefix tree
 PLAN_ATOMIC = "traj_plan_atomic"  # non-tensor of a v0 planned batch: every trajectory in one micro-batch
@@ -54,6 +54,10 @@ OLD_LOG_PROBS_AT_START = "traj_old_log_probs_at_start"
 # non-tensor of an actor update with ratio groups: every trajectory's rows share one micro-batch (a prefix-tree plan
 # with all trajectories atomic), so the loss computes each trajectory's GSPO ratio from the live log-probs (no pre-pass)
 RATIO_IN_LOSS = "traj_ratio_in_loss"
+# non-tensor of a v1 call: the plan's per-row fields of each data-parallel rank (RowFieldRefs), shipped with the call
+# instead of stored in TransferQueue; ROW_LENGTH, each row's attended tokens, lets the worker check they are its rows
+ROW_FIELDS = "traj_row_fields"
+ROW_LENGTH = "traj_row_length"
 
 
 def planned_update_fields(ratio_groups: bool = False) -> tuple[str, ...]:
@@ -67,4 +71,4 @@ PLAN_KEYS = (MINI_BATCH_ID, MICRO_BATCH_ID, TRAJ_INDEX, IS_PADDING)
 
 __all__ = ["ADVANTAGE_METRICS", "CRITIC_UNION_KEY", "MINI_BATCH_ID", "MICRO_BATCH_ID", "TRAJ_INDEX", "IS_PADDING", "IS_LAST_STEP", "LOSS_WEIGHT", "PLAN_KEYS",
            "OLD_LOG_PROBS_AT_START", "PLANNED_FIELDS", "RATIO_IN_LOSS", "RATIO_GROUP", "planned_update_fields", "SEQ_RATIO_SHIFT", "STEP_ANCHORS",
-           "TREE_INDEX", "TREE_SIZE", "TREE_SIZE_KEY", "TURN_REWARDS", "PLAN_ATOMIC", "TREE_KEY"]
+           "ROW_FIELDS", "ROW_LENGTH", "TREE_SEGMENT", "TREE_SIZE", "TREE_SIZE_KEY", "TURN_REWARDS", "PLAN_ATOMIC", "TREE_KEY"]

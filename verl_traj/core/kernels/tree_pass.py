@@ -22,14 +22,14 @@ from typing import Any, Optional
 import torch
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID, TREE_INDEX, TREE_KEY, TREE_SIZE
+from verl_traj.core.keys import MICRO_BATCH_ID, MINI_BATCH_ID, TREE_SEGMENT, TREE_KEY, TREE_SIZE
 from verl_traj.core.trees.tree_facts import DeviceTree
 
 __all__ = ["TreeForwardLog", "TreeTotals", "check_all_tree", "check_marked", "micro_batch_tree_sizes",
            "require_tree_facts", "tree_metric_totals", "tree_metrics_of"]
 
 _COUNTED = ("branch_copies", "attention_pairs", "row_attention_pairs")  # device counts, host ints once settled
-_CHECK_FIX = {"tree_index": (TREE_INDEX, "the plan's tree facts do not reproduce these rows (the batch was changed or "
+_CHECK_FIX = {"tree_index": (TREE_SEGMENT, "the plan's tree facts do not reproduce these rows (the batch was changed or "
                              "re-cut after planning): hand the workers the planned batch unmodified"),
               "position_ids": ("position_ids", "a row's position ids are not 0..L-1 (a tree token's position is its "
                                "depth): forward these rows without the tree"),
@@ -109,13 +109,13 @@ class TreeTotals:
 
 def require_tree_facts(keys: Any) -> None:
     """Raise :class:`TrajInputError` naming the first tree fact a marked pass's batch lacks."""
-    missing = [k for k in (TREE_INDEX, TREE_SIZE) if k not in set(keys)]
+    missing = [k for k in (TREE_SEGMENT, TREE_SIZE) if k not in set(keys)]
     if missing:
         raise TrajInputError(
             f"a batch marked for the prefix-tree forward lacks the plan's {missing[0]!r} (received: {sorted(keys)}): "
             "the workers build each micro-batch's tree from the facts the trainer ships with the plan, never from "
             "token ids copied back to the host. Fix: plan the batch with verl_traj's trainer and traj.prefix_tree=true "
-            "(it writes them next to mini_batch_id); a subclass that rebuilds the batch must keep them.",
+            "(it ships them next to mini_batch_id); a subclass that rebuilds the batch must keep them.",
             field=missing[0])
 
 
@@ -127,8 +127,9 @@ def check_marked(keys: Any) -> None:
     if missing:
         raise TrajInputError(
             f"a batch marked {TREE_KEY!r} lacks the plan's {missing[0]!r}: its trees are the plan's micro-batches "
-            f"(received: {sorted(keys)}). Fix: name the plan's ids in the batch meta's fields (verl_traj's "
-            "trainer does in _balance_batch; a subclass that rebuilds the meta must keep them).", field=missing[0])
+            f"(received: {sorted(keys)}). Fix: hand the workers the planned batch and the call's non-tensor data "
+            "unmodified (verl_traj's trainer ships the plan's fields with every marked call; a subclass that "
+            "rebuilds them must keep them).", field=missing[0])
     require_tree_facts(keys)
 
 

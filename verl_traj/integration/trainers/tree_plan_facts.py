@@ -2,11 +2,11 @@
 with the plan as per-row fields, read by the workers' tree forward (:mod:`verl_traj.integration.tree.tree_forward`) in
 every pass and epoch.
 
-Fields (written with the plan's ids, next to ``mini_batch_id`` / ``micro_batch_id``):
+Fields (shipped with the plan's ids, next to ``mini_batch_id`` / ``micro_batch_id``; the same for both trainers):
 
-* :data:`~verl_traj.core.keys.TREE_INDEX` -- each row token's index in its micro-batch's tree
-  (:func:`~verl_traj.core.trees.tree_facts.micro_batch_tree_facts`): v0 ``[B, W]`` int32, row ``r``'s token ``j`` at column
-  ``j`` (``-1`` past its end; ``W`` the longest row); v1 nested ``[B, L_r]`` (TransferQueue stores rows unpadded);
+* :data:`~verl_traj.core.keys.TREE_SEGMENT` -- ``[B, 3]`` int64, each row's segment in its micro-batch's tree
+  (:func:`~verl_traj.core.trees.tree_facts.micro_batch_tree_facts`: rank, start, first tree token), from which the
+  worker computes every row token's tree index (:func:`~verl_traj.core.trees.tree_facts.segment_tree_index`);
 * :data:`~verl_traj.core.keys.TREE_SIZE` -- ``[B]`` int64, the tree tokens ``N`` of the row's micro-batch.
 
 A micro-batch is the rows of one rank's block with one (``mini_batch_id``, ``micro_batch_id``): exactly the rows
@@ -24,13 +24,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict
 
-from verl_traj.core.keys import TREE_INDEX, TREE_SIZE
+from verl_traj.core.keys import TREE_SEGMENT, TREE_SIZE
 from verl_traj.core.trees.tree_cost import TreeCostModel
 from verl_traj.core.trees.tree_facts import TreeFacts, plan_sources, planned_tree_facts
 
-__all__ = ["dense_tree_facts", "nested_tree_facts", "plan_tree_facts", "tree_choice"]
+__all__ = ["plan_tree_facts", "row_tree_facts", "tree_choice"]
 
 
 def tree_choice(facts: TreeFacts, source: np.ndarray, part: np.ndarray, cost: TreeCostModel,
@@ -47,7 +46,7 @@ def tree_choice(facts: TreeFacts, source: np.ndarray, part: np.ndarray, cost: Tr
     size[source] = np.where(trees[inverse], facts.size[source], 0)
     share = float(trees.mean()) if trees.size else 0.0
     total = float(row_tokens.sum())
-    return (TreeFacts(facts.index, facts.offsets, size),
+    return (TreeFacts(facts.segment, facts.offsets, size),
             {"actor/tree_share": share,
              "actor/tree_token_share": float(row_tokens[trees].sum()) / total if total > 0 else share})
 
@@ -67,28 +66,10 @@ def plan_tree_facts(rows: Any, pad_rows: Any, plan: Any,
     return facts, source, metrics
 
 
-def dense_tree_facts(rows: Any, pad_rows: Any, plan: Any,
-                     cost: TreeCostModel) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """v0's fields (a ``DataProto`` holds ``[B, ...]`` tensors), dispatch order: ``TREE_INDEX`` ``[B, W]`` int32
-    (``-1`` past a row's end) and ``TREE_SIZE`` ``[B]`` int64; the source rows' dense facts, rows gathered once; and
-    the trees' metrics."""
+def row_tree_facts(rows: Any, pad_rows: Any, plan: Any,
+                   cost: TreeCostModel) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The plan's per-row tree fields, dispatch order, for both trainers: ``TREE_SEGMENT`` ``[B, 3]`` int64 and
+    ``TREE_SIZE`` ``[B]`` int64 (a few ints a row, whatever the rows' lengths); and the trees' metrics."""
     facts, source, metrics = plan_tree_facts(rows, pad_rows, plan, cost)
-    lengths = np.diff(facts.offsets)
-    width = max(int(lengths.max(initial=0)), 1)
-    dense = np.full((lengths.size, width), -1, dtype=np.int32)
-    dense[np.arange(width)[None, :] < lengths[:, None]] = facts.index  # row-major: each row's tokens, left-aligned
-    return {TREE_INDEX: torch.from_numpy(dense[source]), TREE_SIZE: torch.from_numpy(facts.size[source])}, metrics
-
-
-def nested_tree_facts(rows: Any, pad_rows: Any, plan: Any,
-                      cost: TreeCostModel) -> tuple[TensorDict, dict[str, float]]:
-    """v1's fields (TransferQueue keeps rows unpadded), dispatch order: ``TREE_INDEX`` nested ``[B, L_r]`` int32 and
-    ``TREE_SIZE`` ``[B]`` int64, as a TensorDict of ``B`` rows; and the trees' metrics."""
-    facts, source, metrics = plan_tree_facts(rows, pad_rows, plan, cost)
-    lengths = np.diff(facts.offsets)[source]
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    at = np.arange(int(offsets[-1]), dtype=np.int64)
-    at += np.repeat(facts.offsets[source] - offsets[:-1], lengths)
-    index = torch.nested.nested_tensor_from_jagged(torch.from_numpy(facts.index[at]), torch.from_numpy(offsets))
-    return TensorDict({TREE_INDEX: index, TREE_SIZE: torch.from_numpy(facts.size[source])},
-                      batch_size=[source.size]), metrics
+    return {TREE_SEGMENT: torch.from_numpy(facts.segment[source]),
+            TREE_SIZE: torch.from_numpy(facts.size[source])}, metrics

@@ -52,7 +52,7 @@ from verl_traj.integration.startup.tree_checks import settled_traj_config
 from verl_traj.integration.trainers.checkpoints import CompleteCheckpoints
 from verl_traj.integration.trainers.step_plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
                                                       stock_plan_metrics_of)
-from verl_traj.integration.trainers.tree_plan_facts import dense_tree_facts
+from verl_traj.integration.trainers.tree_plan_facts import row_tree_facts
 from verl_traj.integration.trainers.update_contract import ACTOR, CRITIC, loss_of, pass_markers, update_contract
 from verl_traj.stepwise.step_groups import StepGroupOptions
 
@@ -89,7 +89,7 @@ def plan_batch_in_place(batch: DataProto, spec: UpdateSpec, dp_size: int, *, pad
     if traj_config.trees:  # the trees of the planner's rows by plan.order; only the padding rows are read
         pads = np.flatnonzero(plan.order.numpy() < 0)
         pad_rows = attended_rows(batch.batch["input_ids"][pads], batch.batch["attention_mask"][pads])
-        fields, trees = dense_tree_facts(rows, pad_rows, plan, spec.plan.tree_cost)
+        fields, trees = row_tree_facts(rows, pad_rows, plan, spec.plan.tree_cost)
         for key, value in fields.items():
             batch.batch[key] = value.to(batch.batch.device) if batch.batch.device is not None else value
         return plan, trees

@@ -2,7 +2,7 @@
 and losses as on v0, behind one mixin, :class:`TrajV1Mixin`.
 
 v1 keeps a batch in TransferQueue (TQ): the trainer holds a ``KVBatchMeta`` (row keys and per-row tags), the
-workers pull the stored fields the meta names. A row key is ``{uid}_{session}_{index}``: ``uid`` is the prompt (the
+workers pull the stored fields the meta names; the plan's own per-row fields travel with each call. A row key is ``{uid}_{session}_{index}``: ``uid`` is the prompt (the
 GRPO group), ``{uid}_{session}`` one trajectory (``rollout.n`` sessions per prompt), ``index`` the row's step among
 the session's agent-loop outputs (several outputs per session come from verl_traj's step-wise rows,
 :mod:`~verl_traj.integration.agent_loops.v1_agent_loop`, or from any v1 agent loop that returns
@@ -17,16 +17,15 @@ folder (``verl_traj.integration.trainers``) or another that does the work:
 method                      what changes (module)
 ==========================  ==================================================================================
 ``_balance_batch``          verl's LCM upsampling + Karmarkar-Karp replaced by the core's plan: layout from keys,
-                            tags and one count of loss tokens, padding rows written, meta in dispatch order,
-                            ``mini_batch_id`` / ``micro_batch_id`` stored (``v1_planning``, ``v1_padding``); the
-                            plan's other facts kept here (``v1_plan_facts``)
+                            tags, padding rows written, meta in dispatch order (``v1_planning``, ``v1_padding``);
+                            the plan's facts and worker fields kept here (``v1_plan_facts``)
 ``_compute_advantage``      verl's own, with its advantage call being ``v1_advantage.planned_advantage`` (real
                             rows; one outcome per trajectory, or a temporal estimator on its timeline of rows)
-``_update_critic`` /        verl's own, with the update's contract (``update_contract``) stored and named for the
-``_update_actor``           workers (``v1_updates``: ``loss_weight`` from each row's loss-token count)
-``_compute_old_log_prob``,  verl's own; with ``traj.prefix_tree`` the call is marked, so the workers forward the
-``_compute_ref_log_prob``,  plan's micro-batches as prefix trees (``integration.tree.tree_forward``; the updates are
-``_compute_values``         marked likewise)
+``_update_critic`` /        verl's own, the update's contract (``update_contract``) and the plan's fields shipped to
+``_update_actor``           each rank (``v1_updates``: ``loss_weight`` from loss-token counts)
+``_compute_old_log_prob``,  verl's own; with ``traj.prefix_tree`` the call is marked and ships the plan's fields,
+``_compute_ref_log_prob``,  so the workers forward its micro-batches as prefix trees
+``_compute_values``         (``integration.tree.tree_forward``; the updates likewise)
 ``_compute_metrics``        per-trajectory metrics (``v1_metrics``); verl's own handed the step's real rows
 ``_build_replay_buffer``,   verl's own, building the buffer and the agent loops' client as verl_traj's subclasses
 ``get_llm_client``          (``integration.async_modes``: failed and stale groups, each token's policy version)
@@ -77,8 +76,8 @@ from verl_traj.integration.trainers.v1_metrics import (RolloutBusy, StepPadding,
 from verl_traj.integration.trainers.v1_padding import padding_ids, write_padding_rows
 from verl_traj.integration.trainers.v1_plan_facts import StepFacts, plan_facts
 from verl_traj.integration.trainers.v1_planning import (debug_rows, dispatch_dp_size, in_key_order, ordered_batch,
-                                                        read_layout, read_tree_rows, store_plan_ids)
-from verl_traj.integration.trainers.v1_updates import extra_info, planned_update
+                                                        plan_row_fields, read_layout, read_tree_rows, row_length)
+from verl_traj.integration.trainers.v1_updates import extra_info, planned_pass, planned_update
 from verl_traj.stepwise.step_groups import StepGroupOptions
 
 __all__ = ["TrajV1Mixin", "reuses_old_log_probs", "traj_trainer_class"]
@@ -113,8 +112,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         self.spec = (dataclasses.replace(UpdateSpec.prepare(config, self.traj_config),
                                          reuses_old_log_probs=reuses_old_log_probs(type(self)))
                      if self.traj_config.enable else None)
-        if not self.traj_config.enable:
-            # the agent-loop manager that gives each session its request priority
+        if not self.traj_config.enable:  # the agent-loop manager that gives each session its request priority
             prepare_v1_agent_loop(config, self.traj_config)
         self._step_facts = StepFacts()  # the facts of the local update planned last
         self._step_padding = StepPadding()  # every row planned since the last step's metrics
@@ -186,9 +184,9 @@ class TrajV1Mixin(CompleteCheckpoints):
         pad_keys, pad_tags = write_padding_rows(batch, int(plan.is_padding.sum()), self.tokenizer.eos_token_id,
                                                 self.spec.plan.pad_row_tokens)
         out = ordered_batch(batch, plan, pad_keys, pad_tags)
-        trees = store_plan_ids(out, plan, rows, self.spec.plan.tree_cost,
-                               padding_ids(self.tokenizer.eos_token_id, self.spec.plan.pad_row_tokens).numpy())
-        self._step_facts.planned(plan_facts(out, plan, layout))
+        fields, trees = plan_row_fields(plan, rows, self.spec.plan.tree_cost,
+                                        padding_ids(self.tokenizer.eos_token_id, self.spec.plan.pad_row_tokens).numpy())
+        self._step_facts.planned(plan_facts(out, plan, layout, fields, row_length(out)))
         self._step_padding.record(out.keys, plan.is_padding.tolist())
         metrics.update(plan_step_metrics(plan, self.spec.epochs), **trees)
         debug_dump(int(self.global_steps), plan, debug_rows(out, plan, layout))
@@ -229,7 +227,8 @@ class TrajV1Mixin(CompleteCheckpoints):
     def _update_critic(self, batch: Any, metrics: dict) -> Any:
         if not self.traj_config.enable:
             return super()._update_critic(batch, metrics)
-        with planned_update(batch, self._step_facts.of(batch), self.spec, CRITIC), self._trees(batch):
+        with planned_update(batch, self._step_facts.of(batch), self.spec, CRITIC, self._traj_dp_size()), \
+                self._trees(batch, rows=False):
             return super()._update_critic(batch, metrics)
 
     def _compute_values(self, batch: Any, metrics: dict) -> Any:
@@ -240,7 +239,8 @@ class TrajV1Mixin(CompleteCheckpoints):
         if not self.traj_config.enable:
             return super()._update_actor(batch, metrics)
         local_step = int(getattr(self, "local_trigger_step", 0))
-        with planned_update(batch, self._step_facts.of(batch), self.spec, ACTOR, local_step), self._trees(batch):
+        with planned_update(batch, self._step_facts.of(batch), self.spec, ACTOR, self._traj_dp_size(), local_step), \
+                self._trees(batch, rows=False):
             return super()._update_actor(batch, metrics)
 
     def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
@@ -258,12 +258,14 @@ class TrajV1Mixin(CompleteCheckpoints):
         with self._trees(batch):
             return super()._compute_ref_log_prob(batch, metrics)
 
-    def _trees(self, batch: Any) -> Any:
-        """The pass's markers (:func:`~verl_traj.integration.trainers.update_contract.pass_markers`: with
-        ``traj.prefix_tree`` the actor's and the critic's passes forward the plan's micro-batches as trees), in the
-        meta's ``extra_info`` for one call: verl rebuilds the meta between passes, so each pass is marked."""
+    def _trees(self, batch: Any, rows: bool = True) -> Any:
+        """The pass's markers (:func:`~verl_traj.integration.trainers.update_contract.pass_markers`: with trees every
+        pass runs the plan's micro-batches) in the meta's ``extra_info`` for one call, each pass marked (verl rebuilds
+        the meta between passes); ``rows``: an inference pass, which ships the plan's fields too (updates do)."""
         markers = pass_markers(self.spec) if self.spec is not None else {}
-        return extra_info(batch, markers) if markers else contextlib.nullcontext()
+        if not markers or not rows:
+            return extra_info(batch, markers) if markers else contextlib.nullcontext()
+        return planned_pass(batch, self._step_facts.of(batch), markers, self._traj_dp_size())
 
     def _traj_checkpoint_state(self) -> dict:  # correct's gate resumes where it was
         gated = isinstance(getattr(self, "replay_buffer", None), StaleGroupPolicy)

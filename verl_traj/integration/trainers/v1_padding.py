@@ -58,15 +58,13 @@ def write_padding_rows(batch: Any, count: int, eos_token_id: int, length: int) -
         return [], []
     source = tq.kv_batch_get(keys=[batch.keys[0]], partition_id=batch.partition_id)[0]
     template, tag = padding_row(source, batch.tags[0], eos_token_id, length)
+    if "session_id" in template:
+        template["session_id"] = 0
     keys, fields = [], []
-    for _ in range(count):
+    for _ in range(count):  # the rows share the template's values (the put copies them): no deep copy a row
         uid = f"pad{uuid.uuid4().hex}"
-        row = copy.deepcopy(template)
-        row["uid"] = uid
-        if "session_id" in row:
-            row["session_id"] = 0
         keys.append(row_key(uid, 0, 0))
-        fields.append(row)
+        fields.append({**template, "uid": uid})
     tags = [copy.deepcopy(tag) for _ in range(count)]
     tq.kv_batch_put(keys=keys, partition_id=batch.partition_id, fields=list_of_dict_to_tensordict(fields), tags=tags)
     return keys, tags

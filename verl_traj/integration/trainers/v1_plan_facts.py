@@ -65,6 +65,11 @@ class PlanFacts:
     step_anchors: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # (row, position, key) [K], gigpo
     # the advantage step's (traj_gigpo/*), for the step's metrics; read-only
     advantage_metrics: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    # the plan's per-row worker fields (v1_planning.plan_row_fields), each row's rank and attended tokens: what the
+    # workers' calls ship (v1_updates.rank_payloads)
+    row_fields: Mapping[str, torch.Tensor] = field(default_factory=lambda: MappingProxyType({}))
+    rank: Optional[torch.Tensor] = None  # int64
+    row_length: Optional[torch.Tensor] = None  # int64
 
     @property
     def stepwise(self) -> bool:
@@ -114,11 +119,14 @@ class PlanFacts:
         return dataclasses.replace(self, advantage_metrics=MappingProxyType(dict(metrics)))
 
 
-def plan_facts(batch: Any, plan: MiniBatchPlan, layout: BatchLayout) -> PlanFacts:
+def plan_facts(batch: Any, plan: MiniBatchPlan, layout: BatchLayout, row_fields: Mapping[str, torch.Tensor],
+               row_length: torch.Tensor) -> PlanFacts:
     """The plan's per-row facts in dispatch order (``batch``: the planned batch's keys and tags, padding rows
-    included; ``layout``: the rows before planning, in the order ``plan.order`` indexes)."""
+    included; ``layout``: the rows before planning, in the order ``plan.order`` indexes; ``row_fields``: the plan's
+    worker fields; ``row_length``: each planned row's attended tokens)."""
     src = plan.order.clamp(min=0)
     return PlanFacts(
+        row_fields=MappingProxyType(dict(row_fields)), rank=plan.rank.clone(), row_length=row_length,
         keys=tuple(batch.keys), traj_index=plan.traj_index.clone(),
         is_last_step=layout.is_last_step[src] & ~plan.is_padding, is_padding=plan.is_padding.clone(),
         mini_batch_id=plan.mini_batch_id.clone(),

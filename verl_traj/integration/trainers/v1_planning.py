@@ -1,13 +1,13 @@
 """Planning a v1 batch held in TransferQueue: its layout from the row keys, the ``seq_len`` tags and one count of
-loss tokens; the planned batch meta in dispatch order; the plan's ids stored as fields of every row.
+loss tokens; the planned batch meta in dispatch order; the plan's per-row fields for the workers (not stored).
 
 A row key is ``{uid}_{session}_{index}`` (:mod:`verl_traj.core.rollout.row_key`): ``uid`` is the prompt (the GRPO group),
 ``{uid}_{session}`` one trajectory, ``index`` its step. The planner itself is the core's
 (:func:`~verl_traj.integration.trainers.step_plan.plan_layout`); these functions move its input out of TransferQueue and
-its output back in. Each row's loss tokens and prefix block hashes were recorded in its tags where the agent loop wrote
+its output to the workers. Each row's loss tokens and prefix block hashes were recorded in its tags where the agent loop wrote
 it (:func:`~verl_traj.core.rollout.row_tags.row_fact_tags`), so planning reads no per-token field: :func:`read_layout`
 counts the loss tokens from the tags, and with ``traj.prefix_tree`` :func:`read_tree_rows` gives the tree planner
-stand-in rows built from the hashes (:mod:`~verl_traj.core.trees.prefix_hashes`), which :func:`store_plan_ids` reuses
+stand-in rows built from the hashes (:mod:`~verl_traj.core.trees.prefix_hashes`), which :func:`plan_row_fields` reuses
 with the padding rows' known ids to build each planned micro-batch's tree once per step (the tree facts the workers
 rebuild them from on the device in every pass, :mod:`verl_traj.integration.trainers.tree_plan_facts`). A row written
 without them (another agent loop) has its ``response_mask`` / ``input_ids`` fetched, and only that row.
@@ -20,7 +20,6 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import transfer_queue as tq
-from tensordict import TensorDict
 from transfer_queue import KVBatchMeta
 
 from verl_traj.core import BatchLayout, MiniBatchPlan, build_layout_from_counts
@@ -31,11 +30,11 @@ from verl_traj.core.rollout.row_tags import PREFIX_HASH_TAG, tagged_hashes, tagg
 from verl_traj.core.trees.prefix_hashes import hashed_rows, prefix_block_hashes
 from verl_traj.core.trees.token_rows import TokenRows
 from verl_traj.core.trees.tree_cost import TreeCostModel
-from verl_traj.integration.trainers.tree_plan_facts import nested_tree_facts
+from verl_traj.integration.trainers.tree_plan_facts import row_tree_facts
 from verl_traj.integration.trainers.v1_plan_facts import row_loss_tokens
 
 __all__ = ["debug_rows", "dispatch_dp_size", "in_key_order", "ordered_batch", "read_layout", "read_loss_tokens",
-           "read_rows", "read_tree_rows", "store_plan_ids"]
+           "plan_row_fields", "read_rows", "read_tree_rows", "row_length"]
 
 
 def dispatch_dp_size(worker_group: Any, mesh: str) -> int:
@@ -133,28 +132,29 @@ def ordered_batch(batch: KVBatchMeta, plan: MiniBatchPlan, pad_keys: list[str], 
                        fields=batch.fields, extra_info=batch.extra_info)
 
 
-def store_plan_ids(batch: KVBatchMeta, plan: MiniBatchPlan, rows: Optional[TokenRows] = None,
-                   tree_cost: Optional[TreeCostModel] = None, pad_ids: Optional[np.ndarray] = None) -> dict[str, float]:
-    """``mini_batch_id`` and ``micro_batch_id`` (``[B]`` int64, dispatch order) as fields of every row of the
-    planned ``batch``; with a prefix-tree plan also each planned micro-batch's tree facts (``TREE_INDEX`` nested per
-    row, ``TREE_SIZE`` ``[B]``) from the planned rows (``rows``: the source rows :func:`read_tree_rows` gave the
-    planner; ``pad_ids``: one padding row's ids; ``tree_cost`` decides which micro-batches forward as trees). Named in
-    its field list when it has one (the workers fetch exactly those). Returns the trees' metrics
-    (``actor/tree_share``)."""
+def plan_row_fields(plan: MiniBatchPlan, rows: Optional[TokenRows] = None, tree_cost: Optional[TreeCostModel] = None,
+                    pad_ids: Optional[np.ndarray] = None) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The plan's per-row worker fields, dispatch order: ``mini_batch_id`` and ``micro_batch_id`` (``[B]`` int64);
+    with a prefix-tree plan also each planned micro-batch's tree facts (``TREE_SEGMENT`` ``[B, 3]``, ``TREE_SIZE``
+    ``[B]``) from the planned rows (``rows``: the source rows :func:`read_tree_rows` gave the planner; ``pad_ids``: one
+    padding row's ids; ``tree_cost`` decides which micro-batches forward as trees). Nothing is stored: they travel
+    with each call that reads them (:func:`~verl_traj.integration.trainers.v1_updates.rank_payloads`). Returns them and the trees'
+    metrics (``actor/tree_share``)."""
     fields, trees = {MINI_BATCH_ID: plan.mini_batch_id, MICRO_BATCH_ID: plan.micro_batch_id}, {"actor/tree_share": 0.0}
     if plan.spec.prefix_tree:
         if rows is None or tree_cost is None or pad_ids is None:
-            raise TrajInputError("store_plan_ids: a prefix-tree plan needs the rows it was planned from, the tree cost "
-                                 "model and the padding rows' ids (rows, tree_cost or pad_ids is None). Fix: pass "
+            raise TrajInputError("plan_row_fields: a prefix-tree plan needs the rows it was planned from, the tree "
+                                 "cost model and the padding rows' ids (rows, tree_cost or pad_ids is None). Fix: pass "
                                  "read_tree_rows(batch), the update's PlanSettings.tree_cost and "
                                  "padding_ids(eos, pad_row_tokens).", field="rows")
-        tree_fields, trees = nested_tree_facts(rows, pad_rows(plan, pad_ids), plan, tree_cost)
+        tree_fields, trees = row_tree_facts(rows, pad_rows(plan, pad_ids), plan, tree_cost)
         fields.update(tree_fields.items())
-    tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
-                    fields=TensorDict(fields, batch_size=[plan.num_rows]))
-    if batch.fields is not None:
-        batch.fields = list(dict.fromkeys([*batch.fields, *fields]))
-    return trees
+    return fields, trees
+
+
+def row_length(batch: KVBatchMeta) -> torch.Tensor:
+    """``[B]`` int64 each row's attended tokens from its ``seq_len`` tag (padding rows' included)."""
+    return torch.from_numpy(_seq_len(batch))
 
 
 def debug_rows(batch: KVBatchMeta, plan: MiniBatchPlan, layout: BatchLayout) -> dict[str, list]:

@@ -1,61 +1,98 @@
-"""One planned update on v1 (actor or critic): the contract both trainers build
-(:mod:`~verl_traj.integration.trainers.update_contract`), moved into v1's data path.
+"""A planned call on v1 (an update of the actor or the critic, or a prefix-tree pass): the contract both trainers
+build (:mod:`~verl_traj.integration.trainers.update_contract`), moved into v1's data path.
 
-* its per-row fields (``loss_weight`` from each row's final loss-token count: no ``[B, R]`` mask is fetched here;
-  ``ratio_group`` where GSPO needs it) are written to TransferQueue;
-* every planned field (``mini_batch_id`` and ``micro_batch_id`` stored by ``_balance_batch``, plus the above) is named
-  in the batch meta's field list when it has one: the workers fetch exactly the fields ``KVBatchMeta.fields`` names
-  (``None``: every stored field);
+* the per-row fields: the plan's (``mini_batch_id``, ``micro_batch_id``, the prefix-tree facts:
+  :attr:`~verl_traj.integration.trainers.v1_plan_facts.PlanFacts.row_fields`) and an update's (``loss_weight`` from
+  each row's final loss-token count, no ``[B, R]`` mask fetched; ``ratio_group`` where GSPO needs it) travel with the
+  call, each rank's block once in Ray's object store (:func:`rank_payloads`, below); nothing is written to
+  TransferQueue;
 * its markers travel in the meta's ``extra_info`` (non-tensor data on the worker), for the call only; the worker
-  checks every named field arrived (:func:`~verl_traj.integration.workers.planned_update.check_planned_update`).
+  takes its block, checks it is its rows (:func:`~verl_traj.integration.workers.planned_update.take_row_fields`), then
+  that every planned field arrived (:func:`~verl_traj.integration.workers.planned_update.check_planned_update`).
+
+Why the fields travel with the call. verl cuts a call's ``KVBatchMeta`` into one equal chunk per data-parallel rank,
+in order, and each worker fetches its chunk's stored fields. The plan's per-row fields are born on the driver each
+step and read only by the workers. Stored as TransferQueue fields they cost a put of every row every step: about
+70 us a row whatever the size (``scripts/bench_v1_driver.py``: 7.3 s of ids and 13.7 s with the tree facts at 10^5
+rows, more than stock's whole ``_balance_batch``), and one more put per update. Instead the rows are laid out
+rank-major in equal blocks (checked), so rank ``r``'s chunk is block ``r``: each block's fields, with
+:data:`~verl_traj.core.keys.ROW_LENGTH` (each row's attended tokens, the worker's check), go into the object store
+once, ``dp`` puts a call whatever the row count, and the call's meta carries the references (:class:`RowFieldRefs`,
+non-tensor data :data:`~verl_traj.core.keys.ROW_FIELDS`) for that call only. Each rank fetches only its block.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
 
-import transfer_queue as tq
-from tensordict import TensorDict
+import ray
+import torch
 
+from verl_traj.core.keys import ROW_FIELDS, ROW_LENGTH
 from verl_traj.integration.config.update_spec import UpdateSpec
 from verl_traj.integration.trainers.update_contract import UpdateContract, loss_of, update_contract
 from verl_traj.integration.trainers.v1_plan_facts import PlanFacts
 
-__all__ = ["extra_info", "name_fields", "planned_update", "put_update_fields"]
+__all__ = ["RowFieldRefs", "extra_info", "planned_pass", "planned_update", "rank_payloads", "update_fields"]
 
 
-def name_fields(batch: Any, fields: tuple[str, ...]) -> None:
-    """Add ``fields`` to ``batch.fields`` (order kept, no duplicates); nothing when the meta names no fields (the
-    workers then fetch every stored field)."""
-    if batch.fields is not None:
-        batch.fields = list(dict.fromkeys([*batch.fields, *fields]))
+@dataclass(frozen=True)
+class RowFieldRefs:
+    """One call's per-row fields: ``refs[r]`` the Ray object of data-parallel rank ``r``'s rows, a dict of tensors
+    (``[b, ...]`` each, ``b`` the rank's rows) including :data:`~verl_traj.core.keys.ROW_LENGTH`."""
+
+    refs: tuple
 
 
-def put_update_fields(batch: Any, facts: PlanFacts, spec: UpdateSpec, role: str, local_step: int = 0) -> UpdateContract:
-    """Store the ``role`` update's per-row fields
-    (:func:`~verl_traj.integration.trainers.update_contract.update_contract`: ``loss_weight`` from each row's final
-    loss-token count, ``ratio_group`` where GSPO needs it) for every row of ``batch`` (checked to be the planned rows)
-    and name every planned field in the meta; returns the contract."""
+def rank_payloads(fields: Mapping[str, torch.Tensor], row_length: torch.Tensor, rank: torch.Tensor,
+                  dp: int) -> RowFieldRefs:
+    """``fields`` (``[B, ...]`` tensors, dispatch order) cut into the ``dp`` ranks' blocks, each put in the object
+    store once. ``rank`` ``[B]``: the plan's rank of each row, which must be ``dp`` equal blocks in order (verl's chunk
+    of the meta: equal pieces in order); ``row_length`` ``[B]``: each row's attended tokens, the workers' check."""
+    b = int(row_length.numel())
+    per = b // dp if dp > 0 else 0
+    blocks = torch.arange(dp).repeat_interleave(per)
+    if b % max(dp, 1) or not torch.equal(rank.long(), blocks):
+        raise RuntimeError(f"the plan's {b} rows are not {dp} equal rank-major blocks (rank of each row: "
+                           f"{rank.tolist()[:16]}...): verl cuts a call's batch into equal chunks in order, so the "
+                           "workers would read other ranks' plan fields. The planner pads every rank to one row count.")
+    cols = {**fields, ROW_LENGTH: row_length}
+    return RowFieldRefs(tuple(ray.put({k: v[r * per:(r + 1) * per].contiguous() for k, v in cols.items()})
+                              for r in range(dp)))
+
+
+def update_fields(batch: Any, facts: PlanFacts, spec: UpdateSpec, role: str, local_step: int = 0) -> UpdateContract:
+    """The ``role`` update's contract (:func:`~verl_traj.integration.trainers.update_contract.update_contract`:
+    ``loss_weight`` from each row's final loss-token count, ``ratio_group`` where GSPO needs it) for the rows of
+    ``batch``, checked to be the planned rows."""
     facts.check(batch.keys)
     weights = loss_of(spec, role).weights_from_counts(facts.loss_tokens, facts.mini_batch_id, facts.traj_index,
                                                        facts.is_padding)
-    contract = update_contract(spec, role, weights, facts.traj_index, facts.is_padding, all_atomic=facts.all_atomic,
-                               local_step=local_step)
-    tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
-                    fields=TensorDict(contract.fields, batch_size=[len(batch)]))
-    name_fields(batch, contract.planned)
-    return contract
+    return update_contract(spec, role, weights, facts.traj_index, facts.is_padding, all_atomic=facts.all_atomic,
+                           local_step=local_step)
 
 
 @contextlib.contextmanager
-def planned_update(batch: Any, facts: PlanFacts, spec: UpdateSpec, role: str,
+def planned_update(batch: Any, facts: PlanFacts, spec: UpdateSpec, role: str, dp: int,
                    local_step: int = 0) -> Iterator[UpdateContract]:
-    """For one verl update call: the contract's fields stored and named (:func:`put_update_fields`), its markers in
-    the meta's ``extra_info``, removed again on exit, also on error. Yields the contract."""
-    contract = put_update_fields(batch, facts, spec, role, local_step)
-    with extra_info(batch, contract.markers):
+    """For one verl update call on ``dp`` data-parallel ranks: the plan's and the contract's per-row fields shipped
+    with it, its markers in the meta's ``extra_info``; removed again on exit, also on error. Yields the contract."""
+    contract = update_fields(batch, facts, spec, role, local_step)
+    refs = rank_payloads({**facts.row_fields, **contract.fields}, facts.row_length, facts.rank, dp)
+    with extra_info(batch, {**contract.markers, ROW_FIELDS: refs}):
         yield contract
+
+
+@contextlib.contextmanager
+def planned_pass(batch: Any, facts: PlanFacts, markers: dict, dp: int) -> Iterator[None]:
+    """For one verl inference call (log-probs, reference, values) on ``dp`` ranks of a batch whose passes run the
+    plan's micro-batches (``markers``: :func:`~verl_traj.integration.trainers.update_contract.pass_markers`): the
+    plan's per-row fields shipped with it, the markers in ``extra_info``; removed on exit, also on error."""
+    facts.check(batch.keys)
+    with extra_info(batch, {**markers, ROW_FIELDS: rank_payloads(facts.row_fields, facts.row_length, facts.rank, dp)}):
+        yield
 
 
 @contextlib.contextmanager

@@ -59,8 +59,8 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.keys import TREE_INDEX, TREE_KEY, TREE_SIZE_KEY
-from verl_traj.core.trees.tree_facts import DeviceTree, tree_from_facts
+from verl_traj.core.keys import TREE_SEGMENT, TREE_KEY, TREE_SIZE_KEY
+from verl_traj.core.trees.tree_facts import segment_tree_index, DeviceTree, tree_from_facts
 from verl_traj.core.kernels.tree_kernel import (TREE_KWARG, TreeAttentionInput, padded_subtree_end, per_row_outputs,
                                         refuse_tree, tree_aware_attention)
 from verl_traj.core.kernels.tree_pass import (TreeForwardLog, TreeTotals, check_all_tree, check_marked, tree_metric_totals,
@@ -113,20 +113,20 @@ def _check_micro_batch(engine: Any, seam: Optional[EngineSeam], micro_batch: Ten
 
 
 def micro_batch_tree(micro_batch: TensorDict) -> DeviceTree:
-    """The micro-batch's tree on its device, from its rows and the plan's facts (:data:`TREE_INDEX` per row token,
+    """The micro-batch's tree on its device, from its rows and the plan's facts (:data:`TREE_SEGMENT` per row,
     :data:`TREE_SIZE_KEY` the tree's size): tensor ops only, no host copy (the checks stay on the device)."""
     size = tu.get_non_tensor_data(data=micro_batch, key=TREE_SIZE_KEY, default=None)
-    if size is None or TREE_INDEX not in micro_batch.keys():
-        missing = TREE_INDEX if TREE_INDEX not in micro_batch.keys() else TREE_SIZE_KEY
+    if size is None or TREE_SEGMENT not in micro_batch.keys():
+        missing = TREE_SEGMENT if TREE_SEGMENT not in micro_batch.keys() else TREE_SIZE_KEY
         raise TrajInputError(f"prefix-tree forward: a micro-batch without the plan's {missing!r} (the workers build "
                              "each tree from the facts the trainer ships with the plan, on the plan's micro-batches). "
                              "Fix: run marked passes through verl_traj's workers on a batch its trainer planned with "
                              "traj.prefix_tree=true.", field=missing)
-    ids, pos, index = micro_batch["input_ids"], micro_batch["position_ids"], micro_batch[TREE_INDEX]
+    ids, pos = micro_batch["input_ids"], micro_batch["position_ids"]
     if pos.dim() != 2:
         refuse_tree(f"position_ids are {pos.dim()}-D (multi-dimensional rotary)", "forward these rows without the tree")
-    return tree_from_facts(ids.values(), pos.values(), ids.offsets(), index.values() if index.is_nested else index,
-                           int(size))
+    index = segment_tree_index(ids.offsets(), micro_batch[TREE_SEGMENT], ids.values().shape[0])
+    return tree_from_facts(ids.values(), pos.values(), ids.offsets(), index, int(size))
 
 
 def _tree_batch(micro_batch: TensorDict, tree: DeviceTree) -> tuple[TensorDict, dict]:

@@ -59,7 +59,7 @@ from verl_traj.integration.patches.scoped import gspo_prepass_patches, micro_bat
 from verl_traj.integration.tree.tree_forward import tree_metrics, tree_pass
 from verl_traj.integration.workers.losses import traj_ppo_loss, traj_value_loss
 from verl_traj.integration.workers.planned_update import (LossSink, PlannedUpdate, check_planned_update,
-                                                          mini_batch_slices)
+                                                          mini_batch_slices, take_row_fields)
 
 __all__ = ["PlannedUpdate", "TrajActorMixin", "TrajActorRolloutRefWorker", "TrajActorTrainingWorker", "TrajCriticWorker",
            "TrajTrainingWorker", "check_planned_update", "mini_batch_slices", "traj_actor_worker", "traj_role_worker"]
@@ -89,6 +89,7 @@ class TrajTrainingWorker(TrainingWorker):
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="train"), blocking=False)
     def train_mini_batch(self, data: TensorDict) -> TensorDict:
+        take_row_fields(data, self.engine.get_data_parallel_rank())  # v1: the plan's fields shipped with the call
         run = PlannedUpdate(seed=int(tu.get(data, key="seed", default=42)), fields=check_planned_update(data),
                             union=int(tu.pop(data, key=CRITIC_UNION_KEY, default=1)),
                             old_log_probs_at_start=bool(tu.pop(data, key=OLD_LOG_PROBS_AT_START, default=False)),
@@ -137,6 +138,7 @@ class TrajTrainingWorker(TrainingWorker):
     def infer_batch(self, data: TensorDict) -> TensorDict:
         """verl's; a batch marked ``prefix_tree`` runs the plan's micro-batches, each as one tree
         (:mod:`verl_traj.integration.tree.tree_forward`)."""
+        take_row_fields(data, self.engine.get_data_parallel_rank())
         if not tree_marked(data):
             return super().infer_batch(data)
         run = PlannedUpdate(seed=0, fields=())

@@ -1,5 +1,7 @@
-"""A planned update as the workers run it: the contract check, the plan's mini-batches and micro-batches, what
-ran (:class:`PlannedUpdate`) and what its losses recorded (:class:`LossSink`).
+"""A planned update as the workers run it: the plan's per-row fields taken from the call (v1,
+:func:`take_row_fields`: its rank's block of what the trainer shipped,
+:func:`~verl_traj.integration.trainers.v1_updates.rank_payloads`), the contract check, the plan's mini-batches and
+micro-batches, what ran (:class:`PlannedUpdate`) and what its losses recorded (:class:`LossSink`).
 :mod:`~verl_traj.integration.workers.engine_workers` swaps these into verl's ``train_mini_batch`` (and, for
 prefix-tree batches, ``infer_batch``) for one call.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import ray
 import torch
 from tensordict import TensorDict
 
@@ -34,12 +37,12 @@ from verl.utils.metric import AggregationType, Metric
 
 from verl_traj.core import mini_batch_order
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.keys import (MICRO_BATCH_ID, MINI_BATCH_ID, PLANNED_FIELDS, RATIO_GROUP, RATIO_IN_LOSS, TREE_SIZE,
-                                 TREE_SIZE_KEY)
+from verl_traj.core.keys import (MICRO_BATCH_ID, MINI_BATCH_ID, PLANNED_FIELDS, RATIO_GROUP, RATIO_IN_LOSS, ROW_FIELDS,
+                                 ROW_LENGTH, TREE_SIZE, TREE_SIZE_KEY)
 from verl_traj.core.kernels.tree_pass import micro_batch_tree_sizes
 
 __all__ = ["LOSS_SINK", "LossSink", "PlannedUpdate", "check_planned_update", "mini_batch_slices", "record",
-           "record_nonfinite"]
+           "record_nonfinite", "row_lengths", "take_row_fields"]
 
 LOSS_SINK = "traj_loss_sink"  # non-tensor of a planned update's micro-batches: the update's LossSink
 _KINDS = {"sum": AggregationType.SUM, "max": AggregationType.MAX}
@@ -113,6 +116,35 @@ def record_nonfinite(sink: Optional[LossSink], name: str, count: torch.Tensor) -
                              "trajectory's GSPO sequence ratio. Fix: check the model and its inputs.", field=name)
 
 
+def row_lengths(data: TensorDict) -> torch.Tensor:
+    """``[b]`` int64 each row's attended tokens (``input_ids`` unpadded and nested as v1 stores it, or one dense
+    ``[b, L]`` tensor of rows of one length)."""
+    ids = data["input_ids"]
+    if ids.is_nested:
+        return ids.offsets().diff().cpu().long()
+    return torch.full((ids.shape[0],), ids.shape[-1], dtype=torch.long)
+
+
+def take_row_fields(data: TensorDict, dp_rank: int) -> None:
+    """Set the plan's per-row fields of this worker's rows on ``data`` from the call's
+    :data:`~verl_traj.core.keys.ROW_FIELDS` (popped), if it carries them; nothing otherwise (v0 and tests hand the
+    fields in the batch). Raises :class:`TrajInputError` (field ``traj_row_length``) where the block is not these
+    rows: another count, or other row lengths (the batch was cut or reordered after planning)."""
+    refs = tu.pop(data, key=ROW_FIELDS, default=None)
+    if refs is None:
+        return
+    block = ray.get(refs.refs[dp_rank])
+    want, held = block.pop(ROW_LENGTH), row_lengths(data)
+    if want.shape != held.shape or not torch.equal(want.long(), held):
+        raise TrajInputError(
+            f"data-parallel rank {dp_rank} holds {held.numel()} rows but the plan's fields shipped for it describe "
+            f"{want.numel()} rows of other lengths (first lengths held {held.tolist()[:8]}, planned "
+            f"{want.tolist()[:8]}): verl did not cut the call's batch into the plan's rank blocks. Fix: hand the "
+            "workers the planned meta unmodified (verl_traj's trainer does).", field=ROW_LENGTH)
+    for name, value in block.items():
+        data[name] = value
+
+
 def check_planned_update(data: TensorDict) -> tuple[str, ...]:
     """The per-row fields the trainer planned for this update (the non-tensor ``traj_planned_fields``, popped), each
     checked present in ``data``. Raises :class:`TrajInputError` naming the list or the first missing field."""
@@ -129,9 +161,10 @@ def check_planned_update(data: TensorDict) -> tuple[str, ...]:
     if missing:
         raise TrajInputError(
             f"the planned update lacks field {missing[0]!r} (planned: {list(fields)}; received: {sorted(keys)}): the "
-            "trainer wrote it, but it did not reach this worker. On v1 the workers fetch exactly the fields the "
-            "batch meta (KVBatchMeta.fields) names. Fix: name every planned field in the meta after writing it "
-            "(verl_traj's trainer does; a subclass that rebuilds the meta must keep them).", field=missing[0])
+            "trainer planned it, but it did not reach this worker. On v1 the plan's fields travel with the call "
+            "(extra_info['traj_row_fields'], taken by take_row_fields); on v0 in the batch. Fix: hand the workers the "
+            "planned batch and the call's extra_info unmodified (a subclass that rebuilds them must keep them).",
+            field=missing[0])
     return fields
 
 
