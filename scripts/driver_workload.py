@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from verl_traj.stepwise.anchors import observation_anchor
 from verl_traj.stepwise.expand import DEFAULT_STEPS_KEY
 from verl_traj.testing.swebench import load_trajectories
 
@@ -126,9 +127,11 @@ def _records(tr: Trajectories, ids: np.ndarray, lp: np.ndarray) -> np.ndarray:
         steps, full = [], 0
         for c in range(s, s + k):
             o, r = int(tr.obs[c]), int(tr.resp[c])
-            steps.append({"prompt_prefix_len": full, "prompt_tail_ids": ids[offset:offset + o].astype(np.int32),
+            tail = ids[offset:offset + o].astype(np.int32)
+            steps.append({"prompt_prefix_len": full, "prompt_tail_ids": tail,
                           "response_ids": ids[offset + o:offset + o + r].astype(np.int32),
-                          "response_logprobs": lp[offset + o:offset + o + r]})
+                          "response_logprobs": lp[offset + o:offset + o + r],
+                          **({"anchor": observation_anchor(tail)} if o else {})})  # as encode_step_records records
             offset, full = offset + o + r, full + o + r
         out[b] = {"steps": steps}
     return out

@@ -47,10 +47,11 @@ def _plain_call(c: Any, has_lp: bool) -> bool:
     """The record has the types this path reads (values are checked vectorised afterwards)."""
     if type(c) is not dict or c.get("prompt_ids") is not None:
         return False
-    r, lp, m, w, a = (c.get(k) for k in ("response_ids", "response_logprobs", "response_mask", "reward", "anchor"))
-    p = c.get("prompt_prefix_len", 0)
-    return (_ids(c.get("prompt_tail_ids")) and _ids(r) and (type(p) is int or isinstance(p, np.integer))
-            and (not has_lp or (type(lp) is np.ndarray and lp.ndim == 1 and lp.dtype.kind == "f" and lp.size == r.size))
+    r, p = c.get("response_ids"), c.get("prompt_prefix_len", 0)
+    if not (_ids(c.get("prompt_tail_ids")) and _ids(r) and (type(p) is int or isinstance(p, np.integer))):
+        return False
+    lp, m, w, a = c.get("response_logprobs"), c.get("response_mask"), c.get("reward"), c.get("anchor")
+    return ((not has_lp or (type(lp) is np.ndarray and lp.ndim == 1 and lp.dtype.kind == "f" and lp.size == r.size))
             and (m is None or (type(m) is np.ndarray and m.ndim == 1 and m.dtype.kind in "biu" and m.size == r.size))
             and (w is None or type(w) in (int, float) or isinstance(w, (np.floating, np.integer)))
             and (a is None or type(a) is int or isinstance(a, np.integer)))
@@ -152,15 +153,21 @@ def _anchors_ok(recs: list) -> np.ndarray:
 
 
 def _anchor_keys(calls: _Calls, ok: np.ndarray) -> np.ndarray:
-    """``[C]`` int64 each call's anchor: its record's own, else the hash of the tokens it saw since the previous call
-    (:func:`observation_anchor`; a call that saw nothing new takes the per-trajectory path). Calls not ``ok`` get 1."""
+    """``[C]`` int64 each call's anchor: its record's own (the step-recording agent loop records the default key
+    with the call, :func:`~verl_traj.stepwise.records.encode_step_records`), else the hash of the tokens it saw since
+    the previous call (:func:`observation_anchor`, only for the calls without one; a call that saw nothing new takes
+    the per-trajectory path). Calls not ``ok`` get 1."""
     own = [c.get("anchor") for c in calls.recs]
-    seen = observation_anchors(calls.tail, calls.tail_len)
-    empty = (calls.tail_len == 0).tolist()
-    keys = [(int(a) if 0 < int(a) < _MAX_ANCHOR else 1) if a is not None else (1 if e else k)
-            for a, k, e in zip(own, seen, empty)]
-    ok &= ~((calls.tail_len == 0) & np.fromiter((a is None for a in own), bool, len(own)))
-    return np.asarray(keys, dtype=np.int64)
+    missing = np.fromiter((a is None for a in own), bool, len(own))
+    keys = np.fromiter(((int(a) if 0 < int(a) < _MAX_ANCHOR else 1) if a is not None else 1 for a in own), np.int64,
+                       len(own))
+    hashed = missing & (calls.tail_len > 0)
+    if hashed.any():
+        starts = np.cumsum(calls.tail_len) - calls.tail_len
+        at = segment_index(torch.from_numpy(starts[hashed]), torch.from_numpy(calls.tail_len[hashed])).numpy()
+        keys[hashed] = observation_anchors(calls.tail[at], calls.tail_len[hashed])
+    ok &= ~(missing & (calls.tail_len == 0))
+    return keys
 
 
 def _chained(calls: _Calls) -> tuple[np.ndarray, np.ndarray]:

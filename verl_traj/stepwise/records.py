@@ -138,6 +138,8 @@ def encode_step_records(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             rec["reward"] = call["reward"]  # the call's turn reward (validated where rows are built)
         if call.get("anchor") is not None:
             rec["anchor"] = call["anchor"]  # the agent loop's own anchor key (validated where rows are built)
+        elif shared < prompt.size:  # GiGPO's default key, hashed here once where the call is recorded (the driver
+            rec["anchor"] = observation_anchor(rec["prompt_tail_ids"])  # would hash every call of a step again)
         steps.append(rec)
         prev_full = np.concatenate([prompt, resp])
     return {"steps": steps}
