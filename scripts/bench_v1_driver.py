@@ -36,7 +36,7 @@ stand-in rows from the recorded prefix hashes; with ``--no-row-facts`` the fetch
 padding rows, their template row fetched), ``tree_facts`` (``row_tree_facts``; the padding rows' ids are known,
 not fetched), ``ship``
 (the actor's update call shipping the plan's per-row fields, with trees each row's tree segment, and the loss weights
-to the ranks: ``rank_payloads``, one Ray put per rank; an inference pass on trees ships the same but the weights),
+to the ranks: ``rank_blocks``, one Ray put per rank; an inference pass on trees ships the same but the weights),
 ``other`` (the rest: the metrics, the planned meta, the plan's facts, the update's loss weights; stock: its tag read,
 meta reorder and balance metrics). Bytes: every
 ``transfer_queue.kv_batch_get`` / ``kv_batch_put`` of the call, the tensors' ``nbytes`` (nested: values and
@@ -169,7 +169,7 @@ def _span_targets(variant: str) -> list[tuple[Any, str, str]]:
         return [(trainer_base, "upsample_batch_to_divisible_size", "padding"),
                 (trainer_base, "calculate_workload", "plan"), (trainer_base, "get_seqlen_balanced_partitions", "plan")]
     return [(v1, "in_key_order", "key_order"), (v1, "read_layout", "read_layout"), (v1, "read_tree_rows", "read_rows"),
-            (v1, "plan_layout", "plan"), (v1, "write_padding_rows", "padding"), (v1_updates, "rank_payloads", "ship"),
+            (v1, "plan_layout", "plan"), (v1, "write_padding_rows", "padding"), (v1_updates, "rank_blocks", "ship"),
             (v1_planning, "pad_rows", "tree_facts"), (v1_planning, "row_tree_facts", "tree_facts"),
             (v1, "debug_rows", "debug_rows"), (v1, "plan_facts", "plan_facts"), (v1, "ordered_batch", "ordered_batch")]
 
@@ -354,7 +354,7 @@ def balance(tr: Any, variant: str, meta: Any) -> Any:
     if variant == "stock":
         return PPOTrainer._balance_batch(tr, meta, {})
     out = tr._balance_batch(meta, {})
-    with planned_update(out, tr._step_facts.current, tr.spec, ACTOR, tr._traj_dp_size()):
+    with planned_update(out, tr._step_facts, tr.spec, ACTOR, tr._traj_dp_size()):
         pass
     return out
 

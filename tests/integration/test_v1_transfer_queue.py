@@ -135,7 +135,7 @@ def test_planned_batch_in_transfer_queue(tq):
     assert pad.any() and stored["input_ids"].offsets().diff()[pad].tolist() == [2] * int(pad.sum())
     assert torch.equal(facts.loss_tokens, _dense(stored["response_mask"]).sum(-1))  # counted at planning
 
-    with planned_update(out, facts, tr.spec, ACTOR, DP):  # the update call: each rank gets its own rows' fields
+    with planned_update(out, tr._step_facts, tr.spec, ACTOR, DP):  # the update call: each rank gets its own rows' fields
         blocks = _worker_blocks(tq, out)
     assert ROW_FIELDS not in out.extra_info  # for that call only
     mb = torch.cat([b[MINI_BATCH_ID] for b in blocks])
@@ -153,6 +153,35 @@ def test_planned_batch_in_transfer_queue(tq):
     assert torch.all(weight[pad] == 0)
 
 
+def test_the_plans_fields_are_put_once_a_step_whatever_the_calls(tq, monkeypatch):
+    """Issue 55, item 4 at users' scale: every tree pass (old log-probs, reference, values) and every update of a step
+    ship the plan's fields; they go into the object store once a step (``dp`` objects), an update adds only its own
+    loss weights; the next step's plan puts its own."""
+    import ray
+
+    from verl_traj.integration.trainers.update_contract import ACTOR
+    from verl_traj.integration.trainers.v1_updates import planned_pass, planned_update
+
+    puts, put = [], ray.put
+    monkeypatch.setattr(ray, "put", lambda value: puts.append(sorted(value)) or put(value))
+    tr = _trainer({"prefix_tree": True})
+    out = tr._balance_batch(_store_rows(tq, np.random.default_rng(6), prefix="once"), {})
+    for _ in range(3):
+        with planned_pass(out, tr._step_facts, {"prefix_tree": True}, DP):
+            _worker_blocks(tq, out)
+    for _ in range(2):
+        with planned_update(out, tr._step_facts, tr.spec, ACTOR, DP):
+            blocks = _worker_blocks(tq, out)
+    plan = [p for p in puts if ROW_LENGTH in p]
+    assert len(plan) == DP and len(puts) == DP + 2 * DP  # the plan's once, each update's loss weights
+    assert all(LOSS_WEIGHT in b.keys() and "prefix_tree_segment" in b.keys() for b in blocks)
+    tr._balance_batch(_store_rows(tq, np.random.default_rng(7), prefix="next"), {})
+    with planned_pass(tr._balance_batch(_store_rows(tq, np.random.default_rng(8), prefix="nx"), {}), tr._step_facts,
+                      {"prefix_tree": True}, DP):
+        pass
+    assert len([p for p in puts if ROW_LENGTH in p]) == 2 * DP  # a new plan: its own fields
+
+
 def test_a_worker_given_another_ranks_fields_refuses_naming_the_field(tq):
     """verl cuts a call's meta into equal chunks in order; a worker whose rows are not the block shipped for its rank
     (another rank's, or a batch cut differently) raises naming ``traj_row_length``, before any fields are set."""
@@ -165,7 +194,7 @@ def test_a_worker_given_another_ranks_fields_refuses_naming_the_field(tq):
 
     tr = _trainer()
     out = tr._balance_batch(_store_rows(tq, np.random.default_rng(0)), {})
-    with planned_update(out, tr._step_facts.current, tr.spec, ACTOR, DP):
+    with planned_update(out, tr._step_facts, tr.spec, ACTOR, DP):
         chunks = out.chunk(DP)
         lengths = [torch.tensor([int(t["seq_len"]) for t in c.tags]) for c in chunks]
         other = next(r for r in range(1, DP) if not torch.equal(lengths[r], lengths[0]))
@@ -306,7 +335,7 @@ def test_a_planned_field_that_does_not_reach_the_worker_is_refused(tq, field):
     tr = _trainer(**STEP_ROWS_GSPO)
     rows = _store_rows(tq, np.random.default_rng(4), prefix=f"m{field.replace('_', '')}")
     meta = _as_verl_leaves_it(tq, tr._balance_batch(rows, {}))
-    with planned_update(meta, tr._step_facts.current, tr.spec, ACTOR, DP):
+    with planned_update(meta, tr._step_facts, tr.spec, ACTOR, DP):
         chunk = meta.chunk(DP)[0]
         data, again = _as_a_worker_receives(chunk), _as_a_worker_receives(chunk)
     take_row_fields(data, 0)

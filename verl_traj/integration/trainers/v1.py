@@ -227,7 +227,7 @@ class TrajV1Mixin(CompleteCheckpoints):
     def _update_critic(self, batch: Any, metrics: dict) -> Any:
         if not self.traj_config.enable:
             return super()._update_critic(batch, metrics)
-        with planned_update(batch, self._step_facts.of(batch), self.spec, CRITIC, self._traj_dp_size()), \
+        with planned_update(batch, self._step_facts, self.spec, CRITIC, self._traj_dp_size()), \
                 self._trees(batch, rows=False):
             return super()._update_critic(batch, metrics)
 
@@ -239,7 +239,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         if not self.traj_config.enable:
             return super()._update_actor(batch, metrics)
         local_step = int(getattr(self, "local_trigger_step", 0))
-        with planned_update(batch, self._step_facts.of(batch), self.spec, ACTOR, self._traj_dp_size(), local_step), \
+        with planned_update(batch, self._step_facts, self.spec, ACTOR, self._traj_dp_size(), local_step), \
                 self._trees(batch, rows=False):
             return super()._update_actor(batch, metrics)
 
@@ -265,7 +265,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         markers = pass_markers(self.spec) if self.spec is not None else {}
         if not markers or not rows:
             return extra_info(batch, markers) if markers else contextlib.nullcontext()
-        return planned_pass(batch, self._step_facts.of(batch), markers, self._traj_dp_size())
+        return planned_pass(batch, self._step_facts, markers, self._traj_dp_size())
 
     def _traj_checkpoint_state(self) -> dict:  # correct's gate resumes where it was
         gated = isinstance(getattr(self, "replay_buffer", None), StaleGroupPolicy)

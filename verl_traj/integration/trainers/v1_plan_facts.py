@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -66,7 +66,7 @@ class PlanFacts:
     # the advantage step's (traj_gigpo/*), for the step's metrics; read-only
     advantage_metrics: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     # the plan's per-row worker fields (v1_planning.plan_row_fields), each row's rank and attended tokens: what the
-    # workers' calls ship (v1_updates.rank_payloads)
+    # workers' calls ship (v1_updates.plan_blocks)
     row_fields: Mapping[str, torch.Tensor] = field(default_factory=lambda: MappingProxyType({}))
     rank: Optional[torch.Tensor] = None  # int64
     row_length: Optional[torch.Tensor] = None  # int64
@@ -143,9 +143,18 @@ class StepFacts:
     def __init__(self) -> None:
         self.current: Optional[PlanFacts] = None
         self._checked: Optional[list] = None  # the batch keys list checked against them
+        self._shipped: Any = None  # the plan's fields as put for the workers, once per planned batch
 
     def planned(self, facts: PlanFacts) -> None:
-        self.current, self._checked = facts, None
+        self.current, self._checked, self._shipped = facts, None, None
+
+    def shipped(self, make: Callable[[PlanFacts], Any]) -> Any:
+        """``make(facts)`` of the batch planned last (the plan's per-row fields put for the workers), made at the
+        first call that ships them and reused by every later call of the step (the advantage step's facts carry
+        the same fields)."""
+        if self._shipped is None:
+            self._shipped = make(self.current)
+        return self._shipped
 
     def hand_on(self, facts: PlanFacts) -> None:
         """The advantage step's facts replace the planned ones (the same rows, final loss tokens, its metrics)."""

@@ -138,7 +138,7 @@ def plan_row_fields(plan: MiniBatchPlan, rows: Optional[TokenRows] = None, tree_
     with a prefix-tree plan also each planned micro-batch's tree facts (``TREE_SEGMENT`` ``[B, 3]``, ``TREE_SIZE``
     ``[B]``) from the planned rows (``rows``: the source rows :func:`read_tree_rows` gave the planner; ``pad_ids``: one
     padding row's ids; ``tree_cost`` decides which micro-batches forward as trees). Nothing is stored: they travel
-    with each call that reads them (:func:`~verl_traj.integration.trainers.v1_updates.rank_payloads`). Returns them and the trees'
+    with each call that reads them (:func:`~verl_traj.integration.trainers.v1_updates.rank_blocks`). Returns them and the trees'
     metrics (``actor/tree_share``)."""
     fields, trees = {MINI_BATCH_ID: plan.mini_batch_id, MICRO_BATCH_ID: plan.micro_batch_id}, {"actor/tree_share": 0.0}
     if plan.spec.prefix_tree:

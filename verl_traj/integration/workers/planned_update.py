@@ -1,6 +1,6 @@
 """A planned update as the workers run it: the plan's per-row fields taken from the call (v1,
 :func:`take_row_fields`: its rank's block of what the trainer shipped,
-:func:`~verl_traj.integration.trainers.v1_updates.rank_payloads`), the contract check, the plan's mini-batches and
+:func:`~verl_traj.integration.trainers.v1_updates.rank_blocks`), the contract check, the plan's mini-batches and
 micro-batches, what ran (:class:`PlannedUpdate`) and what its losses recorded (:class:`LossSink`).
 :mod:`~verl_traj.integration.workers.engine_workers` swaps these into verl's ``train_mini_batch`` (and, for
 prefix-tree batches, ``infer_batch``) for one call.
@@ -133,7 +133,9 @@ def take_row_fields(data: TensorDict, dp_rank: int) -> None:
     refs = tu.pop(data, key=ROW_FIELDS, default=None)
     if refs is None:
         return
-    block = ray.get(refs.refs[dp_rank])
+    block = {}
+    for part in refs.parts:  # the plan's fields (put once a step), an update's own
+        block.update(ray.get(part[dp_rank]))
     want, held = block.pop(ROW_LENGTH), row_lengths(data)
     if want.shape != held.shape or not torch.equal(want.long(), held):
         raise TrajInputError(
