@@ -137,3 +137,30 @@ def test_refused_records_raise_what_the_per_trajectory_path_raises(field, bad):
         mp.setattr(expand, "chain_rows", _per_trajectory_only)
         expand_step_rows(tensors, non, merge_prefix=True, step_anchors=True)
     assert str(fast.value) == str(slow.value) and fast.value.field == slow.value.field == field
+
+
+def test_the_default_anchor_is_recorded_with_the_call_and_equals_what_the_driver_hashes():
+    """GiGPO's default key is hashed once, where encode_step_records records the call (the tokens it saw since the
+    previous one); a call that saw nothing new records none. The driver hashes only calls without a key: its step
+    anchors are the same with the recorded keys and with them removed (9ce7796)."""
+    from verl_traj.core.keys import STEP_ANCHORS
+    from verl_traj.stepwise.anchors import observation_anchor
+
+    calls = [{"prompt_ids": [1, 2, 3], "response_ids": [4]}, {"prompt_ids": [1, 2, 3, 4, 9], "response_ids": [5]},
+             {"prompt_ids": [1, 2, 3, 4, 9, 5], "response_ids": [6]}]
+    steps = encode_step_records(calls)["steps"]
+    assert [s.get("anchor") for s in steps] == [observation_anchor([1, 2, 3]), observation_anchor([9]), None]
+
+    rng = np.random.default_rng(5)
+    trajs = [token_trajectory(rng, 3, min_obs=1), token_trajectory(rng, 4, min_obs=1)]
+    tensors, non = step_record_batch(trajs, ["g", "g"], [1.0, 0.0])
+    recorded = np.empty(2, dtype=object)
+    recorded[:] = [encode_step_records(t[0]) for t in trajs]
+    bare = np.empty(2, dtype=object)
+    bare[:] = [{"steps": [{k: v for k, v in s.items() if k != "anchor"} for s in r["steps"]]} for r in recorded]
+    assert all("anchor" in s for r in recorded for s in r["steps"])
+    out = {}
+    for name, records in (("recorded", recorded), ("hashed", bare)):
+        out[name] = expand_step_rows(tensors, {**non, "traj_steps": records}, merge_prefix=True,
+                                     step_anchors=True).tensors[STEP_ANCHORS]
+    assert torch.equal(out["recorded"], out["hashed"]) and bool((out["recorded"] > 0).any())
