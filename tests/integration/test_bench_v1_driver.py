@@ -23,6 +23,8 @@ VARIANTS = ("stock", "traj rows", "traj trees")
 
 @pytest.fixture(scope="module")
 def report() -> dict:
+    if not (ROOT.parent / "shared" / "data" / "swebench_steps.jsonl").exists():
+        pytest.skip("shared benchmark data not present")
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_v1_driver.py"), "--quick", "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=180,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
