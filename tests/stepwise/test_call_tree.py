@@ -1,0 +1,95 @@
+"""A session's calls as a tree (issue 56, ``verl_traj.stepwise.call_tree``): every fact against a brute force over
+random forests (forks anywhere, several roots: sub-agents and condensed contexts), and a chain gives today's facts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verl_traj.stepwise.call_tree import call_tree
+from verl_traj.stepwise.expand_inputs import StepExpansionError
+
+PROPS = settings(max_examples=200, deadline=None)
+
+
+@st.composite
+def forests(draw) -> list[int]:
+    """1-30 calls, each naming an earlier call or -1 (a fresh context), leaning towards the previous call."""
+    parent = []
+    for c in range(draw(st.integers(1, 30))):
+        kind = draw(st.sampled_from(["previous", "previous", "any", "root"])) if c else "root"
+        parent.append(-1 if kind == "root" else c - 1 if kind == "previous" else draw(st.integers(0, c - 1)))
+    return parent
+
+
+def _children(parent):
+    return {c: [k for k, p in enumerate(parent) if p == c] for c in range(len(parent))}
+
+
+def _leaves(parent, c):
+    kids = _children(parent)[c]
+    return [c] if not kids else [leaf for k in kids for leaf in _leaves(parent, k)]
+
+
+def _value(parent, rewards, gamma, c):
+    kids = _children(parent)[c]
+    return rewards[c] + (gamma * np.mean([_value(parent, rewards, gamma, k) for k in kids]) if kids else 0.0)
+
+
+@PROPS
+@given(parent=forests(), data=st.data())
+def test_every_fact_equals_the_brute_force(parent, data):
+    tree = call_tree(parent)
+    n = len(parent)
+    depth = [0 if p < 0 else None for p in parent]
+    for c, p in enumerate(parent):
+        depth[c] = 0 if p < 0 else depth[p] + 1
+    assert tree.depth.tolist() == depth
+    assert tree.leaves_below().tolist() == [len(_leaves(parent, c)) for c in range(n)]
+    values = np.asarray(data.draw(st.lists(st.floats(-3, 3), min_size=n, max_size=n)))
+    want = [np.mean([values[leaf] for leaf in _leaves(parent, c)]) for c in range(n)]
+    np.testing.assert_allclose(tree.mean_of_leaves(values), want, rtol=1e-12, atol=1e-12)
+    for gamma in (1.0, 0.9, 0.5):
+        np.testing.assert_allclose(tree.returns(values, gamma), [_value(parent, values, gamma, c) for c in range(n)],
+                                   rtol=1e-12, atol=1e-12)
+
+
+@PROPS
+@given(parent=forests())
+def test_rows_are_a_path_decomposition(parent):
+    """Every call in exactly one row; a row's calls are a chain (each after the first continues the one before, its
+    parent's first child); a row starts at a root or at a later child of a fork: rows = roots + extra children."""
+    tree = call_tree(parent)
+    row, starts = tree.rows()
+    children = _children(parent)
+    for r in np.unique(row).tolist():
+        calls = np.flatnonzero(row == r).tolist()
+        assert starts[calls[0]] and not starts[calls[1:]].any()
+        assert all(parent[b] == a and children[a][0] == b for a, b in zip(calls, calls[1:]))
+    roots = sum(p < 0 for p in parent)
+    assert len(np.unique(row)) == roots + sum(max(len(k) - 1, 0) for k in children.values())
+    assert (row[starts] == np.arange(int(starts.sum()))).all()  # numbered by their first call's issue order
+
+
+def test_a_chain_is_one_row_with_discounted_returns():
+    tree = call_tree([-1, 0, 1, 2])
+    row, starts = tree.rows()
+    assert row.tolist() == [0, 0, 0, 0] and starts.tolist() == [True, False, False, False]
+    assert tree.leaves_below().tolist() == [1, 1, 1, 1]
+    np.testing.assert_allclose(tree.returns(np.array([0, 0, 0, 1.0]), 0.9), [0.729, 0.81, 0.9, 1.0])
+
+
+def test_best_of_two_from_a_mid_state_and_a_sub_agent():
+    """Calls: 0 root, 1 continues it, 2 and 3 two samples from 1's state, 4 a sub-agent's fresh context, 5 continues 3."""
+    tree = call_tree([-1, 0, 1, 1, -1, 3])
+    row, starts = tree.rows()
+    assert row.tolist() == [0, 0, 0, 1, 2, 1] and starts.tolist() == [True, False, False, True, True, False]
+    assert tree.leaves_below().tolist() == [2, 2, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("parent", [[0], [-1, 1], [-1, 5], [-1, -2]])
+def test_a_parent_that_is_not_an_earlier_call_is_refused(parent):
+    with pytest.raises(StepExpansionError, match="parent must be an earlier call"):
+        call_tree(parent)
