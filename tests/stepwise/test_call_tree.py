@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_traj.stepwise.call_tree import call_tree
+from verl_traj.stepwise.call_tree import call_tree, tree_grpo_advantages
 from verl_traj.stepwise.expand_inputs import StepExpansionError
 
 PROPS = settings(max_examples=200, deadline=None)
@@ -93,3 +93,29 @@ def test_best_of_two_from_a_mid_state_and_a_sub_agent():
 def test_a_parent_that_is_not_an_earlier_call_is_refused(parent):
     with pytest.raises(StepExpansionError, match="parent must be an earlier call"):
         call_tree(parent)
+
+
+@PROPS
+@given(sessions=st.lists(forests(), min_size=1, max_size=6), data=st.data())
+def test_tree_grpo_equals_the_paper_on_each_leaf_and_the_mean_below_each_call(sessions, data):
+    """Sessions of two prompts, each a forest; the reference computes every leaf's two normalised terms from the lists
+    of leaves directly (unbiased std, 0 for a group of one) and averages them per call."""
+    parent, session, prompt = [], [], []
+    for s, p in enumerate(sessions):
+        base = len(parent)
+        parent += [x + base if x >= 0 else -1 for x in p]
+        session += [s] * len(p)
+        prompt += [s % 2] * len(p)
+    outcome = np.asarray(data.draw(st.lists(st.floats(-2, 2), min_size=len(parent), max_size=len(parent))))
+    tree = call_tree(parent)
+    got = tree_grpo_advantages(tree, outcome, np.asarray(session), np.asarray(prompt))
+    leaves = [c for c in range(len(parent)) if not _children(parent)[c]]
+
+    def norm(leaf, key):
+        group = [outcome[m] for m in leaves if key[m] == key[leaf]]
+        std = np.std(group, ddof=1) if len(group) > 1 else 0.0
+        return (outcome[leaf] - np.mean(group)) / (std + 1e-6)
+
+    adv = {leaf: norm(leaf, prompt) + norm(leaf, session) for leaf in leaves}
+    want = [np.mean([adv[leaf] for leaf in _leaves(parent, c)]) for c in range(len(parent))]
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)

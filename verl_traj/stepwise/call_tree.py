@@ -28,7 +28,7 @@ import numpy as np
 
 from verl_traj.stepwise.expand_inputs import StepExpansionError
 
-__all__ = ["CallTree", "call_tree"]
+__all__ = ["CallTree", "call_tree", "tree_grpo_advantages"]
 
 
 @dataclass(frozen=True)
@@ -119,3 +119,27 @@ def call_tree(parent: "np.ndarray | list[int]") -> CallTree:
     first_child = np.zeros(parent.size, dtype=bool)
     first_child[has] = first_of[parent[has]] == calls[has]
     return CallTree(parent, depth, children, first_child)
+
+
+def _normalised(values: np.ndarray, group: np.ndarray, eps: float) -> np.ndarray:
+    """``(v - mean) / (std + eps)`` within each ``group`` (``[L]`` each); ``std`` unbiased as verl's GRPO takes it (0
+    for a group of one)."""
+    _, inverse, counts = np.unique(group, return_inverse=True, return_counts=True)
+    mean = np.bincount(inverse, weights=values) / counts
+    square = np.bincount(inverse, weights=(values - mean[inverse]) ** 2)
+    std = np.sqrt(np.where(counts > 1, square / np.maximum(counts - 1, 1), 0.0))
+    return (values - mean[inverse]) / (std[inverse] + eps)
+
+
+def tree_grpo_advantages(tree: CallTree, outcome: np.ndarray, session: np.ndarray, prompt: np.ndarray,
+                         eps: float = 1e-6) -> np.ndarray:
+    """Tree-GRPO (arXiv 2509.21240) on a batch's call forest: each leaf ``l``'s advantage
+    ``A_l = (G_l - mu_prompt) / (sigma_prompt + eps) + (G_l - mu_session) / (sigma_session + eps)``, the first over
+    the leaves of every session of ``l``'s prompt, the second over its own session's leaves; each call gets the mean of
+    ``A_l`` over the leaves below it. ``outcome`` ``[C]`` (read at the leaves), ``session`` / ``prompt`` ``[C]`` ids.
+    Returns ``[C]`` float64."""
+    leaves = np.flatnonzero(tree.is_leaf)
+    g = np.asarray(outcome, dtype=np.float64)[leaves]
+    a = np.zeros(tree.num_calls)
+    a[leaves] = _normalised(g, np.asarray(prompt)[leaves], eps) + _normalised(g, np.asarray(session)[leaves], eps)
+    return tree.mean_of_leaves(a)
