@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_traj.stepwise.call_tree import call_tree, tree_grpo_advantages
+from verl_traj.stepwise.call_tree import advantage_parts, call_tree, tree_grpo_advantages
 from verl_traj.stepwise.expand_inputs import StepExpansionError
 
 PROPS = settings(max_examples=200, deadline=None)
@@ -119,3 +119,31 @@ def test_tree_grpo_equals_the_paper_on_each_leaf_and_the_mean_below_each_call(se
     adv = {leaf: norm(leaf, prompt) + norm(leaf, session) for leaf in leaves}
     want = [np.mean([adv[leaf] for leaf in _leaves(parent, c)]) for c in range(len(parent))]
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
+
+
+def _ppo_loss(ratio: np.ndarray, adv: float, clip: float = 0.2, dual: float = 3.0) -> np.ndarray:
+    """verl's vanilla PPO token loss with dual-clip (``clip_ratio_c``): ``max(-A r, -A clip(r))``, and for ``A < 0``
+    at most ``-A c``."""
+    loss = np.maximum(-adv * ratio, -adv * np.clip(ratio, 1 - clip, 1 + clip))
+    return np.minimum(loss, -adv * dual) if adv < 0 else loss
+
+
+@PROPS
+@given(parent=forests(), data=st.data())
+def test_the_parts_train_each_call_as_its_root_to_leaf_paths_would_under_clipping(parent, data):
+    """``expanded``: per token, loss(r, P) + loss(r, N) = the sum over the call's paths of loss(r, A_l), for ratios
+    inside and outside the clip range; ``once``: the same with each path's copy weighted 1 / m_c."""
+    tree = call_tree(parent)
+    n = len(parent)
+    adv = np.asarray(data.draw(st.lists(st.floats(-3, 3), min_size=n, max_size=n)))
+    ratio = np.asarray(data.draw(st.lists(st.floats(0.2, 5.0), min_size=4, max_size=4)))
+    for weighting in ("expanded", "once"):
+        pos, neg = advantage_parts(tree, adv, weighting)
+        for c in range(n):
+            leaves = _leaves(parent, c)
+            scale = 1.0 if weighting == "expanded" else 1.0 / len(leaves)
+            want = sum(scale * _ppo_loss(ratio, adv[leaf]) for leaf in leaves)
+            np.testing.assert_allclose(_ppo_loss(ratio, pos[c]) + _ppo_loss(ratio, neg[c]), want, rtol=1e-9, atol=1e-9)
+    chain = call_tree(list(range(-1, n - 1)))
+    pos, neg = advantage_parts(chain, np.where(np.arange(n) == n - 1, adv[0], 0.0))
+    assert np.allclose(pos + neg, adv[0])  # a chain: every call its session's (one leaf's) advantage

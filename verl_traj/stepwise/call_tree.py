@@ -28,7 +28,7 @@ import numpy as np
 
 from verl_traj.stepwise.expand_inputs import StepExpansionError
 
-__all__ = ["CallTree", "call_tree", "tree_grpo_advantages"]
+__all__ = ["CallTree", "advantage_parts", "call_tree", "tree_grpo_advantages"]
 
 
 @dataclass(frozen=True)
@@ -143,3 +143,25 @@ def tree_grpo_advantages(tree: CallTree, outcome: np.ndarray, session: np.ndarra
     a = np.zeros(tree.num_calls)
     a[leaves] = _normalised(g, np.asarray(prompt)[leaves], eps) + _normalised(g, np.asarray(session)[leaves], eps)
     return tree.mean_of_leaves(a)
+
+
+def advantage_parts(tree: CallTree, leaf_advantage: np.ndarray, weighting: str = "once") -> tuple[np.ndarray, np.ndarray]:
+    """``(positive [C], negative [C])`` float64: what each call's tokens train with, so that a call shared by ``m_c``
+    root-to-leaf paths trains as those paths would, under PPO's clipping too.
+
+    A call on ``m_c`` paths with per-leaf advantages ``A_l`` would, trained once per path (``expanded``), add
+    ``sum_l loss(ratio, A_l)`` per token. PPO's clipped loss (vanilla and dual-clip) is positively homogeneous in the
+    advantage for a fixed sign, ``loss(r, A) = |A| loss(r, sign A)``, so that sum is ``loss(r, P) + loss(r, N)`` with
+    ``P`` the sum of the positive ``A_l`` and ``N`` of the negative ones: the token is evaluated with both parts (a
+    part that is 0 adds nothing). ``once`` (the default) weighs each path's copy by ``1 / m_c``: the parts divided by
+    ``m_c``; on a chain both give the call its own advantage."""
+    if weighting not in ("once", "expanded"):
+        raise StepExpansionError.invalid("weighting", weighting, "is not 'once' or 'expanded'",
+                                         "set traj.branch_weighting to once (each distinct token once) or expanded "
+                                         "(as one row per root-to-leaf path)")
+    a = np.asarray(leaf_advantage, dtype=np.float64)
+    positive, negative = tree.sum_up(np.maximum(a, 0.0)), tree.sum_up(np.minimum(a, 0.0))
+    if weighting == "once":
+        m = tree.leaves_below()
+        positive, negative = positive / m, negative / m
+    return positive, negative
