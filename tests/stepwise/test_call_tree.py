@@ -147,3 +147,30 @@ def test_the_parts_train_each_call_as_its_root_to_leaf_paths_would_under_clippin
     chain = call_tree(list(range(-1, n - 1)))
     pos, neg = advantage_parts(chain, np.where(np.arange(n) == n - 1, adv[0], 0.0))
     assert np.allclose(pos + neg, adv[0])  # a chain: every call its session's (one leaf's) advantage
+
+
+def test_records_delta_encode_against_their_parent_and_siblings_share_their_states_anchor():
+    """Best-of-2 from call 1's state (calls 2 and 3, each seeing the same tool result) and a sub-agent's fresh context
+    (call 4): each record stores only the tokens its parent's context lacks, decoding gives back every prompt, the
+    siblings' GiGPO anchor is the state they branch from (equal), and a chain encodes as before (no parent key)."""
+    import torch
+
+    from verl_traj.stepwise.records import decode_step_records, encode_step_records
+
+    p0, r0 = [1, 2, 3], [4, 5]
+    p1, r1 = p0 + r0 + [6], [7]
+    obs = [8, 9]
+    calls = [dict(prompt_ids=p0, response_ids=r0), dict(prompt_ids=p1, response_ids=r1),
+             dict(prompt_ids=p1 + r1 + obs, response_ids=[10]), dict(prompt_ids=p1 + r1 + obs, response_ids=[11], parent=1),
+             dict(prompt_ids=[20, 21], response_ids=[22], parent=-1)]
+    steps = encode_step_records(calls)["steps"]
+    assert [s.get("parent") for s in steps] == [None, None, None, 1, -1]
+    assert [len(s["prompt_tail_ids"]) for s in steps] == [3, 1, 2, 2, 2]  # the sibling re-pays only the observation
+    full = decode_step_records({"steps": steps})
+    assert [f["prompt_ids"].tolist() for f in full] == [c["prompt_ids"] for c in calls]
+    assert [f["parent"] for f in full] == [-1, 0, 1, 1, -1]
+    assert torch.equal(torch.as_tensor(full[2]["anchor"]), torch.as_tensor(full[3]["anchor"]))
+    chain = encode_step_records(calls[:3])["steps"]
+    assert all("parent" not in s for s in chain)
+    with pytest.raises(StepExpansionError, match="names parent 7"):
+        encode_step_records([dict(prompt_ids=[1], response_ids=[2], parent=7)])

@@ -109,14 +109,28 @@ def _common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     return int(neq[0]) if neq.size else n
 
 
+def call_parent(rec: Mapping[str, Any], k: int, where: str) -> int:
+    """Call ``k``'s parent: the record's ``parent`` (an earlier call whose prompt and response its prompt extends, or
+    -1 for a fresh context), default the previous call (-1 for the first). Raises naming the field."""
+    parent = rec.get("parent", k - 1)
+    if isinstance(parent, bool) or not isinstance(parent, (int, np.integer)) or not -1 <= int(parent) < k:
+        raise StepExpansionError(
+            f"{where} names parent {parent!r}: a call's parent is an earlier call of its session (0..{k - 1}) or -1 "
+            "for a fresh context. Fix: record parent as the index, in issue order, of the call this one continues.",
+            field="parent")
+    return int(parent)
+
+
 def encode_step_records(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Compact per-call records (prompt delta-encoded against the previous step's full context).
+    """Compact per-call records (prompt delta-encoded against its parent's full context: the previous call's unless
+    the call names another ``parent``, issue 56).
 
     ``calls``: per LLM call, ``prompt_ids`` and ``response_ids`` (and optional ``response_logprobs``,
-    ``response_mask``). Returns ``{"steps": [...]}`` with int32/float32 numpy arrays.
+    ``response_mask``, ``parent``). Returns ``{"steps": [...]}`` with int32/float32 numpy arrays; a record names its
+    ``parent`` only where it is not the previous call (a chain encodes as before).
     """
     steps = []
-    prev_full: Optional[np.ndarray] = None
+    fulls: list[np.ndarray] = []
     for k, call in enumerate(calls):
         check_record(call, f"LLM call {k}")
         if call.get("prompt_ids") is None:
@@ -124,11 +138,13 @@ def encode_step_records(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                                      "LLM call.", field="prompt_ids")
         prompt = token_ids("prompt_ids", call["prompt_ids"], f"LLM call {k}").numpy()
         resp = token_ids("response_ids", call["response_ids"], f"LLM call {k}").numpy()
-        shared = _common_prefix_len(prev_full, prompt) if prev_full is not None else 0
+        parent = call_parent(call, k, f"LLM call {k}")
+        shared = _common_prefix_len(fulls[parent], prompt) if parent >= 0 else 0
         rec: dict[str, Any] = {
             "prompt_prefix_len": shared,
             "prompt_tail_ids": prompt[shared:].astype(np.int32),
             "response_ids": resp.astype(np.int32),
+            **({"parent": parent} if parent != k - 1 else {}),
         }
         if call.get("response_logprobs") is not None:
             rec["response_logprobs"] = np.asarray(call["response_logprobs"], dtype=np.float32).reshape(-1)
@@ -141,7 +157,7 @@ def encode_step_records(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         elif shared < prompt.size:  # GiGPO's default key, hashed here once where the call is recorded (the driver
             rec["anchor"] = observation_anchor(rec["prompt_tail_ids"])  # would hash every call of a step again)
         steps.append(rec)
-        prev_full = np.concatenate([prompt, resp])
+        fulls.append(np.concatenate([prompt, resp]))
     return {"steps": steps}
 
 
@@ -149,16 +165,18 @@ def decode_step_records(records: Any) -> list[dict[str, Any]]:
     """Records (list, or ``{"steps": [...]}``, full or delta-encoded) -> list of full records."""
     records = check_records(records, None) or []
     out: list[dict[str, Any]] = []
-    prev_full: Optional[torch.Tensor] = None
+    fulls: list[torch.Tensor] = []
     for k, rec in enumerate(records):
         where = f"step record {k}"
         resp = token_ids("response_ids", rec["response_ids"], where)
+        parent = call_parent(rec, k, where)
+        base = fulls[parent] if parent >= 0 else None  # the context this call continues (delta-encoded against it)
         if "prompt_ids" in rec and rec["prompt_ids"] is not None:
             prompt = token_ids("prompt_ids", rec["prompt_ids"], where)
-            shared = 0 if prev_full is None else _common_prefix_len(prev_full.numpy(), prompt.numpy())
+            shared = 0 if base is None else _common_prefix_len(base.numpy(), prompt.numpy())
         elif "prompt_tail_ids" in rec:
-            shared = checked_prefix_len(rec, where, 0 if prev_full is None else prev_full.numel())
-            head = prev_full[:shared] if shared else torch.zeros(0, dtype=torch.long)
+            shared = checked_prefix_len(rec, where, 0 if base is None else base.numel())
+            head = base[:shared] if shared else torch.zeros(0, dtype=torch.long)
             prompt = torch.cat([head, token_ids("prompt_tail_ids", rec["prompt_tail_ids"], where)])
         else:
             raise StepExpansionError(f"step record {k} has neither prompt_ids nor prompt_tail_ids. Fix: record "
@@ -166,8 +184,9 @@ def decode_step_records(records: Any) -> list[dict[str, Any]]:
         full = dict(rec)
         full["prompt_ids"] = prompt
         full["response_ids"] = resp
-        if full.get("anchor") is None:  # the tokens this call saw since the previous one
+        full["parent"] = parent
+        if full.get("anchor") is None:  # the tokens this call saw since its parent (siblings share their state's)
             full["anchor"] = observation_anchor(observation_tokens(prompt, shared))
         out.append(full)
-        prev_full = torch.cat([prompt, resp])
+        fulls.append(torch.cat([prompt, resp]))
     return out
