@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -153,8 +154,6 @@ def test_records_delta_encode_against_their_parent_and_siblings_share_their_stat
     """Best-of-2 from call 1's state (calls 2 and 3, each seeing the same tool result) and a sub-agent's fresh context
     (call 4): each record stores only the tokens its parent's context lacks, decoding gives back every prompt, the
     siblings' GiGPO anchor is the state they branch from (equal), and a chain encodes as before (no parent key)."""
-    import torch
-
     from verl_traj.stepwise.records import decode_step_records, encode_step_records
 
     p0, r0 = [1, 2, 3], [4, 5]
@@ -174,3 +173,77 @@ def test_records_delta_encode_against_their_parent_and_siblings_share_their_stat
     assert all("parent" not in s for s in chain)
     with pytest.raises(StepExpansionError, match="names parent 7"):
         encode_step_records([dict(prompt_ids=[1], response_ids=[2], parent=7)])
+
+
+def _t(x):
+    return torch.tensor(x, dtype=torch.long)
+
+
+@st.composite
+def sessions_with_tokens(draw):
+    """A forest's calls with token contexts: a child's prompt is its parent's full context plus an observation, or
+    (sometimes) rewritten; a root's prompt fresh."""
+    parent = draw(forests())
+    tok = st.integers(1, 50)
+    prompts, responses = [], []
+    for k, p in enumerate(parent):
+        if p < 0 or draw(st.integers(0, 5)) == 0:
+            prompt = draw(st.lists(tok, min_size=1, max_size=6))
+        else:
+            prompt = prompts[p] + responses[p] + draw(st.lists(tok, max_size=4))
+        prompts.append(prompt)
+        responses.append(draw(st.lists(tok, min_size=1, max_size=5)))
+    return parent, prompts, responses
+
+
+@PROPS
+@given(session=sessions_with_tokens())
+def test_tree_rows_train_every_call_once_and_keep_its_context(session):
+    """Each call's response is a loss span of exactly one row, the row's tokens before it are exactly the call's
+    prompt, and the rows number roots + forks' later children + rewritten contexts."""
+    from verl_traj.stepwise.tree_rows import tree_merged_rows
+
+    parent, prompts, responses = session
+    n = len(parent)
+    rows = tree_merged_rows([_t(p) for p in prompts], [_t(r) for r in responses],
+                            [torch_ones(len(r)) for r in responses], parent, {"lp": [_t(r) * 10 for r in responses]})
+    seen = sorted(k for row in rows for k in row.source_steps)
+    assert seen == list(range(n))
+    for row in rows:
+        full = row.prompt_ids.tolist() + row.response_ids.tolist()
+        mask = [0] * row.prompt_ids.numel() + row.response_mask.tolist()
+        at = row.prompt_ids.numel()
+        for k in row.source_steps:
+            start = len(prompts[k])
+            assert full[:start] == prompts[k]  # the call's context, whole
+            assert full[start:start + len(responses[k])] == responses[k] and all(mask[start:start + len(responses[k])])
+            assert not any(mask[at:start])  # observations between are masked
+            at = start + len(responses[k])
+        assert at == len(full)
+    assert sum(int(r.response_mask.sum()) for r in rows) == sum(map(len, responses))
+
+
+def torch_ones(n):
+    return torch.ones(n, dtype=torch.long)
+
+
+def test_a_chain_gives_todays_merged_rows_and_interleaved_sub_agents_one_row_each():
+    from verl_traj.stepwise.prefix_merge import merge_trajectory_steps
+    from verl_traj.stepwise.tree_rows import tree_merged_rows
+
+    prompts = [[1, 2], [1, 2, 3, 4, 5], [9], [1, 2, 3, 4, 5, 6, 7]]
+    responses = [[3], [6], [10], [8]]
+    chain = [-1, 0, 1, 2]
+    args = ([_t(p) for p in prompts], [_t(r) for r in responses], [torch_ones(len(r)) for r in responses])
+    want, _ = merge_trajectory_steps(*args, enable=True)
+    got = tree_merged_rows(*args, chain)
+    assert [(r.prompt_ids.tolist(), r.response_ids.tolist(), r.response_mask.tolist(), r.source_steps)
+            for r in got] == [(r.prompt_ids.tolist(), r.response_ids.tolist(), r.response_mask.tolist(), r.source_steps)
+                              for r in want]
+    # A1 [1,2]->[3]; B1 (a sub-agent, fresh) [9]->[10]; A2 continues A1; B2 continues B1: two rows, each distinct token once
+    a1, b1 = ([1, 2], [3]), ([9], [10])
+    a2, b2 = ([1, 2, 3, 4], [5]), ([9, 10, 11], [12])
+    calls = [a1, b1, a2, b2]
+    rows = tree_merged_rows([_t(c[0]) for c in calls], [_t(c[1]) for c in calls], [torch_ones(1)] * 4, [-1, -1, 0, 1])
+    assert [r.source_steps for r in rows] == [[0, 2], [1, 3]]
+    assert [r.prompt_ids.tolist() + r.response_ids.tolist() for r in rows] == [[1, 2, 3, 4, 5], [9, 10, 11, 12]]
