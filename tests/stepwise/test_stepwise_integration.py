@@ -150,8 +150,8 @@ def test_recording_server_manager_records_each_call():
 
     asyncio.run(go())
     assert sink == [
-        {"prompt_ids": [1, 2], "response_ids": [2], "response_logprobs": [-0.5]},
-        {"prompt_ids": [1, 2, 2, 7], "response_ids": [4], "response_logprobs": [-0.5]},
+        {"prompt_ids": [1, 2], "response_ids": [2], "response_logprobs": [-0.5], "parent": -1},
+        {"prompt_ids": [1, 2, 2, 7], "response_ids": [4], "response_logprobs": [-0.5], "parent": 0},
     ]
 
 

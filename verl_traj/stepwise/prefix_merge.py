@@ -31,6 +31,7 @@ __all__ = [
     "PrefixMergeError",
     "RowBuilder",
     "can_merge_boundaries",
+    "extends_context",
     "merge_trajectory_steps",
 ]
 
@@ -136,7 +137,7 @@ class RowBuilder:
                          source_steps=list(range(self.start, end + 1)), step_index=step_index, is_last_step=is_last)
 
 
-def _is_prefix(prefix_a: torch.Tensor, prefix_b: torch.Tensor, seq: torch.Tensor) -> bool:
+def extends_context(prefix_a: torch.Tensor, prefix_b: torch.Tensor, seq: torch.Tensor) -> bool:
     """``cat(prefix_a, prefix_b)`` is a prefix of ``seq`` (two slice comparisons, no concatenation)."""
     na, nb = prefix_a.numel(), prefix_b.numel()
     if na + nb > seq.numel():
@@ -150,7 +151,7 @@ def can_merge_boundaries(prompts: Sequence[torch.Tensor], responses: Sequence[to
     Because a merged row up to step i is exactly ``prompt_i + response_i`` when the chain holds,
     this pairwise test decides every chain.
     """
-    return [_is_prefix(prompts[i], responses[i], prompts[i + 1]) for i in range(len(prompts) - 1)]
+    return [extends_context(prompts[i], responses[i], prompts[i + 1]) for i in range(len(prompts) - 1)]
 
 
 def merge_trajectory_steps(

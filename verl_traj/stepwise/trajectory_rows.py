@@ -132,6 +132,13 @@ class Source:
 def source_rows(src: Source, b: int, raw: Any, merge_prefix: bool) -> tuple[list[MergedRow], MergeStats]:
     """The (merged) step rows of source row ``b`` from its records, or cut from the row itself."""
     raw_steps = check_records(raw, b)
+    branching = next((k for k, r in enumerate(raw_steps or ()) if r.get("parent", k - 1) != k - 1), None)
+    if branching is not None:  # never trained as a chain in silence: the tree rows are not wired in yet
+        raise StepExpansionError(
+            f"row {b}: LLM call {branching} names parent {raw_steps[branching].get('parent')!r}, so the session's calls "
+            "branch (forks, sub-agents or condensation). Training a branching session is not wired into the trainers "
+            "yet (issue 56: rows by the call tree's path decomposition, stepwise/tree_rows.py). Fix: record the "
+            "session's calls as one chain (no fresh_context / condense / forked branches).", field="parent")
     if merge_prefix and raw_steps is not None and len(raw_steps) and all(
         "prompt_tail_ids" in r and r.get("prompt_ids") is None for r in raw_steps
     ):

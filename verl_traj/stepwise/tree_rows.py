@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from verl_traj.stepwise.call_tree import call_tree
-from verl_traj.stepwise.prefix_merge import MergedRow, RowBuilder, _is_prefix
+from verl_traj.stepwise.prefix_merge import MergedRow, RowBuilder, extends_context
 
 __all__ = ["tree_merged_rows"]
 
@@ -37,7 +37,7 @@ def tree_merged_rows(prompts: Sequence[torch.Tensor], responses: Sequence[torch.
     for k in range(tree.num_calls):
         p = int(tree.parent[k])
         values = {n: per_token[n][k] for n in names}
-        if p >= 0 and tree.first_child[k] and _is_prefix(prompts[p], responses[p], prompts[k]):
+        if p >= 0 and tree.first_child[k] and extends_context(prompts[p], responses[p], prompts[k]):
             row = int(row_of[p])
             tail = prompts[k][prompts[p].numel() + responses[p].numel():]
             open_rows[row].add_observation(tail, masks[k], values)

@@ -25,6 +25,7 @@ from uuid import uuid4
 from verl_traj.config import TrajConfig
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.rollout.session_ledger import current_ledger
+from verl_traj.integration.agent_loops.call_branches import begin_session, end_session, record_call, truncate_calls
 from verl_traj.integration.agent_loops.tool_call_checks import check_tool_call
 from verl_traj.integration.patches.process import install, tool_parser_log_patches
 from verl_traj.stepwise.anchors import anchor_key
@@ -62,13 +63,11 @@ class RecordingServerManager:
     async def generate(self, *args: Any, **kwargs: Any) -> Any:
         out = await self._inner.generate(*args, **kwargs)
         prompt_ids = kwargs["prompt_ids"] if "prompt_ids" in kwargs else args[1]
-        self._sink.append(
-            {
-                "prompt_ids": list(prompt_ids),
-                "response_ids": list(out.token_ids),
-                "response_logprobs": list(out.log_probs) if getattr(out, "log_probs", None) else None,
-            }
-        )
+        record_call(self._sink, {  # with its parent: the last call on this branch (call_branches)
+            "prompt_ids": list(prompt_ids),
+            "response_ids": list(out.token_ids),
+            "response_logprobs": list(out.log_probs) if getattr(out, "log_probs", None) else None,
+        })
         return out
 
     def __getattr__(self, name: str) -> Any:
@@ -169,10 +168,12 @@ class StepRecordingMixin:
         calls: list[dict[str, Any]] = []
         inner = self.server_manager
         self.server_manager = self.recorder_cls(inner, calls)
+        session = begin_session()  # this session's calls chain from a fresh context (call_branches: forks, sub-agents)
         try:
             output = await super().run(sampling_params, **kwargs)
         finally:
             self.server_manager = inner
+            end_session(session)
         response_length = getattr(self, "response_length", None)
         if response_length is None:
             response_length = self.rollout_config.response_length
@@ -228,21 +229,3 @@ def with_anchor_keys(calls: list[dict[str, Any]], keys: Optional[list[Any]]) -> 
         return [dict(call, anchor=anchor_key(key, f"anchor_keys()[{k}]")) for k, (call, key) in enumerate(zip(calls, keys))]
     except TrajInputError as exc:
         raise StepExpansionError(str(exc), field="anchor_keys", every_rollout=True) from None
-
-
-def truncate_calls(calls: list[dict[str, Any]], max_context: int) -> list[dict[str, Any]]:
-    """Clip recorded calls to the row's budget (``len(prompt) + rollout.response_length``), as verl
-    truncates the concatenated row: a response is cut where prompt+response reaches ``max_context``;
-    a call whose prompt alone reaches it is dropped (so no step row is longer than a verl row)."""
-    out = []
-    for call in calls:
-        room = max_context - len(call["prompt_ids"])
-        if room <= 0:
-            break
-        if len(call["response_ids"]) > room:
-            call = dict(call)
-            call["response_ids"] = call["response_ids"][:room]
-            if call.get("response_logprobs") is not None:
-                call["response_logprobs"] = call["response_logprobs"][:room]
-        out.append(call)
-    return out

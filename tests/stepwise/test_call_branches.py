@@ -1,0 +1,137 @@
+"""Recording a session whose calls branch (issue 56, item 1): every call's parent is the last call on its branch,
+whatever order concurrent branches finish in; chains record as before; a branching session is refused by the
+expansion (not yet trained), never trained as a chain."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from verl_traj.integration.agent_loops import stepwise_agent_loop as sal
+from verl_traj.integration.agent_loops.call_branches import (begin_session, condense, end_session, fresh_context,
+                                                              truncate_calls)
+from verl_traj.stepwise.expand import StepExpansionError, decode_step_records, encode_step_records
+
+
+class _Out:
+    def __init__(self, ids):
+        self.token_ids, self.log_probs = ids, None
+
+
+class _Server:
+    """Answers ``[100 + len(prompt)]``; a prompt ending in a token listed in ``delay`` waits that long first (so
+    concurrent branches finish in a chosen order)."""
+
+    def __init__(self, delay=None):
+        self.delay = delay or {}
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params, **kw):
+        await asyncio.sleep(self.delay.get(prompt_ids[-1], 0.0))
+        return _Out([100 + len(prompt_ids)])
+
+
+def _session(body, delay=None) -> list[dict]:
+    """Run ``body(call)`` as one recorded session; ``call(prompt)`` is one LLM call, returning its full context."""
+    sink: list[dict] = []
+    rec = sal.RecordingServerManager(_Server(delay), sink)
+
+    async def call(prompt):
+        out = await rec.generate("r", prompt_ids=list(prompt), sampling_params={})
+        return list(prompt) + list(out.token_ids)
+
+    async def run():
+        token = begin_session()
+        try:
+            await body(call)
+        finally:
+            end_session(token)
+
+    asyncio.run(run())
+    return sink
+
+
+def _parents(sink):
+    return [c["parent"] for c in sink]
+
+
+def test_a_chain_records_as_before():
+    async def body(call):
+        ctx = await call([1, 2])
+        ctx = await call(ctx + [3])
+        await call(ctx + [4])
+
+    sink = _session(body)
+    assert _parents(sink) == [-1, 0, 1]
+    assert not any("parent" in r for r in encode_step_records(sink)["steps"])  # a chain names no parent
+
+
+@pytest.mark.parametrize("slow", [7, 8])
+def test_forked_branches_continue_from_the_fork_whatever_order_they_finish(slow):
+    """Best-of-2 from a mid-state: both branches' first calls are children of the fork point, each branch's next
+    call a child of its own previous one, in either completion order; the session continues from the fork point."""
+    async def body(call):
+        root = await call([1, 2])
+
+        async def branch(obs):
+            ctx = await call(root + [obs])
+            return await call(ctx + [obs + 10])
+
+        await asyncio.gather(branch(7), branch(8))
+        await call(root + [9])
+
+    sink = _session(body, delay={slow: 0.05})
+    by_prompt = {tuple(c["prompt_ids"]): k for k, c in enumerate(sink)}
+    assert sink[0]["parent"] == -1 and len(sink) == 6
+    for obs in (7, 8):
+        first = next(k for k, c in enumerate(sink) if c["prompt_ids"][-1] == obs)
+        second = next(k for k, c in enumerate(sink) if c["prompt_ids"][-1] == obs + 10)
+        assert sink[first]["parent"] == 0 and sink[second]["parent"] == first < second
+    assert sink[by_prompt[(1, 2, 102, 9)]]["parent"] == 0  # after the fork: the session's own branch
+    decoded = decode_step_records(encode_step_records(sink))  # delta-encoded against the parent, decoded back
+    assert [d["prompt_ids"].tolist() for d in decoded] == [c["prompt_ids"] for c in sink]
+
+
+def test_a_sub_agent_starts_a_fresh_context_and_the_outer_branch_resumes():
+    async def body(call):
+        ctx = await call([1, 2])
+        with fresh_context():
+            sub = await call([50, 51])
+            await call(sub + [52])
+        await call(ctx + [3])
+        condense()
+        await call([60])
+
+    assert _parents(_session(body)) == [-1, -1, 1, 0, -1]
+
+
+def test_truncation_drops_a_call_with_everything_below_it_and_renumbers_parents():
+    calls = [{"prompt_ids": [1] * 3, "response_ids": [2] * 2, "parent": -1},
+             {"prompt_ids": [1] * 12, "response_ids": [3], "parent": 0},  # over the budget: dropped
+             {"prompt_ids": [1] * 6, "response_ids": [4] * 9, "parent": 0},  # cut to the budget
+             {"prompt_ids": [1] * 13, "response_ids": [5], "parent": 1},  # below the dropped call
+             {"prompt_ids": [1] * 7, "response_ids": [6], "parent": 2}]
+    out = truncate_calls(calls, 10)
+    assert [c["parent"] for c in out] == [-1, 0, 1] and [len(c["response_ids"]) for c in out] == [2, 4, 1]
+    assert len(calls[2]["response_ids"]) == 9  # the input is not changed
+
+
+def test_a_branching_session_is_refused_by_the_expansion_naming_the_field():
+    """Not yet trained: the expansion refuses it (the chain path would train the forks as one chain)."""
+    from verl.protocol import DataProto
+
+    from verl_traj.integration.rows.stepwise_rows import expand_dataproto_step_rows
+    from verl_traj.testing import step_record_batch, token_trajectory
+
+    async def body(call):
+        root = await call([1, 2])
+        await asyncio.gather(*(call(root + [obs]) for obs in (7, 8)))
+
+    steps = encode_step_records(_session(body))
+    assert [s.get("parent") for s in steps["steps"]] == [None, None, 0]
+    tensors, non = step_record_batch([token_trajectory(np.random.default_rng(0), 2)], ["g0"], [1.0])
+    non["traj_steps"] = np.array([steps], dtype=object)  # the row's calls branch
+    with pytest.raises(StepExpansionError) as raised:
+        expand_dataproto_step_rows(DataProto.from_dict(tensors=tensors, non_tensors=non), merge_prefix=True)
+    assert raised.value.field == "parent" and "branch" in str(raised.value)
