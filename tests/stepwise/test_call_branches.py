@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from verl_traj.integration.agent_loops import stepwise_agent_loop as sal
-from verl_traj.integration.agent_loops.call_branches import (begin_session, condense, end_session, fresh_context,
-                                                              truncate_calls)
+from verl_traj.integration.agent_loops.call_branches import (begin_session, condense, end_session, fresh_context, leaves,
+                                                              truncate_calls, with_leaf_outcomes)
 from verl_traj.stepwise.expand import StepExpansionError, decode_step_records, encode_step_records
 
 
@@ -135,3 +135,38 @@ def test_a_branching_session_is_refused_by_the_expansion_naming_the_field():
     with pytest.raises(StepExpansionError) as raised:
         expand_dataproto_step_rows(DataProto.from_dict(tensors=tensors, non_tensors=non), merge_prefix=True)
     assert raised.value.field == "parent" and "branch" in str(raised.value)
+
+
+def test_each_leaf_can_carry_its_own_outcome_and_the_records_keep_it():
+    """Best-of-2 after a root, then a second call on one branch: the leaves are the other branch's call and the
+    second call; their outcomes are recorded on them; a missing leaf outcome, one on an inner call, or a wrong count
+    is refused naming leaf_rewards."""
+    calls = [{"prompt_ids": [1], "response_ids": [2], "parent": -1},
+             {"prompt_ids": [1, 2, 7], "response_ids": [3], "parent": 0},
+             {"prompt_ids": [1, 2, 8], "response_ids": [4], "parent": 0},
+             {"prompt_ids": [1, 2, 8, 4, 9], "response_ids": [5], "parent": 2}]
+    assert leaves(calls) == [False, True, False, True]
+    out = with_leaf_outcomes(calls, [None, 1.0, None, 0.0])
+    steps = encode_step_records(out)["steps"]
+    assert [s.get("outcome") for s in steps] == [None, 1.0, None, 0.0] and with_leaf_outcomes(calls, None) is calls
+    for bad in ([None, None, None, 0.0], [0.5, 1.0, None, 0.0], [1.0, 0.0]):
+        with pytest.raises(StepExpansionError) as raised:
+            with_leaf_outcomes(calls, bad)
+        assert raised.value.field == "leaf_rewards"
+
+
+def test_a_chain_with_its_own_leaf_outcome_is_refused_not_dropped():
+    """Per-leaf outcomes are not trained yet: a chain whose leaf carries one is refused naming outcome (the
+    session's reward would otherwise replace it in silence)."""
+    from verl.protocol import DataProto
+
+    from verl_traj.integration.rows.stepwise_rows import expand_dataproto_step_rows
+    from verl_traj.testing import step_record_batch, token_trajectory
+
+    traj = token_trajectory(np.random.default_rng(1), 2)
+    calls = with_leaf_outcomes([dict(c) for c in traj[0]], [None, 0.5])
+    tensors, non = step_record_batch([traj], ["g0"], [1.0])
+    non["traj_steps"] = np.array([encode_step_records(calls)], dtype=object)
+    with pytest.raises(StepExpansionError) as raised:
+        expand_dataproto_step_rows(DataProto.from_dict(tensors=tensors, non_tensors=non), merge_prefix=True)
+    assert raised.value.field == "outcome"

@@ -45,8 +45,8 @@ def _ids(x: Any) -> bool:
 
 def _plain_call(c: Any, has_lp: bool) -> bool:
     """The record has the types this path reads (values are checked vectorised afterwards)."""
-    if type(c) is not dict or c.get("prompt_ids") is not None or c.get("parent") is not None:
-        return False  # a call naming its parent (a branching session) takes the per-trajectory path
+    if type(c) is not dict or c.get("prompt_ids") is not None or c.get("parent") is not None or "outcome" in c:
+        return False  # a branching session's call (a parent, a leaf outcome) takes the per-trajectory path
     r, p = c.get("response_ids"), c.get("prompt_prefix_len", 0)
     if not (_ids(c.get("prompt_tail_ids")) and _ids(r) and (type(p) is int or isinstance(p, np.integer))):
         return False

@@ -152,6 +152,8 @@ def encode_step_records(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             rec["response_mask"] = np.asarray(call["response_mask"], dtype=np.int8).reshape(-1)
         if call.get("reward") is not None:
             rec["reward"] = call["reward"]  # the call's turn reward (validated where rows are built)
+        if call.get("outcome") is not None:
+            rec["outcome"] = float(call["outcome"])  # a leaf's own outcome (a branching session, issue 56)
         if call.get("anchor") is not None:
             rec["anchor"] = call["anchor"]  # the agent loop's own anchor key (validated where rows are built)
         elif shared < prompt.size:  # GiGPO's default key, hashed here once where the call is recorded (the driver

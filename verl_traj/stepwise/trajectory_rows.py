@@ -133,6 +133,12 @@ def source_rows(src: Source, b: int, raw: Any, merge_prefix: bool) -> tuple[list
     """The (merged) step rows of source row ``b`` from its records, or cut from the row itself."""
     raw_steps = check_records(raw, b)
     branching = next((k for k, r in enumerate(raw_steps or ()) if r.get("parent", k - 1) != k - 1), None)
+    own = next((k for k, r in enumerate(raw_steps or ()) if r.get("outcome") is not None), None)
+    if branching is None and own is not None:  # a leaf outcome would be dropped: the session's reward trains
+        raise StepExpansionError(
+            f"row {b}: LLM call {own} carries its own outcome (leaf_rewards): per-leaf outcomes are not wired into the "
+            "trainers yet (issue 56). Fix: leave leaf_rewards at None (the session's reward trains every call).",
+            field="outcome")
     if branching is not None:  # never trained as a chain in silence: the tree rows are not wired in yet
         raise StepExpansionError(
             f"row {b}: LLM call {branching} names parent {raw_steps[branching].get('parent')!r}, so the session's calls "

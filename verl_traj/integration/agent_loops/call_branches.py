@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional, Sequence
+
+from verl_traj.stepwise.expand import StepExpansionError
 
 __all__ = ["begin_session", "condense", "fresh_context", "record_call", "truncate_calls"]
 
@@ -90,3 +92,33 @@ def truncate_calls(calls: list[dict[str, Any]], max_context: int) -> list[dict[s
         new_index[k] = len(out)
         out.append(call)
     return out
+
+
+def leaves(calls: Sequence[dict[str, Any]]) -> list[bool]:
+    """Which calls no other call continues (``parent``, default the previous call): the session's leaves."""
+    below = [False] * len(calls)
+    for k, call in enumerate(calls):
+        parent = int(call.get("parent", k - 1))
+        if parent != FRESH:
+            below[parent] = True
+    return [not b for b in below]
+
+
+def with_leaf_outcomes(calls: list[dict[str, Any]], outcomes: Optional[Sequence[Any]]) -> list[dict[str, Any]]:
+    """``calls`` with each leaf's own outcome (``outcomes``: one entry per call, a number at every leaf and ``None``
+    elsewhere; ``None`` for all: the session's outcome on every leaf, recorded as nothing). Raises naming
+    ``leaf_rewards`` for a count, a leaf without a number or a non-leaf with one."""
+    if outcomes is None:
+        return calls
+    is_leaf = leaves(calls)
+    if len(outcomes) != len(calls):
+        raise StepExpansionError(f"leaf_rewards returned {len(outcomes)} entries for {len(calls)} LLM calls. Fix: "
+                                 "return one entry per recorded call: a number at each leaf, None elsewhere.",
+                                 field="leaf_rewards", every_rollout=True)
+    bad = next((k for k, (o, leaf) in enumerate(zip(outcomes, is_leaf)) if (o is None) == leaf), None)
+    if bad is not None:
+        what = "a leaf without an outcome" if is_leaf[bad] else "a call that other calls continue, given an outcome"
+        raise StepExpansionError(f"leaf_rewards()[{bad}] = {outcomes[bad]!r}: call {bad} is {what}. Fix: give a "
+                                 "number to every call no other call continues (leaves()), None to the others.",
+                                 field="leaf_rewards", every_rollout=True)
+    return [dict(c, outcome=float(o)) if o is not None else c for c, o in zip(calls, outcomes)]

@@ -25,7 +25,8 @@ from uuid import uuid4
 from verl_traj.config import TrajConfig
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.rollout.session_ledger import current_ledger
-from verl_traj.integration.agent_loops.call_branches import begin_session, end_session, record_call, truncate_calls
+from verl_traj.integration.agent_loops.call_branches import (begin_session, end_session, record_call, truncate_calls,
+                                                              with_leaf_outcomes)
 from verl_traj.integration.agent_loops.tool_call_checks import check_tool_call
 from verl_traj.integration.patches.process import install, tool_parser_log_patches
 from verl_traj.stepwise.anchors import anchor_key
@@ -164,6 +165,12 @@ class StepRecordingMixin:
         or to match similar observations (normalise them into one key). Called once the trajectory finished."""
         return None
 
+    def leaf_rewards(self, calls: list[dict[str, Any]], output: Any) -> Optional[list[Optional[float]]]:
+        """A session whose calls branch (forks, sub-agents): one entry per recorded call, each leaf's own outcome
+        (a number at every call no other call continues, ``call_branches.leaves``; ``None`` elsewhere), or ``None``
+        (the default: the session's outcome on every leaf). Called once the session finished."""
+        return None
+
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any):
         calls: list[dict[str, Any]] = []
         inner = self.server_manager
@@ -185,6 +192,7 @@ class StepRecordingMixin:
                     f"step_rewards returned {len(rewards)} rewards for {len(calls)} LLM calls. Fix: give one reward "
                     "per recorded call (0.0 for none).", field="step_rewards", every_rollout=True)
             calls = [dict(call, reward=float(r)) for call, r in zip(calls, rewards)]
+        calls = with_leaf_outcomes(calls, self.leaf_rewards(calls, output))
         calls = with_anchor_keys(calls, self.anchor_keys(calls, output))
         output.extra_fields[DEFAULT_STEPS_KEY] = encode_step_records(truncate_calls(calls, budget))
         traj_cfg = TrajConfig.of(getattr(self, "config", None))
