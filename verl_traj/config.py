@@ -22,7 +22,7 @@ from typing import Any, Mapping, Optional, Union
 
 from verl_traj.core.packing.balancing import WORKLOAD_MODELS
 from verl_traj.core.errors import TrajInputError, check_choice
-from verl_traj.core.plan.estimators import STEP_GROUP_BASELINES
+from verl_traj.core.plan.estimators import BRANCH_WEIGHTINGS, STEP_GROUP_BASELINES
 from verl_traj.core.rollout.failures import FAILED_GROUP_POLICIES
 from verl_traj.core.keys import IS_LAST_STEP, PLAN_KEYS
 from verl_traj.core.plan.loss_weights import loss_weight_modes
@@ -121,6 +121,9 @@ class TrajConfig:
             added to the episode-level one (``>= 0``; 0 is GRPO on step rows). :mod:`verl_traj.stepwise.step_groups`.
         step_group_baseline: ``gigpo``: a step group's baseline: ``"gigpo"`` (the paper's mean and std, default) or
             ``"leave_one_out"`` (the others' mean, no std: unbiased where the anchor key is the state).
+        branch_weighting: sessions whose LLM calls branch (forks, sub-agents, condensation; issue 56): how a call
+            shared by ``m`` root-to-leaf paths trains: ``"once"`` (default: each distinct token once, each path's copy
+            weighted ``1 / m``) or ``"expanded"`` (as ``m`` rows, one per path, would). docs/branching.md.
         credit_rule_modules: dotted names of modules that register per-call credit rules
             (:func:`verl_traj.stepwise.credit_rules.register_credit_rule`), imported in every process that needs them
             (start-up, the trainer, the agent-loop workers); a rule's name is then an ``algorithm.adv_estimator``.
@@ -157,6 +160,7 @@ class TrajConfig:
     offpolicy_max_log_ratio_m2: float = 0.04
     step_advantage_weight: float = 1.0
     step_group_baseline: str = "gigpo"
+    branch_weighting: str = "once"
     credit_rule_modules: tuple[str, ...] = ()
 
     @property
@@ -195,6 +199,7 @@ class TrajConfig:
         _check_choice("traj.stale_groups", self.stale_groups, STALE_GROUP_POLICIES)
         check_bound(self.max_staleness, error=TrajConfigError)
         _check_choice("traj.step_group_baseline", self.step_group_baseline, STEP_GROUP_BASELINES)
+        _check_choice("traj.branch_weighting", self.branch_weighting, BRANCH_WEIGHTINGS)
         weight = self.step_advantage_weight
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < float("inf"):
             raise TrajConfigError(

@@ -36,6 +36,13 @@ RATIO_GROUP = "ratio_group"  # [B] the trajectory whose sequence ratio a row sha
 SEQ_RATIO_SHIFT = "seq_ratio_shift"  # [b] per-row shift of old log-probs that makes GSPO's row mean the trajectory's
 TURN_REWARDS = "turn_rewards"  # [B, R] per-step (turn) rewards of step rows, each on its call's last response token
 STEP_ANCHORS = "step_anchors"  # [B, R] int64: each LLM call's anchor key on its first response token (GiGPO), else 0
+# [B, R] of a batch holding a branching session's rows (issue 56), on each call's first response token: the call's
+# packed leaf span (int64, stepwise.call_tree.pack_leaf_span) and a leaf's own outcome (float), else 0
+TREE_CALLS = "traj_tree_calls"
+TREE_OUTCOMES = "traj_tree_outcomes"
+# [B, R] float of an update whose batch has a call with leaves of both signs: that part of ``advantages``, which the
+# policy loss evaluates on its own (loss(r, A - neg) + loss(r, neg): the call's root-to-leaf paths under clipping)
+ADVANTAGES_NEGATIVE = "traj_advantages_negative"
 
 TREE_SEGMENT = "prefix_tree_segment"  # [B, 3] per row: rank, start, first tree token of its segment (traj.prefix_tree)
 TREE_SIZE = "prefix_tree_size"  # [B] per row: the tree tokens of its micro-batch's tree
@@ -69,6 +76,6 @@ def planned_update_fields(ratio_groups: bool = False) -> tuple[str, ...]:
 # Tensor fields apply_plan adds (replaced if the input already carries them).
 PLAN_KEYS = (MINI_BATCH_ID, MICRO_BATCH_ID, TRAJ_INDEX, IS_PADDING)
 
-__all__ = ["ADVANTAGE_METRICS", "CRITIC_UNION_KEY", "MINI_BATCH_ID", "MICRO_BATCH_ID", "TRAJ_INDEX", "IS_PADDING", "IS_LAST_STEP", "LOSS_WEIGHT", "PLAN_KEYS",
+__all__ = ["ADVANTAGE_METRICS", "ADVANTAGES_NEGATIVE", "CRITIC_UNION_KEY", "MINI_BATCH_ID", "MICRO_BATCH_ID", "TRAJ_INDEX", "IS_PADDING", "IS_LAST_STEP", "LOSS_WEIGHT", "PLAN_KEYS",
            "OLD_LOG_PROBS_AT_START", "PLANNED_FIELDS", "RATIO_IN_LOSS", "RATIO_GROUP", "planned_update_fields", "SEQ_RATIO_SHIFT", "STEP_ANCHORS",
-           "ROW_FIELDS", "ROW_LENGTH", "TREE_SEGMENT", "TREE_SIZE", "TREE_SIZE_KEY", "TURN_REWARDS", "PLAN_ATOMIC", "TREE_KEY"]
+           "ROW_FIELDS", "ROW_LENGTH", "TREE_CALLS", "TREE_OUTCOMES", "TREE_SEGMENT", "TREE_SIZE", "TREE_SIZE_KEY", "TURN_REWARDS", "PLAN_ATOMIC", "TREE_KEY"]

@@ -33,3 +33,4 @@ from verl_traj.stepwise.prefix_merge import (  # noqa: F401
     merge_trajectory_steps,
 )
 from verl_traj.stepwise import step_groups  # noqa: F401,E402  (registers the built-in rule gigpo)
+from verl_traj.stepwise import tree_credit  # noqa: F401,E402  (registers the built-in rule tree_grpo)

@@ -28,7 +28,7 @@ import numpy as np
 
 from verl_traj.stepwise.expand_inputs import StepExpansionError
 
-__all__ = ["CallTree", "advantage_parts", "call_tree", "tree_grpo_advantages"]
+__all__ = ["CallTree", "advantage_parts", "call_tree", "pack_leaf_span", "tree_grpo_advantages", "unpack_leaf_span"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,27 @@ class CallTree:
         """``[C]`` float64 each call's mean of ``leaf_values`` over the leaves below it."""
         return self.sum_up(np.asarray(leaf_values, dtype=np.float64)) / self.leaves_below()
 
+    def leaf_spans(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(lo [C], hi [C])`` int64: the leaves numbered in depth-first order (children in issue order), call ``c``'s
+        leaves are exactly ``lo[c] .. hi[c] - 1`` (contiguous), so ``hi - lo`` is ``m_c`` and a mean over ``L(c)`` is a
+        difference of prefix sums. Roots in issue order; a chain: every call ``(0, 1)``."""
+        kids: list[list[int]] = [[] for _ in range(self.num_calls)]
+        for c in np.flatnonzero(self.parent >= 0).tolist():
+            kids[int(self.parent[c])].append(c)
+        rank = np.full(self.num_calls, -1, dtype=np.int64)
+        stack, n = np.flatnonzero(self.parent < 0)[::-1].tolist(), 0
+        while stack:  # one pass over the session's calls (a session holds tens to hundreds)
+            c = stack.pop()
+            if not kids[c]:
+                rank[c], n = n, n + 1
+            stack.extend(reversed(kids[c]))
+        lo, hi = np.where(self.is_leaf, rank, np.iinfo(np.int64).max), np.where(self.is_leaf, rank + 1, 0)
+        for level in self.levels()[:-1]:
+            below = level[self.parent[level] >= 0]
+            np.minimum.at(lo, self.parent[below], lo[below])
+            np.maximum.at(hi, self.parent[below], hi[below])
+        return lo, hi
+
     def returns(self, rewards: np.ndarray, gamma: float) -> np.ndarray:
         """``[C]`` float64 ``V(c) = r_c + gamma x mean_{children} V(child)`` from per-call rewards ``[C]``."""
         value = np.asarray(rewards, dtype=np.float64).copy()
@@ -119,6 +140,24 @@ def call_tree(parent: "np.ndarray | list[int]") -> CallTree:
     first_child = np.zeros(parent.size, dtype=bool)
     first_child[has] = first_of[parent[has]] == calls[has]
     return CallTree(parent, depth, children, first_child)
+
+
+_SPAN_BITS = 31  # a session's leaves below 2^31
+
+
+def pack_leaf_span(lo: np.ndarray, hi: np.ndarray, own: np.ndarray) -> np.ndarray:
+    """``[C]`` int64 keys, never 0, of each call's leaf span (:meth:`CallTree.leaf_spans`) and whether the call is a
+    leaf carrying its own outcome (``own``): what the step rows carry on each call's first response token
+    (:data:`~verl_traj.core.keys.TREE_CALLS`), 0 meaning "no call starts here"."""
+    lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
+    return (lo << (_SPAN_BITS + 1)) | (hi << 1) | np.asarray(own, dtype=np.int64)
+
+
+def unpack_leaf_span(key):
+    """``(lo, hi, own)`` of :func:`pack_leaf_span`'s keys (numpy arrays or int64 tensors, any shape; 0 gives
+    ``(0, 0, 0)``)."""
+    mask = (1 << _SPAN_BITS) - 1
+    return key >> (_SPAN_BITS + 1), (key >> 1) & mask, key & 1
 
 
 def _normalised(values: np.ndarray, group: np.ndarray, eps: float) -> np.ndarray:

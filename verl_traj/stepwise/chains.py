@@ -293,7 +293,8 @@ def _build(calls: _Calls, values: _Values, start: np.ndarray, merge: bool) -> tu
     """The rows of whole chains: one per row (``merge``) or one per call."""
     meta, prompt, side = _merged(calls, values) if merge else _unmerged(calls, values, start)
     flat = FlatRows(prompt=prompt, response=side["ids"], mask=side["mask"], log_probs=side.get("log_probs"),
-                    turn_reward=side["turn_reward"], anchor=side.get("anchor"), **meta)
+                    turn_reward=side["turn_reward"], anchor=side.get("anchor"), tree_call=None,
+                    tree_outcome=None, **meta)
     full_len = int((start + calls.tail_len + calls.resp_len).sum())
     loss = int(np.count_nonzero(values.mask))
     stats = MergeStats(rows_before=int(calls.resp_len.size), rows_after=flat.num_rows, tokens_before=full_len,

@@ -57,36 +57,47 @@ class CallCredit:
     anchors: Optional[torch.Tensor] = None  # [B, R] int64: each call's anchor key on its first response token
     step_advantage_weight: float = 1.0  # traj.step_advantage_weight
     step_group_baseline: str = "gigpo"  # traj.step_group_baseline
+    # a rule registered with trees=True (issue 56): each call's packed leaf span and the leaves' own outcomes ([B, R],
+    # stepwise.tree_credit; zeros where no session of the batch branches) and traj.branch_weighting
+    tree_calls: Optional[torch.Tensor] = None
+    tree_outcomes: Optional[torch.Tensor] = None
+    branch_weighting: str = "once"
 
 
 @dataclass(frozen=True)
 class CreditResult:
     """A rule's output: ``advantages`` ``[B, R]`` (0 off the loss tokens and on padding rows), ``returns`` ``[B, R]``
-    (``None``: the advantages, as verl's GRPO) and the step's metrics (``traj_<rule>/*``, floats)."""
+    (``None``: the advantages, as verl's GRPO), the step's metrics (``traj_<rule>/*``, floats) and, for a rule on
+    trees, ``negative`` ``[B, R]``: the part of ``advantages`` the loss evaluates on its own (a call whose leaves have
+    both signs, :mod:`~verl_traj.stepwise.tree_credit`; ``None``: none)."""
 
     advantages: torch.Tensor
     returns: Optional[torch.Tensor] = None
     metrics: dict[str, float] = field(default_factory=dict)
+    negative: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
 class CreditRule:
-    """One registered rule: its function, whether it reads anchor keys, which ``traj:`` knobs it reads."""
+    """One registered rule: its function, whether it reads anchor keys, which ``traj:`` knobs it reads, whether it
+    credits sessions whose calls branch (``trees``; any other rule is refused on such a batch)."""
 
     name: str
     fn: Callable[[CallCredit], CreditResult]
     anchors: bool = False
     knobs: tuple[str, ...] = ()
+    trees: bool = False
 
 
 CREDIT_RULES: dict[str, CreditRule] = {}
 
 
-def register_credit_rule(name: str, *, anchors: bool = False, knobs: Sequence[str] = (),
+def register_credit_rule(name: str, *, anchors: bool = False, knobs: Sequence[str] = (), trees: bool = False,
                          override: bool = False) -> Callable[[Callable], Callable]:
     """Decorator: register ``fn(calls: CallCredit) -> CreditResult`` as the per-call rule ``name`` (an
     ``algorithm.adv_estimator`` value). ``anchors``: the rule reads each call's anchor key (the agent loops then
-    record them); ``knobs``: the ``traj:`` knobs it reads (:data:`RULE_KNOBS`). A name already registered (as a rule
+    record them); ``knobs``: the ``traj:`` knobs it reads (:data:`RULE_KNOBS`); ``trees``: it reads
+    :attr:`CallCredit.tree_calls` and credits branching sessions. A name already registered (as a rule
     or as one of verl's estimators) is refused unless ``override``."""
     unknown = [k for k in knobs if k not in RULE_KNOBS]
     if unknown:
@@ -94,7 +105,7 @@ def register_credit_rule(name: str, *, anchors: bool = False, knobs: Sequence[st
                              f"rule may read. Fix: name some of {list(RULE_KNOBS)}, or none.", field="knobs")
 
     def register(fn: Callable[[CallCredit], CreditResult]) -> Callable[[CallCredit], CreditResult]:
-        rule = CreditRule(name=name, fn=fn, anchors=bool(anchors), knobs=tuple(knobs))
+        rule = CreditRule(name=name, fn=fn, anchors=bool(anchors), knobs=tuple(knobs), trees=bool(trees))
         if name in CREDIT_RULES and not override and CREDIT_RULES[name].fn is not fn:
             raise TrajInputError(f"credit rule {name!r} is already registered ({CREDIT_RULES[name].fn.__module__}."
                                  f"{CREDIT_RULES[name].fn.__qualname__}). Fix: choose another name, or pass "

@@ -42,7 +42,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from verl_traj.core.keys import IS_LAST_STEP, STEP_ANCHORS, TURN_REWARDS
+from verl_traj.core.keys import IS_LAST_STEP, STEP_ANCHORS, TREE_CALLS, TREE_OUTCOMES, TURN_REWARDS
 from verl_traj.stepwise.chains import chain_rows
 from verl_traj.stepwise.expand_inputs import StepExpansionError, check_expand_options, check_source_tensors
 from verl_traj.stepwise.flat_rows import FlatRows, cat_rows, filled, from_merged_rows, padded, row_index_array
@@ -173,12 +173,16 @@ def _outcome_on_last_rows(rm_scores: torch.Tensor, rows: FlatRows, out: dict[str
 
 
 def _per_call_tensors(rows: FlatRows, width: int, step_anchors: bool) -> dict[str, torch.Tensor]:
-    """``[B, R]`` per-call fields: the turn rewards where the agent loop gave any, the anchor keys when asked."""
+    """``[B, R]`` per-call fields: the turn rewards where the agent loop gave any, the anchor keys when asked, a
+    branching session's tree fields where the batch has one."""
     out = {}
     if bool(rows.turn_reward.any()):  # the agent loop gave turn rewards
         out[TURN_REWARDS] = padded(rows.turn_reward, rows.response_len, width, left=False, fill=0.0)
     if step_anchors:
         out[STEP_ANCHORS] = padded(rows.anchor, rows.response_len, width, left=False)
+    if rows.tree_call is not None:  # a branching session's leaf spans and leaves' own outcomes (issue 56)
+        out[TREE_CALLS] = padded(rows.tree_call, rows.response_len, width, left=False)
+        out[TREE_OUTCOMES] = padded(rows.tree_outcome, rows.response_len, width, left=False, fill=0.0)
     return out
 
 

@@ -15,11 +15,15 @@ import torch
 
 from verl_traj.stepwise.prefix_merge import MergedRow
 
-__all__ = ["STEP_ANCHOR", "TURN_REWARD", "FlatRows", "cat_rows", "filled", "from_merged_rows", "padded", "row_index_array",
-           "segment_index"]
+__all__ = ["STEP_ANCHOR", "TREE_CALL", "TREE_OUTCOME", "TURN_REWARD", "FlatRows", "cat_rows", "filled",
+           "from_merged_rows", "padded", "row_index_array", "segment_index"]
 
 TURN_REWARD = "turn_reward"  # per-token values of a step row: each call's own reward on its last response token
 STEP_ANCHOR = "step_anchor"  # per-token int64 of a step row: each call's anchor key on its first response token
+# per-token values of a branching session's rows (issue 56), on each call's first response token: its packed leaf span
+# (stepwise.call_tree.pack_leaf_span) and, at a leaf with its own outcome, that outcome
+TREE_CALL = "tree_call"
+TREE_OUTCOME = "tree_outcome"
 
 
 def segment_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -53,6 +57,8 @@ class FlatRows:
     log_probs: Optional[torch.Tensor]  # [sum Q] float32 (None: the batch has no rollout log-probs)
     turn_reward: torch.Tensor  # [sum Q] float32
     anchor: Optional[torch.Tensor]  # [sum Q] int64 (None: not asked for)
+    tree_call: Optional[torch.Tensor]  # [sum Q] int64 packed leaf spans (None: no branching session among the rows)
+    tree_outcome: Optional[torch.Tensor]  # [sum Q] float32 leaves' own outcomes (None with tree_call)
     source_row: torch.Tensor  # [N] int64: the input row each row came from
     step_index: torch.Tensor  # [N] int64: the row's index among its trajectory's rows
     first_step: torch.Tensor  # [N] int64: the first and last LLM call (record index) merged into the row
@@ -79,17 +85,22 @@ class FlatRows:
 
 
 _PER_ROW = ("prompt_len", "response_len", "source_row", "step_index", "first_step", "last_step", "is_last")
-_PER_TOKEN = ("response", "mask", "log_probs", "turn_reward", "anchor")
+_PER_TOKEN = ("response", "mask", "log_probs", "turn_reward", "anchor", "tree_call", "tree_outcome")
+_TREE = {"tree_call": torch.long, "tree_outcome": torch.float32}  # per-token fields a part without trees fills with 0
 
 
 def cat_rows(parts: Sequence[FlatRows]) -> FlatRows:
-    """The rows of ``parts`` one after the other (all with or all without log-probs / anchors)."""
+    """The rows of ``parts`` one after the other (all with or all without log-probs / anchors; the tree fields of a
+    part without branching sessions are 0)."""
     parts = [p for p in parts if p is not None]
     if len(parts) == 1:
         return parts[0]
     out = {}
     for f in fields(FlatRows):
         values = [getattr(p, f.name) for p in parts]
+        if f.name in _TREE and any(v is not None for v in values):
+            values = [torch.zeros(int(p.response_len.sum()), dtype=_TREE[f.name]) if v is None else v
+                      for p, v in zip(parts, values)]
         out[f.name] = None if values[0] is None else torch.cat(values)
     return FlatRows(**out)
 
@@ -103,6 +114,11 @@ def from_merged_rows(rows: Sequence[tuple[int, MergedRow]], has_lp: bool, anchor
         return torch.tensor(list(values), dtype=torch.long)
 
     rs = [r for _, r in rows]
+    tree = any(TREE_CALL in r.per_token for r in rs)
+
+    def tree_field(name: str, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        return cat([r.per_token.get(name, torch.zeros(r.response_ids.numel())) for r in rs], dtype) if tree else None
+
     return FlatRows(
         prompt=cat([r.prompt_ids for r in rs], torch.long), prompt_len=long(r.prompt_ids.numel() for r in rs),
         response=cat([r.response_ids for r in rs], torch.long), response_len=long(r.response_ids.numel() for r in rs),
@@ -110,6 +126,7 @@ def from_merged_rows(rows: Sequence[tuple[int, MergedRow]], has_lp: bool, anchor
         log_probs=cat([r.per_token["lp"] for r in rs], torch.float32) if has_lp else None,
         turn_reward=cat([r.per_token[TURN_REWARD] for r in rs], torch.float32),
         anchor=cat([r.per_token[STEP_ANCHOR] for r in rs], torch.long) if anchors else None,
+        tree_call=tree_field(TREE_CALL, torch.long), tree_outcome=tree_field(TREE_OUTCOME, torch.float32),
         source_row=long(b for b, _ in rows), step_index=long(r.step_index for r in rs),
         first_step=long(r.source_steps[0] for r in rs), last_step=long(r.source_steps[-1] for r in rs),
         is_last=torch.tensor([r.is_last_step for r in rs], dtype=torch.bool))

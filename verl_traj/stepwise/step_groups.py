@@ -50,14 +50,17 @@ ANCHORS = "step_anchors"  # the per-token field (verl_traj.core.keys.STEP_ANCHOR
 
 @dataclass(frozen=True)
 class StepGroupOptions:
-    """GiGPO's knobs from the ``traj:`` section (``traj.step_advantage_weight``, ``traj.step_group_baseline``)."""
+    """The credit knobs of the ``traj:`` section: GiGPO's (``traj.step_advantage_weight``,
+    ``traj.step_group_baseline``) and a branching session's weighting (``traj.branch_weighting``)."""
 
     weight: float = 1.0
     baseline: str = "gigpo"
+    branch_weighting: str = "once"
 
     @classmethod
     def of(cls, traj_config: Any) -> "StepGroupOptions":
-        return cls(weight=float(traj_config.step_advantage_weight), baseline=str(traj_config.step_group_baseline))
+        return cls(weight=float(traj_config.step_advantage_weight), baseline=str(traj_config.step_group_baseline),
+                   branch_weighting=str(traj_config.branch_weighting))
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from verl_traj.stepwise.expand_inputs import (StepExpansionError, checked_log_pr
 from verl_traj.stepwise.flat_rows import STEP_ANCHOR, TURN_REWARD
 from verl_traj.stepwise.prefix_merge import MergedRow, MergeStats, RowBuilder, merge_trajectory_steps
 from verl_traj.stepwise.records import as_long, check_records, decode_step_records, steps_from_row
+from verl_traj.stepwise.tree_rows import tree_session_rows
 
 __all__ = ["Source", "source_rows", "trajectory_step_rows"]
 
@@ -132,19 +133,12 @@ class Source:
 def source_rows(src: Source, b: int, raw: Any, merge_prefix: bool) -> tuple[list[MergedRow], MergeStats]:
     """The (merged) step rows of source row ``b`` from its records, or cut from the row itself."""
     raw_steps = check_records(raw, b)
-    branching = next((k for k, r in enumerate(raw_steps or ()) if r.get("parent", k - 1) != k - 1), None)
-    own = next((k for k, r in enumerate(raw_steps or ()) if r.get("outcome") is not None), None)
-    if branching is None and own is not None:  # a leaf outcome would be dropped: the session's reward trains
-        raise StepExpansionError(
-            f"row {b}: LLM call {own} carries its own outcome (leaf_rewards): per-leaf outcomes are not wired into the "
-            "trainers yet (issue 56). Fix: leave leaf_rewards at None (the session's reward trains every call).",
-            field="outcome")
-    if branching is not None:  # never trained as a chain in silence: the tree rows are not wired in yet
-        raise StepExpansionError(
-            f"row {b}: LLM call {branching} names parent {raw_steps[branching].get('parent')!r}, so the session's calls "
-            "branch (forks, sub-agents or condensation). Training a branching session is not wired into the trainers "
-            "yet (issue 56: rows by the call tree's path decomposition, stepwise/tree_rows.py). Fix: record the "
-            "session's calls as one chain (no fresh_context / condense / forked branches).", field="parent")
+    if raw_steps and any(r.get("parent", k - 1) != k - 1 or r.get("outcome") is not None
+                         for k, r in enumerate(raw_steps)):  # a branching session, or a leaf's own outcome
+        with located(f"row {b}"):
+            recs = decode_step_records(raw)
+        parts = [_response_parts(rec, b, k, src.has_lp) for k, rec in enumerate(recs)]
+        return tree_session_rows(recs, parts, src.has_lp, merge_prefix, f"row {b}")
     if merge_prefix and raw_steps is not None and len(raw_steps) and all(
         "prompt_tail_ids" in r and r.get("prompt_ids") is None for r in raw_steps
     ):

@@ -7,28 +7,36 @@ Rows stay open while their branch goes on, so interleaved branches (sub-agent ca
 row. Every call's response is a loss span of exactly one row; a chain gives exactly
 :func:`~verl_traj.stepwise.prefix_merge.merge_trajectory_steps`'s rows.
 
-Provisional (credit on a tree is not wired yet): a row's ``is_last_step`` says its last call is a leaf, where a
-root-to-leaf path ends. Pure module (torch, numpy).
+Every leaf ends a row (no call continues it). The session's ``is_last_step`` row is the one holding its last call in
+issue order (always a leaf): the row the session's own outcome sits on, one per session as the planner requires. Each
+call's first response token carries its packed leaf span (:data:`~verl_traj.stepwise.flat_rows.TREE_CALL`,
+:func:`~verl_traj.stepwise.call_tree.pack_leaf_span`) and, at a leaf with its own outcome, that outcome
+(:data:`~verl_traj.stepwise.flat_rows.TREE_OUTCOME`): what the credit on a tree reads
+(:mod:`verl_traj.stepwise.tree_credit`). Pure module (torch, numpy).
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 
-from verl_traj.stepwise.call_tree import call_tree
-from verl_traj.stepwise.prefix_merge import MergedRow, RowBuilder, extends_context
+from verl_traj.stepwise.call_tree import call_tree, pack_leaf_span
+from verl_traj.stepwise.expand_inputs import StepExpansionError
+from verl_traj.stepwise.flat_rows import STEP_ANCHOR, TREE_CALL, TREE_OUTCOME, TURN_REWARD
+from verl_traj.stepwise.prefix_merge import MergedRow, MergeStats, RowBuilder, extends_context
 
-__all__ = ["tree_merged_rows"]
+__all__ = ["tree_merged_rows", "tree_session_rows"]
 
 
 def tree_merged_rows(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor],
                      masks: Sequence[torch.Tensor], parents: Sequence[int],
-                     per_token: Optional[Mapping[str, Sequence[torch.Tensor]]] = None) -> list[MergedRow]:
+                     per_token: Optional[Mapping[str, Sequence[torch.Tensor]]] = None,
+                     merge: bool = True) -> list[MergedRow]:
     """``C`` calls in issue order (1-D ``prompts`` / ``responses`` / ``masks``, ``parents`` ``[C]``, per-token values
-    ``[C]`` lists of ``[len(response)]``) -> the session's rows, ordered by their first call (module docstring)."""
+    ``[C]`` lists of ``[len(response)]``) -> the session's rows, ordered by their first call (module docstring;
+    ``merge=False``, ``traj.merge_prefix=false``: one row per call)."""
     tree = call_tree(np.asarray(parents, dtype=np.int64))
     names = list(per_token or {})
     open_rows: list[RowBuilder] = []
@@ -37,7 +45,7 @@ def tree_merged_rows(prompts: Sequence[torch.Tensor], responses: Sequence[torch.
     for k in range(tree.num_calls):
         p = int(tree.parent[k])
         values = {n: per_token[n][k] for n in names}
-        if p >= 0 and tree.first_child[k] and extends_context(prompts[p], responses[p], prompts[k]):
+        if merge and p >= 0 and tree.first_child[k] and extends_context(prompts[p], responses[p], prompts[k]):
             row = int(row_of[p])
             tail = prompts[k][prompts[p].numel() + responses[p].numel():]
             open_rows[row].add_observation(tail, masks[k], values)
@@ -50,7 +58,68 @@ def tree_merged_rows(prompts: Sequence[torch.Tensor], responses: Sequence[torch.
         row_of[k] = row
     out = []
     for index, (builder, calls) in enumerate(zip(open_rows, calls_of)):
-        row = builder.close(calls[-1], index, bool(tree.is_leaf[calls[-1]]))
+        row = builder.close(calls[-1], index, calls[-1] == tree.num_calls - 1)
         row.source_steps = list(calls)
         out.append(row)
     return out
+
+
+def _leaf_outcomes(recs: Sequence[Mapping[str, Any]], is_leaf: np.ndarray, where: str) -> np.ndarray:
+    """``[C]`` float64 each call's own ``outcome`` (NaN where it has none), checked: only leaves, finite numbers."""
+    out = np.full(len(recs), np.nan)
+    for k, rec in enumerate(recs):
+        value = rec.get("outcome")
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
+                or not np.isfinite(value) or not is_leaf[k]:
+            what = "not a finite number" if is_leaf[k] else "on a call that other calls continue (not a leaf)"
+            raise StepExpansionError(f"{where} call {k}: outcome={value!r} is {what}. Fix: give each leaf's own "
+                                     "outcome as a float through StepRecordingMixin.leaf_rewards (None elsewhere).",
+                                     field="outcome")
+        out[k] = float(value)
+    return out
+
+
+def _tree_values(recs, parts, tree, where: str) -> dict[str, list[torch.Tensor]]:
+    """The tree's per-token fields of each call: its packed leaf span and own outcome on its first response token."""
+    lo, hi = tree.leaf_spans()
+    outcome = _leaf_outcomes(recs, tree.is_leaf, where)
+    own = ~np.isnan(outcome)
+    keys = pack_leaf_span(lo, hi, own)
+    calls, outcomes = [], []
+    for k, part in enumerate(parts):
+        n = part[0].numel()
+        if n == 0 and own[k]:
+            raise StepExpansionError(f"{where} call {k}: a leaf with its own outcome has no response token to carry "
+                                     "it. Fix: record the call's tokens, or give no outcome.", field="outcome")
+        if float(part[3].abs().sum()) != 0.0:
+            raise StepExpansionError(
+                f"{where} call {k}: a turn reward (the record's 'reward') in a branching session: returns on a tree "
+                "are not wired into the trainers yet. Fix: give the session's reward as its outcome (or each leaf's "
+                "through leaf_rewards) and no per-call rewards, or record the session as one chain.", field="reward")
+        call, value = torch.zeros(n, dtype=torch.long), torch.zeros(n)
+        if n:
+            call[0], value[0] = int(keys[k]), float(outcome[k]) if own[k] else 0.0
+        calls.append(call)
+        outcomes.append(value)
+    return {TREE_CALL: calls, TREE_OUTCOME: outcomes}
+
+
+def tree_session_rows(recs: Sequence[Mapping[str, Any]], parts: Sequence[tuple], has_lp: bool, merge: bool,
+                      where: str) -> tuple[list[MergedRow], MergeStats]:
+    """A branching session's rows from its decoded records (full ``prompt_ids``, ``parent``) and each call's
+    validated response parts (``(ids, mask, log-probs or None, turn reward, anchor)``, as the expansion builds them),
+    with the tree's fields."""
+    tree = call_tree([int(r["parent"]) for r in recs])
+    per_token = {TURN_REWARD: [p[3] for p in parts], STEP_ANCHOR: [p[4] for p in parts],
+                 **({"lp": [p[2] for p in parts]} if has_lp else {})}
+    per_token.update(_tree_values(recs, parts, tree, where))
+    prompts = [r["prompt_ids"] for r in recs]
+    rows = tree_merged_rows(prompts, [p[0] for p in parts], [p[1] for p in parts], tree.parent.tolist(), per_token,
+                            merge)
+    loss = sum(int(torch.count_nonzero(p[1])) for p in parts)
+    stats = MergeStats(rows_before=len(recs), rows_after=len(rows),
+                       tokens_before=sum(int(q.numel() + p[0].numel()) for q, p in zip(prompts, parts)),
+                       tokens_after=sum(r.num_tokens for r in rows), loss_tokens_before=loss, loss_tokens_after=loss)
+    return rows, stats

@@ -32,7 +32,7 @@ from typing import Any
 
 from verl_traj.core.errors import TrajInputError
 
-__all__ = ["CUSTOM", "ESTIMATORS", "STEP_GROUP_BASELINES", "EstimatorTraits", "estimator_name", "estimator_traits", "register_estimator_traits",
+__all__ = ["BRANCH_WEIGHTINGS", "CUSTOM", "ESTIMATORS", "STEP_GROUP_BASELINES", "EstimatorTraits", "estimator_name", "estimator_traits", "register_estimator_traits",
            "step_row_estimators", "step_row_refusal"]
 
 
@@ -54,6 +54,7 @@ class EstimatorTraits:
 
 ESTIMATORS: dict[str, EstimatorTraits] = {}
 STEP_GROUP_BASELINES = ("gigpo", "leave_one_out")  # traj.step_group_baseline (verl_traj.stepwise.step_groups)
+BRANCH_WEIGHTINGS = ("once", "expanded")  # traj.branch_weighting (verl_traj.stepwise.tree_credit)
 CUSTOM = EstimatorTraits(refusal="it is not one of verl_traj's known estimators, so its output is not known to be "
                                  "one scalar per response")
 

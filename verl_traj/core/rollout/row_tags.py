@@ -15,7 +15,8 @@ import torch
 from verl_traj.core.trees.prefix_hashes import prefix_block_hashes
 from verl_traj.core.trees.token_rows import TokenRows
 
-__all__ = ["LOSS_TOKENS_TAG", "MERGE_TAG", "PREFIX_HASH_TAG", "STEP_ANCHOR_TAG", "TURN_REWARD_TAG", "anchor_entries",
+__all__ = ["LOSS_TOKENS_TAG", "MERGE_TAG", "PREFIX_HASH_TAG", "STEP_ANCHOR_TAG", "TREE_CALLS_TAG", "TREE_OUTCOMES_TAG",
+           "TURN_REWARD_TAG", "anchor_entries",
            "anchor_tag", "row_fact_tags", "sparse_tag", "tag_entries", "tagged_hashes", "tagged_loss_tokens",
            "turn_reward_entries", "turn_reward_tag"]
 
@@ -23,6 +24,10 @@ __all__ = ["LOSS_TOKENS_TAG", "MERGE_TAG", "PREFIX_HASH_TAG", "STEP_ANCHOR_TAG",
 MERGE_TAG = "traj_merge"  # tag of a session's first row: its MergeStats as a dict
 TURN_REWARD_TAG = "traj_turn_rewards"  # tag of a row with turn rewards: [[response position, reward], ...]
 STEP_ANCHOR_TAG = "traj_step_anchors"  # tag of a row's calls' GiGPO anchor keys: [[response position, key], ...]
+# tags of a branching session's rows (issue 56): each call's packed leaf span and a leaf's own outcome, each on the
+# call's first response position (core.keys.TREE_CALLS / TREE_OUTCOMES)
+TREE_CALLS_TAG = "traj_tree_calls"
+TREE_OUTCOMES_TAG = "traj_tree_outcomes"
 # every training row's facts, recorded where it is written so the trainer's plan reads no per-token field of it
 LOSS_TOKENS_TAG = "traj_loss_tokens"  # the row's loss tokens (its response_mask's sum) as written
 PREFIX_HASH_TAG = "traj_prefix_hashes"  # its prefix block hashes (core/trees/prefix_hashes.py), int64 bytes

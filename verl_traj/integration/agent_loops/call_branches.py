@@ -29,7 +29,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 from verl_traj.stepwise.expand import StepExpansionError
 
-__all__ = ["begin_session", "condense", "fresh_context", "record_call", "truncate_calls"]
+__all__ = ["begin_session", "condense", "end_session", "fresh_context", "leaves", "record_call", "truncate_calls",
+           "with_leaf_outcomes"]
 
 FRESH = -1  # no parent: the call starts a fresh context
 # the index of the last call recorded on this branch (this asyncio context), FRESH before the first

@@ -41,12 +41,14 @@ from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorke
 
 from verl_traj.config import TrajConfig
 from verl_traj.core.rollout.row_key import row_key
-from verl_traj.core.rollout.row_tags import MERGE_TAG, TURN_REWARD_TAG, anchor_tag, row_fact_tags, turn_reward_tag
+from verl_traj.core.rollout.row_tags import (MERGE_TAG, TREE_CALLS_TAG, TREE_OUTCOMES_TAG, TURN_REWARD_TAG, anchor_tag,
+                                             row_fact_tags, sparse_tag, turn_reward_tag)
 from verl_traj.core.rollout.session_ledger import current_ledger, session_ledger
 from verl_traj.integration.async_modes.v1_failures import run_session
 from verl_traj.integration.async_modes.v1_staleness import check_recording
 from verl_traj.integration.config.access import value_at
 from verl_traj.integration.rows.credit import load_rules, records_anchors
+from verl_traj.stepwise.flat_rows import TREE_CALL, TREE_OUTCOME
 from verl_traj.stepwise.expand import (DEFAULT_STEPS_KEY, STEP_ANCHOR, TURN_REWARD, StepExpansionError,
                                        trajectory_step_rows)
 
@@ -59,6 +61,14 @@ __all__ = ["UNSUPPORTED_STEP_FIELDS", "TrajAgentLoopManagerTQ",
 # AgentLoopOutput fields that hold per-token or per-image data of the whole trajectory, which the step rows would
 # need re-cut per LLM call (v0 refuses the same fields in its expansion: stepwise/expand.py)
 UNSUPPORTED_STEP_FIELDS = ("routed_experts", "multi_modal_data", "mm_processor_output")
+
+
+def tree_tags(per_token: dict) -> dict:
+    """A branching session's row: its calls' packed leaf spans and leaves' own outcomes as sparse tags (v0's
+    expansion writes the same as ``[B, R]`` fields); ``{}`` for a chain's row."""
+    if TREE_CALL not in per_token:
+        return {}
+    return {**sparse_tag(TREE_CALLS_TAG, per_token[TREE_CALL]), **sparse_tag(TREE_OUTCOMES_TAG, per_token[TREE_OUTCOME])}
 
 
 def check_step_output(output: AgentLoopOutput) -> None:
@@ -85,8 +95,8 @@ def step_outputs(output: AgentLoopOutput, merge_prefix: bool, steps_key: str = D
     rows, stats = trajectory_step_rows(output.prompt_ids, output.response_ids, output.response_mask,
                                        output.response_logprobs, output.extra_fields.get(steps_key),
                                        merge_prefix=merge_prefix)
-    tags = [{**turn_reward_tag(row.per_token[TURN_REWARD]), **(anchor_tag(row.per_token[STEP_ANCHOR]) if anchors else {})}
-            for row in rows]
+    tags = [{**turn_reward_tag(row.per_token[TURN_REWARD]), **(anchor_tag(row.per_token[STEP_ANCHOR]) if anchors else {}),
+             **tree_tags(row.per_token)} for row in rows]
     if not turn_rewards and any(TURN_REWARD_TAG in t for t in tags):
         raise StepExpansionError(
             "the step records carry turn rewards (a 'reward' per LLM call) but traj.enable=false: stock verl has no "

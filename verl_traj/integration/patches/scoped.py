@@ -31,7 +31,9 @@ The patch sets, each in the order it is installed (a later patch of the same nam
   2. ``trainer_base.apply_kl_penalty`` <- real rows only (v0's wrapper, after the plan's facts are attached: v1
      imports verl's function by name, so patch 3 of :func:`fit_patches` never reaches it);
   3. with step rows and ``traj.ratio_scope=trajectory`` also
-     ``trainer_base.compute_rollout_correction_and_add_to_batch`` <- verl's rollout correction per trajectory.
+     ``trainer_base.compute_rollout_correction_and_add_to_batch`` <- verl's rollout correction per trajectory;
+  4. with ``traj.step_wise`` also ``trainer_base.tq`` <- the same module, whose ``kv_batch_put`` of the advantages also
+     puts a branching session's two-sign part (``traj_advantages_negative``) where the step has one.
 * :func:`replay_buffer_patches` -- driver, during ``TrajV1Mixin._build_replay_buffer`` (once, at set-up):
   ``trainer_base.ReplayBuffer``, ``trainer_base.ReplayBufferAsync`` and ``trainer_base.load_extern_type`` (a custom
   sampler's class) <- verl_traj's subclass of the class verl picks (failed and stale groups), so verl builds the
@@ -218,14 +220,17 @@ def v1_task_runner_patches(traj_trainer_class: Callable[[type], type]) -> list[P
 
 
 def v1_advantage_patches(advantage: Callable, correction: Optional[Callable] = None, *,
-                         kl_penalty: Callable) -> list[Patch]:
+                         kl_penalty: Callable, put: Optional[Callable] = None) -> list[Patch]:
     """``advantage``: replaces ``compute_advantage_for_multi_trajectories`` (same signature; the mixin passes
     :func:`~verl_traj.integration.trainers.v1_advantage.planned_advantage` with the batch's plan facts bound);
     ``kl_penalty(verl_apply_kl_penalty, data, kl_ctrl, kl_penalty)``: wraps verl's KL-in-reward (the mixin passes
     :func:`~verl_traj.integration.trainers.v1_advantage.kl_penalty_on_planned_rows` with the facts bound; only called
     with ``algorithm.use_kl_in_reward=true``); ``correction(verl_correction, data, rollout_corr_config)``: wraps verl's
     rollout correction (step rows at ``traj.ratio_scope=trajectory``:
-    :func:`~verl_traj.integration.trainers.v1_advantage.corrected_per_trajectory`), or ``None``."""
+    :func:`~verl_traj.integration.trainers.v1_advantage.corrected_per_trajectory`), or ``None``; ``put(tq)``: the
+    ``transfer_queue`` module as the advantage's write-back sees it (the mixin passes
+    :class:`~verl_traj.integration.trainers.v1_advantage.PutWithNegativePart`: a branching session's two-sign part
+    put with the advantages), or ``None``."""
     out = [Patch(V1_TRAINER, "compute_advantage_for_multi_trajectories", lambda _original: advantage,
                  "compute the planned batch's advantages"),
            Patch(V1_TRAINER, "apply_kl_penalty", lambda original: functools.partial(kl_penalty, original),
@@ -234,6 +239,9 @@ def v1_advantage_patches(advantage: Callable, correction: Optional[Callable] = N
         out.append(Patch(V1_TRAINER, "compute_rollout_correction_and_add_to_batch",
                          lambda original: functools.partial(correction, original),
                          "verl's sequence-level rollout correction per trajectory (traj.ratio_scope)"))
+    if put is not None:
+        out.append(Patch(V1_TRAINER, "tq", put, "put a branching session's two-sign advantage part with the "
+                                                "advantages (the actor's loss reads it)"))
     return out
 
 

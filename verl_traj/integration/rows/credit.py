@@ -23,6 +23,7 @@ from verl.trainer.ppo import core_algos
 
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import ADVANTAGE_METRICS, IS_LAST_STEP, STEP_ANCHORS, TRAJ_INDEX
+from verl_traj.integration.rows.branching import refuse_on_trees, take_tree_fields, write_negative
 from verl_traj.stepwise.advantages import last_step_rows, run_outcome_estimator
 from verl_traj.stepwise.credit_rules import CREDIT_RULES, CallCredit, CreditRule, credit_rule, load_credit_rule_modules
 from verl_traj.stepwise.step_groups import StepGroupOptions
@@ -99,11 +100,16 @@ def credit_advantage(data: Any, rule: CreditRule, rewards: torch.Tensor, steps: 
         return run_outcome_estimator(fn, scores, traj_uid, estimator_name="grpo", estimator_kwargs=kwargs)[0]
 
     last = last_step_rows(td[TRAJ_INDEX].cpu(), data.non_tensor_batch[IS_LAST_STEP])  # one row per trajectory
+    tree_calls, tree_outcomes = take_tree_fields(td)
+    if tree_calls is not None and not rule.trees:
+        refuse_on_trees(rule.name, "this credit rule reads each session as one chain of calls (register a rule with "
+                                   "trees=True to credit a call tree)")
     calls = CallCredit(
         rewards=rewards, response_mask=td["response_mask"], traj_index=td[TRAJ_INDEX], steps=np.asarray(steps),
         traj_uid=np.asarray(uid, dtype=object)[last.numpy()], episode_fn=episode_fn, gamma=float(gamma),
         norm_by_std=bool(kwargs.get("norm_adv_by_std_in_grpo", True)), anchors=_anchors(td, rule),
-        step_advantage_weight=options.weight, step_group_baseline=options.baseline)
+        step_advantage_weight=options.weight, step_group_baseline=options.baseline, tree_calls=tree_calls,
+        tree_outcomes=tree_outcomes, branch_weighting=options.branch_weighting)
     result = rule.fn(calls)
     mask = td["response_mask"]
     if not isinstance(result.advantages, torch.Tensor) or result.advantages.shape != mask.shape:
@@ -113,6 +119,7 @@ def credit_advantage(data: Any, rule: CreditRule, rewards: torch.Tensor, steps: 
             "CreditResult.advantages.", field="algorithm.adv_estimator")
     td["advantages"] = result.advantages.to(mask.device)
     td["returns"] = (result.returns.to(mask.device) if result.returns is not None else td["advantages"].clone())
+    write_negative(td, result.negative)
     data.meta_info[ADVANTAGE_METRICS] = dict(result.metrics)
 
 

@@ -28,6 +28,7 @@ from verl.trainer.ppo import core_algos
 from verl_traj.core.errors import check_finite
 from verl_traj.core.plan.estimators import estimator_traits
 from verl_traj.core.keys import IS_LAST_STEP, TRAJ_INDEX, TURN_REWARDS
+from verl_traj.integration.rows.branching import has_trees, outcome_on_trees
 from verl_traj.integration.rows.credit import credit_advantage
 from verl_traj.stepwise.advantages import (StepwiseAdvantageError, check_stepwise_estimator,
                                            compute_trajectory_advantages)
@@ -215,10 +216,18 @@ def stepwise_advantage(verl_compute_advantage: Callable, step_index_key: str = "
                              episode=_estimator("grpo", norm_adv_by_std_in_grpo, config), options=step_groups)
             return data
         fn, extra = _estimator(name, norm_adv_by_std_in_grpo, config)
+        use_kl = bool(config.get("use_kl_in_reward", False)) if config is not None and hasattr(config, "get") else False
+        if has_trees(td):  # sessions that branch: the estimator over each prompt's leaves (issue 56)
+            if step_groups is None:
+                raise RuntimeError("stepwise_advantage on a batch with branching sessions needs the traj: section's "
+                                   "StepGroupOptions (traj.branch_weighting; the caller did not pass them)")
+            outcome_on_trees(data, name, fn, extra, _column(td, "token_level_rewards", "the reward step writes it"),
+                             _uid(data.non_tensor_batch, td.batch_size[0]), use_kl_in_reward=use_kl,
+                             weighting=step_groups.branch_weighting)
+            return data
         if estimator_traits(name).temporal:
             td["advantages"], td["returns"] = _timeline_advantage(data, fn, extra, gamma, lam, step_index_key)
             return data
-        use_kl = bool(config.get("use_kl_in_reward", False)) if config is not None and hasattr(config, "get") else False
         adv, ret, _ = compute_trajectory_advantages(
             _with_turn_rewards(data, on_last_row=not use_kl), _column(td, "response_mask", "verl's "
                                                                       "compute_response_mask writes it"),

@@ -25,9 +25,10 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from verl_traj.core import BatchLayout, MiniBatchPlan
-from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, STEP_ANCHORS, TRAJ_INDEX, TURN_REWARDS
+from verl_traj.core.keys import (IS_LAST_STEP, IS_PADDING, STEP_ANCHORS, TRAJ_INDEX, TREE_CALLS, TREE_OUTCOMES,
+                                 TURN_REWARDS)
 from verl_traj.core.rollout.row_key import parse_row_keys
-from verl_traj.core.rollout.row_tags import anchor_entries
+from verl_traj.core.rollout.row_tags import TREE_CALLS_TAG, TREE_OUTCOMES_TAG, anchor_entries, tag_entries
 from verl_traj.core.rollout.row_tags import turn_reward_entries
 
 __all__ = ["STEP_INDEX", "PlanFacts", "StepFacts", "plan_facts", "row_loss_tokens"]
@@ -63,8 +64,14 @@ class PlanFacts:
     all_atomic: bool = False  # every trajectory in one micro-batch on one rank (MiniBatchPlan.all_trajectories_atomic)
     turn_rewards: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # (row, position, reward) [K]
     step_anchors: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # (row, position, key) [K], gigpo
+    # a branching session's rows (issue 56): (row, position, packed leaf span) and (row, position, own outcome) [K]
+    tree_calls: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    tree_outcomes: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
     # the advantage step's (traj_gigpo/*), for the step's metrics; read-only
     advantage_metrics: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    # the advantage step's two-sign part ([B, R], dispatch order; None: no call with leaves of both signs), put into
+    # TransferQueue with the advantages for the actor's loss (v1_advantage.put_with_negative_part)
+    advantages_negative: Optional[torch.Tensor] = None
     # the plan's per-row worker fields (v1_planning.plan_row_fields), each row's rank and attended tokens: what the
     # workers' calls ship (v1_updates.plan_blocks)
     row_fields: Mapping[str, torch.Tensor] = field(default_factory=lambda: MappingProxyType({}))
@@ -74,7 +81,8 @@ class PlanFacts:
     @property
     def stepwise(self) -> bool:
         """The step-wise advantage path: a trajectory with several rows, or turn rewards to put on tokens."""
-        return self.multi_row or self.turn_rewards is not None or self.step_anchors is not None
+        return (self.multi_row or self.turn_rewards is not None or self.step_anchors is not None
+                or self.tree_calls is not None)
 
     def check(self, keys: list[str]) -> None:
         """Raise unless ``keys`` are the planned keys, in the planned order."""
@@ -105,6 +113,13 @@ class PlanFacts:
             row, pos, key = self.step_anchors
             dense = torch.zeros(td["response_mask"].shape, dtype=torch.int64)
             td[STEP_ANCHORS] = dense.index_put_((row, pos), key).to(td.device)
+        if self.tree_calls is not None:  # a branching session's leaf spans and leaves' own outcomes
+            for name, entries, dtype in ((TREE_CALLS, self.tree_calls, torch.int64),
+                                         (TREE_OUTCOMES, self.tree_outcomes, torch.float32)):
+                dense = torch.zeros(td["response_mask"].shape, dtype=dtype)
+                if entries is not None:
+                    dense.index_put_(entries[:2], entries[2])
+                td[name] = dense.to(td.device)
 
     def with_final_loss_tokens(self, response_mask: torch.Tensor) -> "PlanFacts":
         """These facts with :attr:`loss_tokens` recounted from the batch's final ``[B, R]`` ``response_mask``
@@ -114,9 +129,11 @@ class PlanFacts:
             raise RuntimeError(f"response_mask has {counts.numel()} rows, the plan {self.loss_tokens.numel()}")
         return dataclasses.replace(self, loss_tokens=torch.where(self.is_padding, 0, counts))
 
-    def with_advantage_metrics(self, metrics: Mapping[str, float]) -> "PlanFacts":
-        """These facts with the advantage step's ``metrics`` (read-only). A new value."""
-        return dataclasses.replace(self, advantage_metrics=MappingProxyType(dict(metrics)))
+    def with_advantage_metrics(self, metrics: Mapping[str, float],
+                               negative: Optional[torch.Tensor] = None) -> "PlanFacts":
+        """These facts with the advantage step's ``metrics`` (read-only) and two-sign part. A new value."""
+        return dataclasses.replace(self, advantage_metrics=MappingProxyType(dict(metrics)),
+                                   advantages_negative=negative)
 
 
 def plan_facts(batch: Any, plan: MiniBatchPlan, layout: BatchLayout, row_fields: Mapping[str, torch.Tensor],
@@ -132,7 +149,8 @@ def plan_facts(batch: Any, plan: MiniBatchPlan, layout: BatchLayout, row_fields:
         mini_batch_id=plan.mini_batch_id.clone(),
         loss_tokens=torch.where(plan.is_padding, 0, layout.num_loss_tokens[src]).long(),
         multi_row=bool((layout.traj_num_steps > 1).any()), all_atomic=plan.all_trajectories_atomic, turn_rewards=turn_reward_entries(batch.tags),
-        step_anchors=anchor_entries(batch.tags),
+        step_anchors=anchor_entries(batch.tags), tree_calls=tag_entries(batch.tags, TREE_CALLS_TAG, torch.int64),
+        tree_outcomes=tag_entries(batch.tags, TREE_OUTCOMES_TAG, torch.float32),
     )
 
 

@@ -28,6 +28,7 @@ read once when the update ends, and GSPO's in-loss trajectory ratio is computed 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
@@ -40,9 +41,14 @@ from verl.utils.torch_functional import masked_mean
 from verl.workers.utils.padding import no_padding_2_padding
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.keys import LOSS_WEIGHT, RATIO_GROUP, RATIO_IN_LOSS, SEQ_RATIO_SHIFT
+from verl_traj.core.keys import ADVANTAGES_NEGATIVE, LOSS_WEIGHT, RATIO_GROUP, RATIO_IN_LOSS, SEQ_RATIO_SHIFT
 from verl_traj.integration.workers.planned_update import LOSS_SINK, LossSink, record, record_nonfinite
 from verl_traj.stepwise.ratios import micro_batch_ratio_shift, nonfinite_rows
+
+
+# policy losses with loss(r, A) = |A| loss(r, sign A) (verl 0.9.1's vanilla, dual-clip included, and gpg's -A log p):
+# a branching call's two-part loss equals its root-to-leaf paths' (tests/stepwise/test_tree_credit.py)
+TWO_PART_LOSS_MODES = ("vanilla", "gpg")
 
 
 def _set_global_batch_info(config: Any, dp_size: int) -> None:
@@ -68,8 +74,13 @@ def weighted_policy_loss(
     rollout_is_weights: Optional[torch.Tensor] = None,
     seq_ratio_shift: Optional[torch.Tensor] = None,
     sink: Optional[LossSink] = None,
+    negative: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """Policy (+ entropy + KL) loss of one micro-batch on padded ``[b, R]`` tensors (see module doc).
+    ``negative`` ``[b, R]``: the part of ``advantages`` a branching session's call with leaves of both signs trains
+    with on its own (:data:`~verl_traj.core.keys.ADVANTAGES_NEGATIVE`): the policy term is then
+    ``loss(r, advantages - negative) + loss(r, negative)``, its root-to-leaf paths under PPO's clipping
+    (docs/branching.md); 0 where a call's leaves share a sign (``loss(r, 0) = 0``).
     ``seq_ratio_shift`` ``[b]``: GSPO at trajectory scope, each row's old log-probs shifted by a constant so that the
     loss fn's per-row mean log-ratio is its trajectory's (:func:`~verl_traj.stepwise.ratios.sequence_ratio_shift`).
     ``sink``: where verl_traj's own metrics go (read once per update); None: verl's ``Metric`` now."""
@@ -82,14 +93,30 @@ def weighted_policy_loss(
     if rollout_is_weights is not None:
         token_weights = token_weights * rollout_is_weights.to(torch.float32)
     loss_mode = config.policy_loss.get("loss_mode", "vanilla") if config.policy_loss is not None else "vanilla"
-    pg_loss, pg_metrics = get_policy_loss_fn(loss_mode)(
-        old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=mask,
-        loss_agg_mode="token-sum", config=config, rollout_is_weights=token_weights,
-    )
+    policy_loss = functools.partial(get_policy_loss_fn(loss_mode), old_log_prob=old_log_prob, log_prob=log_prob,
+                                    response_mask=mask, loss_agg_mode="token-sum", config=config,
+                                    rollout_is_weights=token_weights)
+    split = None  # tokens trained with both parts
+    if negative is None:
+        pg_loss, pg_metrics = policy_loss(advantages=advantages)
+    else:  # the metrics (clip fractions, ppo_kl) are the first evaluation's: every token, its positive part
+        if loss_mode not in TWO_PART_LOSS_MODES:
+            raise TrajInputError(
+                f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r} on a batch whose branching sessions have "
+                "calls with leaves of both signs: their two-part loss is exact only for a loss positively homogeneous "
+                f"in the advantage ({list(TWO_PART_LOSS_MODES)}). Fix: set loss_mode=vanilla, or an estimator whose "
+                "leaves of one session share a sign (grpo with the session's outcome on every leaf).",
+                field="actor_rollout_ref.actor.policy_loss.loss_mode")
+        negative = negative.to(advantages.dtype)
+        pg_loss, pg_metrics = policy_loss(advantages=advantages - negative)
+        pg_loss = pg_loss + policy_loss(advantages=negative)[0]
+        split = ((negative != 0) & mask).sum()
     metrics: dict[str, Any] = dict(Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN))
     # each micro-batch holds a partial sum of the mini-batch loss: SUM over micro-batches, mean over DP
     # (= sum over ranks / dp, and every rank's partial sum carries the * dp_size factor).
     metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=AggregationType.SUM)
+    if split is not None:  # over the mini-batch (x dp: verl averages metrics over ranks)
+        record(metrics, sink, "sum", "actor/tree_split_tokens", split * dp_size)
     if seq_ratio_shift is not None:  # how far each row's own sequence ratio was from its trajectory's
         record(metrics, sink, "max", "actor/traj_seq_ratio_shift_abs_max", seq_ratio_shift.detach().abs().max())
     weighted_mask = mask.to(torch.float32) * w_row  # [b, R] fp32
@@ -178,7 +205,7 @@ def traj_ppo_loss(config: Any, model_output, data: TensorDict, dp_group=None):
         entropy = no_padding_2_padding(entropy, data)
     dp_size = int(data["dp_size"])
     fields = ["response_mask", "old_log_probs", "advantages", LOSS_WEIGHT]
-    for optional in ("rollout_is_weights", "ref_log_prob", SEQ_RATIO_SHIFT):
+    for optional in ("rollout_is_weights", "ref_log_prob", SEQ_RATIO_SHIFT, ADVANTAGES_NEGATIVE):
         if optional in data.keys():
             fields.append(optional)
     in_loss = bool(tu.get_non_tensor_data(data=data, key=RATIO_IN_LOSS, default=False))
@@ -196,7 +223,7 @@ def traj_ppo_loss(config: Any, model_output, data: TensorDict, dp_group=None):
         config, log_prob=log_prob, old_log_prob=padded["old_log_probs"], advantages=padded["advantages"],
         response_mask=padded["response_mask"], loss_weight=padded[LOSS_WEIGHT], dp_size=dp_size, entropy=entropy,
         ref_log_prob=padded.get("ref_log_prob", None), rollout_is_weights=padded.get("rollout_is_weights", None),
-        seq_ratio_shift=shift, sink=sink,
+        seq_ratio_shift=shift, sink=sink, negative=padded.get(ADVANTAGES_NEGATIVE, None),
     )
 
 
@@ -212,6 +239,7 @@ def traj_value_loss(config: Any, model_output, data: TensorDict, dp_group=None):
 
 
 __all__ = [
+    "TWO_PART_LOSS_MODES",
     "require_loss_weight",
     "traj_ppo_loss",
     "traj_value_loss",

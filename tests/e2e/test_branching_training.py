@@ -1,0 +1,47 @@
+"""docs/branching.md's example as a user runs it: an agent whose sessions fork (best-of-N from a mid-state) and spawn a
+checker sub-agent in a fresh context (``examples/branching_agent``), each leaf scored on its own, trained through
+``python -m verl_traj.main_ppo`` on both trainers: each session one call tree, its rows the tree's path decomposition,
+its calls credited from their leaves."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.runs import TRAINERS, launch, tail
+
+pytestmark = pytest.mark.e2e
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "branching_agent"
+BRANCHES = 2  # examples/branching_agent/branch_loop.py
+
+
+def _run(home, tmp_path, trainer: str, *extra: str):
+    pythonpath = os.pathsep.join(filter(None, [str(EXAMPLE), os.environ.get("PYTHONPATH")]))
+    return launch(home, tmp_path, [
+        *TRAINERS[trainer], f"actor_rollout_ref.rollout.agent.agent_loop_config_path={EXAMPLE / 'agent_loops.yaml'}",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=best_of_n", "traj.step_wise=true",
+        "data.max_response_length=64", f"reward.custom_reward_function.path={EXAMPLE / 'reward.py'}",
+        "trainer.total_training_steps=2", *extra], extra_env={"PYTHONPATH": pythonpath})
+
+
+@pytest.mark.parametrize("trainer", ["v1", "v0"])
+def test_a_branching_agent_trains_as_call_trees(tiny_home, tmp_path, trainer):
+    run = _run(tiny_home, tmp_path, trainer)
+    assert run.returncode == 0, tail(run.output, 80)
+    assert len(run.metrics) == 2, tail(run.output, 40)
+    for m in run.metrics:
+        sessions = m["traj_stepwise/trajectories"]
+        assert m["traj_stepwise/rows_before"] == sessions * (2 + BRANCHES)  # the first call, each branch, the checker
+        assert m["traj_stepwise/rows_after"] == sessions * (1 + BRANCHES)  # a row per branch (the first continues
+        # the first call's row) and one for the checker's fresh context
+        assert m["traj_tree/leaves_mean"] == BRANCHES + 1 and m["traj_tree/leaves_max"] == BRANCHES + 1
+        assert m["traj_plan/split_groups"] == 0
+        assert m["training/rollout_probs_diff_max"] < 1e-5  # each row's tokens are its calls' own
+    # calls above leaves of both signs (the first call, under per-leaf outcomes) trained with the two-part loss: the
+    # part reaches the actor's loss (v1: put in TransferQueue with the advantages)
+    split = [m["traj_tree/split_tokens"] for m in run.metrics]
+    assert any(split), split
+    for m, s in zip(run.metrics, split):
+        assert (m.get("actor/tree_split_tokens", 0) > 0) == (s > 0), (m.get("actor/tree_split_tokens"), s)
