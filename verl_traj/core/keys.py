@@ -43,6 +43,9 @@ TREE_OUTCOMES = "traj_tree_outcomes"
 # [B, R] float of an update whose batch has a call with leaves of both signs: that part of ``advantages``, which the
 # policy loss evaluates on its own (loss(r, A - neg) + loss(r, neg): the call's root-to-leaf paths under clipping)
 ADVANTAGES_NEGATIVE = "traj_advantages_negative"
+# [B, R] float of an update under traj.branch_weighting=expanded: how many root-to-leaf paths each token trains for
+# (its call's leaves below); the loss weighs each token by it and the normaliser counts it (docs/branching.md)
+PATH_COPIES = "traj_path_copies"
 
 TREE_SEGMENT = "prefix_tree_segment"  # [B, 3] per row: rank, start, first tree token of its segment (traj.prefix_tree)
 TREE_SIZE = "prefix_tree_size"  # [B] per row: the tree tokens of its micro-batch's tree
@@ -76,6 +79,6 @@ def planned_update_fields(ratio_groups: bool = False) -> tuple[str, ...]:
 # Tensor fields apply_plan adds (replaced if the input already carries them).
 PLAN_KEYS = (MINI_BATCH_ID, MICRO_BATCH_ID, TRAJ_INDEX, IS_PADDING)
 
-__all__ = ["ADVANTAGE_METRICS", "ADVANTAGES_NEGATIVE", "CRITIC_UNION_KEY", "MINI_BATCH_ID", "MICRO_BATCH_ID", "TRAJ_INDEX", "IS_PADDING", "IS_LAST_STEP", "LOSS_WEIGHT", "PLAN_KEYS",
+__all__ = ["ADVANTAGE_METRICS", "ADVANTAGES_NEGATIVE", "PATH_COPIES", "CRITIC_UNION_KEY", "MINI_BATCH_ID", "MICRO_BATCH_ID", "TRAJ_INDEX", "IS_PADDING", "IS_LAST_STEP", "LOSS_WEIGHT", "PLAN_KEYS",
            "OLD_LOG_PROBS_AT_START", "PLANNED_FIELDS", "RATIO_IN_LOSS", "RATIO_GROUP", "planned_update_fields", "SEQ_RATIO_SHIFT", "STEP_ANCHORS",
            "ROW_FIELDS", "ROW_LENGTH", "TREE_CALLS", "TREE_OUTCOMES", "TREE_SEGMENT", "TREE_SIZE", "TREE_SIZE_KEY", "TURN_REWARDS", "PLAN_ATOMIC", "TREE_KEY"]

@@ -69,12 +69,13 @@ class CreditResult:
     """A rule's output: ``advantages`` ``[B, R]`` (0 off the loss tokens and on padding rows), ``returns`` ``[B, R]``
     (``None``: the advantages, as verl's GRPO), the step's metrics (``traj_<rule>/*``, floats) and, for a rule on
     trees, ``negative`` ``[B, R]``: the part of ``advantages`` the loss evaluates on its own (a call whose leaves have
-    both signs, :mod:`~verl_traj.stepwise.tree_credit`; ``None``: none)."""
+    both signs, :mod:`~verl_traj.stepwise.tree_credit`; ``None``: none) and ``copies``."""
 
     advantages: torch.Tensor
     returns: Optional[torch.Tensor] = None
     metrics: dict[str, float] = field(default_factory=dict)
     negative: Optional[torch.Tensor] = None
+    copies: Optional[torch.Tensor] = None  # [B, R] traj.branch_weighting=expanded: each token's root-to-leaf paths
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,12 @@ a span) is one leaf, ``(0, 1)`` for every call. The batch's leaves are numbered 
 * **Leaf advantages** ``A_l``: an outcome estimator (GRPO, RLOO, ...) over the leaves of every session of a prompt
   (the group is the sessions' ``uid``); Tree-GRPO adds the leaf's normalised outcome within its own session.
 * **A call's parts** ``P_c = sum of the positive A_l``, ``N_c = sum of the negative A_l`` over ``L(c)``;
-  ``once`` (each distinct token once, the default) divides both by ``m_c = hi_c - lo_c``, ``expanded`` does not.
-  The call trains with ``loss(r, P_c) + loss(r, N_c)``, equal under PPO's clipping to its ``m_c`` root-to-leaf
-  copies (docs/branching.md). The rows' ``advantages`` hold ``P_c + N_c`` (under ``once``: the mean of ``A_l``) and
-  :attr:`TreeCredit.negative` holds ``N_c`` where a call has leaves of both signs (0 elsewhere), so the loss
-  evaluates ``advantages - negative`` and ``negative``.
+  the rows carry both divided by ``m_c = hi_c - lo_c`` and the call trains with ``loss(r, P_c / m_c) +
+  loss(r, N_c / m_c)``: its ``m_c`` root-to-leaf copies each weighted ``1 / m_c`` under PPO's clipping (``once``, the
+  default: each distinct token once). ``expanded`` also weighs each token by ``m_c`` (:attr:`TreeCredit.copies`), in
+  the loss and in its normaliser's token count: the copies themselves (docs/branching.md). The rows' ``advantages``
+  hold ``(P_c + N_c) / m_c``, the mean of ``A_l``, and :attr:`TreeCredit.negative` holds ``N_c / m_c`` where a call
+  has leaves of both signs (0 elsewhere), so the loss evaluates ``advantages - negative`` and ``negative``.
 
 On a batch of chains every session is one leaf, ``A_l`` is the estimator's per-trajectory value and every call gets
 it: today's advantages. Pure module (torch).
@@ -25,7 +26,7 @@ it: today's advantages. Pure module (torch).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -42,14 +43,15 @@ WEIGHTINGS = BRANCH_WEIGHTINGS  # traj.branch_weighting
 
 @dataclass(frozen=True)
 class TreeCredit:
-    """``advantages`` ``[B, R]`` (``P + N`` of each token's call, 0 off the loss tokens and on padding rows),
-    ``negative`` ``[B, R]`` (``N`` where the call's leaves have both signs, else 0), ``leaf_advantages`` ``[L]``,
-    ``num_leaves`` ``[T]``."""
+    """``advantages`` ``[B, R]`` (``(P + N) / m`` of each token's call, 0 off the loss tokens and on padding rows),
+    ``negative`` ``[B, R]`` (``N / m`` where the call's leaves have both signs, else 0), ``leaf_advantages`` ``[L]``,
+    ``num_leaves`` ``[T]``, ``copies`` ``[B, R]`` (``expanded``: each loss token's ``m``, else ``None``)."""
 
     advantages: torch.Tensor
     negative: torch.Tensor
     leaf_advantages: torch.Tensor
     num_leaves: torch.Tensor
+    copies: Optional[torch.Tensor] = None
 
     def metrics(self) -> dict[str, float]:
         """``traj_tree/*``: leaves per session (mean, max) and the share of loss tokens with a two-sign split."""
@@ -132,15 +134,14 @@ def tree_credit(session_score: torch.Tensor, response_mask: torch.Tensor, traj_i
     at = (base + lo).clamp(max=max(A.numel() - 1, 0))
     P = torch.where(one, A.clamp(min=0)[at], up[base + hi] - up[base + lo])
     N = torch.where(one, A.clamp(max=0)[at], down[base + hi] - down[base + lo])
-    if weighting == "once":
-        m = (hi - lo).clamp(min=1).to(torch.float64)
-        P, N = P / m, N / m
+    m = (hi - lo).clamp(min=1).to(torch.float64)
+    P, N = P / m, N / m
     keep = response_mask.cpu().to(torch.float64) * (traj >= 0)[:, None]
-    dtype = torch.float32
+    dtype, device = torch.float32, response_mask.device
     advantages = ((P + N) * keep).to(dtype)
     negative = torch.where((P > 0) & (N < 0), N, torch.zeros_like(N)) * keep
-    device = response_mask.device
-    return TreeCredit(advantages.to(device), negative.to(dtype).to(device), A.to(dtype), num_leaves)
+    copies = (m * keep).to(dtype).to(device) if weighting == "expanded" else None
+    return TreeCredit(advantages.to(device), negative.to(dtype).to(device), A.to(dtype), num_leaves, copies)
 
 
 def _session_scores(calls: CallCredit) -> torch.Tensor:
@@ -164,4 +165,4 @@ def tree_grpo(calls: CallCredit) -> CreditResult:
     credit = tree_credit(_session_scores(calls), calls.response_mask, calls.traj_index, tree_calls, outcomes,
                          calls.traj_uid, calls.episode_fn, session_term=True, norm_by_std=calls.norm_by_std,
                          weighting=calls.branch_weighting)
-    return CreditResult(credit.advantages, metrics=credit.metrics(), negative=credit.negative)
+    return CreditResult(credit.advantages, metrics=credit.metrics(), negative=credit.negative, copies=credit.copies)

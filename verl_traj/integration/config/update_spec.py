@@ -45,9 +45,15 @@ class LossSpec:
     union: int = 1
 
     def weights(self, response_mask: torch.Tensor, mini_batch_id: torch.Tensor, traj_index: torch.Tensor,
-                is_padding: torch.Tensor) -> torch.Tensor:
+                is_padding: torch.Tensor, copies: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[B]`` float32 ``loss_weight`` of every planned row (:func:`~verl_traj.core.compute_loss_weights`),
-        normalised over each optimizer step's rows (``mini_batch_id // union``)."""
+        normalised over each optimizer step's rows (``mini_batch_id // union``). ``copies`` ``[B, R]``
+        (``traj.branch_weighting=expanded``): each loss token counts as its root-to-leaf paths."""
+        if copies is not None:
+            counts = ((response_mask != 0) * copies.to(torch.float64)).sum(-1).round().long()
+            return compute_loss_weights_from_counts(
+                self.mode, counts, torch.div(mini_batch_id, self.union, rounding_mode="floor"), traj_index,
+                is_padding.bool(), loss_scale_factor=self.scale if self.scale is not None else response_mask.shape[1])
         return compute_loss_weights(self.mode, response_mask, torch.div(mini_batch_id, self.union, rounding_mode="floor"),
                                     traj_index, is_padding.bool(), loss_scale_factor=self.scale)
 

@@ -15,13 +15,13 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from verl_traj.core.keys import ADVANTAGE_METRICS, ADVANTAGES_NEGATIVE, IS_LAST_STEP, TRAJ_INDEX, TREE_CALLS, \
-    TREE_OUTCOMES, TURN_REWARDS
+from verl_traj.core.keys import (ADVANTAGE_METRICS, ADVANTAGES_NEGATIVE, IS_LAST_STEP, PATH_COPIES, TRAJ_INDEX,
+                                 TREE_CALLS, TREE_OUTCOMES, TURN_REWARDS)
 from verl_traj.core.plan.estimators import estimator_traits
 from verl_traj.stepwise.advantages import StepwiseAdvantageError, last_step_rows, run_outcome_estimator
 from verl_traj.stepwise.tree_credit import tree_credit
 
-__all__ = ["has_trees", "outcome_on_trees", "refuse_on_trees", "take_tree_fields", "write_negative"]
+__all__ = ["has_trees", "outcome_on_trees", "refuse_on_trees", "take_tree_fields", "write_tree_parts"]
 
 _FIX = ("Fix: set algorithm.adv_estimator to an outcome estimator (grpo, rloo, ...) or tree_grpo for agents whose "
         "sessions fork, spawn sub-agents or condense (docs/branching.md), or record each session as one chain.")
@@ -48,11 +48,14 @@ def take_tree_fields(td: Any) -> tuple[Optional[torch.Tensor], Optional[torch.Te
     return calls, outcomes
 
 
-def write_negative(td: Any, negative: Optional[torch.Tensor]) -> None:
-    """Put the two-sign part where the loss reads it, only where some call has one (a batch without keeps verl's
-    fields)."""
+def write_tree_parts(td: Any, negative: Optional[torch.Tensor], copies: Optional[torch.Tensor]) -> None:
+    """Put the two-sign part and (``expanded``) each token's path copies where the loss reads them, each only where it
+    differs from the default (a part that is 0, one copy): a batch without keeps verl's fields."""
+    device = td["advantages"].device
     if negative is not None and bool((negative != 0).any()):
-        td[ADVANTAGES_NEGATIVE] = negative.to(td["advantages"].device)
+        td[ADVANTAGES_NEGATIVE] = negative.to(device)
+    if copies is not None and bool((copies > 1).any()):
+        td[PATH_COPIES] = copies.to(device)
 
 
 def outcome_on_trees(data: Any, name: str, fn: Callable, extra: dict, rewards: torch.Tensor, uid: np.ndarray, *,
@@ -86,5 +89,5 @@ def outcome_on_trees(data: Any, name: str, fn: Callable, extra: dict, rewards: t
                          over_leaves, weighting=weighting)
     td["advantages"] = credit.advantages
     td["returns"] = credit.advantages.clone()
-    write_negative(td, credit.negative)
+    write_tree_parts(td, credit.negative, credit.copies)
     data.meta_info[ADVANTAGE_METRICS] = credit.metrics()

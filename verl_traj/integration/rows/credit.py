@@ -23,7 +23,7 @@ from verl.trainer.ppo import core_algos
 
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import ADVANTAGE_METRICS, IS_LAST_STEP, STEP_ANCHORS, TRAJ_INDEX
-from verl_traj.integration.rows.branching import refuse_on_trees, take_tree_fields, write_negative
+from verl_traj.integration.rows.branching import refuse_on_trees, take_tree_fields, write_tree_parts
 from verl_traj.stepwise.advantages import last_step_rows, run_outcome_estimator
 from verl_traj.stepwise.credit_rules import CREDIT_RULES, CallCredit, CreditRule, credit_rule, load_credit_rule_modules
 from verl_traj.stepwise.step_groups import StepGroupOptions
@@ -119,7 +119,7 @@ def credit_advantage(data: Any, rule: CreditRule, rewards: torch.Tensor, steps: 
             "CreditResult.advantages.", field="algorithm.adv_estimator")
     td["advantages"] = result.advantages.to(mask.device)
     td["returns"] = (result.returns.to(mask.device) if result.returns is not None else td["advantages"].clone())
-    write_negative(td, result.negative)
+    write_tree_parts(td, result.negative, result.copies)
     data.meta_info[ADVANTAGE_METRICS] = dict(result.metrics)
 
 

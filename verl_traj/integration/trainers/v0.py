@@ -39,7 +39,7 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
 from verl_traj.core import MiniBatchPlan, apply_plan, build_layout
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, MINI_BATCH_ID, PLAN_ATOMIC, PLAN_KEYS, TRAJ_INDEX
+from verl_traj.core.keys import IS_LAST_STEP, IS_PADDING, MINI_BATCH_ID, PATH_COPIES, PLAN_ATOMIC, PLAN_KEYS, TRAJ_INDEX
 from verl_traj.core.plan.padding import resolve_pad_token_id
 from verl_traj.core.trees.token_rows import TokenRows
 from verl_traj.integration.config.access import value_at
@@ -196,7 +196,7 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
                 "every step with traj.enable=true), or something replaced the batch after planning. verl_traj "
                 "trains planned batches only.", field=missing[0])
         weights = loss_of(self.spec, role).weights(td["response_mask"], td[MINI_BATCH_ID], td[TRAJ_INDEX],
-                                                   td[IS_PADDING])
+                                                   td[IS_PADDING], copies=td.get(PATH_COPIES, None))
         contract = update_contract(self.spec, role, weights, td[TRAJ_INDEX], td[IS_PADDING],
                                    all_atomic=bool(batch.meta_info.get(PLAN_ATOMIC, False)))
         td.update(contract.fields)

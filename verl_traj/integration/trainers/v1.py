@@ -69,7 +69,7 @@ from verl_traj.integration.trainers.checkpoints import CompleteCheckpoints
 from verl_traj.integration.trainers.step_plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
                                                       stock_plan_metrics_of)
 from verl_traj.integration.trainers.update_contract import ACTOR, CRITIC, pass_markers
-from verl_traj.integration.trainers.v1_advantage import (PutWithNegativePart, corrected_per_trajectory, kl_penalty_on_planned_rows,
+from verl_traj.integration.trainers.v1_advantage import (PutWithTreeParts, corrected_per_trajectory, kl_penalty_on_planned_rows,
                                                          planned_advantage)
 from verl_traj.integration.trainers.v1_metrics import (RolloutBusy, StepPadding, length_bias_metrics, length_budget,
                                                        offpolicy_metrics, stepwise_metrics, trajectory_metrics)
@@ -217,7 +217,7 @@ class TrajV1Mixin(CompleteCheckpoints):
         kl_penalty = functools.partial(kl_penalty_on_planned_rows, facts)  # KL-in-reward on real rows
         put = None
         if self.traj_config.step_wise:  # a branching session's two-sign part rides the advantages' put
-            put = functools.partial(PutWithNegativePart, negative=lambda: self._step_facts.current.advantages_negative)
+            put = functools.partial(PutWithTreeParts, facts=lambda: self._step_facts.current)
         with patched(v1_advantage_patches(advantage, correction, kl_penalty=kl_penalty, put=put)):
             out = super()._compute_advantage(batch, metrics)
         if self._step_facts.current is facts:

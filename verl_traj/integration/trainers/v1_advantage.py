@@ -25,13 +25,13 @@ from typing import Any, Callable, Optional
 import torch
 from verl.trainer.ppo import ray_trainer
 
-from verl_traj.core.keys import ADVANTAGE_METRICS, ADVANTAGES_NEGATIVE
+from verl_traj.core.keys import ADVANTAGE_METRICS, ADVANTAGES_NEGATIVE, PATH_COPIES
 from verl_traj.integration.rows.real_rows import advantage_on_real_rows, kl_penalty_on_real_rows
 from verl_traj.integration.rows.stepwise_rows import stepwise_advantage, trajectory_scoped_correction
 from verl_traj.integration.trainers.v1_plan_facts import STEP_INDEX, PlanFacts
 from verl_traj.stepwise.step_groups import StepGroupOptions
 
-__all__ = ["PutWithNegativePart", "corrected_per_trajectory", "kl_penalty_on_planned_rows", "planned_advantage"]
+__all__ = ["PutWithTreeParts", "corrected_per_trajectory", "kl_penalty_on_planned_rows", "planned_advantage"]
 
 
 def _count_reward_once(data: Any, facts: PlanFacts) -> None:
@@ -68,31 +68,35 @@ def planned_advantage(facts: PlanFacts, data: Any, batch_keys: list[str], adv_es
                                        step_groups=step_groups)
         out = advantage_on_real_rows(estimator)(data, adv_estimator, **kwargs)
     td = out.batch
-    negative = td[ADVANTAGES_NEGATIVE] if ADVANTAGES_NEGATIVE in td.keys() else None
-    hand_on(final.with_advantage_metrics(data.meta_info.pop(ADVANTAGE_METRICS, {}), negative))
+    parts = [td[k] if k in td.keys() else None for k in (ADVANTAGES_NEGATIVE, PATH_COPIES)]
+    final = final.with_tree_parts(*parts, td["response_mask"])
+    hand_on(final.with_advantage_metrics(data.meta_info.pop(ADVANTAGE_METRICS, {})))
     return out
 
 
-class PutWithNegativePart:
+class PutWithTreeParts:
     """verl's ``transfer_queue`` module as ``trainer_base`` sees it during one ``_compute_advantage``, except that the
-    put of the advantages also puts the step's two-sign part (:data:`~verl_traj.core.keys.ADVANTAGES_NEGATIVE`, a
-    branching session's calls with leaves of both signs) in the same call, nested as the advantages are: the actor's
-    loss reads it (``workers.losses``). ``negative()``: the part, read when the put happens (after the advantage)."""
+    put of the advantages also puts a branching session's parts in the same call, nested as the advantages are: the
+    two-sign part (:data:`~verl_traj.core.keys.ADVANTAGES_NEGATIVE`) and the path copies
+    (:data:`~verl_traj.core.keys.PATH_COPIES`), which the actor's loss reads (``workers.losses``). ``facts()``: the
+    step's :class:`~verl_traj.integration.trainers.v1_plan_facts.PlanFacts`, read when the put happens (after the
+    advantage handed them on)."""
 
-    def __init__(self, tq: Any, negative: Callable[[], Optional[torch.Tensor]]) -> None:
-        self._tq, self._negative = tq, negative
+    def __init__(self, tq: Any, facts: Callable[[], Any]) -> None:
+        self._tq, self._facts = tq, facts
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tq, name)
 
     def kv_batch_put(self, *args: Any, fields: Any = None, **kwargs: Any) -> Any:
-        negative = self._negative()
-        if negative is not None and fields is not None and "advantages" in fields.keys():
-            advantages = fields["advantages"]  # nested [B, j]: each row's response positions
-            lengths = advantages.offsets().diff()
-            keep = torch.arange(negative.shape[1]) < lengths[:, None].cpu()
-            fields[ADVANTAGES_NEGATIVE] = torch.nested.nested_tensor_from_jagged(
-                negative.cpu()[keep].to(advantages.dtype), offsets=advantages.offsets().cpu())
+        facts = self._facts()
+        if fields is not None and "advantages" in fields.keys():
+            offsets = fields["advantages"].offsets().cpu()  # nested [B, j]: each row's response positions
+            for name, part in ((ADVANTAGES_NEGATIVE, facts.advantages_negative), (PATH_COPIES, facts.path_copies)):
+                if part is not None:  # [B, R], R the widest response: each row's first j positions, in row order
+                    keep = torch.arange(part.shape[1]) < offsets.diff()[:, None]
+                    fields[name] = torch.nested.nested_tensor_from_jagged(
+                        part.cpu()[keep].to(fields["advantages"].dtype), offsets=offsets)
         return self._tq.kv_batch_put(*args, fields=fields, **kwargs)
 
 

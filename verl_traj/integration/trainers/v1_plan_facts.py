@@ -69,9 +69,11 @@ class PlanFacts:
     tree_outcomes: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
     # the advantage step's (traj_gigpo/*), for the step's metrics; read-only
     advantage_metrics: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
-    # the advantage step's two-sign part ([B, R], dispatch order; None: no call with leaves of both signs), put into
-    # TransferQueue with the advantages for the actor's loss (v1_advantage.put_with_negative_part)
+    # a branching session's parts from the advantage step ([B, R], dispatch order): the two-sign part (None: no call
+    # with leaves of both signs) and, under traj.branch_weighting=expanded, each token's path copies (None: one each);
+    # put into TransferQueue with the advantages for the actor's loss (v1_advantage.PutWithTreeParts)
     advantages_negative: Optional[torch.Tensor] = None
+    path_copies: Optional[torch.Tensor] = None
     # the plan's per-row worker fields (v1_planning.plan_row_fields), each row's rank and attended tokens: what the
     # workers' calls ship (v1_updates.plan_blocks)
     row_fields: Mapping[str, torch.Tensor] = field(default_factory=lambda: MappingProxyType({}))
@@ -129,11 +131,19 @@ class PlanFacts:
             raise RuntimeError(f"response_mask has {counts.numel()} rows, the plan {self.loss_tokens.numel()}")
         return dataclasses.replace(self, loss_tokens=torch.where(self.is_padding, 0, counts))
 
-    def with_advantage_metrics(self, metrics: Mapping[str, float],
-                               negative: Optional[torch.Tensor] = None) -> "PlanFacts":
-        """These facts with the advantage step's ``metrics`` (read-only) and two-sign part. A new value."""
-        return dataclasses.replace(self, advantage_metrics=MappingProxyType(dict(metrics)),
-                                   advantages_negative=negative)
+    def with_advantage_metrics(self, metrics: Mapping[str, float]) -> "PlanFacts":
+        """These facts with the advantage step's ``metrics`` (read-only). A new value."""
+        return dataclasses.replace(self, advantage_metrics=MappingProxyType(dict(metrics)))
+
+    def with_tree_parts(self, negative: Optional[torch.Tensor], copies: Optional[torch.Tensor],
+                        response_mask: torch.Tensor) -> "PlanFacts":
+        """These facts with a branching session's parts (``[B, R]`` each or ``None``); with ``copies`` each row's loss
+        tokens count each token as its path copies (``response_mask``: the final one). A new value."""
+        tokens = self.loss_tokens
+        if copies is not None:
+            counts = ((response_mask.detach().cpu() != 0) * copies.detach().cpu().double()).sum(-1).round().long()
+            tokens = torch.where(self.is_padding, 0, counts)
+        return dataclasses.replace(self, advantages_negative=negative, path_copies=copies, loss_tokens=tokens)
 
 
 def plan_facts(batch: Any, plan: MiniBatchPlan, layout: BatchLayout, row_fields: Mapping[str, torch.Tensor],

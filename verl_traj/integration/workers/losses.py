@@ -41,7 +41,7 @@ from verl.utils.torch_functional import masked_mean
 from verl.workers.utils.padding import no_padding_2_padding
 
 from verl_traj.core.errors import TrajInputError
-from verl_traj.core.keys import ADVANTAGES_NEGATIVE, LOSS_WEIGHT, RATIO_GROUP, RATIO_IN_LOSS, SEQ_RATIO_SHIFT
+from verl_traj.core.keys import ADVANTAGES_NEGATIVE, LOSS_WEIGHT, PATH_COPIES, RATIO_GROUP, RATIO_IN_LOSS, SEQ_RATIO_SHIFT
 from verl_traj.integration.workers.planned_update import LOSS_SINK, LossSink, record, record_nonfinite
 from verl_traj.stepwise.ratios import micro_batch_ratio_shift, nonfinite_rows
 
@@ -75,12 +75,15 @@ def weighted_policy_loss(
     seq_ratio_shift: Optional[torch.Tensor] = None,
     sink: Optional[LossSink] = None,
     negative: Optional[torch.Tensor] = None,
+    copies: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """Policy (+ entropy + KL) loss of one micro-batch on padded ``[b, R]`` tensors (see module doc).
     ``negative`` ``[b, R]``: the part of ``advantages`` a branching session's call with leaves of both signs trains
     with on its own (:data:`~verl_traj.core.keys.ADVANTAGES_NEGATIVE`): the policy term is then
     ``loss(r, advantages - negative) + loss(r, negative)``, its root-to-leaf paths under PPO's clipping
-    (docs/branching.md); 0 where a call's leaves share a sign (``loss(r, 0) = 0``).
+    (docs/branching.md); 0 where a call's leaves share a sign (``loss(r, 0) = 0``). ``copies`` ``[b, R]``
+    (``traj.branch_weighting=expanded``, :data:`~verl_traj.core.keys.PATH_COPIES`): each token weighted by its
+    root-to-leaf paths in every term (the trainer's ``loss_weight`` counted them too).
     ``seq_ratio_shift`` ``[b]``: GSPO at trajectory scope, each row's old log-probs shifted by a constant so that the
     loss fn's per-row mean log-ratio is its trajectory's (:func:`~verl_traj.stepwise.ratios.sequence_ratio_shift`).
     ``sink``: where verl_traj's own metrics go (read once per update); None: verl's ``Metric`` now."""
@@ -90,6 +93,9 @@ def weighted_policy_loss(
     mask = response_mask.to(torch.bool)
     w_row = loss_weight.to(torch.float32)[:, None]  # [b, 1]: fp32 whatever the log-probs' dtype (bf16 rounds 1/3)
     token_weights = w_row.expand(log_prob.shape)
+    if copies is not None:
+        w_row = w_row * copies.to(torch.float32)  # [b, R] from here: each token's paths
+        token_weights = w_row
     if rollout_is_weights is not None:
         token_weights = token_weights * rollout_is_weights.to(torch.float32)
     loss_mode = config.policy_loss.get("loss_mode", "vanilla") if config.policy_loss is not None else "vanilla"
@@ -205,7 +211,7 @@ def traj_ppo_loss(config: Any, model_output, data: TensorDict, dp_group=None):
         entropy = no_padding_2_padding(entropy, data)
     dp_size = int(data["dp_size"])
     fields = ["response_mask", "old_log_probs", "advantages", LOSS_WEIGHT]
-    for optional in ("rollout_is_weights", "ref_log_prob", SEQ_RATIO_SHIFT, ADVANTAGES_NEGATIVE):
+    for optional in ("rollout_is_weights", "ref_log_prob", SEQ_RATIO_SHIFT, ADVANTAGES_NEGATIVE, PATH_COPIES):
         if optional in data.keys():
             fields.append(optional)
     in_loss = bool(tu.get_non_tensor_data(data=data, key=RATIO_IN_LOSS, default=False))
@@ -224,6 +230,7 @@ def traj_ppo_loss(config: Any, model_output, data: TensorDict, dp_group=None):
         response_mask=padded["response_mask"], loss_weight=padded[LOSS_WEIGHT], dp_size=dp_size, entropy=entropy,
         ref_log_prob=padded.get("ref_log_prob", None), rollout_is_weights=padded.get("rollout_is_weights", None),
         seq_ratio_shift=shift, sink=sink, negative=padded.get(ADVANTAGES_NEGATIVE, None),
+        copies=padded.get(PATH_COPIES, None),
     )
 
 
