@@ -8,7 +8,8 @@ row. Every call's response is a loss span of exactly one row; a chain gives exac
 :func:`~verl_traj.stepwise.prefix_merge.merge_trajectory_steps`'s rows.
 
 Every leaf ends a row (no call continues it). The session's ``is_last_step`` row is the one holding its last call in
-issue order (always a leaf): the row the session's own outcome sits on, one per session as the planner requires. Each
+issue order (always a leaf), ordered last: the row the session's own outcome sits on, one per session and its highest
+step as the planner requires. Each
 call's first response token carries its packed leaf span (:data:`~verl_traj.stepwise.flat_rows.TREE_CALL`,
 :func:`~verl_traj.stepwise.call_tree.pack_leaf_span`) and, at a leaf with its own outcome, that outcome
 (:data:`~verl_traj.stepwise.flat_rows.TREE_OUTCOME`): what the credit on a tree reads
@@ -35,7 +36,8 @@ def tree_merged_rows(prompts: Sequence[torch.Tensor], responses: Sequence[torch.
                      per_token: Optional[Mapping[str, Sequence[torch.Tensor]]] = None,
                      merge: bool = True) -> list[MergedRow]:
     """``C`` calls in issue order (1-D ``prompts`` / ``responses`` / ``masks``, ``parents`` ``[C]``, per-token values
-    ``[C]`` lists of ``[len(response)]``) -> the session's rows, ordered by their first call (module docstring;
+    ``[C]`` lists of ``[len(response)]``) -> the session's rows, ordered by their first call but for the one holding
+    the last call, which comes last (module docstring;
     ``merge=False``, ``traj.merge_prefix=false``: one row per call)."""
     tree = call_tree(np.asarray(parents, dtype=np.int64))
     names = list(per_token or {})
@@ -56,10 +58,12 @@ def tree_merged_rows(prompts: Sequence[torch.Tensor], responses: Sequence[torch.
         open_rows[row].add_response(responses[k], masks[k], values)
         calls_of[row].append(k)
         row_of[k] = row
+    last = int(row_of[-1])  # the row with the session's last call goes last: the planner reads it as the last step
+    order = [r for r in range(len(open_rows)) if r != last] + [last]
     out = []
-    for index, (builder, calls) in enumerate(zip(open_rows, calls_of)):
-        row = builder.close(calls[-1], index, calls[-1] == tree.num_calls - 1)
-        row.source_steps = list(calls)
+    for index, r in enumerate(order):
+        row = open_rows[r].close(calls_of[r][-1], index, r == last)
+        row.source_steps = list(calls_of[r])
         out.append(row)
     return out
 
