@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import torch
 import pytest
 
 from verl_traj.integration.agent_loops import stepwise_agent_loop as sal
@@ -117,24 +118,35 @@ def test_truncation_drops_a_call_with_everything_below_it_and_renumbers_parents(
     assert len(calls[2]["response_ids"]) == 9  # the input is not changed
 
 
-def test_a_branching_session_is_refused_by_the_expansion_naming_the_field():
-    """Not yet trained: the expansion refuses it (the chain path would train the forks as one chain)."""
+def test_a_recorded_fork_expands_into_its_tree_rows():
+    """Best-of-2 from a root call, recorded by the loop's branches: the first branch continues the root's row, the
+    second is a row of its own with the root's context as its masked prompt; each call's leaf span rides its first
+    response token."""
     from verl.protocol import DataProto
 
+    from verl_traj.core.keys import TREE_CALLS
     from verl_traj.integration.rows.stepwise_rows import expand_dataproto_step_rows
+    from verl_traj.stepwise.call_tree import unpack_leaf_span
     from verl_traj.testing import step_record_batch, token_trajectory
 
     async def body(call):
         root = await call([1, 2])
         await asyncio.gather(*(call(root + [obs]) for obs in (7, 8)))
 
-    steps = encode_step_records(_session(body))
+    calls = _session(body)
+    steps = encode_step_records(calls)
     assert [s.get("parent") for s in steps["steps"]] == [None, None, 0]
     tensors, non = step_record_batch([token_trajectory(np.random.default_rng(0), 2)], ["g0"], [1.0])
+    del tensors["rollout_log_probs"]
     non["traj_steps"] = np.array([steps], dtype=object)  # the row's calls branch
-    with pytest.raises(StepExpansionError) as raised:
-        expand_dataproto_step_rows(DataProto.from_dict(tensors=tensors, non_tensors=non), merge_prefix=True)
-    assert raised.value.field == "parent" and "branch" in str(raised.value)
+    data = DataProto.from_dict(tensors=tensors, non_tensors=non)
+    expand_dataproto_step_rows(data, merge_prefix=True)
+    full = [c["prompt_ids"] + c["response_ids"] for c in calls]
+    rows = [[int(t) for t, a in zip(ids, m) if a] for ids, m in zip(data.batch["input_ids"], data.batch["attention_mask"])]
+    assert rows == [full[0] + [8] + calls[2]["response_ids"], full[1]] or rows == [full[0] + [7] + calls[1]["response_ids"],
+                                                                                  full[2]]
+    spans = [unpack_leaf_span(data.batch[TREE_CALLS][b][data.batch[TREE_CALLS][b] != 0]) for b in range(2)]
+    assert [(lo.tolist(), hi.tolist()) for lo, hi, _ in spans][0][1][0] == 2  # the root is above both leaves
 
 
 def test_each_leaf_can_carry_its_own_outcome_and_the_records_keep_it():
@@ -155,18 +167,38 @@ def test_each_leaf_can_carry_its_own_outcome_and_the_records_keep_it():
         assert raised.value.field == "leaf_rewards"
 
 
-def test_a_chain_with_its_own_leaf_outcome_is_refused_not_dropped():
-    """Per-leaf outcomes are not trained yet: a chain whose leaf carries one is refused naming outcome (the
-    session's reward would otherwise replace it in silence)."""
+def test_a_chains_own_leaf_outcome_replaces_the_sessions_reward():
+    """A chain whose leaf carries its own outcome (leaf_rewards) trains on it, not on the session's reward (never
+    dropped in silence): its calls get GRPO's advantage of 0.5 among the group's 0.25 and 0.0 (with the session's 1.0
+    they would get another)."""
+    from omegaconf import OmegaConf
     from verl.protocol import DataProto
+    from verl.trainer.ppo import ray_trainer
 
-    from verl_traj.integration.rows.stepwise_rows import expand_dataproto_step_rows
+    from verl_traj.config import TrajConfig
+    from verl_traj.integration.patches.scoped import fit_patches, patched
+    from verl_traj.stepwise.step_groups import StepGroupOptions
     from verl_traj.testing import step_record_batch, token_trajectory
 
-    traj = token_trajectory(np.random.default_rng(1), 2)
-    calls = with_leaf_outcomes([dict(c) for c in traj[0]], [None, 0.5])
-    tensors, non = step_record_batch([traj], ["g0"], [1.0])
-    non["traj_steps"] = np.array([encode_step_records(calls)], dtype=object)
-    with pytest.raises(StepExpansionError) as raised:
-        expand_dataproto_step_rows(DataProto.from_dict(tensors=tensors, non_tensors=non), merge_prefix=True)
-    assert raised.value.field == "outcome"
+    from .verl_batches import stepwise_trainer
+
+    rng = np.random.default_rng(1)
+    trajs = [token_trajectory(rng, 2) for _ in range(6)]
+    rewards = [1.0, 0.25, 0.0] * 2  # the sessions' rewards
+    tensors, non = step_record_batch(trajs, ["g0"] * 3 + ["g1"] * 3, rewards)
+    own = encode_step_records(with_leaf_outcomes([dict(c) for c in trajs[0][0]], [None, 0.5]))
+    assert own["steps"][-1]["outcome"] == 0.5
+    non["traj_steps"] = np.array([own] + [encode_step_records(t[0]) for t in trajs[1:]], dtype=object)
+    data = DataProto.from_dict(tensors=tensors, non_tensors=non)
+    traj = TrajConfig(step_wise=True)
+    stepwise_trainer(traj, 1)._balance_batch(data, {})
+    data.batch["token_level_rewards"] = data.batch["rm_scores"].clone()
+    with patched(fit_patches(True, step_groups=StepGroupOptions.of(traj))):
+        ray_trainer.compute_advantage(data, "grpo", config=OmegaConf.create({}))
+    adv, mask, traj_id = data.batch["advantages"], data.batch["response_mask"].bool(), data.non_tensor_batch["traj_id"]
+    scores = np.array([0.5, 0.25, 0.0])
+    normalised = (scores - scores.mean()) / (scores.std(ddof=1) + 1e-6)
+    want = {"T0": normalised[0], "T1": normalised[1], "T2": normalised[2]}
+    for b, t in enumerate(traj_id):
+        if t in want:
+            assert torch.allclose(adv[b][mask[b]], torch.tensor(want[t], dtype=adv.dtype), atol=1e-5)

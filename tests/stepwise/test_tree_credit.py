@@ -340,3 +340,70 @@ def test_v1s_planned_advantage_gives_v0s_on_trees(estimator, weighting):
         copies = td[PATH_COPIES] if PATH_COPIES in td.keys() else torch.ones_like(td["advantages"])
         want = ((td["response_mask"] != 0) * copies).sum(-1).round().long() * (td[TRAJ_INDEX] >= 0)
         assert torch.equal(got.loss_tokens, want)
+
+
+@pytest.mark.parametrize("estimator,field", [("gae", "algorithm.adv_estimator"), ("reinforce_plus_plus",
+                         "algorithm.adv_estimator"), ("opo", "algorithm.adv_estimator"),
+                         ("gigpo", "algorithm.adv_estimator")])
+def test_estimators_not_defined_on_a_tree_are_refused_naming_the_fix(estimator, field):
+    """Before any update, on the first batch whose sessions branch (start-up cannot know an agent will fork)."""
+    from verl_traj.core.errors import TrajInputError
+
+    data, *_ = _planned(0, "grpo", advantage=False)
+    data.batch["values"] = torch.zeros_like(data.batch["token_level_rewards"])
+    with pytest.raises(TrajInputError, match="sessions branch") as raised:
+        with patched(fit_patches(True, step_groups=StepGroupOptions())):
+            ray_trainer.compute_advantage(data, estimator, gamma=1.0, config=OmegaConf.create({}))
+    assert raised.value.field == field and "Fix:" in str(raised.value)
+
+
+def test_kl_in_reward_and_turn_rewards_on_trees_are_refused():
+    from verl_traj.core.errors import TrajInputError
+    from verl_traj.stepwise.expand_inputs import StepExpansionError
+
+    data, *_ = _planned(0, "grpo", advantage=False)
+    with pytest.raises(TrajInputError) as raised:
+        with patched(fit_patches(True, step_groups=StepGroupOptions())):
+            ray_trainer.compute_advantage(data, "grpo", config=OmegaConf.create({"use_kl_in_reward": True}))
+    assert raised.value.field == "algorithm.use_kl_in_reward"
+    sessions, rewards = _sessions(0, False)
+    branching = next(s for s in sessions if any(p != k - 1 for k, p in enumerate(s.parent)))
+    branching.records["steps"][0]["reward"] = 0.5
+    tensors, non = branching_batch(sessions, UIDS, rewards)
+    with pytest.raises(StepExpansionError) as raised:
+        expand_step_rows(tensors, non, merge_prefix=True)
+    assert raised.value.field == "reward" and "branching session" in str(raised.value)
+    branching.records["steps"][0].pop("reward")
+    branching.records["steps"][0]["outcome"] = 1.0  # the first call has children: not a leaf
+    with pytest.raises(StepExpansionError, match="not a leaf") as raised:
+        expand_step_rows(*branching_batch(sessions, UIDS, rewards), merge_prefix=True)
+    assert raised.value.field == "outcome"
+
+
+def test_the_two_part_loss_refuses_a_loss_it_is_not_exact_for(monkeypatch):
+    from tests.integration import grad_harness as H
+    from verl.workers.config import ActorConfig, PolicyLossConfig
+    from verl_traj.core.errors import TrajInputError
+    from verl_traj.integration.workers.losses import weighted_policy_loss
+
+    H.patch_verl_device(monkeypatch)
+    config = ActorConfig(strategy="fsdp2", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, rollout_n=1,
+                         use_kl_loss=False, entropy_coeff=0.0, loss_agg_mode="token-mean",
+                         policy_loss=PolicyLossConfig(loss_mode="clip_cov"))
+    x = torch.zeros(1, 3)
+    with pytest.raises(TrajInputError, match="positively homogeneous") as raised:
+        weighted_policy_loss(config, log_prob=x, old_log_prob=x, advantages=x + 1, response_mask=x + 1,
+                             loss_weight=torch.ones(1), dp_size=1, negative=x - 1)
+    assert raised.value.field == "actor_rollout_ref.actor.policy_loss.loss_mode"
+
+
+def test_start_up_checks_tree_grpo_and_the_weighting():
+    from verl_traj.config import TrajConfigError
+    from verl_traj.integration.startup.checks import check_adv_estimator
+
+    check_adv_estimator(OmegaConf.create({"algorithm": {"adv_estimator": "tree_grpo"}, "traj": {"step_wise": True}}))
+    with pytest.raises(TrajConfigError, match="traj.step_wise=true"):
+        check_adv_estimator(OmegaConf.create({"algorithm": {"adv_estimator": "tree_grpo"}, "traj": {}}))
+    with pytest.raises(TrajConfigError) as raised:
+        TrajConfig(branch_weighting="per_path")
+    assert raised.value.field == "traj.branch_weighting"
