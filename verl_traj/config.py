@@ -121,9 +121,8 @@ class TrajConfig:
             added to the episode-level one (``>= 0``; 0 is GRPO on step rows). :mod:`verl_traj.stepwise.step_groups`.
         step_group_baseline: ``gigpo``: a step group's baseline: ``"gigpo"`` (the paper's mean and std, default) or
             ``"leave_one_out"`` (the others' mean, no std: unbiased where the anchor key is the state).
-        branch_weighting: sessions whose LLM calls branch (forks, sub-agents, condensation; issue 56): how a call
-            shared by ``m`` root-to-leaf paths trains: ``"once"`` (default: each distinct token once, each path's copy
-            weighted ``1 / m``) or ``"expanded"`` (as ``m`` rows, one per path, would). docs/branching.md.
+        branch_weighting: a branching session's call on ``m`` root-to-leaf paths trains ``"once"`` (default: each path's
+            copy weighted ``1 / m``) or ``"expanded"`` (as ``m`` rows would). docs/branching.md.
         credit_rule_modules: dotted names of modules that register per-call credit rules
             (:func:`verl_traj.stepwise.credit_rules.register_credit_rule`), imported in every process that needs them
             (start-up, the trainer, the agent-loop workers); a rule's name is then an ``algorithm.adv_estimator``.
@@ -348,13 +347,10 @@ class TrajConfig:
 
     @classmethod
     def of(cls, config: Any) -> "TrajConfig":
-        """The ``traj:`` section of verl's whole config, parsed once per config object.
-
-        Agent loops run once per session and read it there, so a lookup must cost nothing that grows with the
-        config: the cache is keyed by the object's identity (``id``, checked against a weak reference), never by its
-        hash or equality (an OmegaConf config hashes and compares its whole tree: ~0.1-0.5 s for verl's config). A
-        config is read as it was at its first lookup (verl does not change ``traj:`` after start-up). Objects that
-        cannot be weakly referenced (a plain dict) are parsed each time."""
+        """The ``traj:`` section of verl's whole config, parsed once per config object (agent loops read it per session):
+        cached by the object's identity (``id``, checked against a weak reference), never by its hash or equality (an
+        OmegaConf config hashes its whole tree: ~0.1-0.5 s for verl's). A config is read as it was at its first lookup
+        (verl does not change ``traj:`` after start-up); a plain dict is parsed each time."""
         key = id(config)
         entry = _PARSED.get(key)
         if entry is not None and entry[0]() is config:
@@ -373,8 +369,7 @@ class TrajConfig:
         _PARSED.pop(id(config), None)
 
 
-# id(config) -> (weak reference to config, its parsed traj section); an entry leaves when its config is collected.
-_PARSED: dict[int, tuple["weakref.ref[Any]", TrajConfig]] = {}
+_PARSED: dict[int, tuple["weakref.ref[Any]", TrajConfig]] = {}  # id -> (weak ref, parse); leaves with its config
 
 
 def _drop(key: int, ref: "weakref.ref[Any]") -> None:

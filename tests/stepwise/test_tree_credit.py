@@ -12,7 +12,7 @@ that cuts sessions across micro-batches, and advantaged by fit's ``compute_advan
   by micro-batch on both ranks, equals the root-to-leaf paths trained as separate rows (each call's copy weighted
   ``1 / m_c`` for ``once``; every copy whole for ``expanded``, the normaliser counting the copies): the same loss and
   the same gradient on every token's log-prob, in fp64 (the batch's float32 advantages and loss weights are checked
-  against the fp64 values the loss then takes).
+  against the fp64 values the loss then takes; the loss rounds its token weights to float32, as in training).
 """
 
 from __future__ import annotations
@@ -282,8 +282,10 @@ def test_the_tree_loss_is_the_root_to_leaf_paths_loss(seed, estimator, weighting
         loss.backward()
         grads.append((loss.detach(), theta_vec.grad.clone()))
     (tree_loss, tree_grad), (path_loss, path_grad) = grads
-    torch.testing.assert_close(tree_loss, path_loss, rtol=1e-12, atol=1e-15)
-    torch.testing.assert_close(tree_grad, path_grad, rtol=1e-12, atol=1e-15)
+    # fp64 throughout but the token weights, which verl_traj's loss takes in float32 by design (a weighting error is
+    # off by a factor, far above this)
+    torch.testing.assert_close(tree_loss, path_loss, rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(tree_grad, path_grad, rtol=1e-6, atol=1e-12)
     ratio = (torch.stack([theta[t] for t in tokens]) - old_vec).exp()
     assert ((ratio < 0.8) | (ratio > 1.2)).any() and ((ratio > 0.8) & (ratio < 1.2)).any()  # clipping is active
 

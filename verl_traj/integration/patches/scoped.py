@@ -32,8 +32,8 @@ The patch sets, each in the order it is installed (a later patch of the same nam
      imports verl's function by name, so patch 3 of :func:`fit_patches` never reaches it);
   3. with step rows and ``traj.ratio_scope=trajectory`` also
      ``trainer_base.compute_rollout_correction_and_add_to_batch`` <- verl's rollout correction per trajectory;
-  4. with ``traj.step_wise`` also ``trainer_base.tq`` <- the same module, whose ``kv_batch_put`` of the advantages also
-     puts a branching session's two-sign part (``traj_advantages_negative``) where the step has one.
+  4. ``trainer_base.tq`` <- the same module, whose put of the advantages also puts a branching session's parts
+     (``traj_advantages_negative``, ``traj_path_copies``) where the step has them.
 * :func:`replay_buffer_patches` -- driver, during ``TrajV1Mixin._build_replay_buffer`` (once, at set-up):
   ``trainer_base.ReplayBuffer``, ``trainer_base.ReplayBufferAsync`` and ``trainer_base.load_extern_type`` (a custom
   sampler's class) <- verl_traj's subclass of the class verl picks (failed and stale groups), so verl builds the
@@ -115,6 +115,7 @@ UPSTREAM = {
     (V1_TRAINER, "apply_kl_penalty"): NO_ROW_MASK + " in v1's KL-in-reward",
     (V1_TRAINER, "compute_rollout_correction_and_add_to_batch"): "a rollout-correction scope in "
                                                                   "algorithm.rollout_correction (verl computes per row)",
+    (V1_TRAINER, "tq"): "an extra-fields hook on _compute_advantage's write-back (its put takes a fixed field list)",
     (V1_TRAINER, "ReplayBuffer"): "a replay-buffer class setting that keeps verl's own constructor arguments "
                                   "(trainer.v1.sampler.custom_sampler gets fewer)",
     (V1_TRAINER, "ReplayBufferAsync"): "the same setting as for ReplayBuffer",
@@ -228,9 +229,7 @@ def v1_advantage_patches(advantage: Callable, correction: Optional[Callable] = N
     with ``algorithm.use_kl_in_reward=true``); ``correction(verl_correction, data, rollout_corr_config)``: wraps verl's
     rollout correction (step rows at ``traj.ratio_scope=trajectory``:
     :func:`~verl_traj.integration.trainers.v1_advantage.corrected_per_trajectory`), or ``None``; ``put(tq)``: the
-    ``transfer_queue`` module as the advantage's write-back sees it (the mixin passes
-    :class:`~verl_traj.integration.trainers.v1_advantage.PutWithNegativePart`: a branching session's two-sign part
-    put with the advantages), or ``None``."""
+    ``transfer_queue`` module as the write-back sees it (:class:`~..trainers.v1_advantage.PutWithTreeParts`)."""
     out = [Patch(V1_TRAINER, "compute_advantage_for_multi_trajectories", lambda _original: advantage,
                  "compute the planned batch's advantages"),
            Patch(V1_TRAINER, "apply_kl_penalty", lambda original: functools.partial(kl_penalty, original),
@@ -240,8 +239,7 @@ def v1_advantage_patches(advantage: Callable, correction: Optional[Callable] = N
                          lambda original: functools.partial(correction, original),
                          "verl's sequence-level rollout correction per trajectory (traj.ratio_scope)"))
     if put is not None:
-        out.append(Patch(V1_TRAINER, "tq", put, "put a branching session's two-sign advantage part with the "
-                                                "advantages (the actor's loss reads it)"))
+        out.append(Patch(V1_TRAINER, "tq", put, "put a branching session's parts with the advantages (the loss's)"))
     return out
 
 

@@ -69,8 +69,8 @@ from verl_traj.integration.trainers.checkpoints import CompleteCheckpoints
 from verl_traj.integration.trainers.step_plan import (check_same_dp_size, debug_dump, plan_layout, plan_step_metrics,
                                                       stock_plan_metrics_of)
 from verl_traj.integration.trainers.update_contract import ACTOR, CRITIC, pass_markers
-from verl_traj.integration.trainers.v1_advantage import (PutWithTreeParts, corrected_per_trajectory, kl_penalty_on_planned_rows,
-                                                         planned_advantage)
+from verl_traj.integration.trainers.v1_advantage import (PutWithTreeParts, corrected_per_trajectory,
+                                                         kl_penalty_on_planned_rows, planned_advantage)
 from verl_traj.integration.trainers.v1_metrics import (RolloutBusy, StepPadding, length_bias_metrics, length_budget,
                                                        offpolicy_metrics, stepwise_metrics, trajectory_metrics)
 from verl_traj.integration.trainers.v1_padding import padding_ids, write_padding_rows
@@ -210,14 +210,11 @@ class TrajV1Mixin(CompleteCheckpoints):
         if not self.traj_config.enable:
             return super()._compute_advantage(batch, metrics)
         facts = self._step_facts.of(batch)
-        per_trajectory = self.spec.trajectory_ratios
-        correction = functools.partial(corrected_per_trajectory, facts) if per_trajectory else None
+        correction = functools.partial(corrected_per_trajectory, facts) if self.spec.trajectory_ratios else None
         advantage = functools.partial(planned_advantage, facts, step_groups=StepGroupOptions.of(self.traj_config),
                                       hand_on=self._step_facts.hand_on)
         kl_penalty = functools.partial(kl_penalty_on_planned_rows, facts)  # KL-in-reward on real rows
-        put = None
-        if self.traj_config.step_wise:  # a branching session's two-sign part rides the advantages' put
-            put = functools.partial(PutWithTreeParts, facts=lambda: self._step_facts.current)
+        put = functools.partial(PutWithTreeParts, facts=lambda: self._step_facts.current)  # a tree's parts too
         with patched(v1_advantage_patches(advantage, correction, kl_penalty=kl_penalty, put=put)):
             out = super()._compute_advantage(batch, metrics)
         if self._step_facts.current is facts:

@@ -102,21 +102,7 @@ def weighted_policy_loss(
     policy_loss = functools.partial(get_policy_loss_fn(loss_mode), old_log_prob=old_log_prob, log_prob=log_prob,
                                     response_mask=mask, loss_agg_mode="token-sum", config=config,
                                     rollout_is_weights=token_weights)
-    split = None  # tokens trained with both parts
-    if negative is None:
-        pg_loss, pg_metrics = policy_loss(advantages=advantages)
-    else:  # the metrics (clip fractions, ppo_kl) are the first evaluation's: every token, its positive part
-        if loss_mode not in TWO_PART_LOSS_MODES:
-            raise TrajInputError(
-                f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r} on a batch whose branching sessions have "
-                "calls with leaves of both signs: their two-part loss is exact only for a loss positively homogeneous "
-                f"in the advantage ({list(TWO_PART_LOSS_MODES)}). Fix: set loss_mode=vanilla, or an estimator whose "
-                "leaves of one session share a sign (grpo with the session's outcome on every leaf).",
-                field="actor_rollout_ref.actor.policy_loss.loss_mode")
-        negative = negative.to(advantages.dtype)
-        pg_loss, pg_metrics = policy_loss(advantages=advantages - negative)
-        pg_loss = pg_loss + policy_loss(advantages=negative)[0]
-        split = ((negative != 0) & mask).sum()
+    pg_loss, pg_metrics, split = _policy_term(policy_loss, loss_mode, advantages, negative, mask)
     metrics: dict[str, Any] = dict(Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN))
     # each micro-batch holds a partial sum of the mini-batch loss: SUM over micro-batches, mean over DP
     # (= sum over ranks / dp, and every rank's partial sum carries the * dp_size factor).
@@ -132,6 +118,26 @@ def weighted_policy_loss(
     extra, extra_metrics = _entropy_and_kl(config, log_prob, weighted_mask, dp_size, entropy, ref_log_prob)
     metrics.update(extra_metrics)
     return pg_loss + extra, metrics
+
+
+def _policy_term(policy_loss: Any, loss_mode: str, advantages: torch.Tensor, negative: Optional[torch.Tensor],
+                 mask: torch.Tensor) -> tuple[torch.Tensor, dict, Optional[torch.Tensor]]:
+    """verl's policy loss on ``advantages``; with a two-sign part, ``loss(A - neg) + loss(neg)`` (the metrics, clip
+    fractions and ppo_kl, are the first evaluation's: every token, its positive part) and the count of tokens trained
+    with both parts."""
+    if negative is None:
+        return (*policy_loss(advantages=advantages), None)
+    if loss_mode not in TWO_PART_LOSS_MODES:
+        raise TrajInputError(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode!r} on a batch whose branching sessions have "
+            "calls with leaves of both signs: their two-part loss is exact only for a loss positively homogeneous in "
+            f"the advantage ({list(TWO_PART_LOSS_MODES)}). Fix: set loss_mode=vanilla, or an estimator whose leaves of "
+            "one session share a sign (grpo with the session's outcome on every leaf).",
+            field="actor_rollout_ref.actor.policy_loss.loss_mode")
+    negative = negative.to(advantages.dtype)
+    pg_loss, pg_metrics = policy_loss(advantages=advantages - negative)
+    pg_loss = pg_loss + policy_loss(advantages=negative)[0]
+    return pg_loss, pg_metrics, ((negative != 0) & mask).sum()
 
 
 def _entropy_and_kl(config: Any, log_prob: torch.Tensor, weighted_mask: torch.Tensor, dp_size: int,
