@@ -122,7 +122,7 @@ class TrajConfig:
         step_group_baseline: ``gigpo``: a step group's baseline: ``"gigpo"`` (the paper's mean and std, default) or
             ``"leave_one_out"`` (the others' mean, no std: unbiased where the anchor key is the state).
         branch_weighting: a branching session's call on ``m`` root-to-leaf paths trains ``"once"`` (default: each path's
-            copy weighted ``1 / m``) or ``"expanded"`` (as ``m`` rows would). docs/branching.md.
+            copy weighted ``1 / m``), ``"expanded"`` (as ``m`` rows would) or ``"paths"`` (as ``m`` rows). docs/branching.md.
         credit_rule_modules: dotted names of modules that register per-call credit rules
             (:func:`verl_traj.stepwise.credit_rules.register_credit_rule`), imported in every process that needs them
             (start-up, the trainer, the agent-loop workers); a rule's name is then an ``algorithm.adv_estimator``.

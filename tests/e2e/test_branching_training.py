@@ -26,26 +26,30 @@ def _run(home, tmp_path, trainer: str, *extra: str):
         "trainer.total_training_steps=2", *extra], extra_env={"PYTHONPATH": pythonpath})
 
 
-@pytest.mark.parametrize("trainer", ["v1", "v0"])
-def test_a_branching_agent_trains_as_call_trees(tiny_home, tmp_path, trainer):
-    run = _run(tiny_home, tmp_path, trainer)
+@pytest.mark.parametrize("trainer,weighting", [("v1", "once"), ("v0", "paths")])
+def test_a_branching_agent_trains_as_call_trees(tiny_home, tmp_path, trainer, weighting):
+    """v1 as shipped (each distinct token once); v0 with ``traj.branch_weighting=paths``, the peers' layout (each
+    root-to-leaf path its own rows: here as many rows, the first call trained once per branch)."""
+    run = _run(tiny_home, tmp_path, trainer, f"traj.branch_weighting={weighting}")
     assert run.returncode == 0, tail(run.output, 80)
     assert len(run.metrics) == 2, tail(run.output, 40)
     for m in run.metrics:
         sessions = m["traj_stepwise/trajectories"]
         assert m["traj_stepwise/rows_before"] == sessions * (2 + BRANCHES)  # the first call, each branch, the checker
         assert m["traj_stepwise/rows_after"] == sessions * (1 + BRANCHES)  # a row per branch (the first continues
-        # the first call's row) and one for the checker's fresh context
+        # the first call's row, or each path has its own) and one for the checker's fresh context
         assert m["traj_tree/leaves_mean"] == BRANCHES + 1 and m["traj_tree/leaves_max"] == BRANCHES + 1
         assert m["traj_plan/split_groups"] == 0
         assert m["training/rollout_probs_diff_max"] < 1e-5  # each row's tokens are its calls' own
+    split = [m["traj_tree/split_tokens"] for m in run.metrics]
+    if weighting == "paths":  # every copy its own path's leaf: nothing to split
+        assert not any(split) and not any("actor/tree_split_tokens" in m for m in run.metrics)
+        return
     # calls above leaves of both signs (the first call, under per-leaf outcomes) trained with the two-part loss: the
     # part reaches the actor's loss (v1: put in TransferQueue with the advantages)
-    split = [m["traj_tree/split_tokens"] for m in run.metrics]
     assert any(split), split
     for m, s in zip(run.metrics, split):
         assert (m.get("actor/tree_split_tokens", 0) > 0) == (s > 0), (m.get("actor/tree_split_tokens"), s)
-
 
 def test_tree_grpo_with_expanded_weighting_trains(tiny_home, tmp_path):
     """``algorithm.adv_estimator=tree_grpo traj.branch_weighting=expanded`` (v1): the first call trains for its

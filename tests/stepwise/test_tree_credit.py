@@ -409,3 +409,27 @@ def test_start_up_checks_tree_grpo_and_the_weighting():
     with pytest.raises(TrajConfigError) as raised:
         TrajConfig(branch_weighting="per_path")
     assert raised.value.field == "traj.branch_weighting"
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "tree_grpo"])
+@pytest.mark.parametrize("seed", range(3))
+def test_paths_rows_train_as_expanded_with_every_path_forwarded(seed, estimator):
+    """``traj.branch_weighting=paths`` (the peers' layout): every root-to-leaf path its own rows, each loss token
+    copy with its path's leaf advantage; the rows hold every path's tokens; the loss and gradient are ``expanded``'s
+    (the oracle above), so the per-token advantage sum over copies is the expanded parts' ``P + N``."""
+    data, sessions, rewards = _planned(seed, estimator, "paths")
+    want, adv = _reference(sessions, rewards, estimator)
+    td = data.batch
+    calls = _token_calls(sessions)
+    real = (td[TRAJ_INDEX] >= 0)[:, None]
+    copies = {}
+    total = {}
+    for b, t in (td["response_mask"].bool() & real).nonzero().tolist():
+        key = calls[int(td["responses"][b, t])]
+        copies[key] = copies.get(key, 0) + 1
+        total[key] = total.get(key, 0.0) + float(td["advantages"][b, t])
+    for key, (P, N, m) in want.items():
+        tokens = len(sessions[key[0]].response[key[1]])
+        assert copies[key] == m * tokens  # each call's tokens once per path through it
+        assert total[key] == pytest.approx((P + N) * tokens, abs=1e-4)
+    assert ADVANTAGES_NEGATIVE not in td.keys() and PATH_COPIES not in td.keys()

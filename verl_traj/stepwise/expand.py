@@ -228,7 +228,8 @@ def _carry_non_tensors(non_tensors: Mapping[str, np.ndarray], rows: FlatRows, tr
     return out
 
 
-def _step_rows(src: Source, records: Any, merge_prefix: bool, anchors: bool) -> tuple[FlatRows, MergeStats]:
+def _step_rows(src: Source, records: Any, merge_prefix: bool, anchors: bool,
+               branch_paths: bool = False) -> tuple[FlatRows, MergeStats]:
     """Every source row's (merged) step rows, grouped by source row in step order: whole chains vectorised
     (:mod:`verl_traj.stepwise.chains`), any other row by the per-trajectory path (:func:`source_rows`)."""
     B = src.prompts.shape[0]
@@ -238,7 +239,8 @@ def _step_rows(src: Source, records: Any, merge_prefix: bool, anchors: bool) -> 
         fast, stats, rest = chain_rows(records, rest, has_lp=src.has_lp, merge=merge_prefix, anchors=anchors)
     slow = []
     for b in rest.tolist():  # rows outside whole chains (no records, partial merges, full prompts, bad input)
-        merged, row_stats = source_rows(src, b, records[b] if records is not None else None, merge_prefix)
+        merged, row_stats = source_rows(src, b, records[b] if records is not None else None, merge_prefix,
+                                        branch_paths)
         stats = stats + row_stats
         slow += [(b, row) for row in merged]
     parts = [fast] + ([from_merged_rows(slow, src.has_lp, anchors)] if slow or fast is None else [])
@@ -271,6 +273,7 @@ def expand_step_rows(
     pad_to_multiple_of: int = 1,
     drop_keys: Sequence[str] = (),
     step_anchors: bool = False,
+    branch_paths: bool = False,
 ) -> ExpandedBatch:
     """Expand one-row-per-trajectory rollout output into step rows (optionally prefix-merged).
 
@@ -288,6 +291,8 @@ def expand_step_rows(
         drop_keys: tensor / non-tensor fields to drop instead of carrying (e.g. ``routed_experts``).
         step_anchors: also write :data:`~verl_traj.core.keys.STEP_ANCHORS` ``[B, R]`` int64 (each call's anchor
             key on its first response token: GiGPO's step groups, :mod:`verl_traj.stepwise.step_groups`).
+        branch_paths: a branching session as one chain of rows per root-to-leaf path (``traj.branch_weighting=paths``,
+            what the peers train) instead of its call tree's rows.
 
     Returns:
         :class:`ExpandedBatch` with ``traj_id_key``, ``step_index_key`` and ``is_last_step``
@@ -300,7 +305,7 @@ def expand_step_rows(
                   lp.detach().cpu() if lp is not None else None)
     (B, P), R = src.prompts.shape, src.responses.shape[1]
     records, traj_col = non_tensors.get(steps_key), non_tensors.get(traj_id_key)
-    rows, stats = _step_rows(src, records, merge_prefix, step_anchors)
+    rows, stats = _step_rows(src, records, merge_prefix, step_anchors, branch_paths)
     out_t = _layout_tensors(rows, src, (prompt_width, response_width), pad_to_multiple_of, pad_token_id)
     if "rm_scores" in tensors:
         out_t["rm_scores"] = _outcome_on_last_rows(tensors["rm_scores"], rows, out_t)

@@ -130,15 +130,17 @@ class Source:
         return self.log_probs is not None
 
 
-def source_rows(src: Source, b: int, raw: Any, merge_prefix: bool) -> tuple[list[MergedRow], MergeStats]:
-    """The (merged) step rows of source row ``b`` from its records, or cut from the row itself."""
+def source_rows(src: Source, b: int, raw: Any, merge_prefix: bool,
+                branch_paths: bool = False) -> tuple[list[MergedRow], MergeStats]:
+    """The (merged) step rows of source row ``b`` from its records, or cut from the row itself (``branch_paths``: a
+    branching session as one chain of rows per root-to-leaf path, ``traj.branch_weighting=paths``)."""
     raw_steps = check_records(raw, b)
     if raw_steps and any(r.get("parent", k - 1) != k - 1 or r.get("outcome") is not None
                          for k, r in enumerate(raw_steps)):  # a branching session, or a leaf's own outcome
         with located(f"row {b}"):
             recs = decode_step_records(raw)
         parts = [_response_parts(rec, b, k, src.has_lp) for k, rec in enumerate(recs)]
-        return tree_session_rows(recs, parts, src.has_lp, merge_prefix, f"row {b}")
+        return tree_session_rows(recs, parts, src.has_lp, merge_prefix, f"row {b}", branch_paths)
     if merge_prefix and raw_steps is not None and len(raw_steps) and all(
         "prompt_tail_ids" in r and r.get("prompt_ids") is None for r in raw_steps
     ):
@@ -173,6 +175,7 @@ def trajectory_step_rows(
     records: Any,
     *,
     merge_prefix: bool = False,
+    branch_paths: bool = False,
 ) -> tuple[list[MergedRow], MergeStats]:
     """The (merged) step rows of ONE trajectory, unpadded: its concatenated output (1-D prompt / response ids,
     response mask, optional rollout log-probs) and its step records (as :func:`expand_step_rows` reads them;
@@ -184,4 +187,4 @@ def trajectory_step_rows(
     lp = None if log_probs is None else checked_log_probs(log_probs, where, response.numel()).reshape(1, -1)
     src = Source(prompt[None], response[None], torch.ones(1, prompt.numel() + response.numel(), dtype=torch.long),
                   mask[None], lp)
-    return source_rows(src, 0, records, merge_prefix)
+    return source_rows(src, 0, records, merge_prefix, branch_paths)

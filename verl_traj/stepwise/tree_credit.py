@@ -18,6 +18,9 @@ a span) is one leaf, ``(0, 1)`` for every call. The batch's leaves are numbered 
   the loss and in its normaliser's token count: the copies themselves (docs/branching.md). The rows' ``advantages``
   hold ``(P_c + N_c) / m_c``, the mean of ``A_l``, and :attr:`TreeCredit.negative` holds ``N_c / m_c`` where a call
   has leaves of both signs (0 elsewhere), so the loss evaluates ``advantages - negative`` and ``negative``.
+  ``paths`` (what the peers train, for comparison): the rows are each root-to-leaf path's own, every copy of a call
+  spans its path's leaf alone (``m = 1``): the loss and gradient of ``expanded``, each shared token forwarded per
+  path.
 
 On a batch of chains every session is one leaf, ``A_l`` is the estimator's per-trajectory value and every call gets
 it: today's advantages. Pure module (torch).
@@ -116,8 +119,8 @@ def tree_credit(session_score: torch.Tensor, response_mask: torch.Tensor, traj_i
     within-session term; ``weighting``: ``once`` or ``expanded``."""
     if weighting not in WEIGHTINGS:
         raise StepwiseAdvantageError.invalid("traj.branch_weighting", weighting, f"is not one of {list(WEIGHTINGS)}",
-                                             "set once (each distinct token once) or expanded (as one row per "
-                                             "root-to-leaf path)")
+                                             "set once (each distinct token once), expanded (as one row per "
+                                             "root-to-leaf path) or paths (one row per path, forwarded so)")
     tree_calls = tree_calls.to(torch.long).cpu()
     traj = traj_index.to(torch.long).cpu()
     lo, hi, num_leaves = call_leaf_spans(tree_calls, traj)

@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from verl_traj.stepwise.call_tree import call_tree, pack_leaf_span
+from verl_traj.stepwise.call_tree import call_tree, pack_leaf_span, unpack_leaf_span
 from verl_traj.stepwise.expand_inputs import StepExpansionError
 from verl_traj.stepwise.flat_rows import STEP_ANCHOR, TREE_CALL, TREE_OUTCOME, TURN_REWARD
 from verl_traj.stepwise.prefix_merge import MergedRow, MergeStats, RowBuilder, extends_context
@@ -110,20 +110,50 @@ def _tree_values(recs, parts, tree, where: str) -> dict[str, list[torch.Tensor]]
     return {TREE_CALL: calls, TREE_OUTCOME: outcomes}
 
 
+def _path_rows(prompts, parts, per_token, tree, merge: bool) -> list[MergedRow]:
+    """``traj.branch_weighting=paths`` (what the peers train): every root-to-leaf path its own chain of rows, each
+    copy of a call spanning only its path's leaf; the last path's last row is the session's last."""
+    lo, hi = tree.leaf_spans()
+    leaf_of = {int(lo[c]): c for c in np.flatnonzero(tree.is_leaf)}
+    rows: list[MergedRow] = []
+    for leaf_index in range(len(leaf_of)):
+        path, c = [], leaf_of[leaf_index]
+        while c >= 0:
+            path.append(c)
+            c = int(tree.parent[c])
+        path.reverse()
+        values = {name: [v[k] for k in path] for name, v in per_token.items()}
+        own = [int(unpack_leaf_span(v[0])[2]) if v.numel() else 0 for v in values[TREE_CALL]]
+        values[TREE_CALL] = [torch.where(v != 0, int(pack_leaf_span(leaf_index, leaf_index + 1, o)), 0)
+                             for v, o in zip(values[TREE_CALL], own)]
+        chain = tree_merged_rows([prompts[k] for k in path], [parts[k][0] for k in path],
+                                 [parts[k][1] for k in path], list(range(-1, len(path) - 1)), values, merge)
+        for row in chain:
+            row.source_steps = [path[i] for i in row.source_steps]
+            row.is_last_step, row.step_index = False, len(rows)
+            rows.append(row)
+    rows[-1].is_last_step = True
+    return rows
+
+
 def tree_session_rows(recs: Sequence[Mapping[str, Any]], parts: Sequence[tuple], has_lp: bool, merge: bool,
-                      where: str) -> tuple[list[MergedRow], MergeStats]:
+                      where: str, paths: bool = False) -> tuple[list[MergedRow], MergeStats]:
     """A branching session's rows from its decoded records (full ``prompt_ids``, ``parent``) and each call's
     validated response parts (``(ids, mask, log-probs or None, turn reward, anchor)``, as the expansion builds them),
-    with the tree's fields."""
+    with the tree's fields; ``paths``: one chain of rows per root-to-leaf path instead (:func:`_path_rows`)."""
     tree = call_tree([int(r["parent"]) for r in recs])
     per_token = {TURN_REWARD: [p[3] for p in parts], STEP_ANCHOR: [p[4] for p in parts],
                  **({"lp": [p[2] for p in parts]} if has_lp else {})}
     per_token.update(_tree_values(recs, parts, tree, where))
     prompts = [r["prompt_ids"] for r in recs]
-    rows = tree_merged_rows(prompts, [p[0] for p in parts], [p[1] for p in parts], tree.parent.tolist(), per_token,
-                            merge)
+    if paths:
+        rows = _path_rows(prompts, parts, per_token, tree, merge)
+    else:
+        rows = tree_merged_rows(prompts, [p[0] for p in parts], [p[1] for p in parts], tree.parent.tolist(),
+                                per_token, merge)
     loss = sum(int(torch.count_nonzero(p[1])) for p in parts)
     stats = MergeStats(rows_before=len(recs), rows_after=len(rows),
                        tokens_before=sum(int(q.numel() + p[0].numel()) for q, p in zip(prompts, parts)),
-                       tokens_after=sum(r.num_tokens for r in rows), loss_tokens_before=loss, loss_tokens_after=loss)
+                       tokens_after=sum(r.num_tokens for r in rows), loss_tokens_before=loss,
+                       loss_tokens_after=sum(int(torch.count_nonzero(r.response_mask)) for r in rows))
     return rows, stats

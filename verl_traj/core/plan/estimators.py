@@ -54,7 +54,7 @@ class EstimatorTraits:
 
 ESTIMATORS: dict[str, EstimatorTraits] = {}
 STEP_GROUP_BASELINES = ("gigpo", "leave_one_out")  # traj.step_group_baseline (verl_traj.stepwise.step_groups)
-BRANCH_WEIGHTINGS = ("once", "expanded")  # traj.branch_weighting (verl_traj.stepwise.tree_credit)
+BRANCH_WEIGHTINGS = ("once", "expanded", "paths")  # traj.branch_weighting (verl_traj.stepwise.tree_credit)
 CUSTOM = EstimatorTraits(refusal="it is not one of verl_traj's known estimators, so its output is not known to be "
                                  "one scalar per response")
 

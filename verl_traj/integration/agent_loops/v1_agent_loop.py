@@ -84,7 +84,8 @@ def check_step_output(output: AgentLoopOutput) -> None:
 
 
 def step_outputs(output: AgentLoopOutput, merge_prefix: bool, steps_key: str = DEFAULT_STEPS_KEY,
-                 turn_rewards: bool = True, anchors: bool = False) -> tuple[list[AgentLoopOutput], list[dict], dict[str, int]]:
+                 turn_rewards: bool = True, anchors: bool = False,
+                 branch_paths: bool = False) -> tuple[list[AgentLoopOutput], list[dict], dict[str, int]]:
     """The step rows of one scored trajectory output, as agent-loop outputs (the last carries the reward; extra
     fields but the step records are kept on every row), each row's tag (its turn rewards, see
     :data:`TURN_REWARD_TAG`; empty without) and the merge statistics. ``turn_rewards=False`` (stock verl on step
@@ -94,7 +95,7 @@ def step_outputs(output: AgentLoopOutput, merge_prefix: bool, steps_key: str = D
     extra = {k: v for k, v in output.extra_fields.items() if k != steps_key}
     rows, stats = trajectory_step_rows(output.prompt_ids, output.response_ids, output.response_mask,
                                        output.response_logprobs, output.extra_fields.get(steps_key),
-                                       merge_prefix=merge_prefix)
+                                       merge_prefix=merge_prefix, branch_paths=branch_paths)
     tags = [{**turn_reward_tag(row.per_token[TURN_REWARD]), **(anchor_tag(row.per_token[STEP_ANCHOR]) if anchors else {}),
              **tree_tags(row.per_token)} for row in rows]
     if not turn_rewards and any(TURN_REWARD_TAG in t for t in tags):
@@ -237,7 +238,7 @@ class TrajAgentLoopWorkerTQ(_actor_base(AgentLoopWorkerTQ)):
         await self._compute_score([output], kwargs=kwargs)
         stock = not traj_config.enable  # stock verl on step rows: one row per call, as verl's list outputs give it
         outputs, tags, stats = step_outputs(output, traj_config.merge_prefix and not stock, turn_rewards=not stock,
-                                            anchors=anchors)
+                                            anchors=anchors, branch_paths=traj_config.branch_weighting == "paths")
         outputs[-1].extra_fields["reward_extra_info"] = output.extra_fields.get("reward_extra_info", {})
         keys = [row_key(kwargs["uid"], kwargs["session_id"], i) for i in range(len(outputs))]
         if ledger is not None:  # recorded before the put: a failure cutting it clears them (run_session)

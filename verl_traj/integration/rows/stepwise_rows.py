@@ -59,6 +59,7 @@ def expand_dataproto_step_rows(
     step_index_key: str = "step_index",
     drop_keys: tuple[str, ...] = (),
     step_anchors: bool = False,
+    branch_paths: bool = False,
 ) -> dict[str, float]:
     """Replace ``data`` (a verl ``DataProto``, one row per trajectory) IN PLACE by its step rows.
 
@@ -70,7 +71,7 @@ def expand_dataproto_step_rows(
     out = expand_step_rows(
         {k: data.batch[k] for k in data.batch.keys()}, dict(data.non_tensor_batch), steps_key=steps_key,
         merge_prefix=merge_prefix, pad_token_id=pad_token_id, traj_id_key=traj_id_key,
-        step_index_key=step_index_key, drop_keys=drop_keys, step_anchors=step_anchors,
+        step_index_key=step_index_key, drop_keys=drop_keys, step_anchors=step_anchors, branch_paths=branch_paths,
     )
     device = data.batch.device if hasattr(data.batch, "device") else None
     data.batch = TensorDict(dict(out.tensors), batch_size=[int(out.source_row.numel())], device=device)

@@ -137,6 +137,7 @@ class TrajRayPPOTrainer(CompleteCheckpoints, RayPPOTrainer):
                 batch, merge_prefix=self.traj_config.merge_prefix, pad_token_id=self._pad_token_id(),
                 traj_id_key=self.traj_config.traj_id_key, step_index_key=self.traj_config.step_index_key,
                 step_anchors=records_anchors(value_at(self.config, "algorithm.adv_estimator", "grpo")),
+                branch_paths=self.traj_config.branch_weighting == "paths",
             )
             if metrics is not None:
                 metrics.update(step_metrics)
