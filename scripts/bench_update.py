@@ -82,6 +82,10 @@ CASES = {
                           source="partial_share", share=p / 100, system=0) for p in (0, 25, 50, 75, 100)},
     "low_share": dict(groups=8, n=8, mini_batches=2, prompt_len=512, response_len=128, cap=4096,
                       source="partial_share", share=0.0, system=32),
+    # sessions that branch (scripts/bench_branching.py): SWE-bench call lengths / scale, one layout each
+    # (verl's stock order needs a row count divisible by dp, which step rows need not have: no stock variant)
+    **{f"branching_{layout}": dict(groups=16, n=4, mini_batches=2, scale=32, cap=8192, source="branching",
+                                   layout=layout, stock=False) for layout in ("tree", "paths", "chain")},
 }
 
 
@@ -168,6 +172,10 @@ def make_batch(case: dict, vocab: int, seed: int, dp: int):
                                            dp * case["mini_batches"]))
     if case["source"] == "step_rows":
         return as_dataproto(*step_rows(case, seed, vocab))
+    if case["source"] == "branching":
+        from verl_traj.testing.branching import layout_rows
+
+        return as_dataproto(*layout_rows(case["layout"], case["groups"], case["n"], seed, vocab, case["scale"]))
     tensors, non_tensors = rl_batch(case["groups"], case["n"], prompt_len=case["prompt_len"],
                                     response_len=case["response_len"], seed=seed, long_tail=True, obs_spans=2,
                                     vocab=vocab)
@@ -333,6 +341,9 @@ def _config(case: dict, remove_padding: bool = False, attention: Optional[str] =
         attn += ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"]
     if case["source"] == "step_rows":
         case = {**case, **dict(zip(("prompt_len", "response_len"), _step_row_lengths(case)))}
+    if case["source"] == "branching":  # the rows' widths (the same rows every process builds)
+        batch = make_batch(case, 1000, case.get("seed", 0), 1)  # bench_branching.py passes the run's seed as seed=
+        case = {**case, "prompt_len": batch.batch["prompts"].shape[1], "response_len": batch.batch["responses"].shape[1]}
     return (gpu_config if device == "cuda" else cpu_config)([*attn, f"actor_rollout_ref.model.use_remove_padding={str(remove_padding).lower()}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={case['groups'] // case['mini_batches']}",
         f"actor_rollout_ref.rollout.n={case['n']}", f"data.train_batch_size={case['groups']}",
@@ -408,11 +419,11 @@ def _proc(rank: int, dp: int, port: int, args, out_path: str):
         _install_fused_logprobs()
     results = {}
     for name in args.cases:
-        case = CASES[name]
+        case = {**CASES[name], **args.case_set}
         runs = {}
         chosen = variants(args.pass_cost, args.remove_padding, args.tree, case, tuple(args.tree_costs))
-        for variant, options in {v: o for v, o in chosen.items() if v in STOCK or not args.variants
-                                 or v in args.variants}.items():
+        for variant, options in {v: o for v, o in chosen.items() if (v in STOCK and case.get("stock", True))
+                                 or (v not in STOCK and (not args.variants or v in args.variants))}.items():
             cfg = _config(case, args.remove_padding, _attention(args, options), args.device, args.model)
             worker = actor_worker(cfg, options is not None)
             batch, info = prepare(case, variant, options, cfg, int(worker.model_config.hf_config.vocab_size), dp, args.seed,
@@ -549,6 +560,18 @@ def _device_config(args) -> dict:
             "torch": torch.__version__}
 
 
+def _case_value(text: str) -> dict:
+    key, _, value = text.partition("=")
+    return {key: int(value)}
+
+
+class _Merge(argparse.Action):
+    """``--case-set a=1 b=2`` -> ``{"a": 1, "b": 2}``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, {k: v for d in values for k, v in d.items()})
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dp", type=int, default=2)
@@ -571,6 +594,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--variants", nargs="+", default=None,
                     help="run only these verl_traj variants (the stock ones always run: the baseline), e.g. "
                          "'traj_tree' 'traj_tree scope=trajectory'")
+    ap.add_argument("--case-set", nargs="*", default={}, type=_case_value, action=_Merge, metavar="KEY=INT",
+                    help="override integer settings of every chosen case, e.g. groups=4 n=2 (bench_branching.py)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: one GPU per rank (nccl), verl's GPU settings (bf16 mixed precision); use --dp 1 on one GPU")
     ap.add_argument("--model", default=None, help="the model directory (default: the tiny model under --home)")
@@ -606,7 +631,7 @@ def run(args) -> dict:
         with open(out) as f:
             results = json.load(f)
     report = {"config": {"dp": args.dp, "repeats": args.repeats, "threads": args.threads, "seed": args.seed,
-                         "remove_padding": args.remove_padding, "tree": args.tree, "cases": {c: CASES[c] for c in args.cases},
+                         "remove_padding": args.remove_padding, "tree": args.tree, "cases": {c: {**CASES[c], **args.case_set} for c in args.cases},
                          **_device_config(args)},
               "results": results}
     return report
