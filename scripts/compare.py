@@ -181,6 +181,17 @@ def _load(out: Path, variants: list, seeds: list) -> dict:
     return {v: {s: load_metrics(str(out / f"{run_name(v, s)}.jsonl")) for s in seeds} for v in variants}
 
 
+def _extend_rows(reward_key: Optional[str], metrics: list[str]) -> None:
+    """``--reward-key`` and ``--metric``: the rows this command reports (module state: one command a process)."""
+    if reward_key:
+        ROWS[0] = (f"mean reward ({reward_key})", reward_key, reward_key)
+    for spec in metrics:
+        label, sep, key = spec.rpartition("=")
+        if not sep or not label or not key:
+            raise SystemExit(f"--metric {spec!r}: expected LABEL=KEY, e.g. 'tree tokens=actor/tree_tokens'")
+        ROWS.append((label, key, key))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config-name", default="cpu_tiny")
@@ -194,8 +205,13 @@ def main(argv=None) -> int:
                     help="run nothing: rebuild the tables and the plot from the variants' OUT/NAME.jsonl")
     ap.add_argument("--seeds", default="", help="comma-separated seeds: each variant runs once per seed (data.seed, "
                     "actor_rollout_ref.rollout.seed); the report gives means and spreads over them")
+    ap.add_argument("--reward-key", default=None, help="the reward row reads this metric in every run (e.g. "
+                    "traj_tree/leaf_outcome_mean: a branching agent's leaves)")
+    ap.add_argument("--metric", action="append", default=[], metavar="LABEL=KEY",
+                    help="one more row, read from KEY in every run (repeatable)")
     ap.add_argument("overrides", nargs="*", help="hydra overrides applied to every run")
     args = ap.parse_args(argv)
+    _extend_rows(args.reward_key, args.metric)
     variants = [parse_variant(s) for s in (args.variant or DEFAULT_VARIANTS)]
     if len({v.name for v in variants}) != len(variants):
         raise SystemExit(f"--variant names must differ: {[v.name for v in variants]}")
@@ -212,7 +228,9 @@ def main(argv=None) -> int:
         [seed_tables(runs, ROWS), verdicts(runs, ROWS[0]) + "\n" + at_equal_budget(runs, ROWS[0])])
     cmd = shlex.join(["python", "scripts/compare.py", "--config-name", args.config_name, "--steps", str(args.steps),
                       *([f"--seeds={args.seeds}"] if not single else []),
-                      *[f"--variant={s}" for s in args.variant], *args.overrides])
+                      *[f"--variant={s}" for s in args.variant],
+                      *([f"--reward-key={args.reward_key}"] if args.reward_key else []),
+                      *[f"--metric={m}" for m in args.metric], *args.overrides])
     (out / "compare.md").write_text(f"# side by side\n\n`{cmd}`\n\n{text}\n")
     (out / "compare.json").write_text(json.dumps(
         {"command": cmd, "seeds": seeds,

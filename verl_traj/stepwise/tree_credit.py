@@ -48,20 +48,26 @@ WEIGHTINGS = BRANCH_WEIGHTINGS  # traj.branch_weighting
 class TreeCredit:
     """``advantages`` ``[B, R]`` (``(P + N) / m`` of each token's call, 0 off the loss tokens and on padding rows),
     ``negative`` ``[B, R]`` (``N / m`` where the call's leaves have both signs, else 0), ``leaf_advantages`` ``[L]``,
-    ``num_leaves`` ``[T]``, ``copies`` ``[B, R]`` (``expanded``: each loss token's ``m``, else ``None``)."""
+    ``num_leaves`` ``[T]``, ``copies`` ``[B, R]`` (``expanded``: each loss token's ``m``, else ``None``),
+    ``leaf_outcomes`` ``[L]``."""
 
     advantages: torch.Tensor
     negative: torch.Tensor
     leaf_advantages: torch.Tensor
     num_leaves: torch.Tensor
     copies: Optional[torch.Tensor] = None
+    leaf_outcomes: Optional[torch.Tensor] = None
 
     def metrics(self) -> dict[str, float]:
-        """``traj_tree/*``: leaves per session (mean, max) and the share of loss tokens with a two-sign split."""
+        """``traj_tree/*``: leaves per session (mean, max), the leaves' mean outcome (what a branching agent's reward
+        curve reads) and the loss tokens with a two-sign split."""
         n = self.num_leaves.to(torch.float64)
-        return {"traj_tree/leaves_mean": float(n.mean()) if n.numel() else 0.0,
-                "traj_tree/leaves_max": float(n.max()) if n.numel() else 0.0,
-                "traj_tree/split_tokens": float((self.negative != 0).sum())}
+        out = {"traj_tree/leaves_mean": float(n.mean()) if n.numel() else 0.0,
+               "traj_tree/leaves_max": float(n.max()) if n.numel() else 0.0,
+               "traj_tree/split_tokens": float((self.negative != 0).sum())}
+        if self.leaf_outcomes is not None and self.leaf_outcomes.numel():
+            out["traj_tree/leaf_outcome_mean"] = float(self.leaf_outcomes.mean())
+        return out
 
 
 def call_leaf_spans(tree_calls: torch.Tensor, traj_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -116,13 +122,13 @@ def tree_credit(session_score: torch.Tensor, response_mask: torch.Tensor, traj_i
     ``session_score`` ``[T]``: each session's outcome; ``response_mask`` / ``tree_calls`` / ``tree_outcomes``
     ``[B, R]``; ``traj_index`` ``[B]`` (``-1`` on padding rows); ``traj_group`` ``[T]`` each session's GRPO id;
     ``leaf_estimator(outcomes [L], group [L]) -> [L]``: the outcome estimator over leaves; ``session_term``: Tree-GRPO's
-    within-session term; ``weighting``: ``once`` or ``expanded``."""
+    within-session term; ``weighting``: ``traj.branch_weighting``."""
     if weighting not in WEIGHTINGS:
         raise StepwiseAdvantageError.invalid("traj.branch_weighting", weighting, f"is not one of {list(WEIGHTINGS)}",
                                              "set once (each distinct token once), expanded (as one row per "
                                              "root-to-leaf path) or paths (one row per path, forwarded so)")
-    tree_calls = tree_calls.to(torch.long).cpu()
     traj = traj_index.to(torch.long).cpu()
+    tree_calls = torch.where((traj >= 0)[:, None], tree_calls.to(torch.long).cpu(), 0)  # padding rows: no span
     lo, hi, num_leaves = call_leaf_spans(tree_calls, traj)
     offset = torch.cumsum(num_leaves, 0) - num_leaves
     G = _leaf_outcomes(session_score.cpu(), tree_calls, tree_outcomes.cpu(), traj, offset, num_leaves)
@@ -144,7 +150,7 @@ def tree_credit(session_score: torch.Tensor, response_mask: torch.Tensor, traj_i
     advantages = ((P + N) * keep).to(dtype)
     negative = torch.where((P > 0) & (N < 0), N, torch.zeros_like(N)) * keep
     copies = (m * keep).to(dtype).to(device) if weighting == "expanded" else None
-    return TreeCredit(advantages.to(device), negative.to(dtype).to(device), A.to(dtype), num_leaves, copies)
+    return TreeCredit(advantages.to(device), negative.to(dtype).to(device), A.to(dtype), num_leaves, copies, G)
 
 
 def _session_scores(calls: CallCredit) -> torch.Tensor:
