@@ -115,13 +115,11 @@ def main(argv=None) -> int:
     tokens = {layout: token_report(layout, args.groups, args.n, args.seed, args.vocab, args.scale)
               for layout in LAYOUTS}
     updates = update_report(args) if args.update else None
-    if args.json:
-        print(json.dumps({"config": vars(args), "tokens": tokens, "updates": updates}, indent=2))
-        return 0
-    sessions = args.groups * args.n
-    print(f"{sessions} branching sessions ({args.groups} GRPO groups x {args.n}), SWE-bench call lengths / "
-          f"{args.scale}: {tokens['tree']['calls']} calls, {tokens['tree']['call_tokens']} tokens as one row per call")
-    print(table(tokens, updates))
+    report = {"config": vars(args), "tokens": tokens, "updates": updates}
+    print(json.dumps(report, indent=2) if args.json else "\n".join([
+        f"{args.groups * args.n} branching sessions ({args.groups} GRPO groups x {args.n}), SWE-bench call lengths / "
+        f"{args.scale}: {tokens['tree']['calls']} calls, {tokens['tree']['call_tokens']} tokens as one row per call",
+        table(tokens, updates)]))
     return 0
 
 

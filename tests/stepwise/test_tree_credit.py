@@ -409,6 +409,10 @@ def test_start_up_checks_tree_grpo_and_the_weighting():
     with pytest.raises(TrajConfigError) as raised:
         TrajConfig(branch_weighting="per_path")
     assert raised.value.field == "traj.branch_weighting"
+    with pytest.raises(TrajConfigError, match="would do nothing") as raised:
+        check_adv_estimator(OmegaConf.create({"algorithm": {"adv_estimator": "grpo"},
+                                              "traj": {"branch_weighting": "expanded"}}))
+    assert raised.value.field == "traj.branch_weighting"
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "tree_grpo"])

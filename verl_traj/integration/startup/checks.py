@@ -180,6 +180,12 @@ def _check_step_groups(config: Any, name: str) -> None:
             f"step rows, but traj.enable={traj.enable} and traj.step_wise={traj.step_wise}. Fix: set traj.enable=true "
             "traj.step_wise=true (with a step-recording agent loop: docs/agent_loops.md), or "
             f"{ESTIMATOR}=grpo.", field=ESTIMATOR)
+    if traj.branch_weighting != "once" and not (traj.enable and traj.step_wise):
+        raise TrajConfigError(
+            f"traj.branch_weighting={traj.branch_weighting!r} weighs the calls of sessions that branch, which train "
+            f"only on step rows, but traj.enable={traj.enable} and traj.step_wise={traj.step_wise}: it would do "
+            "nothing. Fix: set traj.step_wise=true (docs/branching.md), or remove traj.branch_weighting.",
+            field="traj.branch_weighting")
     for knob in RULE_KNOBS:
         if knob not in (rule.knobs if rule else ()) and getattr(traj, knob) != getattr(TrajConfig, knob):
             readers = sorted(r.name for r in CREDIT_RULES.values() if knob in r.knobs)
