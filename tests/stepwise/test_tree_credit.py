@@ -359,6 +359,17 @@ def test_estimators_not_defined_on_a_tree_are_refused_naming_the_fix(estimator, 
     assert raised.value.field == field and "Fix:" in str(raised.value)
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "tree_grpo"])
+def test_trajectory_scoped_ratios_on_trees_are_refused(estimator):
+    from verl_traj.core.errors import TrajInputError
+
+    data, *_ = _planned(0, "grpo", advantage=False)
+    with pytest.raises(TrajInputError, match="ratio_scope=row") as raised:
+        with patched(fit_patches(True, step_groups=StepGroupOptions(ratio_scope="trajectory"))):
+            ray_trainer.compute_advantage(data, estimator, config=OmegaConf.create({}))
+    assert raised.value.field == "traj.ratio_scope"
+
+
 def test_kl_in_reward_and_turn_rewards_on_trees_are_refused():
     from verl_traj.core.errors import TrajInputError
     from verl_traj.stepwise.expand_inputs import StepExpansionError

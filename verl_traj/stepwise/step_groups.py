@@ -51,16 +51,18 @@ ANCHORS = "step_anchors"  # the per-token field (verl_traj.core.keys.STEP_ANCHOR
 @dataclass(frozen=True)
 class StepGroupOptions:
     """The credit knobs of the ``traj:`` section: GiGPO's (``traj.step_advantage_weight``,
-    ``traj.step_group_baseline``) and a branching session's weighting (``traj.branch_weighting``)."""
+    ``traj.step_group_baseline``), a branching session's weighting (``traj.branch_weighting``) and the ratio scope
+    its rows are refused under (``traj.ratio_scope``)."""
 
     weight: float = 1.0
     baseline: str = "gigpo"
     branch_weighting: str = "once"
+    ratio_scope: str = "row"
 
     @classmethod
     def of(cls, traj_config: Any) -> "StepGroupOptions":
         return cls(weight=float(traj_config.step_advantage_weight), baseline=str(traj_config.step_group_baseline),
-                   branch_weighting=str(traj_config.branch_weighting))
+                   branch_weighting=str(traj_config.branch_weighting), ratio_scope=str(traj_config.ratio_scope))
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from verl_traj.core.plan.estimators import estimator_traits
 from verl_traj.stepwise.advantages import StepwiseAdvantageError, last_step_rows, run_outcome_estimator
 from verl_traj.stepwise.tree_credit import tree_credit
 
-__all__ = ["has_trees", "outcome_on_trees", "refuse_on_trees", "take_tree_fields", "write_tree_parts"]
+__all__ = ["has_trees", "outcome_on_trees", "refuse_on_trees", "refuse_trajectory_ratios", "take_tree_fields",
+           "write_tree_parts"]
 
 _FIX = ("Fix: set algorithm.adv_estimator to an outcome estimator (grpo, rloo, ...) or tree_grpo for agents whose "
         "sessions fork, spawn sub-agents or condense (docs/branching.md), or record each session as one chain.")
@@ -35,6 +36,15 @@ def has_trees(td: Any) -> bool:
 def refuse_on_trees(name: str, why: str) -> None:
     raise StepwiseAdvantageError(f"algorithm.adv_estimator={name!r} on a batch whose sessions branch (forks, sub-agents "
                                  f"or condensation): {why}. {_FIX}", field="algorithm.adv_estimator")
+
+
+def refuse_trajectory_ratios(ratio_scope: str) -> None:
+    """A session's sequence ratio over a call tree is not defined (a root-to-leaf path's would be): refused."""
+    if ratio_scope == "trajectory":
+        raise StepwiseAdvantageError(
+            "traj.ratio_scope=trajectory on a batch whose sessions branch (forks, sub-agents or condensation): a "
+            "trajectory-scoped ratio over a call tree is not defined yet. Fix: set traj.ratio_scope=row (the default) "
+            "for agents that branch.", field="traj.ratio_scope")
 
 
 def take_tree_fields(td: Any) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:

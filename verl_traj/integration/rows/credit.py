@@ -23,7 +23,8 @@ from verl.trainer.ppo import core_algos
 
 from verl_traj.core.errors import TrajInputError
 from verl_traj.core.keys import ADVANTAGE_METRICS, IS_LAST_STEP, STEP_ANCHORS, TRAJ_INDEX
-from verl_traj.integration.rows.branching import refuse_on_trees, take_tree_fields, write_tree_parts
+from verl_traj.integration.rows.branching import (refuse_on_trees, refuse_trajectory_ratios, take_tree_fields,
+                                                write_tree_parts)
 from verl_traj.stepwise.advantages import last_step_rows, run_outcome_estimator
 from verl_traj.stepwise.credit_rules import CREDIT_RULES, CallCredit, CreditRule, credit_rule, load_credit_rule_modules
 from verl_traj.stepwise.step_groups import StepGroupOptions
@@ -104,6 +105,8 @@ def credit_advantage(data: Any, rule: CreditRule, rewards: torch.Tensor, steps: 
     if tree_calls is not None and not rule.trees:
         refuse_on_trees(rule.name, "this credit rule reads each session as one chain of calls (register a rule with "
                                    "trees=True to credit a call tree)")
+    if tree_calls is not None:
+        refuse_trajectory_ratios(options.ratio_scope)
     calls = CallCredit(
         rewards=rewards, response_mask=td["response_mask"], traj_index=td[TRAJ_INDEX], steps=np.asarray(steps),
         traj_uid=np.asarray(uid, dtype=object)[last.numpy()], episode_fn=episode_fn, gamma=float(gamma),

@@ -28,7 +28,7 @@ from verl.trainer.ppo import core_algos
 from verl_traj.core.errors import check_finite
 from verl_traj.core.plan.estimators import estimator_traits
 from verl_traj.core.keys import IS_LAST_STEP, TRAJ_INDEX, TURN_REWARDS
-from verl_traj.integration.rows.branching import has_trees, outcome_on_trees
+from verl_traj.integration.rows.branching import has_trees, outcome_on_trees, refuse_trajectory_ratios
 from verl_traj.integration.rows.credit import credit_advantage
 from verl_traj.stepwise.advantages import (StepwiseAdvantageError, check_stepwise_estimator,
                                            compute_trajectory_advantages)
@@ -222,6 +222,7 @@ def stepwise_advantage(verl_compute_advantage: Callable, step_index_key: str = "
             if step_groups is None:
                 raise RuntimeError("stepwise_advantage on a batch with branching sessions needs the traj: section's "
                                    "StepGroupOptions (traj.branch_weighting; the caller did not pass them)")
+            refuse_trajectory_ratios(step_groups.ratio_scope)
             outcome_on_trees(data, name, fn, extra, _column(td, "token_level_rewards", "the reward step writes it"),
                              _uid(data.non_tensor_batch, td.batch_size[0]), use_kl_in_reward=use_kl,
                              weighting=step_groups.branch_weighting)
