@@ -14,7 +14,9 @@ from typing import Optional
 import numpy as np
 import torch
 
+from verl_traj.stepwise.expand import expand_step_rows
 from verl_traj.stepwise.records import encode_step_records
+from verl_traj.testing.swebench import load_trajectories
 
 __all__ = ["BranchingSession", "as_chain_records", "branching_batch", "branching_session", "layout_rows", "leaves_below",
            "swebench_session", "swebench_sessions"]
@@ -173,8 +175,6 @@ def _interleaved(rng: np.random.Generator, parent: list[int], prompts: list, res
 def swebench_sessions(groups: int, n: int, seed: int, vocab: int, scale: int) -> tuple[list[BranchingSession], list]:
     """``groups`` GRPO groups of ``n`` :func:`swebench_session` each, a group's sessions on one SWE-bench trajectory's
     task and lengths (the shared data, :mod:`verl_traj.testing.swebench`); returns ``(sessions, uids)``."""
-    from verl_traj.testing.swebench import load_trajectories
-
     trajs = load_trajectories()
     rng = np.random.default_rng(seed)
     sessions, uids, token = [], [], 1
@@ -200,8 +200,6 @@ def layout_rows(layout: str, groups: int, n: int, seed: int, vocab: int, scale: 
     ``paths``: one chain of rows per root-to-leaf path; ``chain``: recorded as one chain in issue order), prefix-merged,
     in verl's layout, with ``old_log_probs`` and a per-session ``advantages`` on the loss tokens (what an actor update
     reads)."""
-    from verl_traj.stepwise.expand import expand_step_rows
-
     sessions, uids = swebench_sessions(groups, n, seed, vocab, scale)
     if layout == "chain":
         for s in sessions:
