@@ -51,13 +51,16 @@ def test_a_branching_agent_trains_as_call_trees(tiny_home, tmp_path, trainer, we
     for m, s in zip(run.metrics, split):
         assert (m.get("actor/tree_split_tokens", 0) > 0) == (s > 0), (m.get("actor/tree_split_tokens"), s)
 
-def test_tree_grpo_with_expanded_weighting_trains(tiny_home, tmp_path):
-    """``algorithm.adv_estimator=tree_grpo traj.branch_weighting=expanded`` (v1): the first call trains for its
-    ``BRANCHES`` paths; the loss's normaliser counts those copies (the weighted token mass of each optimizer step is
-    1 under token-mean), and the copies reach the loss through TransferQueue."""
-    run = _run(tiny_home, tmp_path, "v1", "algorithm.adv_estimator=tree_grpo", "traj.branch_weighting=expanded")
+def test_tree_grpo_with_expanded_weighting_trains_on_two_ranks(tiny_home, tmp_path):
+    """``algorithm.adv_estimator=tree_grpo traj.branch_weighting=expanded`` (v1) on two data-parallel ranks: the first
+    call trains for its ``BRANCHES`` paths; the loss's normaliser counts those copies over both ranks (the weighted
+    token mass of each optimizer step is 1 under token-mean), and the copies and the two-sign part reach each rank's
+    loss through TransferQueue."""
+    run = _run(tiny_home, tmp_path, "v1", "algorithm.adv_estimator=tree_grpo", "traj.branch_weighting=expanded",
+               "trainer.n_gpus_per_node=2")
     assert run.returncode == 0, tail(run.output, 80)
     assert len(run.metrics) == 2, tail(run.output, 40)
     for m in run.metrics:
         assert m["actor/loss_weight_mass"] == pytest.approx(1.0, abs=1e-5)
         assert m["traj_tree/leaves_mean"] == BRANCHES + 1
+    assert any(m.get("actor/tree_split_tokens", 0) > 0 for m in run.metrics)
