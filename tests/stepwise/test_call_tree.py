@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_traj.stepwise.call_tree import advantage_parts, call_tree, tree_grpo_advantages
+from verl_traj.stepwise.call_tree import call_tree
 from verl_traj.stepwise.expand_inputs import StepExpansionError
 
 PROPS = settings(max_examples=200, deadline=None)
@@ -96,30 +96,74 @@ def test_a_parent_that_is_not_an_earlier_call_is_refused(parent):
         call_tree(parent)
 
 
-@PROPS
-@given(sessions=st.lists(forests(), min_size=1, max_size=6), data=st.data())
-def test_tree_grpo_equals_the_paper_on_each_leaf_and_the_mean_below_each_call(sessions, data):
-    """Sessions of two prompts, each a forest; the reference computes every leaf's two normalised terms from the lists
-    of leaves directly (unbiased std, 0 for a group of one) and averages them per call."""
-    parent, session, prompt = [], [], []
+def _credit(parent, session, leaf_estimator, weighting="once", session_term=False, outcome=None):
+    """verl_traj's tree credit (``stepwise.tree_credit``) on a forest laid out one call per row (its one token the
+    call's, its packed leaf span on it; ``outcome`` ``[C]``: each leaf's own, read at the leaves): each call's
+    ``(advantage, negative part, copies)``."""
+    from verl_traj.stepwise.call_tree import pack_leaf_span
+    from verl_traj.stepwise.tree_credit import tree_credit
+
+    parent, session = np.asarray(parent), np.asarray(session)
+    keys = np.zeros(parent.size, dtype=np.int64)
+    for s in np.unique(session).tolist():  # each session's own tree and leaf numbering
+        calls = np.flatnonzero(session == s)
+        lo, hi = call_tree(np.where(parent[calls] >= 0, parent[calls] - calls[0], -1)).leaf_spans()
+        own = np.zeros_like(lo) if outcome is None else (hi - lo == 1) & ~np.isin(calls - calls[0], parent[calls] - calls[0])
+        keys[calls] = pack_leaf_span(lo, hi, own)
+    t = torch.as_tensor(session)
+    outcomes = torch.zeros(parent.size, 1, dtype=torch.float64) if outcome is None else \
+        torch.as_tensor(outcome, dtype=torch.float64)[:, None]
+    credit = tree_credit(torch.zeros(int(session.max()) + 1), torch.ones(parent.size, 1), t,
+                         torch.as_tensor(keys)[:, None], outcomes,
+                         np.zeros(int(session.max()) + 1, dtype=object), leaf_estimator,
+                         session_term=session_term, norm_by_std=True, weighting=weighting)
+    copies = credit.copies[:, 0] if credit.copies is not None else torch.ones(parent.size)
+    return credit.advantages[:, 0].double(), credit.negative[:, 0].double(), copies.double()
+
+
+def _forest(sessions):
+    parent, session = [], []
     for s, p in enumerate(sessions):
         base = len(parent)
         parent += [x + base if x >= 0 else -1 for x in p]
         session += [s] * len(p)
-        prompt += [s % 2] * len(p)
+    return parent, session
+
+
+@PROPS
+@given(sessions=st.lists(forests(), min_size=1, max_size=6), data=st.data())
+def test_tree_grpo_equals_the_paper_on_each_leaf_and_the_mean_below_each_call(sessions, data):
+    """Sessions of two prompts, each leaf its own outcome; the reference computes every leaf's two normalised terms
+    from the lists of leaves directly (unbiased std, 0 for a group of one) and averages them per call; the tree credit
+    takes the prompt term from the estimator it is given (checked to receive the leaves' outcomes) and adds the
+    session term itself."""
+    parent, session = _forest(sessions)
+    prompt = [s % 2 for s in session]
     outcome = np.asarray(data.draw(st.lists(st.floats(-2, 2), min_size=len(parent), max_size=len(parent))))
-    tree = call_tree(parent)
-    got = tree_grpo_advantages(tree, outcome, np.asarray(session), np.asarray(prompt))
-    leaves = [c for c in range(len(parent)) if not _children(parent)[c]]
+    leaves = [c for c in range(len(parent)) if not _children(parent)[c]]  # depth-first within each session
 
     def norm(leaf, key):
         group = [outcome[m] for m in leaves if key[m] == key[leaf]]
         std = np.std(group, ddof=1) if len(group) > 1 else 0.0
         return (outcome[leaf] - np.mean(group)) / (std + 1e-6)
 
+    ordered = [leaf for s in range(len(sessions)) for leaf in _session_leaves(parent, session, s)]
+    prompt_term = torch.tensor([norm(leaf, prompt) for leaf in ordered], dtype=torch.float64)
+
+    def estimator(g, group):
+        torch.testing.assert_close(g, torch.tensor([outcome[leaf] for leaf in ordered], dtype=torch.float64))
+        return prompt_term
+
+    got, _, _ = _credit(parent, session, estimator, session_term=True, outcome=outcome)
     adv = {leaf: norm(leaf, prompt) + norm(leaf, session) for leaf in leaves}
     want = [np.mean([adv[leaf] for leaf in _leaves(parent, c)]) for c in range(len(parent))]
-    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def _session_leaves(parent, session, s):
+    """Session ``s``'s leaves in depth-first order (children in issue order), as the leaf spans number them."""
+    roots = [c for c, p in enumerate(parent) if p < 0 and session[c] == s]
+    return [leaf for r in roots for leaf in _leaves(parent, r)]
 
 
 def _ppo_loss(ratio: np.ndarray, adv: float, clip: float = 0.2, dual: float = 3.0) -> np.ndarray:
@@ -132,22 +176,24 @@ def _ppo_loss(ratio: np.ndarray, adv: float, clip: float = 0.2, dual: float = 3.
 @PROPS
 @given(parent=forests(), data=st.data())
 def test_the_parts_train_each_call_as_its_root_to_leaf_paths_would_under_clipping(parent, data):
-    """``expanded``: per token, loss(r, P) + loss(r, N) = the sum over the call's paths of loss(r, A_l), for ratios
-    inside and outside the clip range; ``once``: the same with each path's copy weighted 1 / m_c."""
-    tree = call_tree(parent)
+    """The tree credit's parts (``advantages - negative`` and ``negative``, times the copies): per token,
+    loss(r, P) + loss(r, N) = the sum over the call's paths of loss(r, A_l) (``expanded``), or that with each path's
+    copy weighted 1 / m_c (``once``), for ratios inside and outside the clip range."""
     n = len(parent)
-    adv = np.asarray(data.draw(st.lists(st.floats(-3, 3), min_size=n, max_size=n)))
+    leaves = _session_leaves(parent, [0] * n, 0)
+    adv = np.asarray(data.draw(st.lists(st.floats(-3, 3), min_size=len(leaves), max_size=len(leaves))))
+    adv = np.where(np.abs(adv) < 1e-3, 0.0, adv)  # float32 rows: no sign lost to rounding
+    of_leaf = dict(zip(leaves, adv))
     ratio = np.asarray(data.draw(st.lists(st.floats(0.2, 5.0), min_size=4, max_size=4)))
     for weighting in ("expanded", "once"):
-        pos, neg = advantage_parts(tree, adv, weighting)
+        a, neg, copies = _credit(parent, [0] * n, lambda g, group: torch.as_tensor(adv), weighting)
         for c in range(n):
-            leaves = _leaves(parent, c)
-            scale = 1.0 if weighting == "expanded" else 1.0 / len(leaves)
-            want = sum(scale * _ppo_loss(ratio, adv[leaf]) for leaf in leaves)
-            np.testing.assert_allclose(_ppo_loss(ratio, pos[c]) + _ppo_loss(ratio, neg[c]), want, rtol=1e-9, atol=1e-9)
-    chain = call_tree(list(range(-1, n - 1)))
-    pos, neg = advantage_parts(chain, np.where(np.arange(n) == n - 1, adv[0], 0.0))
-    assert np.allclose(pos + neg, adv[0])  # a chain: every call its session's (one leaf's) advantage
+            below = _leaves(parent, c)
+            scale = 1.0 if weighting == "expanded" else 1.0 / len(below)
+            want = sum(scale * _ppo_loss(ratio, of_leaf[leaf]) for leaf in below)
+            part = float(a[c] - neg[c]), float(neg[c])
+            got = float(copies[c]) * (_ppo_loss(ratio, part[0]) + _ppo_loss(ratio, part[1]))
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_records_delta_encode_against_their_parent_and_siblings_share_their_states_anchor():

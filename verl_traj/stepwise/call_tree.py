@@ -13,11 +13,12 @@ below is defined on this tree and reduces to today's on a chain (each call the p
   trains call ``c`` ``m_c`` times, as one row per path would;
 * **returns on the tree**: ``V(c) = r_c + gamma x mean over c's children of V(child)`` (a leaf: ``r_c``); on a chain
   the discounted return;
-* **mean of the leaves below**: a per-leaf value (an outcome, a Tree-GRPO advantage) carried up to every call as the
-  mean over the leaves under it: what an outcome estimator credits a shared call with.
+* **leaf spans**: the leaves numbered depth-first, so each call's leaves are contiguous: what the batch carries and the
+  credit on a tree reads (:mod:`verl_traj.stepwise.tree_credit` computes every per-leaf rule from them).
 
 Calls are numbered ``0..C-1`` in issue order, and a parent precedes its children (``parent[c] < c``). The functions
-loop over depth levels (the tree's height), never over calls. Pure module (numpy).
+loop over depth levels (the tree's height), never over calls, but for :meth:`CallTree.leaf_spans`' one depth-first
+walk of a session's calls. Pure module (numpy).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 
 from verl_traj.stepwise.expand_inputs import StepExpansionError
 
-__all__ = ["CallTree", "advantage_parts", "call_tree", "pack_leaf_span", "tree_grpo_advantages", "unpack_leaf_span"]
+__all__ = ["CallTree", "call_tree", "pack_leaf_span", "unpack_leaf_span"]
 
 
 @dataclass(frozen=True)
@@ -158,49 +159,3 @@ def unpack_leaf_span(key):
     ``(0, 0, 0)``)."""
     mask = (1 << _SPAN_BITS) - 1
     return key >> (_SPAN_BITS + 1), (key >> 1) & mask, key & 1
-
-
-def _normalised(values: np.ndarray, group: np.ndarray, eps: float) -> np.ndarray:
-    """``(v - mean) / (std + eps)`` within each ``group`` (``[L]`` each); ``std`` unbiased as verl's GRPO takes it (0
-    for a group of one)."""
-    _, inverse, counts = np.unique(group, return_inverse=True, return_counts=True)
-    mean = np.bincount(inverse, weights=values) / counts
-    square = np.bincount(inverse, weights=(values - mean[inverse]) ** 2)
-    std = np.sqrt(np.where(counts > 1, square / np.maximum(counts - 1, 1), 0.0))
-    return (values - mean[inverse]) / (std[inverse] + eps)
-
-
-def tree_grpo_advantages(tree: CallTree, outcome: np.ndarray, session: np.ndarray, prompt: np.ndarray,
-                         eps: float = 1e-6) -> np.ndarray:
-    """Tree-GRPO (arXiv 2509.21240) on a batch's call forest: each leaf ``l``'s advantage
-    ``A_l = (G_l - mu_prompt) / (sigma_prompt + eps) + (G_l - mu_session) / (sigma_session + eps)``, the first over
-    the leaves of every session of ``l``'s prompt, the second over its own session's leaves; each call gets the mean of
-    ``A_l`` over the leaves below it. ``outcome`` ``[C]`` (read at the leaves), ``session`` / ``prompt`` ``[C]`` ids.
-    Returns ``[C]`` float64."""
-    leaves = np.flatnonzero(tree.is_leaf)
-    g = np.asarray(outcome, dtype=np.float64)[leaves]
-    a = np.zeros(tree.num_calls)
-    a[leaves] = _normalised(g, np.asarray(prompt)[leaves], eps) + _normalised(g, np.asarray(session)[leaves], eps)
-    return tree.mean_of_leaves(a)
-
-
-def advantage_parts(tree: CallTree, leaf_advantage: np.ndarray, weighting: str = "once") -> tuple[np.ndarray, np.ndarray]:
-    """``(positive [C], negative [C])`` float64: what each call's tokens train with, so that a call shared by ``m_c``
-    root-to-leaf paths trains as those paths would, under PPO's clipping too.
-
-    A call on ``m_c`` paths with per-leaf advantages ``A_l`` would, trained once per path (``expanded``), add
-    ``sum_l loss(ratio, A_l)`` per token. PPO's clipped loss (vanilla and dual-clip) is positively homogeneous in the
-    advantage for a fixed sign, ``loss(r, A) = |A| loss(r, sign A)``, so that sum is ``loss(r, P) + loss(r, N)`` with
-    ``P`` the sum of the positive ``A_l`` and ``N`` of the negative ones: the token is evaluated with both parts (a
-    part that is 0 adds nothing). ``once`` (the default) weighs each path's copy by ``1 / m_c``: the parts divided by
-    ``m_c``; on a chain both give the call its own advantage."""
-    if weighting not in ("once", "expanded"):
-        raise StepExpansionError.invalid("weighting", weighting, "is not 'once' or 'expanded'",
-                                         "set traj.branch_weighting to once (each distinct token once) or expanded "
-                                         "(as one row per root-to-leaf path)")
-    a = np.asarray(leaf_advantage, dtype=np.float64)
-    positive, negative = tree.sum_up(np.maximum(a, 0.0)), tree.sum_up(np.minimum(a, 0.0))
-    if weighting == "once":
-        m = tree.leaves_below()
-        positive, negative = positive / m, negative / m
-    return positive, negative

@@ -97,7 +97,7 @@ def _tree_values(recs, parts, tree, where: str) -> dict[str, list[torch.Tensor]]
         if n == 0 and own[k]:
             raise StepExpansionError(f"{where} call {k}: a leaf with its own outcome has no response token to carry "
                                      "it. Fix: record the call's tokens, or give no outcome.", field="outcome")
-        if float(part[3].abs().sum()) != 0.0:
+        if recs[k].get("reward") is not None:
             raise StepExpansionError(
                 f"{where} call {k}: a turn reward (the record's 'reward') in a branching session: returns on a tree "
                 "are not wired into the trainers yet. Fix: give the session's reward as its outcome (or each leaf's "
